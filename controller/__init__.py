@@ -1,0 +1,1 @@
+"""The running sidecar: aiohttp app, forwarding, load tracking, health, metrics, config, CLI."""

@@ -1,0 +1,1 @@
+"""Routing decisions: the Policy protocol, built-in policies, speed profiles. Pure code."""

@@ -1,0 +1,229 @@
+"""The policy seam: plain data in, a frozen `Decision` out.
+
+How it works: the controller (live proxy) and the simulator both build a `RequestInfo` and a
+`LoadView`, call `policy.choose(request, view, now)`, act on the returned `Decision`, and when
+the request has ended feed an `Outcome` back through `policy.observe`. Nothing in this module
+(or in any policy) does I/O, reads a clock, or touches asyncio; randomness comes from a
+`random.Random` that the caller seeds. That is what lets the simulator run the very same
+policy objects as the proxy and reproduce a run to the bit.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+Pool = Literal["baseline", "eagle"]
+POOLS: tuple[Pool, Pool] = ("baseline", "eagle")
+EndpointKind = Literal["chat", "completions"]
+
+
+def other_pool(pool: Pool) -> Pool:
+    return "eagle" if pool == "baseline" else "baseline"
+
+
+def parse_pool(value: str) -> Pool:
+    """Validate a pool name coming from the outside (config, header, CLI)."""
+    if value == "baseline":
+        return "baseline"
+    if value == "eagle":
+        return "eagle"
+    raise ValueError(f"unknown pool {value!r}: expected 'baseline' or 'eagle'")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a policy may know about a request (never its text)."""
+
+    endpoint: EndpointKind = "chat"
+    stream: bool = True
+    prompt_tokens: int = 0
+    """Estimate of the prompt length in tokens."""
+    max_tokens: int | None = None
+    hint: str | None = None
+    """Domain tag from `x-specroute-hint` (e.g. "code", "prose"), bounded by the controller."""
+    forced_pool: Pool | None = None
+    """Pool forced by the client (`x-specroute-mode`) when the config allows it."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendLoad:
+    """Load of one backend as seen at decision time."""
+
+    name: str
+    pool: Pool
+    healthy: bool = True
+    in_flight: int = 0
+    """Requests this proxy replica has in flight on the backend (exact)."""
+    in_flight_tokens: int = 0
+    """Output-token budget (max_tokens) of those requests."""
+    running: int | None = None
+    """Backend-reported running requests, already combined with the requests this replica
+    dispatched/finished since the sample; None when there is no fresh sample."""
+    queued: int | None = None
+    """Backend-reported waiting requests (same combination); None without a fresh sample."""
+    accept_length: float | None = None
+    sample_age_s: float | None = None
+
+    @property
+    def scraped(self) -> int | None:
+        """Backend-reported running + queued, or None without a fresh sample."""
+        if self.running is None:
+            return None
+        return self.running + (self.queued or 0)
+
+    @property
+    def load(self) -> int:
+        """The larger of the local in-flight count and the backend-reported load."""
+        scraped = self.scraped
+        return self.in_flight if scraped is None else max(self.in_flight, scraped)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLoad:
+    pool: Pool
+    backends: tuple[BackendLoad, ...] = ()
+
+    @property
+    def healthy(self) -> tuple[BackendLoad, ...]:
+        return tuple(b for b in self.backends if b.healthy)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(b.in_flight for b in self.backends)
+
+    @property
+    def load(self) -> int:
+        return sum(b.load for b in self.backends)
+
+    def least_loaded(self, rng: random.Random) -> BackendLoad | None:
+        """The healthy backend with the smallest `load`, ties broken by `rng`."""
+        best: list[BackendLoad] = []
+        best_load = 0
+        for b in self.backends:
+            if not b.healthy:
+                continue
+            load = b.load
+            if not best or load < best_load:
+                best, best_load = [b], load
+            elif load == best_load:
+                best.append(b)
+        if not best:
+            return None
+        if len(best) == 1:
+            return best[0]
+        return best[rng.randrange(len(best))]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadView:
+    """Per pool and per backend load at one instant."""
+
+    baseline: PoolLoad = field(default_factory=lambda: PoolLoad("baseline"))
+    eagle: PoolLoad = field(default_factory=lambda: PoolLoad("eagle"))
+
+    def pool(self, pool: Pool) -> PoolLoad:
+        return self.baseline if pool == "baseline" else self.eagle
+
+    def has_healthy(self, pool: Pool) -> bool:
+        return any(b.healthy for b in self.pool(pool).backends)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What a policy decided. `reason` is a short, bounded string (a metric label)."""
+
+    pool: Pool
+    backend: str
+    reason: str
+    predicted_ttft_s: Mapping[Pool, float] = field(default_factory=dict)
+    predicted_e2e_s: Mapping[Pool, float] = field(default_factory=dict)
+    backend_load: int = 0
+    """Load of the chosen backend at decision time, before this request joined it."""
+    policy: str = ""
+
+
+class NoHealthyBackend(Exception):
+    """Raised by `route` when neither pool has a healthy backend."""
+
+
+def route(
+    view: LoadView,
+    pool: Pool,
+    reason: str,
+    rng: random.Random,
+    *,
+    policy: str = "",
+    predicted_ttft_s: Mapping[Pool, float] | None = None,
+    predicted_e2e_s: Mapping[Pool, float] | None = None,
+) -> Decision:
+    """Build a Decision for `pool`, on its least-loaded healthy backend.
+
+    When `pool` has no healthy backend the other pool is used and the reason becomes
+    `"<pool>_unavailable"`. Raises `NoHealthyBackend` when neither has one.
+    """
+    backend = view.pool(pool).least_loaded(rng)
+    if backend is None:
+        pool = other_pool(pool)
+        reason = f"{other_pool(pool)}_unavailable"
+        backend = view.pool(pool).least_loaded(rng)
+        if backend is None:
+            raise NoHealthyBackend("no healthy backend in either pool")
+    return Decision(
+        pool=pool,
+        backend=backend.name,
+        reason=reason,
+        predicted_ttft_s=predicted_ttft_s or {},
+        predicted_e2e_s=predicted_e2e_s or {},
+        backend_load=backend.load,
+        policy=policy,
+    )
+
+
+OutcomeStatus = Literal["ok", "error", "timeout", "client_closed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A finished request: the decision plus what actually happened."""
+
+    request: RequestInfo
+    decision: Decision
+    started_at: float
+    """The `now` that was passed to `choose`."""
+    ttft_s: float | None
+    completion_tokens: int | None
+    duration_s: float
+    status: OutcomeStatus
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Per-request decode rate after the first token, or None when unknown."""
+        if (
+            self.status != "ok"
+            or self.ttft_s is None
+            or self.completion_tokens is None
+            or self.completion_tokens < 2
+        ):
+            return None
+        decode_time = self.duration_s - self.ttft_s
+        if decode_time <= 0:
+            return None
+        return (self.completion_tokens - 1) / decode_time
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A routing policy. Pure: no I/O, no clock reads, no asyncio."""
+
+    name: str
+
+    def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
+        """Pick a pool and backend for `request`. Raises NoHealthyBackend when none."""
+        ...
+
+    def observe(self, outcome: Outcome) -> None:
+        """Feedback once a request chosen by this policy has ended."""
+        ...

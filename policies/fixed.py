@@ -1,0 +1,39 @@
+"""`fixed`: every request to one pool. The reference lines for every comparison."""
+
+from __future__ import annotations
+
+import random
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.base import Decision, LoadView, Outcome, Pool, RequestInfo, route
+from policies.registry import PolicyContext, PolicySpec
+
+
+class FixedParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pool: Pool = Field(default="baseline", description="Pool that receives all traffic.")
+
+
+class FixedPolicy:
+    name = "fixed"
+
+    def __init__(self, params: FixedParams, context: PolicyContext) -> None:
+        self.params = params
+        self._rng = random.Random(context.seed)
+        self._reason = f"fixed_{params.pool}"
+
+    def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
+        return route(view, self.params.pool, self._reason, self._rng, policy=self.name)
+
+    def observe(self, outcome: Outcome) -> None:
+        pass
+
+
+SPEC = PolicySpec(
+    name="fixed",
+    params=FixedParams,
+    factory=FixedPolicy,
+    help="Send every request to one pool (pool=baseline|eagle).",
+)

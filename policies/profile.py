@@ -1,0 +1,242 @@
+"""Speed profiles (`specroute.profile/v1`) and the queries every policy needs.
+
+How it works: a profile gives, per mode, points (concurrency, per-request decode tok/s,
+TTFT). The decode step time `1/decode_tok_s` is interpolated linearly in concurrency between
+points, held constant below the first point and continued with the last segment's slope
+beyond the last one (decode step time is close to linear in batch size, so two points
+describe a server `t(b) = a + c*b` exactly). TTFT is interpolated the same way, never below
+the last point's value beyond it. `SpeedModel` precomputes a table for integer batch sizes so
+scalar queries on the hot path (proxy, simulator) are a list lookup; numpy versions serve
+bulk queries.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from policies.base import Pool
+
+FORMAT = "specroute.profile/v1"
+_TABLE_SIZE = 4097
+
+FloatArray = npt.NDArray[np.float64]
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and the field."""
+
+
+class ProfilePoint(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    concurrency: float = Field(gt=0, description="Requests running on the server.")
+    decode_tok_s: float = Field(gt=0, description="Output tok/s of ONE request after its first token.")
+    ttft_s: float = Field(default=0.0, ge=0, description="Time to first token at this concurrency.")
+    samples: int | None = Field(default=None, ge=0, description="Requests measured (informational).")
+
+
+class ModeProfile(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    max_running_requests: int | None = Field(
+        default=None, ge=1, description="Requests beyond this wait in the server's queue."
+    )
+    accept_length: float | None = Field(
+        default=None, gt=0, description="Mean accepted tokens per verify step (EAGLE)."
+    )
+    prefill_tok_s: float | None = Field(
+        default=None, gt=0, description="Prompt tokens per second of prefill (optional)."
+    )
+    points: list[ProfilePoint] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _sorted_unique(self) -> ModeProfile:
+        conc = [p.concurrency for p in self.points]
+        if len(set(conc)) != len(conc):
+            raise ValueError("points: duplicate concurrency values")
+        if conc != sorted(conc):
+            object.__setattr__(self, "points", sorted(self.points, key=lambda p: p.concurrency))
+        return self
+
+
+class Profile(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    format: Literal["specroute.profile/v1"]
+    name: str = ""
+    source: str = ""
+    modes: dict[Pool, ModeProfile] = Field(min_length=1)
+
+    def mode(self, pool: Pool) -> ModeProfile:
+        try:
+            return self.modes[pool]
+        except KeyError:
+            raise ProfileError(
+                f"profile {self.name!r} has no {pool!r} mode (has: {', '.join(self.modes)})"
+            ) from None
+
+    def speed(self, pool: Pool) -> SpeedModel:
+        return SpeedModel(self.mode(pool))
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json", exclude_none=True), indent=2) + "\n"
+
+
+def parse_profile(data: Any, origin: str = "<profile>") -> Profile:
+    """Validate already-decoded JSON; errors name `origin` and the offending field."""
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc']) or '<root>'}: {err['msg']}" for err in e.errors()
+        )
+        raise ProfileError(f"{origin}: invalid profile: {problems}") from None
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ProfileError(f"{p}: cannot read profile: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{p}: not valid JSON: {e}") from None
+    return parse_profile(data, str(p))
+
+
+def builtin_profile_path(name: str) -> Path:
+    """Path of a profile shipped with specroute (`kimi-k25-int4-8gpu`, ...)."""
+    base = Path(__file__).parent / "profiles"
+    stem = name[:-5] if name.endswith(".json") else name
+    path = base / f"{stem}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in base.glob("*.json")))
+        raise ProfileError(f"no built-in profile {name!r} (known: {known})")
+    return path
+
+
+def resolve_profile(name_or_path: str | Path) -> Profile:
+    """Load a profile from a path, or by the name of a built-in one (`kimi-k25-int4-8gpu`)."""
+    p = Path(name_or_path)
+    if p.is_file() or len(p.parts) > 1:
+        return load_profile(p)  # a missing path is reported by its path
+    return load_profile(builtin_profile_path(str(name_or_path)))
+
+
+def _interp_extrap(x: FloatArray, xs: FloatArray, ys: FloatArray) -> FloatArray:
+    """Linear interpolation; constant below xs[0]; last slope continued beyond xs[-1]."""
+    y = np.interp(x, xs, ys)
+    if len(xs) >= 2:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        beyond = x > xs[-1]
+        y = np.where(beyond, ys[-1] + slope * (x - xs[-1]), y)
+    return y
+
+
+class SpeedModel:
+    """Queries on one mode of a profile. Batch sizes below 1 are treated as 1."""
+
+    def __init__(self, mode: ModeProfile) -> None:
+        self.mode = mode
+        self.max_running_requests: int | None = mode.max_running_requests
+        self.accept_length = mode.accept_length
+        self.prefill_tok_s = mode.prefill_tok_s
+        self._xs = np.array([p.concurrency for p in mode.points], dtype=np.float64)
+        self._step = np.array([1.0 / p.decode_tok_s for p in mode.points], dtype=np.float64)
+        self._ttft = np.array([p.ttft_s for p in mode.points], dtype=np.float64)
+        grid = np.arange(_TABLE_SIZE, dtype=np.float64)
+        step_table = self.step_time_array(grid)
+        ttft_table = self.ttft_array(grid)
+        self._step_table: list[float] = [float(v) for v in step_table]
+        self._ttft_table: list[float] = [float(v) for v in ttft_table]
+        self._rate_table: list[float] = [1.0 / v for v in self._step_table]
+
+    # -- bulk (numpy) -------------------------------------------------------------------
+
+    def step_time_array(self, batch: npt.ArrayLike) -> FloatArray:
+        """Seconds per decode step for each batch size (per-request token interval)."""
+        b = np.maximum(np.asarray(batch, dtype=np.float64), 1.0)
+        t = _interp_extrap(b, self._xs, self._step)
+        # A negative last slope extrapolated far enough would reach zero: hold it positive.
+        return np.maximum(t, self._step.min() * 1e-3)
+
+    def decode_tok_s_array(self, batch: npt.ArrayLike) -> FloatArray:
+        return 1.0 / self.step_time_array(batch)
+
+    def ttft_array(self, batch: npt.ArrayLike) -> FloatArray:
+        b = np.maximum(np.asarray(batch, dtype=np.float64), 1.0)
+        t = _interp_extrap(b, self._xs, self._ttft)
+        return np.maximum(np.where(b > self._xs[-1], np.maximum(t, self._ttft[-1]), t), 0.0)
+
+    def throughput_tok_s_array(self, batch: npt.ArrayLike) -> FloatArray:
+        b = np.maximum(np.asarray(batch, dtype=np.float64), 1.0)
+        return b / self.step_time_array(b)
+
+    # -- scalar (table lookups for integer batch sizes) ---------------------------------
+
+    def step_time(self, batch: int) -> float:
+        if 0 <= batch < _TABLE_SIZE:
+            return self._step_table[batch]
+        return float(self.step_time_array(batch))
+
+    def decode_tok_s(self, batch: int) -> float:
+        """Per-request decode rate (tok/s) while `batch` requests are running."""
+        if 0 <= batch < _TABLE_SIZE:
+            return self._rate_table[batch]
+        return 1.0 / float(self.step_time_array(batch))
+
+    def ttft_s(self, batch: int) -> float:
+        if 0 <= batch < _TABLE_SIZE:
+            return self._ttft_table[batch]
+        return float(self.ttft_array(batch))
+
+    def throughput_tok_s(self, batch: int) -> float:
+        """Total output tok/s of the server with `batch` requests running."""
+        b = max(batch, 1)
+        return b * self.decode_tok_s(b)
+
+    def prefill_s(self, prompt_tokens: int) -> float:
+        if self.prefill_tok_s is None or prompt_tokens <= 0:
+            return 0.0
+        return prompt_tokens / self.prefill_tok_s
+
+    def predict_e2e_s(
+        self,
+        output_tokens: int,
+        running: int,
+        queued: int = 0,
+        *,
+        mean_output_tokens: float | None = None,
+        prompt_tokens: int = 0,
+    ) -> tuple[float, float]:
+        """Predicted (TTFT, end-to-end) seconds of a request that joins the server now.
+
+        The request joins `running` decoding and `queued` waiting requests. Below
+        `max_running_requests` it is admitted at once and decodes in a batch of
+        `running + queued + 1`. At the cap it waits in FIFO order: the server finishes
+        requests at `cap * decode_tok_s(cap) / mean_output_tokens` per second, so it waits
+        for `ahead + 1` completions, then runs in a full batch.
+        """
+        n = max(int(output_tokens), 1)
+        cap = self.max_running_requests
+        occupied = max(running, 0) + max(queued, 0)
+        if cap is None or occupied < cap:
+            batch = occupied + 1
+            wait = 0.0
+        else:
+            batch = cap
+            ahead = occupied - cap
+            mean_n = mean_output_tokens if mean_output_tokens is not None else float(n)
+            completions_per_s = cap * self.decode_tok_s(cap) / max(mean_n, 1.0)
+            wait = (ahead + 1) / completions_per_s
+        ttft = wait + self.ttft_s(batch) + self.prefill_s(prompt_tokens)
+        return ttft, ttft + (n - 1) * self.step_time(batch)

@@ -1,0 +1,1 @@
+"""Offline: backend speed model, workloads and traces, event engine, tuner, reports, emulator."""
