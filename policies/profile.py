@@ -33,7 +33,7 @@ class ProfileError(ValueError):
 
 
 class ProfilePoint(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     concurrency: float = Field(gt=0, description="Requests running on the server.")
     decode_tok_s: float = Field(gt=0, description="Output tok/s of ONE request after its first token.")
@@ -42,7 +42,7 @@ class ProfilePoint(BaseModel):
 
 
 class ModeProfile(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
 
     max_running_requests: int | None = Field(
         default=None, ge=1, description="Requests beyond this wait in the server's queue."
@@ -167,7 +167,9 @@ class SpeedModel:
         b = np.maximum(np.asarray(batch, dtype=np.float64), 1.0)
         t = _interp_extrap(b, self._xs, self._step)
         # A negative last slope extrapolated far enough would reach zero: hold it positive.
-        return np.maximum(t, self._step.min() * 1e-3)
+        floor = float(self._step.min()) * 1e-3
+        out: FloatArray = np.maximum(t, floor)
+        return out
 
     def decode_tok_s_array(self, batch: npt.ArrayLike) -> FloatArray:
         return 1.0 / self.step_time_array(batch)
@@ -217,26 +219,36 @@ class SpeedModel:
         *,
         mean_output_tokens: float | None = None,
         prompt_tokens: int = 0,
+        rate_scale: float = 1.0,
     ) -> tuple[float, float]:
         """Predicted (TTFT, end-to-end) seconds of a request that joins the server now.
 
         The request joins `running` decoding and `queued` waiting requests. Below
-        `max_running_requests` it is admitted at once and decodes in a batch of
-        `running + queued + 1`. At the cap it waits in FIFO order: the server finishes
-        requests at `cap * decode_tok_s(cap) / mean_output_tokens` per second, so it waits
-        for `ahead + 1` completions, then runs in a full batch.
+        `max_running_requests` (the cap) it is admitted at once and decodes in a batch of
+        `running + queued + 1`: waiting requests are admitted too, so they count.
+
+        At the cap it waits in FIFO order behind the `running + queued - cap` requests that
+        are already waiting. A full server completes requests at
+        `cap * decode_tok_s(cap) / mean_output_tokens` per second (their progress is
+        staggered, so completions arrive evenly), so the request is admitted after
+        `ahead + 1` completions and then decodes in a full batch. `mean_output_tokens` is
+        the mean length of the requests ahead; it defaults to `output_tokens`.
+
+        `rate_scale` multiplies this request's own decode rate (e.g. an EAGLE acceptance
+        factor for its prompt domain); it does not change the queue wait.
         """
-        n = max(int(output_tokens), 1)
+        n = output_tokens if output_tokens > 1 else 1
         cap = self.max_running_requests
-        occupied = max(running, 0) + max(queued, 0)
+        occupied = (running if running > 0 else 0) + (queued if queued > 0 else 0)
         if cap is None or occupied < cap:
             batch = occupied + 1
             wait = 0.0
         else:
             batch = cap
-            ahead = occupied - cap
-            mean_n = mean_output_tokens if mean_output_tokens is not None else float(n)
-            completions_per_s = cap * self.decode_tok_s(cap) / max(mean_n, 1.0)
-            wait = (ahead + 1) / completions_per_s
-        ttft = wait + self.ttft_s(batch) + self.prefill_s(prompt_tokens)
-        return ttft, ttft + (n - 1) * self.step_time(batch)
+            mean_n = float(n) if mean_output_tokens is None else max(mean_output_tokens, 1.0)
+            # (ahead + 1) completions at cap * rate(cap) / mean_n per second
+            wait = (occupied - cap + 1) * mean_n * self.step_time(cap) / cap
+        ttft = wait + self.ttft_s(batch)
+        if prompt_tokens > 0 and self.prefill_tok_s is not None:
+            ttft += prompt_tokens / self.prefill_tok_s
+        return ttft, ttft + (n - 1) * self.step_time(batch) / rate_scale

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
+import types
+import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,11 +51,32 @@ class PolicySpec:
     needs_profile: bool = False
 
     def describe_params(self) -> Iterator[tuple[str, str, str, str]]:
-        """(name, type, default, help) for every parameter."""
+        """(name, type, default, help) for every parameter, as plain strings for listings."""
         for key, f in self.params.model_fields.items():
-            ann = getattr(f.annotation, "__name__", None) or str(f.annotation)
-            default = "required" if f.is_required() else repr(f.get_default(call_default_factory=True))
-            yield key, ann.replace("typing.", ""), default, f.description or ""
+            if f.is_required():
+                default = "required"
+            else:
+                value = f.get_default(call_default_factory=True)
+                default = value if isinstance(value, str) else json.dumps(value, default=str)
+            yield key, type_label(f.annotation), default, f.description or ""
+
+
+def type_label(annotation: Any) -> str:
+    """A short readable type: `int`, `float | None`, `baseline|eagle`, `dict[str, float]`."""
+    if annotation is None or annotation is type(None):
+        return "None"
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return type_label(args[0])
+    if origin is typing.Literal:
+        return "|".join(str(a) for a in args)
+    if origin is typing.Union or origin is types.UnionType:
+        return " | ".join(type_label(a) for a in args)
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{', '.join(type_label(a) for a in args)}]" if args else name
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
 def _format_validation(name: str, e: ValidationError) -> str:
@@ -66,11 +90,16 @@ def _format_validation(name: str, e: ValidationError) -> str:
 class PolicyRegistry:
     def __init__(self) -> None:
         self._specs: dict[str, PolicySpec] = {}
+        self._broken: dict[str, str] = {}
 
     def register(self, spec: PolicySpec) -> None:
         if spec.name in self._specs:
             raise PolicyError(f"policy {spec.name!r} is already registered")
         self._specs[spec.name] = spec
+
+    def register_broken(self, name: str, problem: str) -> None:
+        """Remember a plugin that failed to load: listing it is harmless, using it raises."""
+        self._broken[name] = problem
 
     def names(self) -> list[str]:
         return sorted(self._specs)
@@ -78,21 +107,26 @@ class PolicyRegistry:
     def specs(self) -> list[PolicySpec]:
         return [self._specs[n] for n in self.names()]
 
+    def broken(self) -> dict[str, str]:
+        """Entry-point plugins that could not be loaded, with the reason."""
+        return dict(self._broken)
+
     def get(self, name: str) -> PolicySpec:
         spec = self._specs.get(name)
         if spec is not None:
             return spec
+        if name in self._broken:
+            raise PolicyError(self._broken[name])
+        known = f"known policies: {', '.join(self.names())}"
         if ":" in name:
-            return _spec_from_import_path(name)
-        raise PolicyError(
-            f"unknown policy {name!r}; known policies: {', '.join(self.names())} "
-            "(or module.path:ClassName for your own)"
-        )
+            return _spec_from_import_path(name, known)
+        raise PolicyError(f"unknown policy {name!r}; {known} (or module.path:ClassName for your own)")
 
     def parse_params(self, name: str, params: Mapping[str, Any]) -> BaseModel:
+        """Validate parameters; strings given for list/dict parameters are read as JSON."""
         spec = self.get(name)
         try:
-            return spec.params.model_validate(dict(params))
+            return spec.params.model_validate(_decode_json_strings(spec.params, params))
         except ValidationError as e:
             raise PolicyError(_format_validation(name, e)) from None
 
@@ -104,23 +138,50 @@ class PolicyRegistry:
         if spec.needs_profile and ctx.profile is None:
             raise PolicyError(f"policy {name!r} needs a speed profile (--profile FILE)")
         parsed = self.parse_params(name, params or {})
-        policy = spec.factory(parsed, ctx)
+        try:
+            policy = spec.factory(parsed, ctx)
+        except PolicyError:
+            raise
+        except Exception as e:  # a profile without the needed mode, a plugin's own bug, ...
+            raise PolicyError(f"policy {name!r} cannot be created: {type(e).__name__}: {e}") from None
         if not isinstance(policy, Policy):
-            raise PolicyError(f"policy {name!r} does not provide choose() and observe()")
+            raise PolicyError(f"policy {name!r} does not provide name, choose() and observe()")
         return policy
 
 
-def _spec_from_import_path(path: str) -> PolicySpec:
+def _decode_json_strings(model: type[BaseModel], params: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(params)
+    for key, value in out.items():
+        f = model.model_fields.get(key)
+        if f is None or not isinstance(value, str) or not _wants_container(f.annotation):
+            continue
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            pass  # left as is: validation reports the field
+    return out
+
+
+def _wants_container(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_wants_container(a) for a in typing.get_args(annotation))
+    return origin in (dict, list, tuple) or annotation in (dict, list, tuple)
+
+
+def _spec_from_import_path(path: str, known: str) -> PolicySpec:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise PolicyError(f"policy {path!r}: expected module.path:ClassName")
+        raise PolicyError(f"policy {path!r}: expected module.path:ClassName; {known}")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # any import failure is the user's plugin, report it plainly
-        raise PolicyError(f"policy {path!r}: cannot import {module_name!r}: {e}") from None
+        raise PolicyError(
+            f"policy {path!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}; {known}"
+        ) from None
     obj = getattr(module, attr, None)
     if obj is None:
-        raise PolicyError(f"policy {path!r}: module {module_name!r} has no attribute {attr!r}")
+        raise PolicyError(f"policy {path!r}: module {module_name!r} has no attribute {attr!r}; {known}")
     return spec_from_object(path, obj)
 
 
@@ -147,13 +208,17 @@ def spec_from_object(name: str, obj: Any) -> PolicySpec:
 
 
 def _builtin_specs() -> list[PolicySpec]:
-    from policies import fixed, threshold
+    from policies import cost_model, fixed, online, threshold
 
-    return [fixed.SPEC, threshold.SPEC]
+    return [fixed.SPEC, threshold.SPEC, cost_model.SPEC, online.SPEC]
 
 
 def default_registry(*, entry_points: bool = True) -> PolicyRegistry:
-    """Built-in policies plus those installed under the `specroute.policies` entry points."""
+    """Built-in policies plus those installed under the `specroute.policies` entry points.
+
+    A plugin that fails to load does not break the others: it is listed by `broken()` and
+    asking for it by name raises a `PolicyError` with the reason.
+    """
     reg = PolicyRegistry()
     for spec in _builtin_specs():
         reg.register(spec)
@@ -162,5 +227,5 @@ def default_registry(*, entry_points: bool = True) -> PolicyRegistry:
             try:
                 reg.register(spec_from_object(ep.name, ep.load()))
             except Exception as e:
-                raise PolicyError(f"entry point {ep.name!r} ({ep.value}): {e}") from None
+                reg.register_broken(ep.name, f"entry point {ep.name!r} ({ep.value}): {e}")
     return reg
