@@ -1,0 +1,137 @@
+"""`fixed` and `threshold`: hand-computed decisions, bounds, hysteresis, load signals."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.base import BackendLoad, LoadView, NoHealthyBackend, Policy, PoolLoad, RequestInfo
+from policies.registry import PolicyError, default_registry
+
+REQ = RequestInfo(max_tokens=100)
+
+
+def view(
+    eagle_in_flight: int = 0,
+    *,
+    running: int | None = None,
+    queued: int | None = None,
+    eagle_healthy: bool = True,
+    baseline_healthy: bool = True,
+) -> LoadView:
+    return LoadView(
+        baseline=PoolLoad("baseline", (BackendLoad("b0", "baseline", healthy=baseline_healthy),)),
+        eagle=PoolLoad(
+            "eagle",
+            (
+                BackendLoad(
+                    "e0",
+                    "eagle",
+                    healthy=eagle_healthy,
+                    in_flight=eagle_in_flight,
+                    running=running,
+                    queued=queued,
+                ),
+            ),
+        ),
+    )
+
+
+def threshold(**params: object) -> Policy:
+    return default_registry(entry_points=False).create("threshold", params)
+
+
+def test_fixed_sends_everything_to_its_pool() -> None:
+    reg = default_registry(entry_points=False)
+    for pool in ("baseline", "eagle"):
+        policy = reg.create("fixed", {"pool": pool})
+        for load in (0, 10, 1000):
+            d = policy.choose(REQ, view(load), 0.0)
+            assert (d.pool, d.reason, d.policy) == (pool, f"fixed_{pool}", "fixed")
+            assert d.backend == ("b0" if pool == "baseline" else "e0")
+
+
+def test_fixed_falls_back_when_its_pool_is_down() -> None:
+    policy = default_registry(entry_points=False).create("fixed", {"pool": "eagle"})
+    d = policy.choose(REQ, view(eagle_healthy=False), 0.0)
+    assert (d.pool, d.reason) == ("baseline", "eagle_unavailable")
+    with pytest.raises(NoHealthyBackend):
+        policy.choose(REQ, view(eagle_healthy=False, baseline_healthy=False), 0.0)
+
+
+def test_threshold_switches_exactly_at_its_bound() -> None:
+    policy = threshold(threshold=4)
+    pools = [policy.choose(REQ, view(load), 0.0).pool for load in (0, 1, 2, 3, 4, 5, 3, 4, 0)]
+    assert pools == ["eagle"] * 4 + ["baseline"] * 2 + ["eagle", "baseline", "eagle"]
+
+
+def test_threshold_hysteresis_band() -> None:
+    policy = threshold(threshold=6, hysteresis=2)  # to baseline at 6, back to eagle below 4
+    loads = [0, 5, 6, 5, 4, 3, 5, 6, 7, 4, 3]
+    got = [policy.choose(REQ, view(load), 0.0) for load in loads]
+    assert [d.pool for d in got] == [
+        "eagle",  # 0
+        "eagle",  # 5 < 6
+        "baseline",  # 6 reaches the threshold
+        "baseline",  # 5: inside the band
+        "baseline",  # 4: inside the band (not below 4)
+        "eagle",  # 3 < 6 - 2
+        "eagle",  # 5 < 6
+        "baseline",  # 6
+        "baseline",
+        "baseline",
+        "eagle",
+    ]
+    assert {d.reason for d in got} == {"below_threshold", "above_threshold"}
+
+
+def test_threshold_load_signals() -> None:
+    # local in-flight 2, backend reports 5 running + 2 queued
+    v = view(2, running=5, queued=2)
+    assert threshold(threshold=3, signal="local").choose(REQ, v, 0.0).pool == "eagle"
+    assert threshold(threshold=3, signal="scraped").choose(REQ, v, 0.0).pool == "baseline"
+    assert threshold(threshold=3, signal="max").choose(REQ, v, 0.0).pool == "baseline"
+    assert threshold(threshold=8, signal="scraped").choose(REQ, v, 0.0).pool == "eagle"  # 7 < 8
+    # without a fresh sample, scraped falls back to the local count
+    assert threshold(threshold=3, signal="scraped").choose(REQ, view(2), 0.0).pool == "eagle"
+    # the local count wins under max when the sample lags behind
+    assert threshold(threshold=3, signal="max").choose(REQ, view(4, running=1), 0.0).pool == "baseline"
+
+
+def test_threshold_counts_only_healthy_eagle_backends() -> None:
+    v = LoadView(
+        baseline=PoolLoad("baseline", (BackendLoad("b0", "baseline"),)),
+        eagle=PoolLoad(
+            "eagle",
+            (BackendLoad("e0", "eagle", in_flight=9, healthy=False), BackendLoad("e1", "eagle", in_flight=1)),
+        ),
+    )
+    d = threshold(threshold=4).choose(REQ, v, 0.0)
+    assert (d.pool, d.backend) == ("eagle", "e1")
+
+
+def test_threshold_eagle_down_goes_to_baseline() -> None:
+    d = threshold().choose(REQ, view(eagle_healthy=False), 0.0)
+    assert (d.pool, d.reason) == ("baseline", "eagle_unavailable")
+
+
+def test_forced_pool_is_honoured_and_leaves_hysteresis_alone() -> None:
+    policy = threshold(threshold=4, hysteresis=2)
+    assert policy.choose(REQ, view(5), 0.0).pool == "baseline"
+    forced = policy.choose(RequestInfo(forced_pool="eagle"), view(5), 0.0)
+    assert (forced.pool, forced.reason) == ("eagle", "forced")
+    assert policy.choose(REQ, view(3), 0.0).pool == "baseline"  # still inside the band
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"threshold": 4, "hysteresis": 4}, "hysteresis must be smaller than threshold"),
+        ({"threshold": 0}, "threshold"),
+        ({"signal": "psychic"}, "signal"),
+        ({"treshold": 4}, "treshold"),
+    ],
+)
+def test_threshold_bad_params_are_clear(params: dict[str, object], message: str) -> None:
+    with pytest.raises(PolicyError, match="policy 'threshold': invalid parameter") as info:
+        threshold(**params)
+    assert message in str(info.value)
