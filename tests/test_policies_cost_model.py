@@ -1,0 +1,220 @@
+"""`cost_model`: predictions equal hand-computed values from the profile; eagle for a lone
+request, baseline at high load, both pools used as capacity."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies.base import (
+    BackendLoad,
+    Decision,
+    LoadView,
+    NoHealthyBackend,
+    Policy,
+    Pool,
+    PoolLoad,
+    RequestInfo,
+)
+from policies.profile import Profile, parse_profile, resolve_profile
+from policies.registry import PolicyContext, PolicyError, default_registry
+
+KIMI = resolve_profile("kimi-k25-int4-8gpu")
+LLAMA = resolve_profile("llama31-8b-h100-eagle3")
+REASONS = {"faster_eagle", "faster_baseline", "forced", "eagle_unavailable", "baseline_unavailable"}
+
+
+def cost_model(profile: Profile = KIMI, seed: int = 0, **params: object) -> Policy:
+    return default_registry(entry_points=False).create("cost_model", params, PolicyContext(profile, seed))
+
+
+def backend(
+    name: str, pool: Pool, running: int | None = None, queued: int | None = None, **kw: object
+) -> BackendLoad:
+    return BackendLoad(name, pool, running=running, queued=queued, **kw)  # type: ignore[arg-type]
+
+
+def view(baseline: tuple[BackendLoad, ...], eagle: tuple[BackendLoad, ...]) -> LoadView:
+    return LoadView(PoolLoad("baseline", baseline), PoolLoad("eagle", eagle))
+
+
+def loaded(b_running: int, e_running: int, e_queued: int = 0) -> LoadView:
+    return view(
+        (backend("b0", "baseline", b_running, 0),),
+        (backend("e0", "eagle", e_running, e_queued),),
+    )
+
+
+def point(mode: str, concurrency: float) -> tuple[float, float]:
+    """(step time, TTFT) written in the kimi profile at that concurrency."""
+    for p in KIMI.mode(mode).points:  # type: ignore[arg-type]
+        if p.concurrency == concurrency:
+            return 1 / p.decode_tok_s, p.ttft_s
+    raise AssertionError(concurrency)
+
+
+def test_lone_request_goes_to_eagle_with_hand_computed_predictions() -> None:
+    d: Decision = cost_model().choose(RequestInfo(max_tokens=256), loaded(0, 0), 0.0)
+    assert (d.pool, d.backend, d.reason, d.policy) == ("eagle", "e0", "faster_eagle", "cost_model")
+    assert d.predicted_ttft_s == pytest.approx({"baseline": 0.20, "eagle": 0.22})
+    assert d.predicted_e2e_s == pytest.approx({"baseline": 0.20 + 255 / 92.7, "eagle": 0.22 + 255 / 96.1})
+
+
+def test_default_output_tokens_when_max_tokens_is_unset() -> None:
+    d = cost_model(default_output_tokens=1001).choose(RequestInfo(), loaded(0, 0), 0.0)
+    assert d.predicted_e2e_s["eagle"] == pytest.approx(0.22 + 1000 / 96.1)
+
+
+def test_high_load_goes_to_baseline_with_hand_computed_predictions() -> None:
+    d = cost_model().choose(RequestInfo(max_tokens=256), loaded(69, 69), 0.0)
+    # baseline: batch 70, a profile point; eagle at its cap of 48 with 69 - 48 + 1 = 22 to wait for,
+    # completions at 48 / (256 * t(48)) per second, t(48) interpolated between points 30 and 70
+    tb70, ttft_b70 = point("baseline", 70)
+    t30, ttft30 = point("eagle", 30)
+    t70, ttft70 = point("eagle", 70)
+    te48 = t30 + (48 - 30) / 40 * (t70 - t30)
+    ttft_e48 = ttft30 + (48 - 30) / 40 * (ttft70 - ttft30)
+    wait = 22 * 256 * te48 / 48
+    assert d.predicted_e2e_s["baseline"] == pytest.approx(ttft_b70 + 255 * tb70)
+    assert d.predicted_ttft_s["eagle"] == pytest.approx(wait + ttft_e48)
+    assert d.predicted_e2e_s["eagle"] == pytest.approx(wait + ttft_e48 + 255 * te48)
+    assert (d.pool, d.reason) == ("baseline", "faster_baseline")
+
+
+def test_eagle_still_used_as_capacity_when_baseline_is_swamped() -> None:
+    # baseline with 249 running (batch 250, a profile point) vs eagle with 10 running
+    d = cost_model().choose(RequestInfo(max_tokens=256), loaded(249, 10), 0.0)
+    assert d.pool == "eagle"
+    tb, ttft_b = point("baseline", 250)
+    assert d.predicted_e2e_s["baseline"] == pytest.approx(ttft_b + 255 * tb)
+
+
+def test_llama_profile_the_decision_is_capacity_not_mode() -> None:
+    policy = cost_model(LLAMA)
+    req = RequestInfo(max_tokens=256)
+    # eagle wins at every batch size while it has room ...
+    for n in (0, 1, 10, 30, 47):
+        assert policy.choose(req, loaded(n, n), 0.0).pool == "eagle"
+    # ... but not when its queue is long and baseline has room
+    assert policy.choose(req, loaded(48, 48, 48), 0.0).pool == "baseline"
+    # and it is used again once baseline is far more crowded than eagle's queue
+    assert policy.choose(req, loaded(250, 48, 5), 0.0).pool == "eagle"
+
+
+def test_ttft_objective() -> None:
+    d = cost_model(objective="ttft").choose(RequestInfo(max_tokens=256), loaded(0, 0), 0.0)
+    assert (d.pool, d.reason) == ("baseline", "faster_baseline")  # 0.20 s < 0.22 s
+
+
+def test_least_loaded_backend_and_local_counts_without_a_sample() -> None:
+    v = view(
+        (backend("b0", "baseline", in_flight=9), backend("b1", "baseline", in_flight=4)),
+        (backend("e0", "eagle", in_flight=2, healthy=False), backend("e1", "eagle", in_flight=9)),
+    )
+    d = cost_model().choose(RequestInfo(max_tokens=2), v, 0.0)
+    assert (d.pool, d.backend, d.backend_load) == ("baseline", "b1", 4)
+    sb = KIMI.speed("baseline")
+    assert d.predicted_e2e_s["baseline"] == pytest.approx(sb.ttft_s(5) + sb.step_time(5))
+    se = KIMI.speed("eagle")
+    assert d.predicted_e2e_s["eagle"] == pytest.approx(se.ttft_s(10) + se.step_time(10))
+
+
+def test_scraped_sample_below_local_count_is_topped_up() -> None:
+    # backend says 1 running, but this replica alone has 3 in flight there
+    v = view((backend("b0", "baseline", 1, 0, in_flight=3),), (backend("e0", "eagle", 0, 0),))
+    d = cost_model().choose(RequestInfo(max_tokens=2), v, 0.0)
+    sb = KIMI.speed("baseline")
+    assert d.predicted_e2e_s["baseline"] == pytest.approx(sb.ttft_s(4) + sb.step_time(4))
+
+
+def test_hint_speedup_and_margin() -> None:
+    # at 1 running each, eagle loses (76.5 vs 83.0 tok/s per request) ...
+    req = RequestInfo(max_tokens=256, hint="code")
+    assert cost_model().choose(req, loaded(1, 1), 0.0).pool == "baseline"
+    # ... unless its acceptance on code is known to be 20% better (given as JSON text, as on a CLI)
+    d = cost_model(hint_speedup='{"code": 1.2}').choose(req, loaded(1, 1), 0.0)
+    assert d.pool == "eagle"
+    se = KIMI.speed("eagle")
+    assert d.predicted_e2e_s["eagle"] == pytest.approx(se.ttft_s(2) + 255 * se.step_time(2) / 1.2)
+    # a margin makes eagle prove itself by that fraction
+    assert (
+        cost_model(eagle_margin=0.05).choose(RequestInfo(max_tokens=256), loaded(0, 0), 0.0).pool
+        == "baseline"
+    )
+
+
+def test_scraped_accept_length_scales_eagle() -> None:
+    low = view((backend("b0", "baseline", 0, 0),), (backend("e0", "eagle", 0, 0, accept_length=1.2),))
+    assert cost_model().choose(RequestInfo(max_tokens=256), low, 0.0).pool == "eagle"
+    d = cost_model(scraped_accept_length=True).choose(RequestInfo(max_tokens=256), low, 0.0)
+    assert d.pool == "baseline"  # half the profile's accept length 2.4: half the decode rate
+    assert d.predicted_e2e_s["eagle"] == pytest.approx(0.22 + 255 / 96.1 * 2)
+
+
+def test_unavailable_pools() -> None:
+    down = view((backend("b0", "baseline", 0, 0),), (backend("e0", "eagle", 0, 0, healthy=False),))
+    d = cost_model().choose(RequestInfo(max_tokens=256), down, 0.0)
+    assert (d.pool, d.reason) == ("baseline", "eagle_unavailable")
+    assert set(d.predicted_e2e_s) == {"baseline"}
+    down = view((backend("b0", "baseline", healthy=False),), (backend("e0", "eagle", 99, 99),))
+    assert cost_model().choose(RequestInfo(), down, 0.0).reason == "baseline_unavailable"
+    with pytest.raises(NoHealthyBackend):
+        cost_model().choose(RequestInfo(), view((), ()), 0.0)
+
+
+def test_forced_pool_still_records_predictions() -> None:
+    d = cost_model().choose(RequestInfo(max_tokens=256, forced_pool="baseline"), loaded(0, 0), 0.0)
+    assert (d.pool, d.reason) == ("baseline", "forced")
+    assert set(d.predicted_e2e_s) == {"baseline", "eagle"}
+
+
+def _random_view(rng: random.Random) -> LoadView:
+    def one(name: str, pool: Pool, max_running: int) -> BackendLoad:
+        running = rng.choice([None, rng.randint(0, max_running)])
+        return backend(
+            name, pool, running, rng.randint(0, 50), in_flight=rng.randint(0, 50), healthy=rng.random() > 0.2
+        )
+
+    return view(
+        tuple(one(f"b{i}", "baseline", 300) for i in range(3)),
+        tuple(one(f"e{i}", "eagle", 60) for i in range(2)),
+    )
+
+
+def test_reasons_are_a_small_bounded_set_and_choices_deterministic() -> None:
+    rng = random.Random(7)
+    cases = [(RequestInfo(max_tokens=rng.choice([None, 16, 2048])), _random_view(rng)) for _ in range(500)]
+    runs = []
+    for _ in range(2):
+        policy = cost_model(seed=3)
+        out: list[tuple[str, str, str] | None] = []
+        for req, v in cases:
+            try:
+                d = policy.choose(req, v, 0.0)
+            except NoHealthyBackend:
+                out.append(None)
+                continue
+            assert d.reason in REASONS
+            out.append((d.pool, d.backend, d.reason))
+        runs.append(out)
+    assert runs[0] == runs[1]
+    assert {r[2] for r in runs[0] if r} >= {"faster_eagle", "faster_baseline"}
+
+
+def test_construction_errors_are_clear() -> None:
+    reg = default_registry(entry_points=False)
+    with pytest.raises(PolicyError, match=r"needs a speed profile \(--profile FILE\)"):
+        reg.create("cost_model", {})
+    only_baseline = parse_profile(
+        {
+            "format": "specroute.profile/v1",
+            "modes": {"baseline": {"points": [{"concurrency": 1, "decode_tok_s": 9}]}},
+        }
+    )
+    with pytest.raises(PolicyError, match="profile has no eagle mode"):
+        reg.create("cost_model", {}, PolicyContext(only_baseline))
+    with pytest.raises(PolicyError, match="objective"):
+        reg.create("cost_model", {"objective": "fastest"}, PolicyContext(KIMI))
+    with pytest.raises(PolicyError, match="hint_speedup"):
+        reg.create("cost_model", {"hint_speedup": {"code": -1}}, PolicyContext(KIMI))
