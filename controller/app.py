@@ -1,0 +1,160 @@
+"""The aiohttp application: routes, shared state and lifecycle.
+
+`create_app` takes every collaborator (settings, policy, policy registry, optional client
+session, clock, metrics registry) so tests build the real app around fakes. One `cleanup_ctx`
+opens the shared `ClientSession` (unless one was passed in) and runs the health checker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from controller.admin import PolicyAdmin, admin_routes
+from controller.config import Settings
+from controller.errors import NoBackendAvailable, error_middleware
+from controller.forward import Forwarder, Observer
+from controller.health import HealthChecker
+from controller.load import LoadTracker
+from controller.metrics import Metrics
+from policies.base import Policy
+from policies.profile import resolve_profile
+from policies.registry import PolicyContext, PolicyRegistry
+
+SETTINGS = web.AppKey("settings", Settings)
+FORWARDER = web.AppKey("forwarder", Forwarder)
+TRACKER = web.AppKey("tracker", LoadTracker)
+METRICS = web.AppKey("metrics", Metrics)
+ADMIN = web.AppKey("admin", PolicyAdmin)
+HEALTH = web.AppKey("health", HealthChecker)
+
+
+def policy_context(settings: Settings) -> PolicyContext:
+    """Profile (resolved from a path or a built-in name) and seed for building policies."""
+    profile = resolve_profile(settings.profile) if settings.profile else None
+    return PolicyContext(profile=profile, seed=settings.seed)
+
+
+def create_app(
+    settings: Settings,
+    policy: Policy,
+    *,
+    registry: PolicyRegistry,
+    session: aiohttp.ClientSession | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    metrics_registry: CollectorRegistry | None = None,
+    context: PolicyContext | None = None,
+    observers: Sequence[Observer] = (),
+    health_checks: bool = True,
+) -> web.Application:
+    app = web.Application(client_max_size=settings.body_limit_bytes, middlewares=[error_middleware])
+    tracker = LoadTracker(settings.baseline, settings.eagle, stale_after_s=settings.scrape_stale_after_s)
+    metrics = Metrics(metrics_registry if metrics_registry is not None else CollectorRegistry(), tracker)
+    fwd = Forwarder(settings, policy, tracker, metrics, clock=clock, observers=list(observers))
+    app[SETTINGS] = settings
+    app[TRACKER] = tracker
+    app[METRICS] = metrics
+    app[FORWARDER] = fwd
+    app[ADMIN] = PolicyAdmin(fwd, registry, context if context is not None else policy_context(settings))
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        own = session is None
+        fwd.session = session or aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+            auto_decompress=False,
+            trust_env=False,
+        )
+        checker = HealthChecker(
+            tracker,
+            fwd.session,
+            path=settings.health_check_path,
+            interval_s=settings.health_check_interval_s,
+            timeout_s=settings.health_check_timeout_s,
+        )
+        app[HEALTH] = checker
+        task = asyncio.create_task(checker.run()) if health_checks else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if own:
+                await fwd.session.close()
+
+    app.cleanup_ctx.append(lifecycle)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await fwd.handle(request, "chat", "/v1/chat/completions")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await fwd.handle(request, "completions", "/v1/completions")
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        return await list_models(fwd, request)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(request: web.Request) -> web.Response:
+        healthy = [b.name for b in tracker if b.healthy]
+        if not healthy:
+            raise NoBackendAvailable("no healthy backend")
+        return web.json_response({"status": "ready", "healthy_backends": healthy})
+
+    async def metrics_route(request: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_routes(admin_routes(app[ADMIN]))
+    return app
+
+
+async def list_models(fwd: Forwarder, request: web.Request) -> web.StreamResponse:
+    """Relay `GET /v1/models` from the first healthy backend that answers (baseline first)."""
+    assert fwd.session is not None
+    headers = {}
+    if "Authorization" in request.headers:
+        headers["Authorization"] = request.headers["Authorization"]
+    timeout = aiohttp.ClientTimeout(
+        total=fwd.settings.health_check_timeout_s + fwd.settings.connect_timeout_s,
+        sock_connect=fwd.settings.connect_timeout_s,
+    )
+    candidates = sorted((b for b in fwd.tracker if b.healthy), key=lambda b: b.pool != "baseline")
+    for b in candidates:
+        auth = fwd._auth[b.pool]
+        hdrs = {**headers, "Authorization": auth} if auth else headers
+        try:
+            async with fwd.session.get(b.name + "/v1/models", headers=hdrs, timeout=timeout) as resp:
+                body = await resp.read()
+                if resp.status >= 500:
+                    continue
+                return web.Response(
+                    status=resp.status,
+                    body=body,
+                    content_type=resp.content_type,
+                    headers={"x-specroute-pool": b.pool, "x-specroute-backend": b.name},
+                )
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            continue
+    raise NoBackendAvailable("no healthy backend answered /v1/models")
+
+
+def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.AppRunner:
+    """An AppRunner that cancels a handler when its client disconnects (so the upstream request
+    is closed at once and SGLang aborts the generation)."""
+    return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, access_log=None)

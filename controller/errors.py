@@ -1,0 +1,120 @@
+"""The errors specroute itself answers with, in OpenAI's shape.
+
+Every class knows its HTTP status, its OpenAI `type` and a short `code`; `response()` renders
+`{"error": {"message", "type", "param": null, "code"}}`. Lower-level failures (aiohttp client
+errors, timeouts) are translated into these where they enter, in `forward.py`. Errors that a
+backend returns after it was chosen are NOT wrapped: they are relayed as the backend sent them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+
+class SpecrouteError(Exception):
+    """Base of every error answered by specroute itself."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=json.dumps(self.body()).encode(),
+            content_type="application/json",
+            headers=self.headers,
+        )
+
+    def sse_event(self) -> bytes:
+        """The error as an SSE event followed by `[DONE]` (for streams broken after the first byte)."""
+        return b"data: " + json.dumps(self.body()).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class BadRequest(SpecrouteError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class Unauthorized(SpecrouteError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFound(SpecrouteError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(SpecrouteError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(SpecrouteError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class BackendFailed(SpecrouteError):
+    """The backend failed before the first byte (refused, reset, broken answer)."""
+
+    status = 502
+    type = "server_error"
+    code = "backend_failed"
+
+
+class NoBackendAvailable(SpecrouteError):
+    status = 503
+    type = "server_error"
+    code = "no_healthy_backend"
+
+
+class BackendTimeout(SpecrouteError):
+    status = 504
+    type = "server_error"
+    code = "backend_timeout"
+
+
+class StreamBroken(SpecrouteError):
+    """A stream died or idled out after its first byte reached the client (sent as an SSE event)."""
+
+    status = 502
+    type = "server_error"
+    code = "stream_broken"
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Render our errors, and aiohttp's own 404/405/413, in OpenAI's shape."""
+    try:
+        resp: web.StreamResponse = await handler(request)
+        return resp
+    except SpecrouteError as e:
+        return e.response()
+    except web.HTTPNotFound:
+        return NotFound(f"unknown route {request.method} {request.path}").response()
+    except web.HTTPMethodNotAllowed as e:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        return MethodNotAllowed(
+            f"method {request.method} not allowed on {request.path} (allowed: {allowed})",
+            headers={"Allow": ",".join(sorted(e.allowed_methods))},
+        ).response()
+    except web.HTTPRequestEntityTooLarge as e:
+        return PayloadTooLarge(f"request body too large: {e.text}").response()

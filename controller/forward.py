@@ -1,0 +1,553 @@
+"""Forward one completion request to the chosen backend and relay its answer.
+
+How it works:
+1. Parse the body once (bad input -> 400), build a `RequestInfo`, take a `LoadView`, ask the
+   policy (or honour `x-specroute-mode`) and `reserve` the backend -- one synchronous step.
+2. Open the upstream request. Before committing to it, read the first SSE event of a stream
+   (or the whole body of a non-streaming answer): connection refused, a timeout, a 5xx, or
+   SGLang's queue-full event (HTTP 200, first event `{"error": {... "code": 503}}`) is retried
+   ONCE on another healthy backend (same pool first, then the other pool; a forced pool is
+   kept). Refused/timed-out backends are marked unhealthy until a health probe succeeds.
+3. Relay bytes unchanged as they arrive. Nothing is retried once a byte reached the client; a
+   stream that dies or idles out afterwards ends with an OpenAI-shaped SSE error and `[DONE]`.
+4. `finally` (every path, including client disconnect = handler cancellation): close the
+   upstream response unless it was read to its end (so SGLang aborts), release the
+   reservation, feed `Outcome` to the policy that chose the request, count metrics, notify
+   observers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from controller.config import Settings
+from controller.errors import (
+    BackendFailed,
+    BackendTimeout,
+    BadRequest,
+    NoBackendAvailable,
+    SpecrouteError,
+    StreamBroken,
+)
+from controller.load import BackendState, LoadTracker, Reservation
+from controller.metrics import Metrics
+from policies.base import (
+    Decision,
+    EndpointKind,
+    LoadView,
+    NoHealthyBackend,
+    Outcome,
+    OutcomeStatus,
+    Policy,
+    Pool,
+    RequestInfo,
+    other_pool,
+    parse_pool,
+)
+
+log = logging.getLogger("specroute.forward")
+
+MODE_HEADER = "x-specroute-mode"
+HINT_HEADER = "x-specroute-hint"
+_HINT_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
+_USAGE_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_REQUEST_DROP = frozenset(
+    {
+        "host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
+        "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding", MODE_HEADER, HINT_HEADER,
+    }
+)  # fmt: skip
+_RESPONSE_DROP = frozenset(
+    {
+        "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade", "trailer",
+        "date", "server", "content-encoding",
+    }
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """Everything observers (decision log, shadow policies) get once a request has ended."""
+
+    request: RequestInfo
+    view: LoadView
+    decision: Decision
+    """The final decision (after a failover, the backend that actually served)."""
+    chosen: Decision
+    """What the policy (or the client override) originally decided."""
+    outcome: Outcome
+    http_status: int
+    policy: Policy
+
+
+Observer = Callable[[RequestRecord], None]
+
+
+# --- request parsing --------------------------------------------------------------------
+
+
+def parse_body(raw: bytes, endpoint: EndpointKind) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if endpoint == "chat":
+        if not isinstance(body.get("messages"), list):
+            raise BadRequest("'messages' is required and must be a list")
+    elif "prompt" not in body:
+        raise BadRequest("'prompt' is required")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise BadRequest("'stream' must be a boolean")
+    return body
+
+
+def _text_len(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        total = 0
+        for part in value:
+            if isinstance(part, str):
+                total += len(part)
+            elif isinstance(part, dict):
+                text = part.get("text")
+                total += len(text) if isinstance(text, str) else 0
+            elif isinstance(part, int):
+                total += 4  # a token id
+            elif isinstance(part, list):
+                total += _text_len(part)
+        return total
+    return 0
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any], endpoint: EndpointKind) -> int:
+    """Cheap estimate: characters / 4."""
+    if endpoint == "chat":
+        chars = sum(_text_len(m.get("content")) for m in body["messages"] if isinstance(m, dict))
+    else:
+        chars = _text_len(body.get("prompt"))
+    return chars // 4
+
+
+def request_info(
+    body: Mapping[str, Any], endpoint: EndpointKind, headers: Mapping[str, str], allow_override: bool
+) -> RequestInfo:
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        max_tokens = None
+    forced: Pool | None = None
+    mode = headers.get(MODE_HEADER)
+    if mode is not None and allow_override:
+        try:
+            forced = parse_pool(mode.strip().lower())
+        except ValueError:
+            raise BadRequest(f"{MODE_HEADER} must be 'baseline' or 'eagle', got {mode[:40]!r}") from None
+    hint = headers.get(HINT_HEADER)
+    if hint is not None and not _HINT_RE.fullmatch(hint):
+        hint = None
+    return RequestInfo(
+        endpoint=endpoint,
+        stream=body.get("stream") is True,
+        prompt_tokens=estimate_prompt_tokens(body, endpoint),
+        max_tokens=max_tokens,
+        hint=hint,
+        forced_pool=forced,
+    )
+
+
+# --- upstream answers -------------------------------------------------------------------
+
+
+class UpstreamFailure(Exception):
+    """The backend failed before anything was committed to the client."""
+
+    def __init__(self, error: SpecrouteError, *, mark_unhealthy: bool, timeout: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.mark_unhealthy = mark_unhealthy
+        self.timeout = timeout
+
+
+@dataclass(slots=True)
+class Upstream:
+    resp: aiohttp.ClientResponse
+    head: bytes
+    """Streams: the bytes up to the end of the first event. Otherwise: the whole body."""
+    streaming: bool
+    retryable: bool
+    first_byte_at: float | None
+
+
+def _first_event_is_error(head: bytes) -> bool:
+    """SGLang's queue-full (or other server-side) error sent as the first SSE event."""
+    end = head.find(b"\n\n")
+    first = head if end < 0 else head[:end]
+    if b'"error"' not in first:
+        return False
+    line = first.strip()
+    if not line.startswith(b"data:"):
+        return False
+    try:
+        obj = json.loads(line[5:])
+    except ValueError:
+        return False
+    if not isinstance(obj, dict) or not isinstance(obj.get("error"), dict):
+        return False
+    code = obj["error"].get("code")
+    try:
+        return code is None or int(code) >= 500
+    except (TypeError, ValueError):
+        return True
+
+
+def completion_tokens(data: bytes) -> int | None:
+    found = _USAGE_RE.findall(data)
+    return int(found[-1]) if found else None
+
+
+def response_headers(resp: aiohttp.ClientResponse, decision: Decision) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in resp.headers.items():
+        if key.lower() not in _RESPONSE_DROP:
+            out.add(key, value)
+    out["x-specroute-pool"] = decision.pool
+    out["x-specroute-backend"] = decision.backend
+    out["x-specroute-reason"] = decision.reason
+    return out
+
+
+class Forwarder:
+    """Routes and forwards completion requests. `policy` may be swapped at any time (hot reload):
+    each request keeps the policy object that chose it."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        policy: Policy,
+        tracker: LoadTracker,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], float],
+        observers: list[Observer] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.policy = policy
+        self.tracker = tracker
+        self.metrics = metrics
+        self.clock = clock
+        self.observers: list[Observer] = observers if observers is not None else []
+        self.session: aiohttp.ClientSession | None = None
+        self.rng = random.Random(settings.seed)
+        self.client_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout_s, connect=None, sock_read=None
+        )
+        self._model: dict[str, str | None] = {
+            "baseline": settings.baseline_model,
+            "eagle": settings.eagle_model,
+        }
+        self._auth: dict[str, str | None] = {
+            pool: f"Bearer {key.get_secret_value()}" if key is not None else None
+            for pool, key in (("baseline", settings.baseline_api_key), ("eagle", settings.eagle_api_key))
+        }
+
+    # -- deciding --
+
+    def decide(self, policy: Policy, info: RequestInfo, view: LoadView, now: float) -> Decision:
+        if info.forced_pool is not None:
+            b = view.pool(info.forced_pool).least_loaded(self.rng)
+            if b is None:
+                raise NoBackendAvailable(f"pool {info.forced_pool!r} has no healthy backend")
+            return Decision(
+                pool=info.forced_pool,
+                backend=b.name,
+                reason="client_override",
+                backend_load=b.load,
+                policy=policy.name,
+            )
+        if not self.tracker.any_healthy():
+            raise NoBackendAvailable("no healthy backend in either pool")
+        try:
+            decision = policy.choose(info, view, now)
+        except NoHealthyBackend:
+            raise NoBackendAvailable("no healthy backend in either pool") from None
+        except Exception:
+            log.exception("policy %r failed in choose()", policy.name)
+            raise SpecrouteError(f"routing policy {policy.name!r} failed") from None
+        if decision.backend not in self.tracker.backends:
+            raise SpecrouteError(f"routing policy {policy.name!r} chose unknown backend {decision.backend!r}")
+        return decision
+
+    def failover_target(self, failed: BackendState, tried: set[str], forced: bool) -> BackendState | None:
+        pools = (failed.pool,) if forced else (failed.pool, other_pool(failed.pool))
+        for pool in pools:
+            cands = [b for b in self.tracker.pool_backends(pool) if b.healthy and b.name not in tried]
+            if cands:
+                low = min(b.in_flight for b in cands)
+                best = [b for b in cands if b.in_flight == low]
+                return best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
+        return None
+
+    # -- forwarding --
+
+    def _upstream_headers(self, headers: Mapping[str, str]) -> CIMultiDict[str]:
+        out: CIMultiDict[str] = CIMultiDict()
+        for key, value in headers.items():
+            if key.lower() not in _REQUEST_DROP:
+                out.add(key, value)
+        return out
+
+    def _for_pool(
+        self, pool: Pool, raw: bytes, body: dict[str, Any], headers: CIMultiDict[str]
+    ) -> tuple[bytes, CIMultiDict[str]]:
+        model = self._model[pool]
+        if model is not None:
+            raw = json.dumps({**body, "model": model}).encode()
+        auth = self._auth[pool]
+        if auth is not None:
+            headers = headers.copy()
+            headers["Authorization"] = auth
+        return raw, headers
+
+    async def open(self, url: str, data: bytes, headers: CIMultiDict[str], stream: bool) -> Upstream:
+        assert self.session is not None, "the app's cleanup_ctx has not started"
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(self.settings.first_byte_timeout_s):
+                resp = await self.session.post(url, data=data, headers=headers, timeout=self.client_timeout)
+                if stream and resp.status == 200:
+                    head = b""
+                    while b"\n\n" not in head and b"\r\n\r\n" not in head:
+                        chunk = await resp.content.readany()
+                        if not chunk:
+                            break
+                        head += chunk
+                    return Upstream(resp, head, True, _first_event_is_error(head), self.clock())
+                body = await resp.read()
+                return Upstream(resp, body, False, resp.status >= 500, self.clock())
+        except BaseException as e:
+            if resp is not None:
+                resp.close()
+            if isinstance(e, TimeoutError):
+                raise UpstreamFailure(
+                    BackendTimeout(f"backend {url} timed out before the first byte"),
+                    mark_unhealthy=True,
+                    timeout=True,
+                ) from None
+            if isinstance(e, aiohttp.ClientConnectorError):
+                raise UpstreamFailure(
+                    BackendFailed(f"backend {url} refused the connection: {e.os_error}"),
+                    mark_unhealthy=True,
+                    timeout=False,
+                ) from None
+            if isinstance(e, aiohttp.ClientError | OSError):
+                raise UpstreamFailure(
+                    BackendFailed(f"backend {url} failed before the first byte: {type(e).__name__}"),
+                    mark_unhealthy=False,
+                    timeout=False,
+                ) from None
+            raise
+
+    async def handle(self, request: web.Request, endpoint: EndpointKind, path: str) -> web.StreamResponse:
+        try:
+            raw = await request.read()
+            body = parse_body(raw, endpoint)
+            info = request_info(body, endpoint, request.headers, self.settings.allow_client_override)
+            if self.settings.log_bodies:
+                log.info("request %s %s", path, raw[:65536].decode(errors="replace"))
+            policy = self.policy
+            started = self.clock()
+            view = self.tracker.view(started)
+            chosen = self.decide(policy, info, view, started)
+        except SpecrouteError as e:
+            self.metrics.reject(e.status)
+            raise
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.reject(413)
+            raise
+        # Same synchronous step as the decision: no await between choose() and reserve().
+        reservation = self.tracker.reserve(chosen.backend, info.max_tokens or 0)
+        self.metrics.decision(policy.name, chosen.pool, chosen.reason)
+        run = _Run(self, request, info, body, raw, path, chosen, reservation)
+        try:
+            return await run.execute()
+        finally:
+            self.tracker.release(run.reservation)
+            ended = self.clock()
+            ttft = None if run.first_byte_at is None else max(0.0, run.first_byte_at - started)
+            outcome = Outcome(
+                request=info,
+                decision=run.decision,
+                started_at=started,
+                ttft_s=ttft,
+                completion_tokens=run.tokens,
+                duration_s=max(0.0, ended - started),
+                status=run.status,
+            )
+            try:
+                policy.observe(outcome)
+            except Exception:
+                log.exception("policy %r failed in observe()", policy.name)
+            self.metrics.request_done(run.decision.pool, run.decision.backend, run.status)
+            if self.observers:
+                record = RequestRecord(info, view, run.decision, chosen, outcome, run.http_status, policy)
+                for observer in self.observers:
+                    try:
+                        observer(record)
+                    except Exception:
+                        log.exception("request observer failed")
+
+
+class _Run:
+    """The mutable state of one forwarded request (what `finally` needs to know)."""
+
+    def __init__(
+        self,
+        fwd: Forwarder,
+        request: web.Request,
+        info: RequestInfo,
+        body: dict[str, Any],
+        raw: bytes,
+        path: str,
+        decision: Decision,
+        reservation: Reservation,
+    ) -> None:
+        self.fwd = fwd
+        self.request = request
+        self.info = info
+        self.body = body
+        self.raw = raw
+        self.path = path
+        self.decision = decision
+        self.reservation = reservation
+        self.status: OutcomeStatus = "error"
+        self.http_status = 0
+        self.tokens: int | None = None
+        self.first_byte_at: float | None = None
+
+    async def execute(self) -> web.StreamResponse:
+        try:
+            up = await self._connect()
+            self.first_byte_at = up.first_byte_at if up.streaming else None
+            if not up.streaming:
+                return self._whole(up)
+            return await self._relay(up)
+        except asyncio.CancelledError:
+            self.status = "client_closed"
+            raise
+
+    async def _connect(self) -> Upstream:
+        fwd = self.fwd
+        headers = fwd._upstream_headers(self.request.headers)
+        tried: set[str] = set()
+        failure: UpstreamFailure | None = None
+        while True:
+            backend = self.reservation.backend
+            tried.add(backend.name)
+            data, hdrs = fwd._for_pool(backend.pool, self.raw, self.body, headers)
+            up: Upstream | None = None
+            try:
+                up = await fwd.open(backend.name + self.path, data, hdrs, self.info.stream)
+            except UpstreamFailure as f:
+                if f.mark_unhealthy and fwd.tracker.set_healthy(backend.name, False):
+                    log.warning("backend %s marked unhealthy: %s", backend.name, f.error.message)
+                failure = f
+            else:
+                if not up.retryable:
+                    return up
+            alt = None
+            if len(tried) < 2:
+                alt = fwd.failover_target(backend, tried, self.info.forced_pool is not None)
+            if alt is None:
+                if up is not None:
+                    return up  # relay the backend's own error as it sent it
+                assert failure is not None
+                self.status = "timeout" if failure.timeout else "error"
+                self.http_status = failure.error.status
+                raise failure.error
+            if up is not None:
+                up.resp.close()
+            fwd.metrics.failover(backend.pool)
+            self.reservation = fwd.tracker.move(self.reservation, alt.name)
+            self.decision = replace(self.decision, pool=alt.pool, backend=alt.name, reason="failover")
+
+    def _whole(self, up: Upstream) -> web.Response:
+        resp = up.resp
+        self.http_status = resp.status
+        self.status = "ok" if resp.status < 400 else "error"
+        if resp.status == 200:
+            self.tokens = completion_tokens(up.head)
+        return web.Response(status=resp.status, body=up.head, headers=response_headers(resp, self.decision))
+
+    async def _relay(self, up: Upstream) -> web.StreamResponse:
+        resp = up.resp
+        fwd = self.fwd
+        clean = False
+        sr = web.StreamResponse(status=resp.status, headers=response_headers(resp, self.decision))
+        self.http_status = resp.status
+        try:
+            await sr.prepare(self.request)
+            await sr.write(up.head)
+            tail = [b"", b"", up.head]
+            content = resp.content
+            loop = asyncio.get_running_loop()
+            idle = fwd.settings.idle_timeout_s
+            slack = idle / 8
+            last = loop.time()
+            try:
+                async with asyncio.timeout(idle) as timer:
+                    while True:
+                        chunk = await content.readany()
+                        if not chunk:
+                            break
+                        await sr.write(chunk)
+                        tail[0], tail[1], tail[2] = tail[1], tail[2], chunk
+                        now = loop.time()
+                        if now - last >= slack:  # re-arming per chunk would cost a timer each
+                            timer.reschedule(now + idle)
+                            last = now
+            except TimeoutError:
+                self.status = "timeout"
+                await self._break(sr, f"backend {self.decision.backend} sent nothing for {idle:g} s")
+                return sr
+            except (aiohttp.ClientError, OSError) as e:
+                transport = self.request.transport
+                if transport is None or transport.is_closing():
+                    raise ConnectionResetError from None  # our own client went away (write failed)
+                self.status = "error"
+                await self._break(sr, f"backend {self.decision.backend} stream broke: {type(e).__name__}")
+                return sr
+            clean = True
+            self.status = "ok" if resp.status < 400 else "error"
+            self.tokens = completion_tokens(b"".join(tail))
+            await sr.write_eof()
+            return sr
+        except ConnectionResetError:
+            self.status = "client_closed"
+            return sr
+        finally:
+            if clean:
+                resp.release()
+            else:
+                resp.close()  # the backend sees the disconnect and aborts the generation
+
+    async def _break(self, sr: web.StreamResponse, message: str) -> None:
+        log.warning("%s", message)
+        try:
+            await sr.write(StreamBroken(message).sse_event())
+            await sr.write_eof()
+        except ConnectionResetError:
+            self.status = "client_closed"

@@ -1,0 +1,199 @@
+"""`specroute serve`, `specroute policies` and `specroute check-config`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import types
+import typing
+from typing import Any
+
+import yaml
+
+from controller.config import ConfigError, Settings, load_settings, parse_key_values
+from policies.profile import ProfileError
+from policies.registry import PolicyError, default_registry
+
+log = logging.getLogger("specroute")
+
+# Settings that get a generated `--flag` (scalars; secrets only via environment or file).
+_NO_FLAG = frozenset(
+    {
+        "policy_params",
+        "shadow_policies",
+        "admin_token",
+        "baseline_api_key",
+        "eagle_api_key",
+        "baseline",
+        "eagle",
+    }
+)
+
+
+def _is_scalar(annotation: Any) -> bool:
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return all(a in (str, int, float, bool, type(None)) for a in args)
+
+
+def _add_settings_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML file of settings (keys = setting names).")
+    p.add_argument("--baseline", action="append", metavar="URL[,URL..]", help="Plain SGLang backends.")
+    p.add_argument("--eagle", action="append", metavar="URL[,URL..]", help="EAGLE-3 SGLang backends.")
+    p.add_argument(
+        "--policy-param", action="append", default=[], metavar="KEY=VALUE", help="Policy parameter."
+    )
+    for name, field in Settings.model_fields.items():
+        if name in _NO_FLAG or not _is_scalar(field.annotation):
+            continue
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            metavar=name.split("_")[-1].upper() if field.annotation is not bool else "true|false",
+            help=f"{field.description} (env SPECROUTE_{name.upper()}; default {field.default!r})",
+        )
+
+
+def cli_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags the user actually gave, as raw setting values."""
+    out: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        value = getattr(args, name, None)
+        if value is not None and name not in ("baseline", "eagle"):
+            out[name] = value
+    for pool in ("baseline", "eagle"):
+        urls = getattr(args, pool, None)
+        if urls:
+            out[pool] = ",".join(urls)
+    if args.policy_param:
+        out["policy_params"] = parse_key_values(args.policy_param)
+    return out
+
+
+def _fail(message: str) -> int:
+    print(f"specroute: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="Run the routing proxy in front of the two pools.")
+    _add_settings_flags(p)
+    p.add_argument("--log-level", default="INFO", help="Logging level (DEBUG, INFO, WARNING).")
+    p.set_defaults(func=run_serve)
+
+    p = subparsers.add_parser("policies", help="List the routing policies and their parameters.")
+    p.set_defaults(func=run_policies)
+
+    p = subparsers.add_parser("check-config", help="Validate a config file and print the settings.")
+    p.add_argument("file", help="YAML config file.")
+    p.set_defaults(func=run_check_config)
+
+
+def _build(args: argparse.Namespace) -> tuple[Settings, Any, Any, Any]:
+    from controller.app import policy_context
+
+    settings = load_settings(cli_settings(args), os.environ, args.config)
+    settings.require_backends()
+    registry = default_registry()
+    context = policy_context(settings)
+    policy = registry.create(settings.policy, settings.policy_params, context)
+    return settings, registry, context, policy
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        settings, registry, context, policy = _build(args)
+    except (ConfigError, PolicyError, ProfileError) as e:
+        return _fail(str(e))
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        pass
+    try:
+        asyncio.run(_serve(args, settings, registry, context, policy))
+    except OSError as e:
+        return _fail(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}")
+    return 0
+
+
+async def _serve(
+    args: argparse.Namespace, settings: Settings, registry: Any, context: Any, policy: Any
+) -> None:
+    from aiohttp import web
+
+    from controller.app import ADMIN, create_app, make_runner
+
+    app = create_app(settings, policy, registry=registry, context=context)
+    runner = make_runner(app, shutdown_timeout=settings.drain_timeout_s)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        host = settings.host if ":" not in settings.host else f"[{settings.host}]"
+        print(f"specroute listening on http://{host}:{port}", flush=True)
+        log.info("policy %s, baseline %s, eagle %s", settings.policy, settings.baseline, settings.eagle)
+
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+        def reload() -> None:
+            if args.config is None:
+                log.warning("SIGHUP: no --config file to re-read; policy unchanged")
+                return
+            try:
+                fresh = load_settings(cli_settings(args), os.environ, args.config)
+                app[ADMIN].reload(fresh)
+            except (ConfigError, PolicyError, ProfileError) as e:
+                log.error("SIGHUP: reload failed, policy unchanged: %s", e)
+
+        loop.add_signal_handler(signal.SIGHUP, reload)
+        await stop.wait()
+        log.warning(
+            "shutting down: draining %d in-flight request(s) for up to %g s",
+            app[ADMIN].fwd.tracker.total_in_flight,
+            settings.drain_timeout_s,
+        )
+    finally:
+        await runner.cleanup()
+    log.warning("stopped")
+
+
+def run_policies(args: argparse.Namespace) -> int:
+    try:
+        registry = default_registry()
+    except PolicyError as e:
+        return _fail(str(e))
+    for spec in registry.specs():
+        print(f"{spec.name}{'  (needs --profile)' if spec.needs_profile else ''}")
+        if spec.help:
+            print(f"    {spec.help}")
+        for key, typ, default, help_ in spec.describe_params():
+            print(f"    --policy-param {key}=<{typ}>  default {default}  {help_}")
+        print()
+    return 0
+
+
+def run_check_config(args: argparse.Namespace) -> int:
+    from controller.app import policy_context
+
+    try:
+        settings = load_settings({}, os.environ, args.file)
+        settings.require_backends()
+        default_registry().create(settings.policy, settings.policy_params, policy_context(settings))
+    except (ConfigError, PolicyError, ProfileError) as e:
+        return _fail(str(e))
+    print(f"# {args.file}: valid (environment SPECROUTE_* applied; secrets masked)")
+    print(yaml.safe_dump(settings.masked(), sort_keys=False), end="")
+    return 0

@@ -1,0 +1,198 @@
+"""Shared fixtures: fake SGLang-like backends and the real proxy app, all on 127.0.0.1:0.
+
+- `fake_backend(**kw)` starts a `tests.fakes.FakeBackend` and returns it (stopped at teardown).
+- `proxy(baseline=[...], eagle=[...], policy=..., policy_params=..., **settings)` builds the real
+  app with `create_app` and serves it on 127.0.0.1:0; returns a `RunningProxy`.
+- `spawn_serve(*args)` runs `specroute serve --port 0 ...` as a subprocess and returns a
+  `ServeProcess` (its URL read from the "specroute listening on" line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+from fakes import FakeBackend
+from prometheus_client import CollectorRegistry
+
+from controller.app import FORWARDER, TRACKER, create_app, make_runner
+from controller.config import Settings
+from controller.forward import Forwarder, Observer, RequestRecord
+from controller.load import LoadTracker
+from policies.registry import PolicyContext, default_registry
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    """Base URL, e.g. http://127.0.0.1:PORT (the OpenAI base_url is url + "/v1")."""
+    app: web.Application
+    settings: Settings
+    metrics: CollectorRegistry
+    records: list[RequestRecord] = field(default_factory=list)
+    runner: web.AppRunner | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def tracker(self) -> LoadTracker:
+        return self.app[TRACKER]
+
+    @property
+    def forwarder(self) -> Forwarder:
+        return self.app[FORWARDER]
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        return self.metrics.get_sample_value(name, labels)
+
+    def in_flight_samples(self) -> list[float]:
+        return [
+            s.value
+            for m in self.metrics.collect()
+            if m.name == "specroute_in_flight_requests"
+            for s in m.samples
+        ]
+
+    async def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Wait until no request is in flight (client disconnects are noticed asynchronously)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.tracker.total_in_flight and loop.time() < deadline:  # noqa: ASYNC110 - polled state
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+@pytest.fixture
+async def fake_backend() -> AsyncIterator[Callable[..., Awaitable[FakeBackend]]]:
+    started: list[FakeBackend] = []
+
+    async def make(**kwargs: Any) -> FakeBackend:
+        fb = FakeBackend(**kwargs)
+        await fb.start()
+        started.append(fb)
+        return fb
+
+    yield make
+    for fb in started:
+        await fb.stop()
+
+
+@pytest.fixture
+async def proxy() -> AsyncIterator[Callable[..., Awaitable[RunningProxy]]]:
+    running: list[RunningProxy] = []
+
+    async def make(
+        *,
+        baseline: Sequence[str] = (),
+        eagle: Sequence[str] = (),
+        policy: str = "threshold",
+        policy_params: dict[str, Any] | None = None,
+        health_checks: bool = True,
+        observers: Sequence[Observer] = (),
+        **settings: Any,
+    ) -> RunningProxy:
+        s = Settings.model_validate(
+            {
+                "baseline": list(baseline),
+                "eagle": list(eagle),
+                "policy": policy,
+                "policy_params": policy_params or {},
+                **settings,
+            }
+        )
+        registry = default_registry(entry_points=False)
+        context = PolicyContext(seed=s.seed)
+        pol = registry.create(s.policy, s.policy_params, context)
+        metrics = CollectorRegistry()
+        records: list[RequestRecord] = []
+        app = create_app(
+            s,
+            pol,
+            registry=registry,
+            metrics_registry=metrics,
+            context=context,
+            observers=[records.append, *observers],
+            health_checks=health_checks,
+        )
+        runner = make_runner(app, shutdown_timeout=s.drain_timeout_s)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        rp = RunningProxy(f"http://127.0.0.1:{runner.addresses[0][1]}", app, s, metrics, records, runner)
+        running.append(rp)
+        return rp
+
+    yield make
+    for rp in running:
+        await rp.stop()
+
+
+@dataclass
+class ServeProcess:
+    proc: asyncio.subprocess.Process
+    url: str
+    stderr_lines: list[str] = field(default_factory=list)
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    async def wait(self, timeout_s: float = 30.0) -> int:
+        return await asyncio.wait_for(self.proc.wait(), timeout_s)
+
+
+async def start_serve(*args: str, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> ServeProcess:
+    """Run `specroute serve --port 0 ARGS` and wait for its listening line."""
+    full_env = {**os.environ, **(env or {})}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "controller.cli",
+        "serve",
+        "--port",
+        "0",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=full_env,
+    )
+    assert proc.stdout is not None
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        raise
+    text = line.decode().strip()
+    if not text.startswith("specroute listening on "):
+        err = await proc.stderr.read() if proc.stderr is not None else b""
+        await proc.wait()
+        raise RuntimeError(f"specroute serve did not start: {text!r} {err.decode()!r}")
+    return ServeProcess(proc, text.removeprefix("specroute listening on "))
+
+
+@pytest.fixture
+async def spawn_serve() -> AsyncIterator[Callable[..., Awaitable[ServeProcess]]]:
+    procs: list[ServeProcess] = []
+
+    async def make(*args: str, env: dict[str, str] | None = None) -> ServeProcess:
+        sp = await start_serve(*args, env=env)
+        procs.append(sp)
+        return sp
+
+    yield make
+    for sp in procs:
+        if sp.proc.returncode is None:
+            sp.proc.kill()
+            await sp.proc.wait()

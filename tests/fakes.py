@@ -1,0 +1,291 @@
+"""A fake SGLang-like backend: a small real aiohttp app on 127.0.0.1:0.
+
+It answers `/v1/chat/completions` and `/v1/completions` (streaming and not) with exactly the
+shapes of SGLANG.md: role chunk, content chunks, a finish chunk, the usage chunk (`choices: []`)
+when `stream_options.include_usage`, then `data: [DONE]`. Answers are deterministic (the id is a
+hash of the request body, `created` is fixed) so a response fetched directly and one fetched
+through the proxy can be compared byte for byte.
+
+Behaviour is switched at run time through `mode`:
+  ok          normal answers
+  error500    HTTP 500 with SGLang's flat error body
+  queue_full  streaming: HTTP 200 whose first event is the queue-full error; else HTTP 503
+  bad_request HTTP 400 with SGLang's flat error body
+  stall       headers (streaming) but never a first event / never a body
+  die_mid     stream `fail_after` content chunks, then drop the connection
+  stall_mid   stream `fail_after` content chunks, then go silent
+A stopped backend (`await fake.stop()`) refuses connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import socket
+from typing import Any
+
+from aiohttp import web
+
+CREATED = 1700000000
+
+
+def closed_port_url() -> str:
+    """A URL on 127.0.0.1 where nothing listens (connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+class FakeBackend:
+    def __init__(
+        self,
+        name: str = "fake",
+        *,
+        model: str = "fake-model",
+        chunks: int = 8,
+        delay_s: float = 0.0,
+        first_byte_delay_s: float = 0.0,
+    ) -> None:
+        self.name = name
+        self.model = model
+        self.chunks = chunks
+        self.delay_s = delay_s
+        self.first_byte_delay_s = first_byte_delay_s
+        self.mode = "ok"
+        self.fail_after = 2
+        self.health_status = 200
+        self.metrics_text = ""
+        self.requests: list[dict[str, Any]] = []
+        self.request_headers: list[dict[str, str]] = []
+        self.active = 0
+        self.max_active = 0
+        self.completed = 0
+        self.aborted = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self.app = self._build_app()
+
+    # -- lifecycle --
+
+    async def start(self, port: int = 0) -> str:
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- answers --
+
+    def _build_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({}, status=self.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics_text, content_type="text/plain")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model,
+                        "object": "model",
+                        "created": CREATED,
+                        "owned_by": "sglang",
+                        "root": self.model,
+                        "parent": None,
+                        "max_model_len": 32768,
+                    }
+                ],
+            }
+        )
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    def _tokens(self, body: dict[str, Any]) -> list[str]:
+        n = body.get("max_tokens") or body.get("max_completion_tokens") or self.chunks
+        return [f"tok{i} " for i in range(min(int(n), self.chunks))]
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        body = json.loads(raw)
+        self.requests.append(body)
+        self.request_headers.append(dict(request.headers))
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            if self.mode in ("error500", "bad_request") or (
+                self.mode == "queue_full" and not body.get("stream")
+            ):
+                status = {"error500": 500, "bad_request": 400, "queue_full": 503}[self.mode]
+                return web.json_response(
+                    {
+                        "object": "error",
+                        "message": f"fake {self.mode}",
+                        "type": "Error",
+                        "param": None,
+                        "code": status,
+                    },
+                    status=status,
+                )
+            if self.mode == "stall" and not body.get("stream"):
+                await asyncio.sleep(3600)
+            if self.first_byte_delay_s:
+                await asyncio.sleep(self.first_byte_delay_s)
+            rid = str(body.get("rid") or "fake" + hashlib.sha1(raw).hexdigest()[:24])
+            model = str(body.get("model", self.model))
+            tokens = self._tokens(body)
+            if body.get("stream"):
+                resp = await self._stream(request, body, rid, model, tokens, chat)
+            else:
+                resp = self._whole(body, rid, model, tokens, chat)
+            self.completed += 1
+            return resp
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.active -= 1
+
+    def _usage(self, body: dict[str, Any], n: int) -> dict[str, Any]:
+        prompt = len(json.dumps(body.get("messages", body.get("prompt", "")))) // 4
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + n,
+            "completion_tokens": n,
+            "prompt_tokens_details": None,
+            "reasoning_tokens": 0,
+            "completion_tokens_details": None,
+        }
+
+    def _whole(
+        self, body: dict[str, Any], rid: str, model: str, tokens: list[str], chat: bool
+    ) -> web.Response:
+        text = "".join(tokens)
+        choice: dict[str, Any]
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "reasoning_content": None},
+                "logprobs": None,
+                "finish_reason": "length",
+                "matched_stop": None,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "matched_stop": None,
+            }
+        out = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": CREATED,
+            "model": model,
+            "choices": [choice],
+            "usage": self._usage(body, len(tokens)),
+            "metadata": {"weight_version": "default"},
+        }
+        return web.json_response(out)
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], rid: str, model: str, tokens: list[str], chat: bool
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        if self.mode == "stall":
+            await asyncio.sleep(3600)
+        if self.mode == "queue_full":
+            err = {
+                "error": {
+                    "object": "error",
+                    "message": "The request queue is full.",
+                    "type": "SERVICE_UNAVAILABLE",
+                    "param": None,
+                    "code": 503,
+                }
+            }
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+            return resp
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            payload = {
+                "id": rid,
+                "object": obj,
+                "created": CREATED,
+                "model": model,
+                "choices": choices,
+                **extra,
+            }
+            return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+        def piece(text: str | None, finish: str | None, role: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {"reasoning_content": None}
+                if role:
+                    delta.update(role="assistant", content="")
+                elif text is not None:
+                    delta["content"] = text
+                c = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "matched_stop": None,
+                }
+                return event([c])
+            c = {
+                "index": 0,
+                "text": text or "",
+                "logprobs": None,
+                "finish_reason": finish,
+                "matched_stop": None,
+            }
+            return event([c], usage=None)
+
+        if chat:
+            await resp.write(piece(None, None, role=True))
+        for i, tok in enumerate(tokens):
+            if self.mode in ("die_mid", "stall_mid") and i == self.fail_after:
+                if self.mode == "stall_mid":
+                    await asyncio.sleep(3600)
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            await resp.write(piece(tok, None))
+        await resp.write(piece(None, "length"))
+        options = body.get("stream_options") or {}
+        if options.get("include_usage"):
+            await resp.write(event([], usage=self._usage(body, len(tokens))))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
