@@ -151,7 +151,7 @@ class CostModelPolicy:
                 rate_scale=scale,
             )
         if request.forced_pool is not None:
-            pool, reason = request.forced_pool, "forced"
+            pool, reason = request.forced_pool, "client_override"
         elif e is None:
             if b is None:
                 raise NoHealthyBackend("no healthy backend in either pool")

@@ -26,7 +26,7 @@ class FixedPolicy:
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         if request.forced_pool is not None:
-            return route(view, request.forced_pool, "forced", self._rng, policy=self.name)
+            return route(view, request.forced_pool, "client_override", self._rng, policy=self.name)
         return route(view, self.params.pool, self._reason, self._rng, policy=self.name)
 
     def observe(self, outcome: Outcome) -> None:

@@ -170,7 +170,7 @@ class OnlinePolicy:
             if backend is not None:
                 ttft[pool], e2e[pool], seen[pool] = self._predict(pool, backend.load, n, request)
         if request.forced_pool is not None:
-            pool, reason = request.forced_pool, "forced"
+            pool, reason = request.forced_pool, "client_override"
         elif len(e2e) < 2:
             if not e2e:
                 raise NoHealthyBackend("no healthy backend in either pool")

@@ -63,7 +63,7 @@ class ThresholdPolicy:
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         if request.forced_pool is not None:  # forced requests leave the hysteresis state alone
-            return route(view, request.forced_pool, "forced", self._rng, policy=self.name)
+            return route(view, request.forced_pool, "client_override", self._rng, policy=self.name)
         p = self.params
         load = pool_load(view.eagle, p.signal)
         if self._on_baseline:
