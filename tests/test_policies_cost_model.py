@@ -22,7 +22,7 @@ from policies.registry import PolicyContext, PolicyError, default_registry
 
 KIMI = resolve_profile("kimi-k25-int4-8gpu")
 LLAMA = resolve_profile("llama31-8b-h100-eagle3")
-REASONS = {"faster_eagle", "faster_baseline", "forced", "eagle_unavailable", "baseline_unavailable"}
+REASONS = {"faster_eagle", "faster_baseline", "client_override", "eagle_unavailable", "baseline_unavailable"}
 
 
 def cost_model(profile: Profile = KIMI, seed: int = 0, **params: object) -> Policy:
@@ -165,7 +165,7 @@ def test_unavailable_pools() -> None:
 
 def test_forced_pool_still_records_predictions() -> None:
     d = cost_model().choose(RequestInfo(max_tokens=256, forced_pool="baseline"), loaded(0, 0), 0.0)
-    assert (d.pool, d.reason) == ("baseline", "forced")
+    assert (d.pool, d.reason) == ("baseline", "client_override")
     assert set(d.predicted_e2e_s) == {"baseline", "eagle"}
 
 

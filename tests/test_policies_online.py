@@ -158,7 +158,7 @@ def test_pool_down_and_forced() -> None:
     d = policy.choose(RequestInfo(), down, 0.0)
     assert (d.pool, d.reason) == ("baseline", "eagle_unavailable")
     d = policy.choose(RequestInfo(forced_pool="baseline"), view(), 0.0)
-    assert (d.pool, d.reason) == ("baseline", "forced")
+    assert (d.pool, d.reason) == ("baseline", "client_override")
 
 
 def test_params() -> None:

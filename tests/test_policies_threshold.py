@@ -118,7 +118,7 @@ def test_forced_pool_is_honoured_and_leaves_hysteresis_alone() -> None:
     policy = threshold(threshold=4, hysteresis=2)
     assert policy.choose(REQ, view(5), 0.0).pool == "baseline"
     forced = policy.choose(RequestInfo(forced_pool="eagle"), view(5), 0.0)
-    assert (forced.pool, forced.reason) == ("eagle", "forced")
+    assert (forced.pool, forced.reason) == ("eagle", "client_override")
     assert policy.choose(REQ, view(3), 0.0).pool == "baseline"  # still inside the band
 
 
