@@ -11,6 +11,9 @@ from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
     "controller.serve_cli",
+    "controller.bench_cli",
+    "simulator.emulate_cli",
+    "simulator.cli",
 )
 
 

@@ -1,0 +1,306 @@
+"""CLI wiring for `specroute bench`, `specroute compare` and `specroute profile merge`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from controller.bench import DEFAULT_LEVELS, BenchConfig, BenchError, BenchRunner
+from controller.bench_compare import compare_table, describe_runs
+from controller.bench_prompts import PromptError, load_prompts
+from controller.bench_result import BenchResult, LevelResult, ResultFileError
+from controller.bench_stats import Estimate
+from controller.sglang_import import SglangImportError, import_sglang
+from policies.profile import Profile, ProfileError, load_profile, parse_profile
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _header(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition(":") if ":" in text else text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME:VALUE or NAME=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
+def add_parser(subparsers: Any) -> None:
+    b = subparsers.add_parser(
+        "bench",
+        help="measure a server: closed-loop concurrency sweep, confidence intervals, speed profile",
+        description="Closed-loop concurrency sweep against an OpenAI-compatible server "
+        "(SGLang, the emulator, or specroute). Or, with --import-sglang, turn SGLang's "
+        "benchmark results into a profile.",
+    )
+    b.add_argument("url", nargs="?", metavar="URL", help="server base URL, e.g. http://127.0.0.1:30000")
+    b.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        nargs="+",
+        default=list(DEFAULT_LEVELS),
+        metavar="N",
+        help="concurrency levels (default: %(default)s)",
+    )
+    b.add_argument(
+        "--requests-per-level",
+        type=_positive_int,
+        default=30,
+        metavar="N",
+        help="measured requests per level (default: %(default)s)",
+    )
+    b.add_argument(
+        "--warmup-requests",
+        type=_nonneg_int,
+        default=5,
+        metavar="N",
+        help="warm-up requests per level, not counted (default: %(default)s)",
+    )
+    b.add_argument("--max-tokens", type=_positive_int, default=200, metavar="N")
+    b.add_argument(
+        "--prompts",
+        default="coding",
+        metavar="SET|FILE",
+        help="built-in set 'coding' (default) or 'general', or a JSONL file with "
+        '{"messages": [...]} or {"prompt": "..."} per line',
+    )
+    b.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    b.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
+    b.add_argument("--label", default=None, help="name of this run in results and comparisons")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (SGLang extension)")
+    b.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout")
+    b.add_argument(
+        "--header",
+        type=_header,
+        action="append",
+        default=[],
+        metavar="NAME:VALUE",
+        help="extra request header, e.g. x-specroute-mode:eagle (repeatable)",
+    )
+    b.add_argument("--out", metavar="FILE", help="write raw results and summaries (JSON)")
+    b.add_argument("--profile-out", metavar="FILE", help="write a specroute.profile/v1 for --mode")
+    b.add_argument("--mode", choices=("baseline", "eagle"), help="mode of the written profile")
+    b.add_argument("--profile-name", default=None, help="name field of the written profile")
+    b.add_argument(
+        "--import-sglang",
+        metavar="FILE.jsonl",
+        help="instead of measuring: profile points from `python -m sglang.benchmark.serving` results",
+    )
+    b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    b.set_defaults(func=run_bench)
+
+    c = subparsers.add_parser("compare", help="bench results side by side with confidence intervals")
+    c.add_argument("results", nargs="+", metavar="RESULT", help="files written by `specroute bench --out`")
+    c.set_defaults(func=run_compare)
+
+    p = subparsers.add_parser("profile", help="speed profile tools")
+    psub = p.add_subparsers(dest="profile_command", metavar="SUBCOMMAND")
+    m = psub.add_parser("merge", help="merge one-mode profiles (baseline + eagle) into one")
+    m.add_argument("inputs", nargs="+", metavar="PROFILE")
+    m.add_argument("-o", "--out", required=True, metavar="FILE")
+    m.add_argument("--name", default=None)
+    m.set_defaults(func=run_profile_merge)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"specroute {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _fmt(e: Estimate | None, digits: int) -> str:
+    if e is None:
+        return "-"
+    ci = "?" if e.half_width is None else f"{e.half_width:.{digits}f}"
+    return f"{e.mean:.{digits}f} ± {ci}"
+
+
+def level_line(lv: LevelResult) -> str:
+    s = lv.summary
+    d = s.decode_tok_s
+    pct = "" if d is None else f" (p50 {d.p50:.1f} p90 {d.p90:.1f} p99 {d.p99:.1f})"
+    other = f" (+{s.other_errors} warm-up/filler)" if s.other_errors else ""
+    return (
+        f"concurrency {s.concurrency:>4}: n={s.n} errors={s.errors}{other}  "
+        f"decode {_fmt(d, 2)} tok/s{pct}  TTFT {_fmt(s.ttft_s, 4)} s  "
+        f"total {_fmt(s.total_tok_s, 1)} tok/s  wall {s.wall_s:.1f} s"
+    )
+
+
+def _write_profile(profile: Profile, path: str) -> None:
+    Path(path).write_text(profile.to_json(), encoding="utf-8")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.profile_out and not args.mode:
+        return _fail("bench", "--profile-out needs --mode baseline|eagle")
+    if args.import_sglang:
+        if args.url:
+            return _fail("bench", "give either a URL to measure or --import-sglang FILE, not both")
+        if not args.mode:
+            return _fail("bench", "--import-sglang needs --mode baseline|eagle")
+        try:
+            profile, warnings = import_sglang(args.import_sglang, args.mode, args.profile_name)
+        except (SglangImportError, ProfileError) as e:
+            return _fail("bench", str(e))
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if args.profile_out:
+            _write_profile(profile, args.profile_out)
+            print(f"wrote {args.profile_out}: {len(profile.mode(args.mode).points)} points ({args.mode})")
+        else:
+            sys.stdout.write(profile.to_json())
+        return 0
+    if not args.url:
+        return _fail("bench", "a server URL is required (or --import-sglang FILE)")
+    try:
+        prompts = load_prompts(args.prompts)
+        config = BenchConfig(
+            url=args.url,
+            levels=tuple(args.concurrency),
+            requests_per_level=args.requests_per_level,
+            warmup=args.warmup_requests,
+            max_tokens=args.max_tokens,
+            prompts=prompts,
+            endpoint=args.endpoint,
+            label=args.label,
+            model=args.model,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            timeout_s=args.timeout,
+            headers=dict(args.header),
+        )
+    except (PromptError, ValueError) as e:
+        return _fail("bench", str(e))
+    if len(prompts) < max(config.levels):
+        print(
+            f"warning: prompt set {prompts.name} has {len(prompts)} prompts, fewer than the "
+            f"largest concurrency {max(config.levels)}: concurrent requests will share prompts",
+            file=sys.stderr,
+        )
+
+    def on_level(lv: LevelResult) -> None:
+        print(level_line(lv), flush=True)
+
+    runner = BenchRunner(config, on_level=on_level, progress=not args.no_progress)
+    print(
+        f"bench {args.url}: levels {' '.join(map(str, config.levels))}, {config.requests_per_level} "
+        f"requests per level after {config.warmup} warm-up, max_tokens {config.max_tokens}, "
+        f"prompts {prompts.name} ({len(prompts)})",
+        flush=True,
+    )
+    interrupted = False
+    try:
+        asyncio.run(runner.run())
+    except KeyboardInterrupt:
+        interrupted = True
+    except BenchError as e:
+        return _fail("bench", str(e))
+    result = runner.result
+    if interrupted:
+        result.metadata["interrupted"] = True
+        print(f"interrupted: keeping {len(result.levels)} finished level(s)", file=sys.stderr)
+    info = result.metadata.get("server_info") or {}
+    if info.get("endpoint"):
+        print(
+            f"server info: avg_spec_accept_length={info.get('avg_spec_accept_length')} "
+            f"max_running_requests={info.get('max_running_requests')}"
+        )
+    return _write_outputs(args, result, interrupted)
+
+
+def _write_outputs(args: argparse.Namespace, result: BenchResult, interrupted: bool) -> int:
+    code = 130 if interrupted else 0
+    if args.out:
+        result.write(args.out)
+        print(f"wrote {args.out}")
+    if args.profile_out:
+        try:
+            profile = result.to_profile(args.mode, args.profile_name)
+        except (ResultFileError, ProfileError) as e:
+            print(f"specroute bench: no profile written: {e}", file=sys.stderr)
+            return code or 1
+        _write_profile(profile, args.profile_out)
+        print(f"wrote {args.profile_out}: {len(profile.mode(args.mode).points)} points ({args.mode})")
+    return code
+
+
+def _names(runs: Sequence[BenchResult], paths: Sequence[str]) -> list[str]:
+    labels = [r.label for r in runs]
+    if len(set(labels)) == len(labels):
+        return labels
+    return [f"{lab} ({Path(p).name})" for lab, p in zip(labels, paths, strict=True)]
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    try:
+        runs = [BenchResult.read(p) for p in args.results]
+    except ResultFileError as e:
+        return _fail("compare", str(e))
+    names = _names(runs, args.results)
+    table, warnings = compare_table(runs, names)
+    print("\n".join(describe_runs(runs, names)))
+    print(
+        "cells: mean ± 95% CI half-width (n); vs [1]: relative difference and verdict "
+        "(intervals overlap = not distinguishable; TTFT: lower is faster)"
+    )
+    print()
+    print(table)
+    for w in warnings:
+        print(f"warning: {w}")
+    return 0
+
+
+def merge_profiles(profiles: Sequence[tuple[str, Profile]], name: str | None = None) -> Profile:
+    """One profile with the modes of all inputs; a mode present twice is an error."""
+    modes: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for path, prof in profiles:
+        for mode, mode_profile in prof.modes.items():
+            if mode in modes:
+                raise ProfileError(
+                    f"both {origin[mode]} and {path} have a {mode!r} mode: merge needs profiles "
+                    "with different modes (one baseline, one eagle)"
+                )
+            modes[mode] = mode_profile.model_dump(mode="json", exclude_none=True)
+            origin[mode] = path
+    data = {
+        "format": "specroute.profile/v1",
+        "name": name or " + ".join(p.name for _, p in profiles),
+        "source": "merged: " + " | ".join(f"{path}: {p.source}" for path, p in profiles),
+        "modes": modes,
+    }
+    return parse_profile(data, "<merged profile>")
+
+
+def run_profile_merge(args: argparse.Namespace) -> int:
+    if len(args.inputs) < 2:
+        return _fail("profile merge", "give at least two profiles to merge")
+    try:
+        merged = merge_profiles([(p, load_profile(p)) for p in args.inputs], args.name)
+    except ProfileError as e:
+        return _fail("profile merge", str(e))
+    _write_profile(merged, args.out)
+    print(f"wrote {args.out}: modes {', '.join(merged.modes)}")
+    return 0

@@ -1,0 +1,436 @@
+"""`specroute bench` against a fake SGLang-shaped server with known pacing.
+
+The fake streams chat/completions chunks on an absolute schedule: first token (the role
+chunk) `ttft_s` after the request arrives, then one token every `interval_s`, grouped
+`tokens_per_chunk` to a chunk as EAGLE does, so a request's decode rate is exactly
+1 / interval_s and the measurement can be checked against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from controller.bench import run_sweep
+from controller.bench_prompts import load_prompts
+from policies.profile import load_profile, parse_profile
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclass
+class Pacing:
+    ttft_s: float = 0.02
+    interval_s: float = 0.005
+    tokens_per_chunk: int = 1
+    fail_every: int = 0
+    """Every k-th request (1-based) fails; the failure kinds rotate (HTTP 500, error event,
+    stream without usage)."""
+    interval_factors: tuple[float, ...] = (1.0,)
+    slow_from: int | None = None
+    """Requests from this index on take 1 s per token (to interrupt a level mid-way)."""
+    """Request i uses interval_s * interval_factors[i % len]: a known spread."""
+    server_info: dict[str, Any] | None = field(
+        default_factory=lambda: {
+            "max_running_requests": 48,
+            "speculative_algorithm": "EAGLE3",
+            "internal_states": [{"avg_spec_accept_length": 2.5, "last_gen_throughput": 100.0}],
+        }
+    )
+
+
+class FakeSGLang:
+    def __init__(self, pacing: Pacing) -> None:
+        self.pacing = pacing
+        self.count = 0
+        self.failures = 0
+        self.bodies: list[dict[str, Any]] = []
+        self.slow_started = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/server_info", self.info)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def info(self, request: web.Request) -> web.Response:
+        if self.pacing.server_info is None:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        return web.json_response(self.pacing.server_info)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        arrived = asyncio.get_running_loop().time()
+        body = await request.json()
+        self.bodies.append(body)
+        idx = self.count
+        self.count += 1
+        p = self.pacing
+        chat = request.path.endswith("chat/completions")
+        rid = uuid.uuid4().hex
+        failure = None
+        if p.fail_every and (idx + 1) % p.fail_every == 0:
+            failure = ("http", "event", "no_usage")[self.failures % 3]
+            self.failures += 1
+        if failure == "http":
+            return web.json_response(
+                {
+                    "object": "error",
+                    "message": "boom",
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                },
+                status=500,
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(obj: Any) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj)
+            await resp.write(f"data: {data}\n\n".encode())
+
+        def chunk(text: str | None, role: bool = False, finish: str | None = None) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {"reasoning_content": None}
+                if role:
+                    delta["role"] = "assistant"
+                    delta["content"] = ""
+                elif text is not None:
+                    delta["content"] = text
+                choice = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "matched_stop": None,
+                }
+                return {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": 1700000000,
+                    "model": body.get("model"),
+                    "choices": [choice],
+                }
+            choice = {
+                "index": 0,
+                "text": text or "",
+                "logprobs": None,
+                "finish_reason": finish,
+                "matched_stop": None,
+            }
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": 1700000000,
+                "model": body.get("model"),
+                "choices": [choice],
+                "usage": None,
+            }
+
+        if failure == "event":
+            await send(
+                {
+                    "error": {
+                        "object": "error",
+                        "message": "The request queue is full.",
+                        "type": "SERVICE_UNAVAILABLE",
+                        "param": None,
+                        "code": 503,
+                    }
+                }
+            )
+            await send("[DONE]")
+            return resp
+        n = int(body.get("max_tokens", 16))
+        dt = p.interval_s * p.interval_factors[idx % len(p.interval_factors)]
+        if p.slow_from is not None and idx >= p.slow_from:
+            dt = 1.0
+            self.slow_started.set()
+        loop = asyncio.get_running_loop()
+
+        async def until(t: float) -> None:
+            await asyncio.sleep(max(0.0, t - loop.time()))
+
+        first = arrived + p.ttft_s
+        await until(first)
+        if chat:
+            await send(chunk(None, role=True))
+        await send(chunk("tok "))
+        sent = 1
+        while sent < n:
+            k = min(p.tokens_per_chunk, n - sent)
+            await until(first + (sent + k - 1) * dt)
+            await send(chunk("tok " * k))
+            sent += k
+        await send(chunk(None, finish="length"))
+        if failure != "no_usage" and (body.get("stream_options") or {}).get("include_usage"):
+            await send(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": 1700000000,
+                    "model": body.get("model"),
+                    "choices": [],
+                    "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": n + 12},
+                }
+            )
+        await send("[DONE]")
+        return resp
+
+
+@dataclass
+class Running:
+    url: str
+    fake: FakeSGLang
+
+
+async def start_fake(pacing: Pacing) -> AsyncIterator[Running]:
+    fake = FakeSGLang(pacing)
+    runner = web.AppRunner(fake.app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield Running(f"http://127.0.0.1:{port}", fake)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def server(request: pytest.FixtureRequest) -> AsyncIterator[Running]:
+    pacing = getattr(request, "param", None) or Pacing()
+    async for s in start_fake(pacing):
+        yield s
+
+
+@pytest.mark.parametrize(
+    "server",
+    [Pacing(interval_s=0.01, tokens_per_chunk=1), Pacing(interval_s=0.01, tokens_per_chunk=4)],
+    indirect=True,
+    ids=["1-token-chunks", "4-token-chunks"],
+)
+async def test_decode_rate_at_concurrency_1_matches_pacing(server: Running) -> None:
+    result = await run_sweep(server.url, levels=[1], requests_per_level=6, warmup=1, max_tokens=21)
+    s = result.levels[0].summary
+    assert (s.n, s.errors) == (6, 0)
+    assert s.decode_tok_s is not None and s.ttft_s is not None and s.total_tok_s is not None
+    # pacing: 100 tok/s after the first token, first token 20 ms after arrival
+    assert 70.0 < s.decode_tok_s.mean < 110.0
+    assert 0.015 < s.ttft_s.mean < 0.25
+    # one request in flight: total = 21 tokens per (20 ms + 200 ms) = ~95 tok/s
+    assert 40.0 < s.total_tok_s.mean < 110.0
+    assert s.decode_tok_s.p50 is not None and s.decode_tok_s.p99 is not None
+    measured = [r for r in result.levels[0].requests if r.phase == "measured"]
+    assert all(r.completion_tokens == 21 for r in measured)
+    assert server.fake.count == 7  # 1 warm-up + 6 measured, nothing else at concurrency 1
+    body = server.fake.bodies[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["model"] == "fake-model" and body["messages"][0]["role"] == "user"
+    assert result.metadata["server_info"]["avg_spec_accept_length"] == 2.5
+    assert result.metadata["server_info"]["max_running_requests"] == 48
+
+
+@pytest.mark.parametrize(
+    "server", [Pacing(interval_s=0.004, interval_factors=(0.7, 1.3, 0.85, 1.15))], indirect=True
+)
+async def test_interval_shrinks_as_requests_per_level_grow(server: Running) -> None:
+    small = await run_sweep(server.url, levels=[2], requests_per_level=4, warmup=1, max_tokens=11)
+    large = await run_sweep(server.url, levels=[2], requests_per_level=24, warmup=1, max_tokens=11)
+    a, b = small.levels[0].summary.decode_tok_s, large.levels[0].summary.decode_tok_s
+    assert a is not None and b is not None and a.half_width and b.half_width
+    assert (a.n, b.n) == (4, 24)
+    assert b.half_width < a.half_width / 1.5
+
+
+@pytest.mark.parametrize("server", [Pacing(interval_s=0.002, fail_every=3)], indirect=True)
+async def test_failed_requests_are_counted_as_errors(server: Running) -> None:
+    result = await run_sweep(server.url, levels=[1], requests_per_level=12, warmup=0, max_tokens=11)
+    lv = result.levels[0]
+    s = lv.summary
+    errors = [r.error or "" for r in lv.requests if not r.ok]
+    assert s.n == 12 and s.errors == 4 and s.ok == 8
+    assert any(e.startswith("HTTP 500") for e in errors)
+    assert any("error event" in e and "queue is full" in e for e in errors)
+    assert any("no usage" in e for e in errors)
+    # failed requests are instant: averaging them in would inflate speed and shrink TTFT
+    assert s.decode_tok_s is not None and s.decode_tok_s.n == 8
+    assert s.decode_tok_s.mean < 700.0  # pacing 500 tok/s
+    assert s.ttft_s is not None and s.ttft_s.n == 8 and s.ttft_s.mean > 0.015
+
+
+@pytest.mark.parametrize("server", [Pacing(interval_s=0.002)], indirect=True)
+async def test_completions_endpoint_and_user_prompts(server: Running, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def fib(n):"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    result = await run_sweep(
+        server.url,
+        levels=[2],
+        requests_per_level=4,
+        warmup=0,
+        max_tokens=6,
+        prompts=str(prompts),
+        endpoint="completions",
+    )
+    s = result.levels[0].summary
+    assert (s.n, s.errors) == (4, 0)
+    assert {b["prompt"] for b in server.fake.bodies} == {"def fib(n):", "hi"}
+    assert result.metadata["prompt_set"] == str(prompts)
+
+
+@pytest.mark.parametrize("server", [Pacing(server_info=None)], indirect=True)
+async def test_missing_server_info_is_recorded_as_null(server: Running) -> None:
+    result = await run_sweep(server.url, levels=[1], requests_per_level=2, warmup=0, max_tokens=4)
+    info = result.metadata["server_info"]
+    assert info["avg_spec_accept_length"] is None and info["max_running_requests"] is None
+    profile = result.to_profile("eagle")
+    assert profile.mode("eagle").accept_length is None
+
+
+def test_builtin_prompt_sets_are_large_enough() -> None:
+    for name in ("coding", "general"):
+        ps = load_prompts(name)
+        texts = {json.dumps(p.body("chat")) for p in ps.prompts}
+        assert len(texts) >= 250, name
+
+
+async def _cli(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "controller.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=90)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.parametrize("server", [Pacing(interval_s=0.002)], indirect=True)
+async def test_cli_writes_results_and_a_profile_that_round_trips(server: Running, tmp_path: Path) -> None:
+    out, prof = tmp_path / "r.json", tmp_path / "eagle.json"
+    code, stdout, stderr = await _cli(
+        "bench",
+        server.url,
+        "--concurrency",
+        "1",
+        "3",
+        "--requests-per-level",
+        "5",
+        "--warmup-requests",
+        "1",
+        "--max-tokens",
+        "8",
+        "--label",
+        "fake eagle",
+        "--out",
+        str(out),
+        "--profile-out",
+        str(prof),
+        "--mode",
+        "eagle",
+        "--no-progress",
+    )
+    assert code == 0, stderr
+    assert "concurrency    1: n=5 errors=0" in stdout and "concurrency    3: n=5 errors=0" in stdout
+    data = json.loads(out.read_text())
+    assert data["format"] == "specroute.bench/v1"
+    md = data["metadata"]
+    assert md["label"] == "fake eagle" and md["prompt_set"] == "coding" and md["url"] == server.url
+    assert md["specroute_version"] and md["started"] and md["interrupted"] is False
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 3]
+    assert sum(r["phase"] == "measured" for r in data["levels"][1]["requests"]) == 5
+    profile = load_profile(prof)
+    mode = profile.mode("eagle")
+    assert [p.concurrency for p in mode.points] == [1, 3]
+    assert all(p.samples == 5 and p.decode_tok_s > 0 and p.ttft_s > 0 for p in mode.points)
+    assert mode.accept_length == 2.5 and mode.max_running_requests == 48
+    assert parse_profile(json.loads(profile.to_json())) == profile
+    assert mode.points[0].decode_tok_s == pytest.approx(
+        data["levels"][0]["summary"]["decode_tok_s"]["mean"], rel=1e-3
+    )
+
+
+@pytest.mark.parametrize("server", [Pacing(interval_s=0.002, slow_from=3)], indirect=True)
+async def test_ctrl_c_keeps_finished_levels(server: Running, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "controller.cli",
+        "bench",
+        server.url,
+        "--concurrency",
+        "1",
+        "2",
+        "--requests-per-level",
+        "3",
+        "--warmup-requests",
+        "0",
+        "--max-tokens",
+        "4",
+        "--no-progress",
+        "--out",
+        str(out),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    # the second level is slow (requests 3 and later): interrupt it once the first is out
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=60)).decode()
+        if line.startswith("concurrency    1:") or not line:
+            break
+    assert line.startswith("concurrency    1:"), "first level never finished"
+    await asyncio.wait_for(server.fake.slow_started.wait(), timeout=30)  # level 2 under way
+    proc.send_signal(signal.SIGINT)
+    _, err = await asyncio.wait_for(proc.communicate(), timeout=30)
+    assert proc.returncode == 130, err.decode()
+    assert "Traceback" not in err.decode()
+    data = json.loads(out.read_text())
+    assert data["metadata"]["interrupted"] is True
+    assert [lv["concurrency"] for lv in data["levels"]] == [1]
+
+
+async def test_bad_input_gives_clear_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "wrong key"}\n')
+    cases = [
+        (["bench", "http://127.0.0.1:9", "--prompts", str(bad)], "bad.jsonl:2"),
+        (["bench", "http://127.0.0.1:9", "--prompts", "nosuchset"], "no built-in prompt set"),
+        (["bench", "http://127.0.0.1:9", "--profile-out", "x.json"], "--mode"),
+        (["bench"], "URL is required"),
+        (["bench", "127.0.0.1:9"], "http://"),
+        (["bench", "http://127.0.0.1:9", "--concurrency", "1", "--no-progress"], "cannot reach"),
+        (["bench", "--concurrency", "0"], "must be >= 1"),
+    ]
+    for argv, needle in cases:
+        code, _, err = await _cli(*argv)
+        assert code == 2, (argv, err)
+        assert needle in err and "Traceback" not in err, (argv, err)
+
+
+def test_module_imports_without_side_effects() -> None:
+    code = "import controller.bench, controller.bench_cli; print('ok')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "ok\n" and proc.stderr == ""
