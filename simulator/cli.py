@@ -1,0 +1,389 @@
+"""`specroute simulate` and `specroute tune`: the offline simulator's command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from policies.profile import Profile, ProfileError, resolve_profile
+from policies.registry import PolicyError, default_registry
+from simulator.engine import SimulationError
+from simulator.report import ReportError, format_table, write_report
+from simulator.results import RunResult, Slo
+from simulator.runner import PolicyChoice, is_single_pool, run
+from simulator.servers import (
+    DEFAULT_ADAPTIVE_BUCKETS,
+    DeploymentError,
+    ServerKind,
+    parse_buckets,
+    parse_deployment,
+)
+from simulator.traces import TRACE_FORMATS, TraceError
+from simulator.tuner import OBJECTIVES, TuneError, config_text, parse_grid, tune, write_config
+from simulator.workloads import (
+    DEFAULT_LEVELS,
+    WORKLOAD_KINDS,
+    AcceptModel,
+    LengthSpec,
+    WorkloadError,
+    WorkloadSpec,
+    generate,
+)
+
+_ERRORS = (
+    ProfileError,
+    PolicyError,
+    WorkloadError,
+    TraceError,
+    DeploymentError,
+    TuneError,
+    ReportError,
+    SimulationError,
+)
+
+
+class CliError(ValueError):
+    """A command-line value that cannot be used."""
+
+
+def _value(text: str) -> Any:
+    """A parameter value: JSON when it parses (numbers, booleans, lists, objects), else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_key_values(items: list[str], what: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"{what} {item!r}: expected KEY=VALUE")
+        out[key.strip()] = _value(value.strip())
+    return out
+
+
+def parse_policy(text: str, default_params: dict[str, Any]) -> PolicyChoice:
+    """`NAME` or `NAME:KEY=VALUE,...` (NAME may itself be `module.path:ClassName`)."""
+    head, sep, tail = text.rpartition(":")
+    if sep and "=" in tail:
+        return PolicyChoice(head, parse_key_values(tail.split(","), f"--policy {text!r}:"))
+    return PolicyChoice(text, dict(default_params))
+
+
+def _weights(text: str | None, what: str) -> dict[str, float]:
+    if not text:
+        return {}
+    out: dict[str, float] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        try:
+            if not sep or not key.strip():
+                raise ValueError
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise CliError(f"{what} {item!r}: expected NAME=NUMBER[,NAME=NUMBER...]") from None
+        if out[key.strip()] < 0:
+            raise CliError(f"{what} {item!r}: must be >= 0")
+    return out
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True, help="Speed profile: a JSON file or a built-in name.")
+    p.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Policy parameter (JSON values accepted); applies to every --policy without inline params.",
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=WORKLOAD_KINDS, default="sweep")
+    w.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        action="extend",
+        metavar="N",
+        help=f"Sweep levels (default {' '.join(map(str, DEFAULT_LEVELS))}).",
+    )
+    w.add_argument(
+        "--requests-per-level",
+        type=int,
+        default=30,
+        help="Measured requests per sweep level (at least one per client is always measured).",
+    )
+    w.add_argument(
+        "--warmup-requests", type=int, default=5, help="Unmeasured requests at the start of each level."
+    )
+    w.add_argument(
+        "--rate", type=float, default=10.0, help="Mean arrival rate (poisson, bursty), requests/s."
+    )
+    w.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="Requests (poisson/bursty: default 1000; trace: the first N, default all).",
+    )
+    w.add_argument(
+        "--burst-factor", type=float, default=4.0, help="Bursty: high-state rate / low-state rate."
+    )
+    w.add_argument("--burst-period", type=float, default=10.0, help="Bursty: mean seconds in each state.")
+    w.add_argument("--trace", help="Trace file (Azure LLM inference CSV or specroute decision log JSONL).")
+    w.add_argument("--trace-format", choices=TRACE_FORMATS, help="Trace format (default: detected).")
+    w.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="Multiply trace timestamps by this (0.5 replays twice as fast).",
+    )
+    w.add_argument(
+        "--output-tokens",
+        help="Output lengths: const:N, exp:MEAN, lognormal:MEAN,SIGMA (default const:200 or the trace's).",
+    )
+    w.add_argument("--prompt-tokens", help="Prompt lengths, same forms (default const:256 or the trace's).")
+    w.add_argument(
+        "--hint-mix", metavar="HINT=W,...", help="Synthetic hints with weights, e.g. code=0.3,prose=0.7."
+    )
+    w.add_argument(
+        "--hint-accept",
+        metavar="HINT=F,...",
+        help="EAGLE speed factor per hint (acceptance), e.g. code=1.2,prose=0.85.",
+    )
+    w.add_argument(
+        "--accept-sigma",
+        type=float,
+        default=0.0,
+        help="Spread (lognormal sigma, mean 1) of each request's EAGLE speed factor.",
+    )
+    d = p.add_argument_group("deployment")
+    d.add_argument(
+        "--deployment",
+        action="append",
+        metavar="KIND=N,...",
+        help="Servers per kind (baseline, eagle, adaptive); default baseline=1,eagle=1. Repeat to compare.",
+    )
+    d.add_argument(
+        "--adaptive-buckets",
+        metavar="LIMIT:DEPTH,...",
+        help="Adaptive server: speculation depth (0..1) below each batch size; 0 beyond the last "
+        "(default 8:1,32:0.667,64:0.333).",
+    )
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser(
+        "simulate",
+        help="Replay a workload through simulated servers and policies.",
+        description="Discrete-event simulation of policies routing between simulated baseline "
+        "and EAGLE servers whose speed follows a profile.",
+    )
+    _add_common(s)
+    s.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME[:KEY=VALUE,...]",
+        help="Policy to simulate; repeat to compare side by side (default threshold).",
+    )
+    s.add_argument("--json", action="store_true", help="Print one JSON document.")
+    s.add_argument("--report", metavar="DIR", help="Write a markdown report and PNG plots into DIR.")
+    s.set_defaults(func=_simulate_main)
+
+    t = sub.add_parser(
+        "tune",
+        help="Grid-search a policy's parameters on a simulated workload.",
+        description="Simulate every grid point, rank them, and write the best as a serve config.",
+    )
+    _add_common(t)
+    t.add_argument("--policy", required=True, metavar="NAME")
+    t.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", required=True)
+    t.add_argument("--objective", choices=OBJECTIVES, default="mean_e2e_s")
+    t.add_argument("--slo-ttft", type=float, help="TTFT SLO in seconds (goodput).")
+    t.add_argument("--slo-tpot", type=float, help="Time-per-output-token SLO in seconds (goodput).")
+    t.add_argument("--out", required=True, metavar="FILE", help="Config file to write (YAML).")
+    t.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="Worker processes (default: CPUs).")
+    t.set_defaults(func=_tune_main)
+
+
+def _workload(args: argparse.Namespace) -> WorkloadSpec:
+    def length(text: str | None) -> LengthSpec | None:
+        return LengthSpec.parse(text) if text else None
+
+    if args.accept_sigma < 0:
+        raise CliError("--accept-sigma must be >= 0")
+    hint_accept = _weights(args.hint_accept, "--hint-accept")
+    if any(v <= 0 for v in hint_accept.values()):
+        raise CliError("--hint-accept factors must be > 0")
+    return WorkloadSpec(
+        kind=args.workload,
+        levels=tuple(args.concurrency) if args.concurrency else DEFAULT_LEVELS,
+        requests_per_level=args.requests_per_level,
+        warmup=args.warmup_requests,
+        rate=args.rate,
+        requests=args.requests,
+        burst_factor=args.burst_factor,
+        burst_period_s=args.burst_period,
+        trace=args.trace,
+        trace_format=args.trace_format,
+        time_scale=args.time_scale,
+        output_tokens=length(args.output_tokens),
+        prompt_tokens=length(args.prompt_tokens),
+        hint_mix=_weights(args.hint_mix, "--hint-mix"),
+        accept=AcceptModel(args.accept_sigma, hint_accept),
+    )
+
+
+def _deployments(args: argparse.Namespace) -> list[tuple[tuple[ServerKind, int], ...]]:
+    return [parse_deployment(d) for d in (args.deployment or ["baseline=1,eagle=1"])]
+
+
+def _buckets(args: argparse.Namespace) -> tuple[tuple[int, float], ...]:
+    return parse_buckets(args.adaptive_buckets) if args.adaptive_buckets else DEFAULT_ADAPTIVE_BUCKETS
+
+
+def _profile_ref(arg: str) -> str:
+    p = Path(arg)
+    return str(p.resolve()) if p.is_file() else arg
+
+
+def _describe(spec: WorkloadSpec, profile: Profile) -> str:
+    if spec.kind == "sweep":
+        levels = " ".join(map(str, spec.levels))
+        what = f"sweep, levels {levels}, {spec.requests_per_level} requests/level + {spec.warmup} warm-up"
+    elif spec.kind == "trace":
+        what = f"trace {spec.trace} (time scale {spec.time_scale:g})"
+    else:
+        what = f"{spec.kind}, rate {spec.rate:g}/s"
+    out = (
+        str(spec.output_tokens) if spec.output_tokens else ("trace" if spec.kind == "trace" else "const:200")
+    )
+    return f"profile {profile.name!r}; workload: {what}; output tokens {out}"
+
+
+def _fail(command: str, e: Exception) -> int:
+    print(f"specroute {command}: error: {e}", file=sys.stderr)
+    return 2
+
+
+def _simulate_main(args: argparse.Namespace) -> int:
+    try:
+        profile = resolve_profile(args.profile)
+        spec = _workload(args)
+        deployments = _deployments(args)
+        buckets = _buckets(args)
+        base_params = parse_key_values(args.policy_param, "--policy-param")
+        choices = [parse_policy(p, base_params) for p in (args.policy or ["threshold"])]
+        registry = default_registry()
+        for c in choices:  # validate every policy before the first simulation
+            registry.parse_params(c.name, c.params)
+        segments = generate(spec, args.seed)
+        runs: list[RunResult] = []
+        for dep in deployments:
+            for c in choices[:1] if is_single_pool(dep) else choices:
+                runs.append(
+                    run(profile, c, dep, segments, seed=args.seed, buckets=buckets, registry=registry)
+                )
+        if args.json:
+            print(json.dumps({"runs": [r.to_json() for r in runs]}, indent=2))
+        else:
+            print(_describe(spec, profile))
+            print(format_table(runs))
+        if args.report:
+            path = write_report(
+                runs, args.report, title="specroute simulation", description=_describe(spec, profile)
+            )
+            print(f"report written to {path}", file=sys.stderr)
+    except (*_ERRORS, CliError) as e:
+        return _fail("simulate", e)
+    return 0
+
+
+def _tune_main(args: argparse.Namespace) -> int:
+    try:
+        profile = resolve_profile(args.profile)
+        spec = _workload(args)
+        deployments = _deployments(args)
+        if len(deployments) != 1:
+            raise CliError("tune takes one --deployment")
+        if args.jobs < 1:
+            raise CliError("--jobs must be >= 1")
+        if args.objective == "goodput" and args.slo_ttft is None and args.slo_tpot is None:
+            raise CliError("--objective goodput needs --slo-ttft and/or --slo-tpot")
+        for name, v in (("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot)):
+            if v is not None and v <= 0:
+                raise CliError(f"{name} must be > 0")
+        if "=" in args.policy.rpartition(":")[2]:
+            raise CliError("tune: give parameters with --policy-param / --grid, not NAME:KEY=VALUE")
+        base_params = parse_key_values(args.policy_param, "--policy-param")
+        grid = parse_grid(args.grid)
+        registry = default_registry()
+        total = 1
+        for _, values in grid:
+            total *= len(values)
+        with tqdm(total=total, desc="grid points", unit="pt", file=sys.stderr) as bar:
+            ranking = tune(
+                profile,
+                args.policy,
+                base_params,
+                grid,
+                deployments[0],
+                spec,
+                args.objective,
+                registry=registry,
+                slo=Slo(args.slo_ttft, args.slo_tpot),
+                seed=args.seed,
+                jobs=args.jobs,
+                buckets=_buckets(args),
+                progress=bar.update,
+            )
+        print(_describe(spec, profile))
+        print(
+            f"objective: {args.objective} ({'higher' if args.objective == 'goodput' else 'lower'} is better)"
+        )
+        header = ["rank", "params", args.objective, "mean_e2e_s", "p99_ttft_s", "p99_e2e_s", "eagle %"]
+        rows = []
+        for i, r in enumerate(ranking, 1):
+            s = r.summary
+            rows.append(
+                [
+                    str(i),
+                    ",".join(f"{k}={json.dumps(v)}" for k, v in r.params.items() if k in dict(grid)) or "-",
+                    f"{r.score:.4g}",
+                    f"{s['mean_e2e_s']:.3f}" if s["mean_e2e_s"] is not None else "-",
+                    f"{s['p99_ttft_s']:.3f}" if s["p99_ttft_s"] is not None else "-",
+                    f"{s['p99_e2e_s']:.3f}" if s["p99_e2e_s"] is not None else "-",
+                    f"{100 * s['pool_share']['eagle']:.0f}",
+                ]
+            )
+        widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            print(
+                "  ".join(
+                    c.rjust(w) if i != 1 else c.ljust(w)
+                    for i, (c, w) in enumerate(zip(row, widths, strict=True))
+                )
+            )
+        best = ranking[0]
+        text = config_text(
+            args.policy,
+            best.params,
+            _profile_ref(args.profile),
+            objective=args.objective,
+            best=best,
+            command="specroute " + shlex.join(sys.argv[1:]),
+        )
+        write_config(args.out, text)
+        print(f"best: {args.policy} {json.dumps(best.params)} -> {args.out}")
+    except (*_ERRORS, CliError) as e:
+        return _fail("tune", e)
+    return 0

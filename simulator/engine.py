@@ -1,0 +1,344 @@
+"""The discrete-event engine: requests through simulated servers, routed by a policy.
+
+How it works. Each server is continuous batching modelled as processor sharing with a
+load-dependent rate. While `b` requests are running on a server (admitted: in prefill or
+decoding, as in the profile's definition of concurrency), every decoding request advances at
+`rate(b)` tokens per second. Instead of touching every request at every event, a server keeps
+a virtual clock `V` that advances at `rate(b)`; a request that starts decoding at `V0` with
+`w` tokens of work finishes when `V` reaches `V0 + w`. Finishing virtual times sit in a
+per-server heap, so the next completion's wall time is `T + (heap top - V) / rate` and an
+event costs O(log n). EAGLE requests carry their own acceptance factor `a` (mean 1): their
+virtual work is `tokens / a`.
+
+A request is admitted at once while the server runs fewer than `max_running_requests`,
+otherwise it waits in a FIFO queue. Its first token comes `ttft(b)` after admission (plus
+`prompt_tokens / prefill_tok_s` when the profile gives it); the remaining `n - 1` tokens are
+decoded after that.
+
+The global event heap is keyed by `(time, seq)` with a counter owned by the run; a server's
+completion event is re-pushed whenever its rate or heap top changes and stale ones are
+skipped by a version number. Policies see the same `LoadView`/`RequestInfo` types as in the
+proxy, and get `observe(Outcome)` when a request finishes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from policies.base import BackendLoad, Decision, LoadView, Outcome, Policy, PoolLoad, RequestInfo
+from simulator.servers import ServerModel
+
+_ARRIVE = 0
+_FIRST = 1
+_DONE = 2
+_INFO_CACHE_MAX = 1 << 16
+
+
+class SimulationError(RuntimeError):
+    """The simulation cannot proceed (e.g. a policy picked a backend that does not exist)."""
+
+
+@dataclass(frozen=True)
+class RequestBatch:
+    """Requests to simulate, column-wise. `arrivals` is None for a closed loop."""
+
+    prompt_tokens: Sequence[int]
+    output_tokens: Sequence[int]
+    max_tokens: Sequence[int | None]
+    hints: Sequence[str | None]
+    accept: Sequence[float]
+    """Per-request acceptance factor (mean 1), applied on speculative servers."""
+    arrivals: Sequence[float] | None = None
+
+    def __len__(self) -> int:
+        return len(self.output_tokens)
+
+
+@dataclass(frozen=True)
+class RawRun:
+    """Per-request times (seconds from the start of the run) and where each request ran."""
+
+    arrival: list[float]
+    first_token: list[float]
+    finish: list[float]
+    server: list[int]
+    output_tokens: Sequence[int]
+    servers: tuple[ServerModel, ...]
+
+
+class _Server:
+    __slots__ = (
+        "cap",
+        "dheap",
+        "model",
+        "prefill",
+        "queue",
+        "rate",
+        "rate_table",
+        "running",
+        "t_last",
+        "tokens",
+        "ttft_table",
+        "v",
+        "version",
+    )
+
+    def __init__(self, model: ServerModel) -> None:
+        self.model = model
+        self.cap = model.max_running_requests if model.max_running_requests is not None else 1 << 62
+        self.prefill = model.prefill_tok_s
+        self.rate_table = model.rate
+        self.ttft_table = model.ttft
+        self.running = 0
+        self.tokens = 0
+        self.queue: deque[int] = deque()
+        self.dheap: list[tuple[float, int]] = []
+        self.v = 0.0
+        self.t_last = 0.0
+        self.rate = model.rate[0]
+        self.version = 0
+
+    def rate_for(self, b: int) -> float:
+        table = self.rate_table
+        return table[b] if b < len(table) else self.model.rate_at(b)
+
+    def ttft_for(self, b: int) -> float:
+        table = self.ttft_table
+        return table[b] if b < len(table) else table[-1]
+
+
+def simulate(
+    servers: Sequence[ServerModel],
+    policy: Policy | None,
+    batch: RequestBatch,
+    *,
+    concurrency: int | None = None,
+    seed: int = 0,
+) -> RawRun:
+    """Run `batch` through `servers`.
+
+    Open loop when `batch.arrivals` is given; otherwise a closed loop of `concurrency` clients
+    that each send the next request (in batch order) as soon as their previous one finished.
+    With `policy` None (or all servers in one pool) requests go to the least-loaded server,
+    ties broken by a `random.Random(seed)`.
+    """
+    n = len(batch)
+    if not servers:
+        raise SimulationError("no servers to simulate")
+    if batch.arrivals is None and (concurrency is None or concurrency < 1):
+        raise SimulationError("a closed loop needs concurrency >= 1")
+    states = [_Server(m) for m in servers]
+    pools = {m.pool for m in servers}
+    route_by_policy = policy is not None and len(pools) == 2
+    index = {m.name: i for i, m in enumerate(servers)}
+    rng = random.Random(seed)
+
+    prompt_tokens, output_tokens = batch.prompt_tokens, batch.output_tokens
+    max_tokens, hints, accept = batch.max_tokens, batch.hints, batch.accept
+    budget = [m if m is not None else o for m, o in zip(max_tokens, output_tokens, strict=True)]
+    arrival = [0.0] * n
+    first = [0.0] * n
+    finish = [0.0] * n
+    where = [-1] * n
+    infos: list[RequestInfo | None] = [None] * n
+    decisions: list[Decision | None] = [None] * n
+
+    heap: list[tuple[float, int, int, int, int]] = []
+    push, pop = heapq.heappush, heapq.heappop
+    seq = 0
+    arrivals = batch.arrivals
+    if arrivals is not None:
+        if n:
+            push(heap, (arrivals[0], 0, _ARRIVE, 0, 0))
+            seq = 1
+        issued = n
+    else:
+        assert concurrency is not None
+        issued = min(concurrency, n)
+        for i in range(issued):
+            push(heap, (0.0, seq, _ARRIVE, i, 0))
+            seq += 1
+
+    # Views are rebuilt only where a server's state changed since the last decision: the
+    # frozen dataclasses are the costliest part of an arrival.
+    accept_len = [m.accept_length if m.speculative else None for m in servers]
+    bl_keys: list[tuple[int, int, int]] = [(-1, -1, -1)] * len(states)
+    bls: list[BackendLoad | None] = [None] * len(states)
+    pool_of = [0 if m.pool == "baseline" else 1 for m in servers]
+    pool_members = [[i for i in range(len(states)) if pool_of[i] == p] for p in (0, 1)]
+    pool_loads = [PoolLoad("baseline"), PoolLoad("eagle")]
+    current_view = LoadView(pool_loads[0], pool_loads[1])
+    info_cache: dict[tuple[int, int | None, str | None], RequestInfo] = {}
+
+    def build_view() -> LoadView:
+        nonlocal current_view
+        changed = [False, False]
+        for i, s in enumerate(states):
+            q = len(s.queue)
+            key = (s.running, q, s.tokens)
+            if key != bl_keys[i]:
+                bl_keys[i] = key
+                m = s.model
+                bls[i] = BackendLoad(
+                    name=m.name,
+                    pool=m.pool,
+                    healthy=True,
+                    in_flight=s.running + q,
+                    in_flight_tokens=s.tokens,
+                    running=s.running,
+                    queued=q,
+                    accept_length=accept_len[i],
+                    sample_age_s=0.0,
+                )
+                changed[pool_of[i]] = True
+        if changed[0] or changed[1]:
+            for p in (0, 1):
+                if changed[p]:
+                    backends = tuple(b for b in (bls[i] for i in pool_members[p]) if b is not None)
+                    pool_loads[p] = PoolLoad("baseline" if p == 0 else "eagle", backends)
+            current_view = LoadView(pool_loads[0], pool_loads[1])
+        return current_view
+
+    def least_loaded() -> int:
+        best: list[int] = []
+        best_load = 0
+        for i, s in enumerate(states):
+            load = s.running + len(s.queue)
+            if not best or load < best_load:
+                best, best_load = [i], load
+            elif load == best_load:
+                best.append(i)
+        return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+
+    while heap:
+        t, _, kind, a, b = pop(heap)
+        if kind == _DONE:
+            s = states[a]
+            if b != s.version:
+                continue
+            dheap = s.dheap
+            fv, r = pop(dheap)
+            s.v = fv
+            s.t_last = t
+            done = [r]
+            while dheap and dheap[0][0] <= fv:
+                done.append(pop(dheap)[1])
+            for r in done:
+                finish[r] = t
+                s.running -= 1
+                s.tokens -= budget[r]
+            while s.queue and s.running < s.cap:
+                q = s.queue.popleft()
+                s.running += 1
+                ft = t + s.ttft_for(s.running)
+                if s.prefill is not None and prompt_tokens[q] > 0:
+                    ft += prompt_tokens[q] / s.prefill
+                push(heap, (ft, seq, _FIRST, q, a))
+                seq += 1
+            rate = s.rate_for(s.running)
+            s.rate = rate
+            if dheap:
+                s.version += 1
+                push(heap, (t + (dheap[0][0] - fv) / rate, seq, _DONE, a, s.version))
+                seq += 1
+            for r in done:
+                if policy is not None:
+                    info, decision = infos[r], decisions[r]
+                    if info is not None and decision is not None:
+                        policy.observe(
+                            Outcome(
+                                request=info,
+                                decision=decision,
+                                started_at=arrival[r],
+                                ttft_s=first[r] - arrival[r],
+                                completion_tokens=output_tokens[r],
+                                duration_s=t - arrival[r],
+                                status="ok",
+                            )
+                        )
+                        infos[r] = None
+                        decisions[r] = None
+                if issued < n:
+                    push(heap, (t, seq, _ARRIVE, issued, 0))
+                    seq += 1
+                    issued += 1
+        elif kind == _FIRST:
+            s = states[b]
+            first[a] = t
+            out = output_tokens[a] - 1
+            if out <= 0:
+                # Nothing to decode: finishes with its first token (a zero-work heap entry).
+                work = 0.0
+            else:
+                work = out / accept[a] if s.model.speculative else float(out)
+            dheap = s.dheap
+            v = s.v + (t - s.t_last) * s.rate
+            s.v = v
+            s.t_last = t
+            entry = (v + work, a)
+            heapq.heappush(dheap, entry)
+            if dheap[0] is entry:
+                s.version += 1
+                push(heap, (t + work / s.rate, seq, _DONE, b, s.version))
+                seq += 1
+        else:
+            arrival[a] = t
+            if arrivals is not None and a + 1 < n:
+                push(heap, (arrivals[a + 1], seq, _ARRIVE, a + 1, 0))
+                seq += 1
+            if route_by_policy:
+                assert policy is not None
+                ikey = (prompt_tokens[a], max_tokens[a], hints[a])
+                info = info_cache.get(ikey)
+                if info is None:
+                    if len(info_cache) >= _INFO_CACHE_MAX:
+                        info_cache.clear()
+                    info = RequestInfo(
+                        endpoint="chat", stream=True, prompt_tokens=ikey[0], max_tokens=ikey[1], hint=ikey[2]
+                    )
+                    info_cache[ikey] = info
+                decision = policy.choose(info, build_view(), t)
+                si = index.get(decision.backend)
+                if si is None:
+                    raise SimulationError(
+                        f"policy {policy.name!r} chose backend {decision.backend!r}, "
+                        f"which is not in the deployment ({', '.join(index)})"
+                    )
+                infos[a] = info
+                decisions[a] = decision
+            else:
+                si = least_loaded()
+            where[a] = si
+            s = states[si]
+            s.tokens += budget[a]
+            if s.running < s.cap:
+                # Advance the virtual clock at the old rate before the batch grows.
+                s.v += (t - s.t_last) * s.rate
+                s.t_last = t
+                s.running += 1
+                rate = s.rate_for(s.running)
+                s.rate = rate
+                ft = t + s.ttft_for(s.running)
+                if s.prefill is not None and prompt_tokens[a] > 0:
+                    ft += prompt_tokens[a] / s.prefill
+                push(heap, (ft, seq, _FIRST, a, si))
+                seq += 1
+                if s.dheap:
+                    s.version += 1
+                    push(heap, (t + (s.dheap[0][0] - s.v) / rate, seq, _DONE, si, s.version))
+                    seq += 1
+            else:
+                s.queue.append(a)
+
+    return RawRun(
+        arrival=arrival,
+        first_token=first,
+        finish=finish,
+        server=where,
+        output_tokens=output_tokens,
+        servers=tuple(servers),
+    )

@@ -1,0 +1,184 @@
+"""Simulated server kinds and deployments.
+
+A server kind turns a speed profile into two per-batch-size tables the engine reads on its hot
+path: the per-request decode rate (tok/s while `b` requests are running) and the TTFT.
+
+- `baseline`, `eagle`: the profile's mode of that name, as is.
+- `adaptive`: one server modelled on SGLang's `--speculative-adaptive`, which picks a
+  speculation depth by batch-size bucket. Depth is a fraction `d` in [0, 1] (1 = the profile's
+  full EAGLE setting, 0 = speculation off), and the server's decode step time at batch `b` is
+  interpolated between the two measured curves:
+
+      step(b) = d(b) * step_eagle(b) + (1 - d(b)) * step_baseline(b)
+
+  (TTFT likewise). Default buckets: d = 1 below batch 8, 2/3 below 32, 1/3 below 64, 0 from
+  64 on. The interpolation is the simplest model that is exact at both ends (full depth is the
+  measured EAGLE server, depth 0 the measured plain one); real intermediate depths may sit a
+  little off the line. An adaptive server is not capped at the EAGLE server's
+  `max_running_requests` (it turns speculation off under load), it takes the baseline cap.
+  For routing it counts as part of the `eagle` pool (it speculates), and its requests carry
+  their acceptance factor like EAGLE requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from policies.base import Pool
+from policies.profile import Profile, SpeedModel
+
+ServerKind = Literal["baseline", "eagle", "adaptive"]
+SERVER_KINDS: tuple[ServerKind, ...] = ("baseline", "eagle", "adaptive")
+DEFAULT_ADAPTIVE_BUCKETS: tuple[tuple[int, float], ...] = ((8, 1.0), (32, 2.0 / 3.0), (64, 1.0 / 3.0))
+_TABLE = 4097
+
+
+class DeploymentError(ValueError):
+    """A deployment or bucket spec that cannot be used."""
+
+
+@dataclass(frozen=True)
+class ServerModel:
+    """Speed tables of one simulated server (index = running requests)."""
+
+    name: str
+    kind: ServerKind
+    pool: Pool
+    rate: tuple[float, ...]
+    """Per-request decode tok/s with `b` running requests, for b in 0.._TABLE-1."""
+    ttft: tuple[float, ...]
+    max_running_requests: int | None
+    prefill_tok_s: float | None
+    speculative: bool
+    accept_length: float | None = None
+
+    def rate_at(self, b: int) -> float:
+        """Per-request decode rate at any batch size (step time linear beyond the table)."""
+        n = len(self.rate)
+        if b < n:
+            return self.rate[b]
+        last, prev = 1.0 / self.rate[-1], 1.0 / self.rate[-2]
+        return 1.0 / max(last + (last - prev) * (b - n + 1), last * 1e-3)
+
+    def ttft_at(self, b: int) -> float:
+        return self.ttft[b] if b < len(self.ttft) else self.ttft[-1]
+
+
+def parse_buckets(text: str) -> tuple[tuple[int, float], ...]:
+    """`8:1,32:0.67,64:0.33`: depth fraction below each batch-size limit; 0 beyond the last."""
+    out: list[tuple[int, float]] = []
+    for part in text.split(","):
+        limit_s, sep, depth_s = part.strip().partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            limit, depth = int(limit_s), float(depth_s)
+        except ValueError:
+            raise DeploymentError(
+                f"adaptive bucket {part!r}: expected LIMIT:DEPTH (e.g. 8:1,32:0.67,64:0.33)"
+            ) from None
+        if limit < 1 or not 0.0 <= depth <= 1.0:
+            raise DeploymentError(f"adaptive bucket {part!r}: LIMIT >= 1 and 0 <= DEPTH <= 1")
+        if out and limit <= out[-1][0]:
+            raise DeploymentError(f"adaptive buckets must have increasing limits: {text!r}")
+        out.append((limit, depth))
+    return tuple(out)
+
+
+def adaptive_depth(buckets: Sequence[tuple[int, float]], b: int) -> float:
+    for limit, depth in buckets:
+        if b < limit:
+            return depth
+    return 0.0
+
+
+def _tables(speed: SpeedModel) -> tuple[list[float], list[float]]:
+    return [speed.step_time(b) for b in range(_TABLE)], [speed.ttft_s(b) for b in range(_TABLE)]
+
+
+def build_server(
+    profile: Profile,
+    kind: ServerKind,
+    name: str,
+    buckets: Sequence[tuple[int, float]] = DEFAULT_ADAPTIVE_BUCKETS,
+) -> ServerModel:
+    if kind in ("baseline", "eagle"):
+        pool: Pool = "baseline" if kind == "baseline" else "eagle"
+        speed = profile.speed(pool)
+        step, ttft = _tables(speed)
+        return ServerModel(
+            name=name,
+            kind=kind,
+            pool=pool,
+            rate=tuple(1.0 / s for s in step),
+            ttft=tuple(ttft),
+            max_running_requests=speed.max_running_requests,
+            prefill_tok_s=speed.prefill_tok_s,
+            speculative=kind == "eagle",
+            accept_length=speed.accept_length,
+        )
+    if kind != "adaptive":
+        raise DeploymentError(f"unknown server kind {kind!r}; known: {', '.join(SERVER_KINDS)}")
+    base, eagle = profile.speed("baseline"), profile.speed("eagle")
+    b_step, b_ttft = _tables(base)
+    e_step, e_ttft = _tables(eagle)
+    step = []
+    ttft = []
+    for b in range(_TABLE):
+        d = adaptive_depth(buckets, b)
+        step.append(d * e_step[b] + (1.0 - d) * b_step[b])
+        ttft.append(d * e_ttft[b] + (1.0 - d) * b_ttft[b])
+    return ServerModel(
+        name=name,
+        kind="adaptive",
+        pool="eagle",
+        rate=tuple(1.0 / s for s in step),
+        ttft=tuple(ttft),
+        max_running_requests=base.max_running_requests,
+        prefill_tok_s=base.prefill_tok_s,
+        speculative=True,
+        accept_length=eagle.accept_length,
+    )
+
+
+def parse_deployment(text: str) -> tuple[tuple[ServerKind, int], ...]:
+    """`baseline=1,eagle=1` -> ((baseline, 1), (eagle, 1)), in the order given."""
+    out: list[tuple[ServerKind, int]] = []
+    seen: set[str] = set()
+    for part in text.split(","):
+        kind_s, sep, n_s = part.strip().partition("=")
+        kind_s = kind_s.strip()
+        if kind_s not in SERVER_KINDS:
+            raise DeploymentError(
+                f"deployment {text!r}: unknown server kind {kind_s!r} (known: {', '.join(SERVER_KINDS)})"
+            )
+        try:
+            n = int(n_s) if sep else -1
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise DeploymentError(f"deployment {text!r}: expected KIND=N with N >= 0, got {part!r}")
+        if kind_s in seen:
+            raise DeploymentError(f"deployment {text!r}: {kind_s!r} given twice")
+        seen.add(kind_s)
+        kind: ServerKind = (
+            "baseline" if kind_s == "baseline" else "eagle" if kind_s == "eagle" else "adaptive"
+        )
+        if n:
+            out.append((kind, n))
+    if not out:
+        raise DeploymentError(f"deployment {text!r}: no servers")
+    return tuple(out)
+
+
+def build_deployment(
+    profile: Profile,
+    deployment: Sequence[tuple[ServerKind, int]],
+    buckets: Sequence[tuple[int, float]] = DEFAULT_ADAPTIVE_BUCKETS,
+) -> tuple[ServerModel, ...]:
+    """Servers named `<kind>-<i>`, in deployment order."""
+    return tuple(
+        build_server(profile, kind, f"{kind}-{i}", buckets) for kind, n in deployment for i in range(n)
+    )
