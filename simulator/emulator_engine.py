@@ -1,0 +1,394 @@
+"""The emulated SGLang scheduler: continuous batching driven by a speed profile.
+
+How it works: one asyncio task per server advances every decoding request by one step per
+iteration. A step lasts `step_time(b) * time_scale` wall seconds, `b` being the number of
+running requests (decoding or waiting for their first token) at the start of the step. A
+plain server emits one token per request per step. An EAGLE server runs verify steps of
+`accept_length / decode_tok_s(b)` seconds and emits a random accepted length per request
+(a chain-acceptance draw whose mean is `accept_length` times the request's hint factor), so
+the per-request token rate is the profile's `decode_tok_s(b)` on average. Steps are
+scheduled against absolute deadlines, so late timer wake-ups on a loaded machine do not
+accumulate drift. A request's first token arrives `ttft_s(b) * time_scale` after it is
+admitted; requests beyond `max_running_requests` wait in a FIFO queue. Each request gets its
+events (token counts, then a finish) through its own asyncio queue; `abort` removes it and
+frees its slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from policies.profile import SpeedModel
+
+FinishReason = Literal["stop", "length", "abort"]
+_MAX_LAG_S = 0.25
+"""A step loop further behind its deadline than this restarts from now instead of catching up."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """`n` new output tokens (one chunk: one decode or verify step)."""
+
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    reason: FinishReason
+
+
+Event = Tokens | Finished
+
+
+class QueueFull(Exception):
+    """The waiting queue is at `max_queued_requests`."""
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    rid: str
+    prompt_tokens: int
+    output_tokens: int
+    """Tokens to generate before finishing (>= 1)."""
+    finish_reason: FinishReason = "length"
+    """Reason reported when `output_tokens` have been generated ("stop" = EOS reached)."""
+    accept_mean: float = 1.0
+    """Mean tokens per verify step for this request (1 without speculation)."""
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    generated: int = 0
+    submitted_at: float = 0.0
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    done: bool = False
+    _timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """What SGLang's scheduler reports; refreshed every few decode steps, so it lags."""
+
+    timestamp: float = 0.0
+    num_running_reqs: int = 0
+    num_queue_reqs: int = 0
+    gen_throughput: float = 0.0
+    spec_accept_length: float = 0.0
+    spec_accept_rate: float = 0.0
+
+
+class EngineObserver(Protocol):
+    """Receives per-request timings (wall seconds) and scheduler stats (for metrics)."""
+
+    def on_admit(self, req: EngineRequest, queue_s: float) -> None: ...
+    def on_first_token(self, req: EngineRequest, ttft_s: float) -> None: ...
+    def on_chunk(self, req: EngineRequest, n: int, interval_s: float) -> None: ...
+    def on_finish(self, req: EngineRequest, reason: FinishReason, e2e_s: float) -> None: ...
+    def on_stats(self, stats: SchedulerStats) -> None: ...
+
+
+class AcceptanceSampler:
+    """Accepted length per verify step under chain acceptance with `steps` draft tokens.
+
+    Each draft token is accepted with probability `p` until the first rejection, plus the
+    bonus token: k = 1 + j, P(j) = p^j (1-p) for j < steps, P(steps) = p^steps. `p` is solved
+    so that E[k] equals the requested mean (clamped to [1, steps + 1]).
+    """
+
+    def __init__(self, steps: int, rng: random.Random) -> None:
+        self.steps = steps
+        self._rng = rng
+        self._p_cache: dict[float, float] = {}
+
+    def mean_of(self, p: float) -> float:
+        return sum(p**i for i in range(self.steps + 1))
+
+    def _p_for(self, mean: float) -> float:
+        p = self._p_cache.get(mean)
+        if p is None:
+            lo, hi = 0.0, 1.0
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                if self.mean_of(mid) < mean:
+                    lo = mid
+                else:
+                    hi = mid
+            p = self._p_cache[mean] = (lo + hi) / 2
+        return p
+
+    def sample(self, mean: float) -> int:
+        if mean <= 1.0 or self.steps <= 0:
+            return 1
+        if mean >= self.steps + 1:
+            return self.steps + 1
+        p = self._p_for(mean)
+        k = 1
+        while k <= self.steps and self._rng.random() < p:
+            k += 1
+        return k
+
+
+class BatchEngine:
+    """Continuous-batching scheduler of one emulated server. Create and run inside a loop."""
+
+    def __init__(
+        self,
+        speed: SpeedModel,
+        *,
+        max_running_requests: int,
+        time_scale: float = 1.0,
+        accept_length: float | None = None,
+        speculative_num_steps: int = 3,
+        max_queued_requests: int | None = None,
+        stats_interval_steps: int = 40,
+        max_total_num_tokens: int = 1_000_000,
+        seed: int = 0,
+        observer: EngineObserver | None = None,
+    ) -> None:
+        self.speed = speed
+        self.max_running_requests = max_running_requests
+        self.time_scale = time_scale
+        self.accept_length = accept_length  # None: plain server
+        self.speculative_num_steps = speculative_num_steps
+        self.max_queued_requests = max_queued_requests
+        self.stats_interval_steps = max(1, stats_interval_steps)
+        self.observer = observer
+        self.max_total_num_tokens = max_total_num_tokens
+        self.sampler = AcceptanceSampler(speculative_num_steps, random.Random(seed))
+        self._loop = asyncio.get_running_loop()
+        self._queue: collections.deque[EngineRequest] = collections.deque()
+        self._running: dict[str, EngineRequest] = {}
+        self._decoding: dict[str, EngineRequest] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.stats = SchedulerStats(timestamp=self._loop.time())
+        # Counters: lifetime and since the last stats refresh.
+        self.steps = 0
+        self.total_generated = 0
+        self.total_verify = 0
+        self.total_accepted = 0
+        self._win_tokens = 0
+        self._win_verify = 0
+        self._win_accepted = 0
+        self._win_start = self._loop.time()
+        self._steps_since_stats = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="emulator-scheduler")
+
+    async def stop(self) -> None:
+        self.abort_all()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    # -- queries -----------------------------------------------------------------------
+
+    @property
+    def speculative(self) -> bool:
+        return self.accept_length is not None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def is_active(self, rid: str) -> bool:
+        return rid in self._running or any(r.rid == rid for r in self._queue)
+
+    def used_tokens(self) -> int:
+        """KV tokens held by running requests (prompt + generated so far)."""
+        return sum(r.prompt_tokens + r.generated for r in self._running.values())
+
+    def avg_accept_length(self) -> float | None:
+        """Lifetime mean tokens per verify step (bonus included); None before any verify."""
+        if not self.speculative or self.total_verify == 0:
+            return None
+        return self.total_accepted / self.total_verify
+
+    def step_seconds(self, batch: int) -> float:
+        """Wall seconds of one decode (or verify) step with `batch` running requests."""
+        t = self.speed.step_time(batch)
+        if self.accept_length is not None:
+            t *= self.accept_length
+        return t * self.time_scale
+
+    # -- requests ----------------------------------------------------------------------
+
+    def submit(self, req: EngineRequest) -> None:
+        """Queue `req`; raises QueueFull when the waiting queue is at its bound."""
+        if req.output_tokens < 1:
+            raise ValueError("output_tokens must be >= 1")
+        admit_now = len(self._running) < self.max_running_requests and not self._queue
+        if not admit_now and self.max_queued_requests is not None:
+            if len(self._queue) >= self.max_queued_requests:
+                raise QueueFull("The request queue is full.")
+        req.submitted_at = self._loop.time()
+        self._queue.append(req)
+        self._admit()
+
+    def abort(self, rid: str) -> bool:
+        """Abort a queued or running request; its client gets finish_reason "abort"."""
+        req = self._running.get(rid)
+        if req is None:
+            req = next((r for r in self._queue if r.rid == rid), None)
+            if req is None:
+                return False
+            self._queue.remove(req)
+            self._finish(req, "abort")
+            return True
+        self._finish(req, "abort")
+        self._admit()
+        return True
+
+    def abort_all(self) -> int:
+        rids = [r.rid for r in self._queue] + list(self._running)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        admitted = False
+        while self._queue and len(self._running) < self.max_running_requests:
+            req = self._queue.popleft()
+            now = self._loop.time()
+            req.admitted_at = now
+            self._running[req.rid] = req
+            b = len(self._running)
+            ttft = (self.speed.ttft_s(b) + self.speed.prefill_s(req.prompt_tokens)) * self.time_scale
+            req._timer = self._loop.call_at(now + ttft, self._first_token, req)
+            if self.observer is not None:
+                self.observer.on_admit(req, now - req.submitted_at)
+            admitted = True
+        if admitted:
+            self._refresh_stats()  # SGLang logs stats on every prefill batch
+
+    def _first_token(self, req: EngineRequest) -> None:
+        req._timer = None
+        if req.done:
+            return
+        now = self._loop.time()
+        req.first_token_at = req.last_token_at = now
+        req.generated = 1
+        self.total_generated += 1
+        self._win_tokens += 1
+        req.events.put_nowait(Tokens(1))
+        if self.observer is not None:
+            self.observer.on_first_token(req, now - req.submitted_at)
+        if req.generated >= req.output_tokens:
+            self._finish(req, req.finish_reason)
+            self._admit()
+            return
+        self._decoding[req.rid] = req
+        self._wake.set()
+
+    def _finish(self, req: EngineRequest, reason: FinishReason) -> None:
+        if req.done:
+            return
+        req.done = True
+        if req._timer is not None:
+            req._timer.cancel()
+            req._timer = None
+        self._running.pop(req.rid, None)
+        self._decoding.pop(req.rid, None)
+        req.events.put_nowait(Finished(reason))
+        if self.observer is not None:
+            self.observer.on_finish(req, reason, self._loop.time() - req.submitted_at)
+        if not self._running:
+            self._refresh_stats(decode=self._steps_since_stats > 0)  # show an idle server as idle
+
+    def _advance(self, batch: list[EngineRequest]) -> None:
+        """End of one step: every request that was decoding at its start gets its tokens."""
+        now = self._loop.time()
+        finished = False
+        for req in batch:
+            if req.done:
+                continue
+            if self.accept_length is not None:
+                k = self.sampler.sample(req.accept_mean)
+                self.total_verify += 1
+                self.total_accepted += k
+                self._win_verify += 1
+                self._win_accepted += k
+            else:
+                k = 1
+            k = min(k, req.output_tokens - req.generated)
+            req.generated += k
+            self.total_generated += k
+            self._win_tokens += k
+            interval = now - (req.last_token_at or now)
+            req.last_token_at = now
+            req.events.put_nowait(Tokens(k))
+            if self.observer is not None:
+                self.observer.on_chunk(req, k, interval)
+            if req.generated >= req.output_tokens:
+                self._finish(req, req.finish_reason)
+                finished = True
+        self.steps += 1
+        self._steps_since_stats += 1
+        if self._steps_since_stats >= self.stats_interval_steps:
+            self._refresh_stats(decode=True)
+        if finished:
+            self._admit()
+
+    def _refresh_stats(self, decode: bool = False) -> None:
+        """Publish scheduler stats. Like SGLang: counts on every prefill batch (admission);
+        throughput and acceptance over the window since the last decode refresh."""
+        now = self._loop.time()
+        old = self.stats
+        throughput, accept_len, accept_rate = old.gen_throughput, old.spec_accept_length, old.spec_accept_rate
+        if decode:
+            elapsed = now - self._win_start
+            throughput = self._win_tokens / elapsed if elapsed > 0 else 0.0
+            if self._win_verify:
+                accept_len = self._win_accepted / self._win_verify
+                accept_rate = self._win_accepted / (self._win_verify * (self.speculative_num_steps + 1))
+        if decode or not self._running:
+            self._win_tokens = self._win_verify = self._win_accepted = 0
+            self._win_start = now
+            self._steps_since_stats = 0
+        if not self._running:
+            throughput = 0.0
+        self.stats = SchedulerStats(
+            timestamp=now,
+            num_running_reqs=len(self._running),
+            num_queue_reqs=len(self._queue),
+            gen_throughput=throughput,
+            spec_accept_length=accept_len,
+            spec_accept_rate=accept_rate,
+        )
+        if self.observer is not None:
+            self.observer.on_stats(self.stats)
+
+    async def _run(self) -> None:
+        deadline: float | None = None
+        while True:
+            if not self._decoding:
+                deadline = None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            now = self._loop.time()
+            if deadline is None or now - deadline > _MAX_LAG_S:
+                deadline = now
+            batch = list(self._decoding.values())
+            deadline += self.step_seconds(len(self._running))
+            delay = deadline - self._loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._advance(batch)
