@@ -531,7 +531,7 @@ class _Run:
                 await self._break(sr, f"backend {self.decision.backend} stream broke: {type(e).__name__}")
                 return sr
             clean = True
-            self.status = "ok" if resp.status < 400 else "error"
+            self.status = "ok" if resp.status < 400 and not up.retryable else "error"
             self.tokens = completion_tokens(b"".join(tail))
             await sr.write_eof()
             return sr

@@ -1,0 +1,162 @@
+"""Exact in-flight accounting: counts follow the requests and return to exactly 0 on every path
+(success, backend error, timeout, stream dying, client disconnect), and the threshold policy
+sees them."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import openai
+
+CHAT = [{"role": "user", "content": "hello"}]
+BODY = {"model": "m", "messages": CHAT, "stream": True}
+
+
+async def _open_stream(session: aiohttp.ClientSession, url: str) -> aiohttp.ClientResponse:
+    """Start a stream and read its first event, so the request is certainly in flight."""
+    resp = await session.post(url + "/v1/chat/completions", json=BODY)
+    assert resp.status == 200
+    await resp.content.readuntil(b"\n\n")
+    return resp
+
+
+async def test_threshold_first_n_streams_to_eagle_rest_to_baseline(fake_backend, proxy):
+    base = await fake_backend(chunks=50, delay_s=0.2)
+    eagle = await fake_backend(chunks=50, delay_s=0.2)
+    p = await proxy(
+        baseline=[base.url], eagle=[eagle.url], policy="threshold", policy_params={"threshold": 3}
+    )
+    async with aiohttp.ClientSession() as s:
+        streams = [await _open_stream(s, p.url) for _ in range(5)]
+        pools = [r.headers["x-specroute-pool"] for r in streams]
+        reasons = [r.headers["x-specroute-reason"] for r in streams]
+        assert pools == ["eagle"] * 3 + ["baseline"] * 2
+        assert reasons == ["below_threshold"] * 3 + ["above_threshold"] * 2
+        assert p.sample("specroute_in_flight_requests", pool="eagle", backend=eagle.url) == 3
+        assert p.sample("specroute_in_flight_requests", pool="baseline", backend=base.url) == 2
+        for r in streams:
+            r.close()
+        await p.wait_idle()
+    assert p.in_flight_samples() == [0.0, 0.0]
+    assert base.active == 0 and eagle.active == 0
+    assert base.aborted + eagle.aborted == 5  # closing the client aborted the upstream generation
+
+
+async def test_500_streams_30_percent_abandoned_leave_zero_in_flight(fake_backend, proxy):
+    backends = [await fake_backend(chunks=12, delay_s=0.002) for _ in range(4)]
+    p = await proxy(
+        baseline=[b.url for b in backends[:2]],
+        eagle=[b.url for b in backends[2:]],
+        policy="threshold",
+        policy_params={"threshold": 12},
+    )
+    rng = random.Random(7)
+    plan = [rng.random() < 0.3 for _ in range(500)]
+    abandon_after = [rng.randrange(0, 6) for _ in range(500)]
+    client = openai.AsyncOpenAI(base_url=p.base_url, api_key="k", max_retries=0)
+    gate = asyncio.Semaphore(48)
+    completed = 0
+
+    async def one(i: int) -> None:
+        nonlocal completed
+        async with gate:
+            stream = await client.chat.completions.create(
+                model="m", messages=CHAT, stream=True, stream_options={"include_usage": True}
+            )
+            n = 0
+            async for _chunk in stream:
+                n += 1
+                if plan[i] and n > abandon_after[i]:
+                    await stream.close()  # the client walks away mid-stream
+                    return
+            completed += 1
+
+    await asyncio.gather(*(one(i) for i in range(500)))
+    await client.close()
+    await p.wait_idle()
+    samples = p.in_flight_samples()
+    assert len(samples) == 4 and all(v == 0.0 for v in samples), samples
+    assert sum(b.in_flight_tokens for b in p.tracker) == 0
+    assert all(b.active == 0 for b in backends)
+    assert completed == 500 - sum(plan)
+    statuses: dict[str, float] = {}
+    for b in p.tracker:
+        for st in ("ok", "client_closed", "error", "timeout"):
+            v = p.sample("specroute_requests_total", pool=b.pool, backend=b.name, status=st) or 0.0
+            statuses[st] = statuses.get(st, 0.0) + v
+    assert sum(statuses.values()) == 500
+    assert statuses["error"] == statuses["timeout"] == 0
+    # every abandoned stream was noticed as such, unless the proxy had already relayed all of it
+    assert 0 < statuses["client_closed"] <= sum(plan)
+    assert sum(b.aborted for b in backends) == statuses["client_closed"]
+
+
+async def test_release_on_every_failure_path(fake_backend, proxy):
+    fb = await fake_backend(chunks=6)
+    p = await proxy(
+        baseline=[fb.url], policy="fixed", first_byte_timeout_s=0.3, idle_timeout_s=0.3, health_checks=False
+    )
+    expected = {
+        "ok": 200,
+        "error500": 500,  # no other backend: relayed as the backend sent it
+        "bad_request": 400,
+        "queue_full": 200,  # relayed as sent: the 200 stream whose first event is the error
+        "stall": 504,
+        "die_mid": 200,
+        "stall_mid": 200,
+    }
+    for mode, status in expected.items():
+        fb.mode = mode
+        p.tracker.set_healthy(fb.url, True)
+        async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+            body = await r.read()
+        assert r.status == status, (mode, body)
+        await p.wait_idle()
+        assert p.tracker.total_in_flight == 0, mode
+        assert p.in_flight_samples() == [0.0], mode
+    by_status = {
+        st: p.sample("specroute_requests_total", pool="baseline", backend=fb.url, status=st)
+        for st in ("ok", "error", "timeout")
+    }
+    assert by_status == {"ok": 1.0, "error": 4.0, "timeout": 2.0}
+
+
+async def test_client_disconnect_while_waiting_for_first_byte(fake_backend, proxy):
+    fb = await fake_backend()
+    fb.mode = "stall"
+    p = await proxy(baseline=[fb.url], policy="fixed")
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(p.url + "/v1/chat/completions", json={**BODY, "stream": False}))
+        while fb.active == 0:  # noqa: ASYNC110 - waiting for the fake to see the request
+            await asyncio.sleep(0.01)
+        assert p.tracker.total_in_flight == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    await p.wait_idle()
+    assert p.tracker.total_in_flight == 0
+    for _ in range(200):
+        if fb.active == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert fb.active == 0 and fb.aborted == 1  # the upstream request was closed at once
+    assert p.records[-1].outcome.status == "client_closed"
+
+
+async def test_in_flight_tokens_follow_max_tokens(fake_backend, proxy):
+    fb = await fake_backend(chunks=50, delay_s=0.2)
+    p = await proxy(eagle=[fb.url], policy="fixed", policy_params={"pool": "eagle"})
+    async with aiohttp.ClientSession() as s:
+        r1 = await s.post(p.url + "/v1/chat/completions", json={**BODY, "max_tokens": 40})
+        r2 = await s.post(p.url + "/v1/chat/completions", json={**BODY, "max_completion_tokens": 7})
+        await r1.content.readuntil(b"\n\n")
+        await r2.content.readuntil(b"\n\n")
+        state = p.tracker.get(fb.url)
+        assert (state.in_flight, state.in_flight_tokens) == (2, 47)
+        view = p.tracker.view(0.0)
+        assert view.eagle.backends[0].in_flight == 2
+        r1.close()
+        r2.close()
+    await p.wait_idle()
+    assert (state.in_flight, state.in_flight_tokens) == (0, 0)

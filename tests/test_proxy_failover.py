@@ -1,0 +1,210 @@
+"""Failover before the first byte, health (passive and active), and streams that break after it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+from fakes import closed_port_url
+
+CHAT = [{"role": "user", "content": "hello"}]
+BODY = {"model": "m", "messages": CHAT, "stream": True}
+
+
+async def test_dead_backend_is_skipped_without_client_visible_error(fake_backend, proxy):
+    live = await fake_backend(chunks=3)
+    dead = closed_port_url()
+    p = await proxy(baseline=[dead, live.url], eagle=[], policy="fixed", health_checks=False, seed=1)
+    client = openai.AsyncOpenAI(base_url=p.base_url, api_key="k", max_retries=0)
+    for i in range(6):
+        stream = i % 2 == 0
+        if stream:
+            chunks = [
+                c async for c in await client.chat.completions.create(model="m", messages=CHAT, stream=True)
+            ]
+            assert chunks[1].choices[0].delta.content == "tok0 "
+        else:
+            out = await client.chat.completions.create(model="m", messages=CHAT)
+            assert out.choices[0].message.content == "tok0 tok1 tok2 "
+    await client.close()
+    assert len(live.requests) == 6
+    assert p.tracker.get(dead).healthy is False  # passively marked after the refused connection
+    assert p.sample("specroute_backend_healthy", pool="baseline", backend=dead) == 0.0
+    assert p.sample("specroute_failovers_total", pool="baseline") in (None, 1.0)
+    assert p.tracker.total_in_flight == 0
+
+
+async def test_failover_goes_to_other_pool_and_headers_say_so(fake_backend, proxy):
+    eagle = await fake_backend()
+    base = await fake_backend()
+    eagle_url = eagle.url
+    await eagle.stop()  # refuses connections now
+    p = await proxy(
+        baseline=[base.url],
+        eagle=[eagle_url],
+        policy="fixed",
+        policy_params={"pool": "eagle"},
+        health_checks=False,
+    )
+    async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+        body = await r.read()
+    assert r.status == 200 and body.endswith(b"data: [DONE]\n\n")
+    assert (r.headers["x-specroute-pool"], r.headers["x-specroute-reason"]) == ("baseline", "failover")
+    assert p.records[-1].chosen.pool == "eagle" and p.records[-1].outcome.decision.pool == "baseline"
+    assert p.sample("specroute_failovers_total", pool="eagle") == 1.0
+    # the next request is routed around the unhealthy eagle backend by the policy itself
+    async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+        await r.read()
+    assert r.headers["x-specroute-reason"] == "eagle_unavailable"
+
+
+async def test_queue_full_first_event_and_5xx_are_retried_once(fake_backend, proxy):
+    a = await fake_backend()
+    b = await fake_backend()
+    p = await proxy(baseline=[a.url, b.url], policy="fixed", health_checks=False)
+    for mode in ("queue_full", "error500"):
+        a.mode = b.mode = mode
+        b.mode = "ok"
+        for stream in (True, False):
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    p.url + "/v1/chat/completions",
+                    json={**BODY, "stream": stream},
+                    headers={"x-specroute-mode": "baseline"},
+                ) as r,
+            ):
+                body = await r.read()
+            assert r.status == 200, (mode, stream, body)
+            assert r.headers["x-specroute-backend"] == b.url
+            assert b"error" not in body
+            assert p.tracker.get(a.url).healthy  # overload is not ill health
+    # both failing: the second answer is relayed as the backend sent it
+    a.mode = b.mode = "queue_full"
+    async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+        body = await r.read()
+    assert r.status == 200
+    first = json.loads(body.split(b"\n\n")[0].removeprefix(b"data: "))
+    assert first["error"]["code"] == 503
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert p.tracker.total_in_flight == 0
+
+
+async def test_first_byte_timeout_retries_then_504(fake_backend, proxy):
+    slow = await fake_backend()
+    slow.mode = "stall"
+    fast = await fake_backend()
+    p = await proxy(
+        baseline=[slow.url], eagle=[fast.url], policy="fixed", first_byte_timeout_s=0.3, health_checks=False
+    )
+    async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+        await r.read()
+    assert r.status == 200 and r.headers["x-specroute-pool"] == "eagle"
+    assert not p.tracker.get(slow.url).healthy
+    fast.mode = "stall"
+    p.tracker.set_healthy(slow.url, True)
+    async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+        err = await r.json()
+    assert r.status == 504 and err["error"]["code"] == "backend_timeout"
+    await p.wait_idle()
+    assert p.tracker.total_in_flight == 0
+    # the upstream requests were closed, so the backends stopped generating
+    for _ in range(200):
+        if slow.active == fast.active == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert slow.active == fast.active == 0
+
+
+async def test_nothing_is_retried_after_the_first_byte(fake_backend, proxy):
+    a = await fake_backend(chunks=6)
+    b = await fake_backend(chunks=6)
+    a.mode = b.mode = "die_mid"
+    p = await proxy(baseline=[a.url, b.url], policy="fixed", health_checks=False)
+    async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+        body = await r.read()
+    assert r.status == 200
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    err = json.loads(events[-2].removeprefix(b"data: "))
+    assert err["error"]["code"] == "stream_broken" and err["error"]["param"] is None
+    assert len(a.requests) + len(b.requests) == 1
+    assert p.records[-1].outcome.status == "error"
+
+
+async def test_idle_timeout_after_first_byte_ends_stream_with_error(fake_backend, proxy):
+    fb = await fake_backend(chunks=6)
+    fb.mode = "stall_mid"
+    p = await proxy(baseline=[fb.url], policy="fixed", idle_timeout_s=0.3)
+    client = openai.AsyncOpenAI(base_url=p.base_url, api_key="k", max_retries=0)
+    stream = await client.chat.completions.create(model="m", messages=CHAT, stream=True)
+    got = []
+    try:
+        async for c in stream:
+            got.append(c)
+        raise AssertionError("the stream should end with an error event")
+    except openai.APIError as e:
+        assert "sent nothing for 0.3 s" in str(e)
+    await client.close()
+    assert len(got) == 3  # role chunk + 2 content chunks arrived before the silence
+    await p.wait_idle()
+    assert p.records[-1].outcome.status == "timeout"
+    assert p.tracker.total_in_flight == 0
+
+
+async def test_no_healthy_backend_answers_503_quickly(fake_backend, proxy):
+    p = await proxy(
+        baseline=[closed_port_url()],
+        eagle=[closed_port_url()],
+        policy="threshold",
+        health_check_interval_s=60,
+    )
+    for _ in range(100):
+        if not p.tracker.any_healthy():
+            break
+        await asyncio.sleep(0.02)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+            err = await r.json()
+        async with s.get(p.url + "/ready") as ready:
+            await ready.read()
+    assert loop.time() - t0 < 2.0
+    assert r.status == 503 and err["error"]["code"] == "no_healthy_backend"
+    assert ready.status == 503
+    assert p.sample("specroute_rejected_requests_total", code="503") == 1.0
+
+
+async def test_active_health_check_brings_backend_back(fake_backend, proxy):
+    fb = await fake_backend()
+    fb.health_status = 503
+    p = await proxy(baseline=[fb.url], policy="fixed", health_check_interval_s=0.05)
+    for _ in range(200):
+        if not p.tracker.get(fb.url).healthy:
+            break
+        await asyncio.sleep(0.01)
+    assert not p.tracker.get(fb.url).healthy
+    fb.health_status = 200
+    for _ in range(200):
+        if p.tracker.get(fb.url).healthy:
+            break
+        await asyncio.sleep(0.01)
+    assert p.tracker.get(fb.url).healthy
+    assert p.sample("specroute_backend_healthy", pool="baseline", backend=fb.url) == 1.0
+
+
+async def test_forced_pool_is_kept_on_failover(fake_backend, proxy):
+    base = await fake_backend()
+    eagle = await fake_backend()
+    eagle.mode = "error500"
+    p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="fixed", health_checks=False)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(p.url + "/v1/chat/completions", json=BODY, headers={"x-specroute-mode": "eagle"}) as r,
+    ):
+        await r.read()
+    assert r.status == 500 and r.headers["x-specroute-pool"] == "eagle"
+    assert len(base.requests) == 0
