@@ -114,15 +114,16 @@ def import_sglang(path: str | Path, mode: Pool, name: str | None = None) -> tupl
             raise SglangImportError(f"{where}: not valid JSON: {e.msg}") from None
         if not isinstance(line, dict):
             raise SglangImportError(f"{where}: expected a JSON object (one benchmark result per line)")
+        pt = _point(line, where, warnings)
+        if pt is None:
+            continue
+        points.setdefault(pt["concurrency"], []).append(pt)
         info = parse_server_info(line.get("server_info"))
         if info["max_running_requests"] is not None:
             caps.append(info["max_running_requests"])
         accept = _num(line.get("accept_length")) or info["avg_spec_accept_length"]
         if accept and accept > 0:
             accepts.append(accept)
-        pt = _point(line, where, warnings)
-        if pt is not None:
-            points.setdefault(pt["concurrency"], []).append(pt)
     if not points:
         raise SglangImportError(
             f"{p}: no usable benchmark result lines ({'; '.join(warnings) or 'empty file'})"
