@@ -350,7 +350,8 @@ def _tune_main(args: argparse.Namespace) -> int:
         print(
             f"objective: {args.objective} ({'higher' if args.objective == 'goodput' else 'lower'} is better)"
         )
-        header = ["rank", "params", args.objective, "mean_e2e_s", "p99_ttft_s", "p99_e2e_s", "eagle %"]
+        columns = [c for c in ("mean_e2e_s", "p99_ttft_s", "p99_e2e_s") if c != args.objective]
+        header = ["rank", "params", args.objective, *columns, "eagle %"]
         rows = []
         for i, r in enumerate(ranking, 1):
             s = r.summary
@@ -358,21 +359,17 @@ def _tune_main(args: argparse.Namespace) -> int:
                 [
                     str(i),
                     ",".join(f"{k}={json.dumps(v)}" for k, v in r.params.items() if k in dict(grid)) or "-",
-                    f"{r.score:.4g}",
-                    f"{s['mean_e2e_s']:.3f}" if s["mean_e2e_s"] is not None else "-",
-                    f"{s['p99_ttft_s']:.3f}" if s["p99_ttft_s"] is not None else "-",
-                    f"{s['p99_e2e_s']:.3f}" if s["p99_e2e_s"] is not None else "-",
+                    f"{r.score:.4f}",
+                    *(f"{s[c]:.4f}" if s[c] is not None else "-" for c in columns),
                     f"{100 * s['pool_share']['eagle']:.0f}",
                 ]
             )
         widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
-            print(
-                "  ".join(
-                    c.rjust(w) if i != 1 else c.ljust(w)
-                    for i, (c, w) in enumerate(zip(row, widths, strict=True))
-                )
+            cells = (
+                c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
             )
+            print("  ".join(cells))
         best = ranking[0]
         text = config_text(
             args.policy,

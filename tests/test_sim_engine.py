@@ -1,0 +1,217 @@
+"""The simulator's engine against exact queueing results, and its determinism.
+
+Processor sharing with a state-dependent service rate (Cohen's generalised processor
+sharing) has a closed-form stationary distribution that does not depend on the service-time
+distribution beyond its mean: with `n` requests in the system the server serves
+`c(n) = n / t(n)` tokens per second in total, and `pi(n)` is proportional to
+`(lambda * E[S])^n / prod_{k<=n} c(k)`. With `t(b) = c * b` (constant total rate) this is
+M/M/1-PS, `E[T] = E[S] c / (1 - rho)`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from policies.profile import Profile, parse_profile, resolve_profile
+from policies.registry import PolicyContext, default_registry
+from simulator.engine import RequestBatch, SimulationError, simulate
+from simulator.runner import PolicyChoice, run
+from simulator.servers import build_deployment, parse_deployment
+from simulator.workloads import LengthSpec, WorkloadSpec, generate
+
+
+def linear_profile(a: float, c: float, *, cap: int | None = None, ttft: float = 0.0) -> Profile:
+    """A one-mode (baseline) profile whose step time is exactly t(b) = a + c*b."""
+    mode: dict[str, Any] = {
+        "points": [
+            {"concurrency": 1, "decode_tok_s": 1.0 / (a + c), "ttft_s": ttft},
+            {"concurrency": 2, "decode_tok_s": 1.0 / (a + 2 * c), "ttft_s": ttft},
+        ]
+    }
+    if cap is not None:
+        mode["max_running_requests"] = cap
+    return parse_profile({"format": "specroute.profile/v1", "name": "linear", "modes": {"baseline": mode}})
+
+
+def measured_means(profile: Profile, rate: float, mean_tokens: float, n: int, seed: int) -> dict[str, float]:
+    """Time-average number in system and mean response time, skipping the first 5% (warm-up)."""
+    spec = WorkloadSpec(kind="poisson", rate=rate, requests=n, output_tokens=LengthSpec("exp", mean_tokens))
+    seg = generate(spec, seed)[0]
+    servers = build_deployment(profile, parse_deployment("baseline=1"))
+    raw = simulate(servers, None, seg.batch, seed=seed)
+    work = [max(k - 1, 0) for k in seg.batch.output_tokens]
+    skip = n // 20
+    t0, t1 = raw.arrival[skip], raw.arrival[-1]
+    area = 0.0
+    for a, f in zip(raw.arrival, raw.finish, strict=True):
+        lo, hi = max(a, t0), min(f, t1)
+        if hi > lo:
+            area += hi - lo
+    e2e = [f - a for a, f in zip(raw.arrival[skip:], raw.finish[skip:], strict=True)]
+    return {
+        "mean_n": area / (t1 - t0),
+        "mean_t": math.fsum(e2e) / len(e2e),
+        "mean_work": math.fsum(work) / len(work),
+    }
+
+
+def cohen_mean_n(rate: float, mean_work: float, a: float, c: float) -> float:
+    """E[N] of generalised processor sharing with c(k) = k / (a + c k) tokens/s."""
+    weights = [1.0]
+    for k in range(1, 20000):
+        weights.append(weights[-1] * rate * mean_work * (a + c * k) / k)
+        if weights[-1] < 1e-14 * max(weights):
+            break
+    total = math.fsum(weights)
+    return math.fsum(k * w for k, w in enumerate(weights)) / total
+
+
+def test_generalised_processor_sharing_matches_cohen() -> None:
+    a, c, rate, mean_tokens = 0.01, 0.002, 6.0, 51.0
+    got = measured_means(linear_profile(a, c), rate, mean_tokens, 300_000, seed=7)
+    expect_n = cohen_mean_n(rate, got["mean_work"], a, c)
+    expect_t = expect_n / rate  # Little's law
+    assert got["mean_n"] == pytest.approx(expect_n, rel=0.03)
+    assert got["mean_t"] == pytest.approx(expect_t, rel=0.03)
+
+
+def test_constant_total_rate_is_mm1_ps() -> None:
+    c, rate, mean_tokens = 0.002, 6.0, 51.0
+    got = measured_means(linear_profile(0.0, c), rate, mean_tokens, 400_000, seed=11)
+    rho = rate * got["mean_work"] * c
+    expect_t = got["mean_work"] * c / (1.0 - rho)
+    assert 0.55 < rho < 0.65
+    assert got["mean_t"] == pytest.approx(expect_t, rel=0.03)
+    assert got["mean_n"] == pytest.approx(rho / (1.0 - rho), rel=0.03)
+
+
+def _batch(outputs: list[int], arrivals: list[float] | None = None) -> RequestBatch:
+    n = len(outputs)
+    return RequestBatch([0] * n, outputs, list[int | None](outputs), [None] * n, [1.0] * n, arrivals)
+
+
+def test_single_request_timing_follows_profile() -> None:
+    profile = linear_profile(0.01, 0.001, ttft=0.5)
+    servers = build_deployment(profile, parse_deployment("baseline=1"))
+    raw = simulate(servers, None, _batch([101], [2.0]))
+    assert raw.first_token[0] == pytest.approx(2.5)
+    assert raw.finish[0] == pytest.approx(2.5 + 100 * 0.011)
+
+
+def test_requests_beyond_the_cap_wait_fifo() -> None:
+    profile = linear_profile(0.01, 0.0, cap=2)  # constant 100 tok/s per request
+    servers = build_deployment(profile, parse_deployment("baseline=1"))
+    raw = simulate(servers, None, _batch([101, 201, 101, 101], [0.0, 0.0, 0.1, 0.2]))
+    assert raw.finish[0] == pytest.approx(1.0)
+    assert raw.finish[1] == pytest.approx(2.0)
+    # The third request starts when the first leaves, the fourth when the third leaves.
+    assert raw.first_token[2] == pytest.approx(1.0)
+    assert raw.finish[2] == pytest.approx(2.0)
+    assert raw.first_token[3] == pytest.approx(2.0)
+    assert raw.finish[3] == pytest.approx(3.0)
+
+
+def test_processor_sharing_slows_every_request_in_the_batch() -> None:
+    a, c = 0.01, 0.01  # t(1) = 0.02, t(2) = 0.03
+    servers = build_deployment(linear_profile(a, c), parse_deployment("baseline=1"))
+    raw = simulate(servers, None, _batch([101, 101], [0.0, 0.0]))
+    assert raw.finish[0] == pytest.approx(100 * 0.03)
+    # A request joining half-way runs at the batch-of-2 rate until the first one leaves.
+    raw = simulate(servers, None, _batch([101, 101], [0.0, 1.0]))
+    # first: 1 s alone (50 tokens), then 50 tokens at 0.03 s -> leaves at 2.5 s
+    assert raw.finish[0] == pytest.approx(2.5)
+    # second: 50 tokens by 2.5 s (at 0.03), then 50 alone at 0.02 -> 3.5 s
+    assert raw.finish[1] == pytest.approx(3.5)
+
+
+def test_eagle_acceptance_factor_scales_decode_time() -> None:
+    profile = resolve_profile("kimi-k25-int4-8gpu")
+    servers = build_deployment(profile, parse_deployment("eagle=1"))
+    fast = RequestBatch([0], [201], [201], [None], [2.0], [0.0])
+    slow = RequestBatch([0], [201], [201], [None], [1.0], [0.0])
+    d_fast = simulate(servers, None, fast)
+    d_slow = simulate(servers, None, slow)
+    decode_fast = d_fast.finish[0] - d_fast.first_token[0]
+    decode_slow = d_slow.finish[0] - d_slow.first_token[0]
+    assert decode_fast == pytest.approx(decode_slow / 2)
+
+
+def test_closed_loop_keeps_concurrency_clients() -> None:
+    servers = build_deployment(linear_profile(0.01, 0.0), parse_deployment("baseline=1"))
+    raw = simulate(servers, None, _batch([101] * 9), concurrency=3)
+    assert sorted(raw.finish) == pytest.approx([1.0] * 3 + [2.0] * 3 + [3.0] * 3)
+
+
+def test_policy_routes_and_learns_through_the_same_types() -> None:
+    profile = resolve_profile("kimi-k25-int4-8gpu")
+    spec = WorkloadSpec(kind="sweep", levels=(1, 70), requests_per_level=70)
+    result = run(
+        profile,
+        PolicyChoice("threshold", {"threshold": 4}),
+        parse_deployment("baseline=1,eagle=1"),
+        generate(spec, 3),
+        seed=3,
+    )
+    assert result.levels is not None
+    low, high = result.levels
+    assert low["pool_share"]["eagle"] == 1.0  # alone, always eagle
+    assert high["pool_share"]["baseline"] > 0.8  # under load mostly baseline
+
+
+def test_online_policy_observes_outcomes() -> None:
+    profile = resolve_profile("kimi-k25-int4-8gpu")
+    names = default_registry().names()
+    if "online" not in names:
+        pytest.skip("online policy not registered")
+    policy = default_registry().create("online", {}, PolicyContext(profile, 1))
+    seen: list[float] = []
+    observe = policy.observe
+
+    class Recording:
+        name = policy.name
+
+        def choose(self, request, view, now):  # type: ignore[no-untyped-def]
+            return policy.choose(request, view, now)
+
+        def observe(self, outcome):  # type: ignore[no-untyped-def]
+            seen.append(outcome.duration_s)
+            observe(outcome)
+
+    seg = generate(WorkloadSpec(kind="poisson", rate=5, requests=200), 1)[0]
+    servers = build_deployment(profile, parse_deployment("baseline=1,eagle=1"))
+    raw = simulate(servers, Recording(), seg.batch, seed=1)  # type: ignore[arg-type]
+    assert len(seen) == 200
+    assert sorted(seen) == pytest.approx(sorted(f - a for a, f in zip(raw.arrival, raw.finish, strict=True)))
+
+
+def test_same_seed_same_result_different_seed_different_workload() -> None:
+    profile = resolve_profile("kimi-k25-int4-8gpu")
+    spec = WorkloadSpec(kind="poisson", rate=8, requests=3000, output_tokens=LengthSpec("exp", 150))
+    dep = parse_deployment("baseline=1,eagle=1")
+    one = run(profile, PolicyChoice("threshold"), dep, generate(spec, 5), seed=5).to_json()
+    two = run(profile, PolicyChoice("threshold"), dep, generate(spec, 5), seed=5).to_json()
+    other = run(profile, PolicyChoice("threshold"), dep, generate(spec, 6), seed=6).to_json()
+    assert one == two
+    assert one != other
+
+
+def test_policy_choosing_an_unknown_backend_is_a_clear_error() -> None:
+    profile = resolve_profile("kimi-k25-int4-8gpu")
+    inner = default_registry().create("fixed", {}, PolicyContext(profile, 0))
+
+    class Wrong:
+        name = "wrong"
+
+        def choose(self, request, view, now):  # type: ignore[no-untyped-def]
+            d = inner.choose(request, view, now)
+            return type(d)(pool=d.pool, backend="nowhere", reason="x")
+
+        def observe(self, outcome):  # type: ignore[no-untyped-def]
+            pass
+
+    servers = build_deployment(profile, parse_deployment("baseline=1,eagle=1"))
+    with pytest.raises(SimulationError, match="nowhere"):
+        simulate(servers, Wrong(), _batch([10], [0.0]))  # type: ignore[arg-type]
