@@ -12,7 +12,7 @@ Python API (no side effects at import; the demo uses it)::
         prompts="coding",           # built-in set name, JSONL path, or a PromptSet
         endpoint="chat",            # or "completions"
         label=None, model=None,     # model: None = first id of GET /v1/models
-        headers=None,               # extra request headers (e.g. x-specroute-mode)
+        headers=None,               # extra headers on every request (x-specroute-mode, auth)
         on_level=None,              # callback(LevelResult) as each level finishes
         progress=False,             # tqdm bar on stderr
     )                               # -> BenchResult (controller.bench_result)
@@ -72,6 +72,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if not self.levels or any(c < 1 for c in self.levels):
             raise ValueError("concurrency levels must be integers >= 1")
+        if len(set(self.levels)) != len(self.levels):
+            raise ValueError(f"concurrency levels must be distinct, got {list(self.levels)}")
         if self.requests_per_level < 1:
             raise ValueError("requests per level must be >= 1")
         if self.warmup < 0:
@@ -170,15 +172,15 @@ async def one_request(
     phase: Phase,
     t0: float,
     timeout_s: float,
-    headers: Mapping[str, str],
 ) -> RequestResult:
     """Send one streaming request; never raises for server or network trouble."""
     start = time.perf_counter()
     r = RequestResult(phase=phase, start_s=start - t0)
     done = False
+    events = 0
     try:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.post(url, json=body, headers=dict(headers), timeout=timeout) as resp:
+        async with session.post(url, json=body, timeout=timeout) as resp:
             r.status = resp.status
             if resp.status != 200:
                 text = (await resp.text(errors="replace"))[:300]
@@ -189,6 +191,7 @@ async def one_request(
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
+                events += 1
                 if payload == "[DONE]":
                     done = True
                     break
@@ -219,10 +222,14 @@ async def one_request(
         r.error = f"timeout after {timeout_s:g} s"
     except aiohttp.ClientError as e:
         r.error = f"connection error: {e.__class__.__name__}: {e}"
+    except ValueError as e:  # aiohttp: an SSE line longer than its read limit
+        r.error = f"stream read error: {e}"
     finally:
         r.end_s = time.perf_counter() - t0
     if r.error is None:
-        if not done:
+        if events == 0:
+            r.error = "no SSE events in the response (does the server stream?)"
+        elif not done:
             r.error = "stream ended before [DONE]"
         elif r.completion_tokens is None:
             r.error = "no usage in the stream (stream_options.include_usage ignored?)"
@@ -285,7 +292,7 @@ class BenchRunner:
     async def run(self) -> BenchResult:
         c = self.config
         connector = aiohttp.TCPConnector(limit=max(c.levels) + 4)
-        async with aiohttp.ClientSession(connector=connector) as session:
+        async with aiohttp.ClientSession(connector=connector, headers=dict(c.headers)) as session:
             md = self.result.metadata
             discovered = await discover_model(session, self.base)
             model = c.model or discovered
@@ -332,9 +339,7 @@ class BenchRunner:
                     phase = "filler"
                 else:
                     return
-                r = await one_request(
-                    session, url, self._body(model), c.endpoint, phase, t0, c.timeout_s, c.headers
-                )
+                r = await one_request(session, url, self._body(model), c.endpoint, phase, t0, c.timeout_s)
                 results.append(r)
                 completed += 1
                 if phase == "measured":

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.bench import DEFAULT_LEVELS, BenchConfig, BenchError, BenchRunner
-from controller.bench_compare import compare_table, describe_runs
+from controller.bench_compare import MIN_REQUESTS, compare_table, describe_runs, setting_warnings
 from controller.bench_prompts import PromptError, load_prompts
 from controller.bench_result import BenchResult, LevelResult, ResultFileError
 from controller.bench_stats import Estimate
@@ -98,6 +98,7 @@ def add_parser(subparsers: Any) -> None:
         metavar="NAME:VALUE",
         help="extra request header, e.g. x-specroute-mode:eagle (repeatable)",
     )
+    b.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     b.add_argument("--out", metavar="FILE", help="write raw results and summaries (JSON)")
     b.add_argument("--profile-out", metavar="FILE", help="write a specroute.profile/v1 for --mode")
     b.add_argument("--mode", choices=("baseline", "eagle"), help="mode of the written profile")
@@ -174,6 +175,12 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     if not args.url:
         return _fail("bench", "a server URL is required (or --import-sglang FILE)")
+    for path in (args.out, args.profile_out):
+        if path and not Path(path).resolve().parent.is_dir():
+            return _fail("bench", f"cannot write {path}: no such directory")
+    headers = dict(args.header)
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
     try:
         prompts = load_prompts(args.prompts)
         config = BenchConfig(
@@ -189,7 +196,7 @@ def run_bench(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             ignore_eos=args.ignore_eos,
             timeout_s=args.timeout,
-            headers=dict(args.header),
+            headers=headers,
         )
     except (PromptError, ValueError) as e:
         return _fail("bench", str(e))
@@ -197,6 +204,13 @@ def run_bench(args: argparse.Namespace) -> int:
         print(
             f"warning: prompt set {prompts.name} has {len(prompts)} prompts, fewer than the "
             f"largest concurrency {max(config.levels)}: concurrent requests will share prompts",
+            file=sys.stderr,
+        )
+
+    if config.requests_per_level < MIN_REQUESTS:
+        print(
+            f"warning: {config.requests_per_level} requests per level (< {MIN_REQUESTS}) are too few "
+            "to distinguish differences of a few percent",
             file=sys.stderr,
         )
 
@@ -224,24 +238,42 @@ def run_bench(args: argparse.Namespace) -> int:
     info = result.metadata.get("server_info") or {}
     if info.get("endpoint"):
         print(
-            f"server info: avg_spec_accept_length={info.get('avg_spec_accept_length')} "
+            f"server info: speculative_algorithm={info.get('speculative_algorithm')} "
+            f"avg_spec_accept_length={info.get('avg_spec_accept_length')} "
             f"max_running_requests={info.get('max_running_requests')}"
         )
+        spec = info.get("speculative_algorithm") not in (None, "", "NONE")
+        if args.mode == "eagle" and not spec:
+            print("warning: --mode eagle, but the server reports no speculative algorithm", file=sys.stderr)
+        if args.mode == "baseline" and spec:
+            print(
+                f"warning: --mode baseline, but the server runs {info.get('speculative_algorithm')}",
+                file=sys.stderr,
+            )
     return _write_outputs(args, result, interrupted)
 
 
 def _write_outputs(args: argparse.Namespace, result: BenchResult, interrupted: bool) -> int:
     code = 130 if interrupted else 0
     if args.out:
-        result.write(args.out)
-        print(f"wrote {args.out}")
+        try:
+            result.write(args.out)
+        except OSError as e:
+            print(f"specroute bench: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+            code = code or 1
+        else:
+            print(f"wrote {args.out}")
     if args.profile_out:
         try:
             profile = result.to_profile(args.mode, args.profile_name)
         except (ResultFileError, ProfileError) as e:
             print(f"specroute bench: no profile written: {e}", file=sys.stderr)
             return code or 1
-        _write_profile(profile, args.profile_out)
+        try:
+            _write_profile(profile, args.profile_out)
+        except OSError as e:
+            print(f"specroute bench: cannot write {args.profile_out}: {e.strerror or e}", file=sys.stderr)
+            return code or 1
         print(f"wrote {args.profile_out}: {len(profile.mode(args.mode).points)} points ({args.mode})")
     return code
 
@@ -267,7 +299,7 @@ def run_compare(args: argparse.Namespace) -> int:
     )
     print()
     print(table)
-    for w in warnings:
+    for w in [*setting_warnings(runs, names), *warnings]:
         print(f"warning: {w}")
     return 0
 

@@ -103,3 +103,17 @@ def describe_runs(runs: Sequence[BenchResult], names: Sequence[str]) -> list[str
             + (" (interrupted)" if md.get("interrupted") else "")
         )
     return out
+
+
+SETTINGS = ("endpoint", "prompt_set", "max_tokens", "temperature", "ignore_eos")
+
+
+def setting_warnings(runs: Sequence[BenchResult], names: Sequence[str]) -> list[str]:
+    """Warnings for settings that differ between runs (the comparison is then not like for like)."""
+    out = []
+    for key in SETTINGS:
+        values = [r.metadata.get(key) for r in runs]
+        if len({repr(v) for v in values}) > 1:
+            shown = ", ".join(f"[{i + 1}] {v}" for i, v in enumerate(values))
+            out.append(f"runs differ in {key} ({shown}): not a like-for-like comparison")
+    return out

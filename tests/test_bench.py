@@ -25,7 +25,7 @@ from aiohttp import web
 
 from controller.bench import run_sweep
 from controller.bench_prompts import load_prompts
-from policies.profile import load_profile, parse_profile
+from policies.profile import load_profile, parse_profile, resolve_profile
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,7 +37,7 @@ class Pacing:
     tokens_per_chunk: int = 1
     fail_every: int = 0
     """Every k-th request (1-based) fails; the failure kinds rotate (HTTP 500, error event,
-    stream without usage)."""
+    stream without usage, a plain JSON answer instead of a stream)."""
     interval_factors: tuple[float, ...] = (1.0,)
     slow_from: int | None = None
     """Requests from this index on take 1 s per token (to interrupt a level mid-way)."""
@@ -57,6 +57,7 @@ class FakeSGLang:
         self.count = 0
         self.failures = 0
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
         self.slow_started = asyncio.Event()
 
     def app(self) -> web.Application:
@@ -79,6 +80,7 @@ class FakeSGLang:
         arrived = asyncio.get_running_loop().time()
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         idx = self.count
         self.count += 1
         p = self.pacing
@@ -86,8 +88,10 @@ class FakeSGLang:
         rid = uuid.uuid4().hex
         failure = None
         if p.fail_every and (idx + 1) % p.fail_every == 0:
-            failure = ("http", "event", "no_usage")[self.failures % 3]
+            failure = ("http", "event", "no_usage", "json")[self.failures % 4]
             self.failures += 1
+        if failure == "json":
+            return web.json_response({"id": rid, "object": "chat.completion", "choices": []})
         if failure == "http":
             return web.json_response(
                 {
@@ -266,10 +270,11 @@ async def test_failed_requests_are_counted_as_errors(server: Running) -> None:
     lv = result.levels[0]
     s = lv.summary
     errors = [r.error or "" for r in lv.requests if not r.ok]
-    assert s.n == 12 and s.errors == 4 and s.ok == 8
+    assert s.n == 12 and s.errors == 4 and s.ok == 8  # requests 3, 6, 9, 12 fail
     assert any(e.startswith("HTTP 500") for e in errors)
     assert any("error event" in e and "queue is full" in e for e in errors)
     assert any("no usage" in e for e in errors)
+    assert any("no SSE events" in e for e in errors)
     # failed requests are instant: averaging them in would inflate speed and shrink TTFT
     assert s.decode_tok_s is not None and s.decode_tok_s.n == 8
     assert s.decode_tok_s.mean < 700.0  # pacing 500 tok/s
@@ -349,8 +354,14 @@ async def test_cli_writes_results_and_a_profile_that_round_trips(server: Running
         "--mode",
         "eagle",
         "--no-progress",
+        "--header",
+        "x-specroute-mode:eagle",
+        "--api-key",
+        "sk-test",
     )
     assert code == 0, stderr
+    assert all(h.get("x-specroute-mode") == "eagle" for h in server.fake.headers)
+    assert all(h.get("Authorization") == "Bearer sk-test" for h in server.fake.headers)
     assert "concurrency    1: n=5 errors=0" in stdout and "concurrency    3: n=5 errors=0" in stdout
     data = json.loads(out.read_text())
     assert data["format"] == "specroute.bench/v1"
@@ -434,3 +445,21 @@ def test_module_imports_without_side_effects() -> None:
     code = "import controller.bench, controller.bench_cli; print('ok')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout == "ok\n" and proc.stderr == ""
+
+
+async def test_against_the_emulator_when_present() -> None:
+    emulator = pytest.importorskip("simulator.emulator")
+    profile = resolve_profile("kimi-k25-int4-8gpu")
+    scale = 0.2  # wall seconds per profile second
+    config = emulator.EmulatorConfig(mode="eagle", profile=profile, time_scale=scale)
+    async with emulator.run_emulator(config) as srv:
+        result = await run_sweep(srv.url, levels=[1, 4], requests_per_level=6, warmup=1, max_tokens=30)
+    speed = profile.speed("eagle")
+    for lv in result.levels:
+        s = lv.summary
+        assert s.errors == 0 and s.decode_tok_s is not None
+        expected = speed.decode_tok_s(lv.concurrency) / scale
+        assert 0.6 * expected < s.decode_tok_s.mean < 1.3 * expected, (lv.concurrency, expected)
+    info = result.metadata["server_info"]
+    assert info["max_running_requests"] == 48
+    assert info["avg_spec_accept_length"] == pytest.approx(2.4, abs=0.6)

@@ -78,10 +78,9 @@ def _level(conc: int, rates: list[float], ttft: float, errors: int = 0, tokens: 
     return LevelResult(concurrency=conc, requests=reqs, summary=summarize(conc, reqs))
 
 
-def _write(path: Path, label: str, levels: list[LevelResult]) -> str:
-    BenchResult(metadata={"label": label, "url": "http://x", "prompt_set": "coding"}, levels=levels).write(
-        path
-    )
+def _write(path: Path, label: str, levels: list[LevelResult], prompt_set: str = "coding") -> str:
+    md = {"label": label, "url": "http://x", "prompt_set": prompt_set}
+    BenchResult(metadata=md, levels=levels).write(path)
     return str(path)
 
 
@@ -95,6 +94,7 @@ def test_compare_verdicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
             _level(1, [r + 0.5 for r in base], 0.20),  # overlapping intervals
             _level(8, [r * 1.3 for r in base[:6]], 0.25, errors=1),  # clearly faster, lower TTFT
         ],
+        prompt_set="general",
     )
     assert main(["compare", a, b]) == 0
     out = capsys.readouterr().out
@@ -110,6 +110,7 @@ def test_compare_verdicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "total tok/s" in total
     assert "errors" in errors and "1/7" in errors
     assert "warning: [2] eagle, concurrency 8: only 6 successful requests" in out
+    assert "runs differ in prompt_set ([1] coding, [2] general)" in out
     assert "concurrency 1" not in "".join(ln for ln in lines if ln.startswith("warning"))
 
 
