@@ -1,0 +1,303 @@
+"""Proxy overhead: direct vs a minimal aiohttp pass-through vs specroute, side by side.
+
+Runs, each as its own process: a fake backend streaming 64 SSE chunks per request as fast as it
+can (two ports, one per pool), a minimal pass-through (uvloop, one shared ClientSession, no
+routing), and `specroute serve` (threshold policy over both pools). A closed-loop load
+generator in this process drives each target at every concurrency level, in rounds that
+alternate the order of the targets. Printed per target and level: TTFT p50/p99 (ms), requests/s,
+and the proxy process's CPU milliseconds per request (utime+stime from /proc/PID/stat), with
+sample sizes and the spread over rounds; then the specroute/minimal CPU ratio.
+
+    python benchmarks/proxy_overhead.py [--concurrency 1 64 256] [--requests 2000] [--rounds 3]
+
+Note: on a small machine the load generator, the backend and the proxy share the cores, so
+requests/s and TTFT are those of the whole setup; the CPU per request is the proxy's alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNKS = 64
+BODY = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hello"}],
+    "stream": True,
+    "max_tokens": CHUNKS,
+}
+
+
+# --- child processes ----------------------------------------------------------------------
+
+
+def _event(i: int) -> bytes:
+    payload = {
+        "id": "bench",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"reasoning_content": None, "content": f"tok{i} "},
+                "logprobs": None,
+                "finish_reason": None,
+                "matched_stop": None,
+            }
+        ],
+    }
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def run_backend(ports: int) -> None:
+    events = [_event(i) for i in range(CHUNKS)]
+    tail = (
+        b'data: {"id":"bench","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[],'
+        b'"usage":{"prompt_tokens":2,"total_tokens":66,"completion_tokens":64}}\n\ndata: [DONE]\n\n'
+    )
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for ev in events:
+            await resp.write(ev)
+        await resp.write(tail)
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        out = []
+        for _ in range(ports):
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+        out = [str(a[1]) for a in runner.addresses]
+        print(" ".join(out), flush=True)
+        await asyncio.Event().wait()
+
+    _uvloop_run(main())
+
+
+def run_passthrough(upstream: str) -> None:
+    """The reference: the least an aiohttp proxy can do."""
+
+    async def main() -> None:
+        session: aiohttp.ClientSession | None = None
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            assert session is not None
+            body = await request.read()
+            async with session.post(
+                upstream + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+            ) as up:
+                resp = web.StreamResponse(
+                    status=up.status, headers={"Content-Type": up.headers["Content-Type"]}
+                )
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        print(runner.addresses[0][1], flush=True)
+        await asyncio.Event().wait()
+
+    _uvloop_run(main())
+
+
+def _uvloop_run(coro: object) -> None:
+    import uvloop
+
+    uvloop.install()
+    asyncio.run(coro)  # type: ignore[arg-type]
+
+
+# --- measurement --------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Level:
+    ttft_ms: list[float] = field(default_factory=list)
+    rps: list[float] = field(default_factory=list)
+    cpu_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+
+
+async def drive(
+    session: aiohttp.ClientSession, url: str, concurrency: int, n: int
+) -> tuple[list[float], float, int]:
+    """Closed loop: `concurrency` workers issue `n` requests in total. Returns TTFTs, wall time, errors."""
+    ttfts: list[float] = []
+    errors = 0
+    remaining = n
+    data = json.dumps(BODY).encode()
+    headers = {"Content-Type": "application/json"}
+
+    async def worker() -> None:
+        nonlocal remaining, errors
+        while remaining > 0:
+            remaining -= 1
+            t0 = time.perf_counter()
+            async with session.post(url + "/v1/chat/completions", data=data, headers=headers) as r:
+                first = True
+                size = 0
+                async for chunk in r.content.iter_any():
+                    if first:
+                        ttfts.append((time.perf_counter() - t0) * 1000)
+                        first = False
+                    size += len(chunk)
+                if r.status != 200 or size < 64 * 100:
+                    errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return ttfts, time.perf_counter() - t0, errors
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def spread(xs: list[float]) -> str:
+    if len(xs) < 2:
+        return f"{xs[0]:.3f}"
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}"
+
+
+async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | None]]) -> None:
+    results: dict[tuple[str, int], Level] = {}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for c in args.concurrency:
+            n = args.requests if c > 1 else max(200, args.requests // 5)
+            for rnd in range(args.rounds):
+                order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
+                for name in order:
+                    url, pid = targets[name]
+                    await drive(session, url, c, max(c, n // 10))  # warm-up: connections, caches
+                    cpu0 = cpu_seconds(pid) if pid else 0.0
+                    ttfts, wall, errors = await drive(session, url, c, n)
+                    cpu1 = cpu_seconds(pid) if pid else 0.0
+                    lv = results.setdefault((name, c), Level())
+                    lv.ttft_ms.extend(ttfts)
+                    lv.rps.append(n / wall)
+                    if pid:
+                        lv.cpu_ms.append((cpu1 - cpu0) * 1000 / n)
+                    lv.errors += errors
+                    print(
+                        f"  c={c:<4} round {rnd + 1}/{args.rounds} {name:<10} {n / wall:8.0f} req/s",
+                        file=sys.stderr,
+                    )
+
+    print(f"\n{CHUNKS} chunks per request; rounds={args.rounds}; spread = mean ± sd over rounds")
+    head = ["conc", "target", "n", "TTFT p50 ms", "TTFT p99 ms", "req/s", "proxy CPU ms/req"]
+    row = "{:>4} {:<10} {:>6} {:>12} {:>12} {:>18} {:>20}"
+    print(row.format(*head))
+    for c in args.concurrency:
+        for name in targets:
+            lv = results[(name, c)]
+            cpu = spread(lv.cpu_ms) if lv.cpu_ms else "-"
+            p50, p99 = f"{pct(lv.ttft_ms, 0.5):.2f}", f"{pct(lv.ttft_ms, 0.99):.2f}"
+            line = row.format(c, name, len(lv.ttft_ms), p50, p99, spread(lv.rps), cpu)
+            print(line + (f"  errors={lv.errors}" if lv.errors else ""))
+        s, m = results[("specroute", c)].cpu_ms, results[("minimal", c)].cpu_ms
+        ratios = [a / b for a, b in zip(s, m, strict=True) if b > 0]
+        print(
+            f"{c:>4} specroute/minimal CPU per request: {spread(ratios)} (per-round ratios, n={len(ratios)})"
+        )
+
+
+def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line:
+        proc.kill()
+        raise SystemExit(f"child {args} did not start")
+    return proc, line
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--requests", type=int, default=2000, help="Requests per target, level and round.")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--role", choices=["backend", "passthrough"], help=argparse.SUPPRESS)
+    ap.add_argument("--upstream", help=argparse.SUPPRESS)
+    ap.add_argument("--ports", type=int, default=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "backend":
+        run_backend(args.ports)
+        return 0
+    if args.role == "passthrough":
+        run_passthrough(args.upstream)
+        return 0
+
+    me = [sys.executable, str(Path(__file__).resolve())]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        backend, ports = _spawn([*me, "--role", "backend"])
+        procs.append(backend)
+        base_port, eagle_port = ports.split()
+        base, eagle = f"http://127.0.0.1:{base_port}", f"http://127.0.0.1:{eagle_port}"
+        minimal, port = _spawn([*me, "--role", "passthrough", "--upstream", base])
+        procs.append(minimal)
+        minimal_url = f"http://127.0.0.1:{port}"
+        serve = ["serve", "--port", "0", "--baseline", base, "--eagle", eagle, "--log-level", "WARNING"]
+        policy = ["--policy", "threshold", "--policy-param", "threshold=32"]
+        sr, line = _spawn([sys.executable, "-m", "controller.cli", *serve, *policy])
+        procs.append(sr)
+        sr_url = line.removeprefix("specroute listening on ")
+        targets: dict[str, tuple[str, int | None]] = {
+            "direct": (base, None),
+            "minimal": (minimal_url, minimal.pid),
+            "specroute": (sr_url, sr.pid),
+        }
+        import uvloop
+
+        uvloop.install()
+        asyncio.run(bench(args, targets))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
