@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -142,11 +143,15 @@ def level_line(lv: LevelResult) -> str:
     d = s.decode_tok_s
     pct = "" if d is None else f" (p50 {d.p50:.1f} p90 {d.p90:.1f} p99 {d.p99:.1f})"
     other = f" (+{s.other_errors} warm-up/filler)" if s.other_errors else ""
-    return (
+    line = (
         f"concurrency {s.concurrency:>4}: n={s.n} errors={s.errors}{other}  "
         f"decode {_fmt(d, 2)} tok/s{pct}  TTFT {_fmt(s.ttft_s, 4)} s  "
         f"total {_fmt(s.total_tok_s, 1)} tok/s  wall {s.wall_s:.1f} s"
     )
+    kinds = Counter((r.error or "")[:100] for r in lv.requests if not r.ok)
+    for message, count in kinds.most_common(3):
+        line += f"\n    {count} x {message}"
+    return line
 
 
 def _write_profile(profile: Profile, path: str) -> None:
