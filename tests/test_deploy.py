@@ -6,7 +6,9 @@ Prometheus and Grafana is accepted by the real thing wherever the machine has it
 - every command line that runs `specroute serve`/`emulate` (Dockerfile, compose, systemd,
   Deployment) parses with the real CLI parser, and its flags appear in `--help`;
 - the Kubernetes manifests validate against the Kubernetes JSON schemas (kubernetes-validate,
-  offline, strict) where it is installed, plus structural checks that always run;
+  offline, strict) and the compose files against the Compose Specification schema
+  (check-jsonschema's bundled copy) where those are installed, plus structural checks that
+  always run;
 - the systemd units pass `systemd-analyze verify` where it exists;
 - the Prometheus config passes `promtool check config`; every dashboard query parses as PromQL
   (`promtool check rules`) and names only metrics specroute or SGLang export.
@@ -449,6 +451,18 @@ def test_compose_structure(compose_file: str) -> None:
             source = volume.split(":")[0]
             if not source.startswith((".", "/", "~", "$")):
                 assert source in named, f"named volume {source} is not declared"
+
+
+def test_compose_files_validate_against_the_compose_spec() -> None:
+    pytest.importorskip("check_jsonschema", reason="check-jsonschema is not installed")
+    files = [str(DEPLOY / "compose.yaml"), str(DEPLOY / "compose.emulated.yaml")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", *files],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_compose_sglang_servers_use_real_flags_and_gpus() -> None:
