@@ -13,9 +13,14 @@ Python API (no side effects at import; the demo uses it)::
         endpoint="chat",            # or "completions"
         label=None, model=None,     # model: None = first id of GET /v1/models
         headers=None,               # extra headers on every request (x-specroute-mode, auth)
+        temperature=0.0, ignore_eos=False, timeout_s=600.0,
         on_level=None,              # callback(LevelResult) as each level finishes
         progress=False,             # tqdm bar on stderr
     )                               # -> BenchResult (controller.bench_result)
+
+    result.levels[0].summary.decode_tok_s   # Estimate: n, mean, half_width (95%), p50/p90/p99
+    result.to_profile("eagle")              # one-mode specroute.profile/v1 Profile
+    result.write("run.json")                # what `specroute compare` reads
 
 `BenchRunner(config).run()` is the same with the result object kept on the runner, so a
 caller that is interrupted (Ctrl-C cancels the task) still has `runner.result` with the
@@ -157,7 +162,9 @@ def _error_message(obj: Any) -> str | None:
 def _token_bearing(choice: dict[str, Any], endpoint: Endpoint) -> bool:
     if endpoint == "completions":
         return bool(choice.get("text"))
-    delta = choice.get("delta") or {}
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
     # SGLang's first chunk (role, empty content) is sent when the first token exists.
     return bool(
         delta.get("role") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
@@ -199,12 +206,17 @@ async def one_request(
                 try:
                     obj = json.loads(payload)
                 except json.JSONDecodeError:
+                    obj = None
+                if not isinstance(obj, dict):
                     r.error = f"malformed event: {payload[:100]}"
                     return r
                 if (msg := _error_message(obj)) is not None:
                     r.error = f"error event: {msg}"
                     return r
-                for choice in obj.get("choices") or []:
+                choices = obj.get("choices")
+                for choice in choices if isinstance(choices, list) else []:
+                    if not isinstance(choice, dict):
+                        continue
                     if _token_bearing(choice, endpoint):
                         if r.first_token_s is None:
                             r.first_token_s = now
