@@ -23,10 +23,11 @@ proxy, and get `observe(Outcome)` when a request finishes.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.base import BackendLoad, Decision, LoadView, Outcome, Policy, PoolLoad, RequestInfo
@@ -36,6 +37,90 @@ _ARRIVE = 0
 _FIRST = 1
 _DONE = 2
 _INFO_CACHE_MAX = 1 << 16
+
+
+# Frozen dataclasses set each field through `object.__setattr__`, which makes building the
+# policy's inputs the costliest part of an arrival. Writing the slots through their
+# descriptors is about three times faster. This is used only while the classes have exactly
+# the fields below (checked at import); otherwise the regular constructors are used.
+_BACKEND_FIELDS = (
+    "name",
+    "pool",
+    "healthy",
+    "in_flight",
+    "in_flight_tokens",
+    "running",
+    "queued",
+    "accept_length",
+    "sample_age_s",
+)
+_OUTCOME_FIELDS = ("request", "decision", "started_at", "ttft_s", "completion_tokens", "duration_s", "status")
+
+
+def _has_fields(cls: type, names: Sequence[str]) -> bool:
+    return dataclasses.is_dataclass(cls) and [f.name for f in dataclasses.fields(cls)] == list(names)
+
+
+def _backend_load_maker() -> Callable[[str, str, int, int, int, int, float | None], BackendLoad]:
+    if not _has_fields(BackendLoad, _BACKEND_FIELDS) or not hasattr(BackendLoad, "__slots__"):
+
+        def slow(
+            name: str, pool: str, in_flight: int, tokens: int, running: int, queued: int, accept: float | None
+        ) -> BackendLoad:
+            return BackendLoad(name, pool, True, in_flight, tokens, running, queued, accept, 0.0)  # type: ignore[arg-type]
+
+        return slow
+    d = BackendLoad.__dict__
+    s0, s1, s2, s3, s4, s5, s6, s7, s8 = (d[n].__set__ for n in _BACKEND_FIELDS)
+    new = object.__new__
+
+    def fast(
+        name: str, pool: str, in_flight: int, tokens: int, running: int, queued: int, accept: float | None
+    ) -> BackendLoad:
+        o = new(BackendLoad)
+        s0(o, name)
+        s1(o, pool)
+        s2(o, True)
+        s3(o, in_flight)
+        s4(o, tokens)
+        s5(o, running)
+        s6(o, queued)
+        s7(o, accept)
+        s8(o, 0.0)
+        return o
+
+    return fast
+
+
+def _outcome_maker() -> Callable[[RequestInfo, Decision, float, float, int, float], Outcome]:
+    if not _has_fields(Outcome, _OUTCOME_FIELDS) or not hasattr(Outcome, "__slots__"):
+
+        def slow(
+            info: RequestInfo, decision: Decision, start: float, ttft: float, n: int, dur: float
+        ) -> Outcome:
+            return Outcome(info, decision, start, ttft, n, dur, "ok")
+
+        return slow
+    d = Outcome.__dict__
+    s0, s1, s2, s3, s4, s5, s6 = (d[n].__set__ for n in _OUTCOME_FIELDS)
+    new = object.__new__
+
+    def fast(info: RequestInfo, decision: Decision, start: float, ttft: float, n: int, dur: float) -> Outcome:
+        o = new(Outcome)
+        s0(o, info)
+        s1(o, decision)
+        s2(o, start)
+        s3(o, ttft)
+        s4(o, n)
+        s5(o, dur)
+        s6(o, "ok")
+        return o
+
+    return fast
+
+
+_make_backend_load = _backend_load_maker()
+_make_outcome = _outcome_maker()
 
 
 class SimulationError(RuntimeError):
@@ -166,38 +251,36 @@ def simulate(
     # Views are rebuilt only where a server's state changed since the last decision: the
     # frozen dataclasses are the costliest part of an arrival.
     accept_len = [m.accept_length if m.speculative else None for m in servers]
-    bl_keys: list[tuple[int, int, int]] = [(-1, -1, -1)] * len(states)
+    n_servers = len(states)
+    dirty = [True] * n_servers
     bls: list[BackendLoad | None] = [None] * len(states)
     pool_of = [0 if m.pool == "baseline" else 1 for m in servers]
     pool_members = [[i for i in range(len(states)) if pool_of[i] == p] for p in (0, 1)]
     pool_loads = [PoolLoad("baseline"), PoolLoad("eagle")]
     current_view = LoadView(pool_loads[0], pool_loads[1])
     info_cache: dict[tuple[int, int | None, str | None], RequestInfo] = {}
+    make_backend_load, make_outcome = _make_backend_load, _make_outcome
+    observe = policy.observe if policy is not None else None
 
     def build_view() -> LoadView:
         nonlocal current_view
-        changed = [False, False]
-        for i, s in enumerate(states):
-            q = len(s.queue)
-            key = (s.running, q, s.tokens)
-            if key != bl_keys[i]:
-                bl_keys[i] = key
+        changed0 = changed1 = False
+        for i in range(n_servers):
+            if dirty[i]:
+                dirty[i] = False
+                s = states[i]
+                q = len(s.queue)
                 m = s.model
-                bls[i] = BackendLoad(
-                    name=m.name,
-                    pool=m.pool,
-                    healthy=True,
-                    in_flight=s.running + q,
-                    in_flight_tokens=s.tokens,
-                    running=s.running,
-                    queued=q,
-                    accept_length=accept_len[i],
-                    sample_age_s=0.0,
+                bls[i] = make_backend_load(
+                    m.name, m.pool, s.running + q, s.tokens, s.running, q, accept_len[i]
                 )
-                changed[pool_of[i]] = True
-        if changed[0] or changed[1]:
-            for p in (0, 1):
-                if changed[p]:
+                if pool_of[i]:
+                    changed1 = True
+                else:
+                    changed0 = True
+        if changed0 or changed1:
+            for p, changed in ((0, changed0), (1, changed1)):
+                if changed:
                     backends = tuple(b for b in (bls[i] for i in pool_members[p]) if b is not None)
                     pool_loads[p] = PoolLoad("baseline" if p == 0 else "eagle", backends)
             current_view = LoadView(pool_loads[0], pool_loads[1])
@@ -231,6 +314,7 @@ def simulate(
                 finish[r] = t
                 s.running -= 1
                 s.tokens -= budget[r]
+            dirty[a] = True
             while s.queue and s.running < s.cap:
                 q = s.queue.popleft()
                 s.running += 1
@@ -246,18 +330,17 @@ def simulate(
                 push(heap, (t + (dheap[0][0] - fv) / rate, seq, _DONE, a, s.version))
                 seq += 1
             for r in done:
-                if policy is not None:
+                if observe is not None:
                     info, decision = infos[r], decisions[r]
                     if info is not None and decision is not None:
-                        policy.observe(
-                            Outcome(
-                                request=info,
-                                decision=decision,
-                                started_at=arrival[r],
-                                ttft_s=first[r] - arrival[r],
-                                completion_tokens=output_tokens[r],
-                                duration_s=t - arrival[r],
-                                status="ok",
+                        observe(
+                            make_outcome(
+                                info,
+                                decision,
+                                arrival[r],
+                                first[r] - arrival[r],
+                                output_tokens[r],
+                                t - arrival[r],
                             )
                         )
                         infos[r] = None
@@ -315,6 +398,7 @@ def simulate(
             where[a] = si
             s = states[si]
             s.tokens += budget[a]
+            dirty[si] = True
             if s.running < s.cap:
                 # Advance the virtual clock at the old rate before the batch grows.
                 s.v += (t - s.t_last) * s.rate

@@ -1,0 +1,112 @@
+"""Simulator speed: simulated requests per second of wall time, on one core.
+
+Workload: open-loop Poisson arrivals, exponential output lengths, one baseline and one eagle
+server from the kimi profile; the policy under test routes every request (building the same
+`LoadView`/`RequestInfo` objects as the proxy and receiving every `Outcome`). The engine alone
+(least-loaded routing, no policy objects) is measured side by side to show what the policy
+path costs. Workload generation is not timed (it is done once, before the repeats).
+
+    python benchmarks/simulator_speed.py                 # 1M requests, cost_model, 3 repeats
+    python benchmarks/simulator_speed.py --requests 200000 --repeats 5 --policies threshold
+
+Target (issue 5): at least 200,000 simulated requests per second with `cost_model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from policies.profile import resolve_profile
+from policies.registry import PolicyContext, default_registry
+from simulator.engine import simulate
+from simulator.servers import build_deployment, parse_deployment
+from simulator.workloads import LengthSpec, WorkloadSpec, generate
+
+TARGET = 200_000.0
+
+
+def pin_one_core() -> str:
+    if not hasattr(os, "sched_setaffinity"):
+        return "not pinned (no sched_setaffinity)"
+    cpu = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpu})
+    return f"pinned to CPU {cpu}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=1_000_000)
+    ap.add_argument("--rate", type=float, default=4.0, help="Arrivals per second (default 4: ~40%% eagle).")
+    ap.add_argument("--output-tokens", default="exp:200")
+    ap.add_argument(
+        "--policies", nargs="+", default=["cost_model"], help="Policies to time (default cost_model)."
+    )
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", default="kimi-k25-int4-8gpu")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+
+    where = pin_one_core()
+    profile = resolve_profile(args.profile)
+    registry = default_registry()
+    spec = WorkloadSpec(
+        kind="poisson",
+        rate=args.rate,
+        requests=args.requests,
+        output_tokens=LengthSpec.parse(args.output_tokens),
+    )
+    t0 = time.perf_counter()
+    batch = generate(spec, args.seed)[0].batch
+    gen_s = time.perf_counter() - t0
+    servers = build_deployment(profile, parse_deployment("baseline=1,eagle=1"))
+    print(
+        f"simulator speed: {args.requests:,} requests, Poisson {args.rate:g}/s, output {args.output_tokens}, "
+        f"baseline=1,eagle=1, profile {args.profile!r}; {where}; python {sys.version.split()[0]}"
+    )
+    print(f"workload generation (not in the figures below): {gen_s:.2f} s")
+
+    rows = []
+    for name in ["(engine alone)", *args.policies]:
+        rates: list[float] = []
+        sim_ratio = 0.0
+        share = 0.0
+        for rep in range(args.repeats):
+            policy = (
+                None if name.startswith("(") else registry.create(name, {}, PolicyContext(profile, args.seed))
+            )
+            gc.collect()
+            t = time.perf_counter()
+            raw = simulate(servers, policy, batch, seed=args.seed + rep)
+            wall = time.perf_counter() - t
+            rates.append(args.requests / wall)
+            sim_ratio = max(raw.finish) / wall
+            share = sum(1 for s in raw.server if servers[s].pool == "eagle") / args.requests
+        rows.append((name, rates, sim_ratio, share))
+
+    print(
+        f"\n{'policy':<16} {'n':>3} {'median req/s':>13} {'min':>10} {'max':>10} {'x real time':>12} "
+        f"{'eagle %':>8} {'vs target':>10}"
+    )
+    for name, rates, ratio, share in rows:
+        med = statistics.median(rates)
+        print(
+            f"{name:<16} {len(rates):>3} {med:>13,.0f} {min(rates):>10,.0f} {max(rates):>10,.0f} "
+            f"{ratio:>12,.0f} {100 * share:>8.1f} {med / TARGET:>9.2f}x"
+        )
+    print(
+        f"\nn = repeats of {args.requests:,} requests each; target {TARGET:,.0f} req/s; "
+        "'x real time' = simulated seconds per wall second (last repeat)."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
