@@ -463,3 +463,19 @@ async def test_against_the_emulator_when_present() -> None:
     info = result.metadata["server_info"]
     assert info["max_running_requests"] == 48
     assert info["avg_spec_accept_length"] == pytest.approx(2.4, abs=0.6)
+
+
+@pytest.mark.parametrize("server", [Pacing(interval_s=0.003)], indirect=True)
+async def test_measured_requests_run_at_the_level_concurrency(server: Running) -> None:
+    result = await run_sweep(server.url, levels=[4], requests_per_level=6, warmup=2, max_tokens=12)
+    reqs = result.levels[0].requests
+    phases = [r.phase for r in reqs]
+    assert phases.count("measured") == 6 and phases.count("warmup") >= 4 and "filler" in phases
+    for r in reqs:
+        if r.phase != "measured":
+            continue
+        assert r.end_s is not None
+        mid = (r.start_s + r.end_s) / 2
+        active = sum(1 for o in reqs if o.end_s is not None and o.start_s <= mid <= o.end_s)
+        assert active >= 3  # the level's 4, but a worker may be between two requests
+    assert server.fake.count == len(reqs)
