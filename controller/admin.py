@@ -24,6 +24,7 @@ from policies.profile import ProfileError, resolve_profile
 from policies.registry import PolicyContext, PolicyError, PolicyRegistry
 
 log = logging.getLogger("specroute.admin")
+_RELOADABLE = frozenset({"policy", "policy_params", "profile", "seed"})
 
 
 class PolicyAdmin:
@@ -46,6 +47,10 @@ class PolicyAdmin:
     def reload(self, settings: Settings) -> None:
         """Swap to the policy of freshly read settings (SIGHUP). Raises PolicyError/ProfileError."""
         profile = resolve_profile(settings.profile) if settings.profile else None
+        before, after = self.fwd.settings.masked(), settings.masked()
+        ignored = sorted(k for k in after if k not in _RELOADABLE and after[k] != before.get(k))
+        if ignored:
+            log.warning("reload applies only policy, policy_params, profile, seed; restart for: %s", ignored)
         self.swap(settings.policy, dict(settings.policy_params), PolicyContext(profile, settings.seed))
 
     def authorize(self, request: web.Request) -> None:

@@ -9,9 +9,12 @@ backend returns after it was chosen are NOT wrapped: they are relayed as the bac
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, ClassVar
 
 from aiohttp import web
+
+log = logging.getLogger("specroute.errors")
 
 
 class SpecrouteError(Exception):
@@ -118,3 +121,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         ).response()
     except web.HTTPRequestEntityTooLarge as e:
         return PayloadTooLarge(f"request body too large: {e.text}").response()
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return SpecrouteError("internal error in specroute").response()

@@ -65,7 +65,8 @@ _USAGE_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _REQUEST_DROP = frozenset(
     {
         "host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding", MODE_HEADER, HINT_HEADER,
+        "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding", "expect",
+        MODE_HEADER, HINT_HEADER,
     }
 )  # fmt: skip
 _RESPONSE_DROP = frozenset(
@@ -335,7 +336,10 @@ class Forwarder:
                         if not chunk:
                             break
                         head += chunk
-                    return Upstream(resp, head, True, _first_event_is_error(head), self.clock())
+                    first_byte_at = self.clock()
+                    if not resp.content.at_eof():
+                        head += resp.content.read_nowait()  # what is already buffered: one write, not two
+                    return Upstream(resp, head, True, _first_event_is_error(head), first_byte_at)
                 body = await resp.read()
                 return Upstream(resp, body, False, resp.status >= 500, self.clock())
         except BaseException as e:
@@ -500,21 +504,21 @@ class _Run:
         self.http_status = resp.status
         try:
             await sr.prepare(self.request)
-            await sr.write(up.head)
-            tail = [b"", b"", up.head]
+            tail = [b"", b"", b""]
             content = resp.content
             loop = asyncio.get_running_loop()
             idle = fwd.settings.idle_timeout_s
             slack = idle / 8
             last = loop.time()
+            chunk = up.head
             try:
                 async with asyncio.timeout(idle) as timer:
-                    while True:
-                        chunk = await content.readany()
-                        if not chunk:
-                            break
-                        await sr.write(chunk)
+                    while chunk:
                         tail[0], tail[1], tail[2] = tail[1], tail[2], chunk
+                        if content.at_eof():
+                            break  # the last piece goes out with the terminating chunk, in one write
+                        await sr.write(chunk)
+                        chunk = await content.readany()
                         now = loop.time()
                         if now - last >= slack:  # re-arming per chunk would cost a timer each
                             timer.reschedule(now + idle)
@@ -533,7 +537,7 @@ class _Run:
             clean = True
             self.status = "ok" if resp.status < 400 and not up.retryable else "error"
             self.tokens = completion_tokens(b"".join(tail))
-            await sr.write_eof()
+            await sr.write_eof(chunk)
             return sr
         except ConnectionResetError:
             self.status = "client_closed"
