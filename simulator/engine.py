@@ -143,6 +143,9 @@ class RequestBatch:
         return len(self.output_tokens)
 
 
+WARMUP, MEASURED, FILLER, NOT_SENT = 0, 1, 2, -1
+
+
 @dataclass(frozen=True)
 class RawRun:
     """Per-request times (seconds from the start of the run) and where each request ran."""
@@ -151,8 +154,49 @@ class RawRun:
     first_token: list[float]
     finish: list[float]
     server: list[int]
+    """Index into `servers`; -1 for a request that was never sent."""
+    phase: list[int]
+    """WARMUP, MEASURED, FILLER or NOT_SENT (open loop: all MEASURED)."""
     output_tokens: Sequence[int]
     servers: tuple[ServerModel, ...]
+
+
+class _ClosedLoop:
+    """Which request a closed-loop client sends next, by the rule `specroute bench` uses.
+
+    A request that starts while fewer than `warmup` requests have completed is warm-up; the
+    next `measure` starts are measured; after that clients send fillers until every measured
+    request has finished, so each measured request runs with `concurrency` in flight; then
+    they stop. Without `measure` every request is measured and the loop ends with the batch.
+    """
+
+    def __init__(self, n: int, warmup: int, measure: int | None) -> None:
+        self.n = n
+        self.warmup = warmup
+        self.measure = measure
+        self.sent = 0
+        self.completed = 0
+        self.measured_started = 0
+        self.measured_done = 0
+
+    def done(self, phase: int) -> None:
+        self.completed += 1
+        if phase == MEASURED:
+            self.measured_done += 1
+
+    def next_phase(self) -> int:
+        if self.sent >= self.n:
+            return NOT_SENT
+        if self.measure is None:
+            return MEASURED
+        if self.completed < self.warmup:
+            return WARMUP
+        if self.measured_started < self.measure:
+            self.measured_started += 1
+            return MEASURED
+        if self.measured_done < self.measure:
+            return FILLER
+        return NOT_SENT
 
 
 class _Server:
@@ -202,12 +246,16 @@ def simulate(
     batch: RequestBatch,
     *,
     concurrency: int | None = None,
+    warmup: int = 0,
+    measure: int | None = None,
     seed: int = 0,
 ) -> RawRun:
     """Run `batch` through `servers`.
 
     Open loop when `batch.arrivals` is given; otherwise a closed loop of `concurrency` clients
-    that each send the next request (in batch order) as soon as their previous one finished.
+    that each send the next request (in batch order) as soon as their previous one finished,
+    with `warmup` and `measure` as in `specroute bench` (see `_ClosedLoop`); a closed loop that
+    runs out of requests in the batch stops sending.
     With `policy` None (or all servers in one pool) requests go to the least-loaded server,
     ties broken by a `random.Random(seed)`.
     """
@@ -229,6 +277,7 @@ def simulate(
     first = [0.0] * n
     finish = [0.0] * n
     where = [-1] * n
+    phase = [NOT_SENT] * n
     infos: list[RequestInfo | None] = [None] * n
     decisions: list[Decision | None] = [None] * n
 
@@ -236,17 +285,23 @@ def simulate(
     push, pop = heapq.heappush, heapq.heappop
     seq = 0
     arrivals = batch.arrivals
+    loop: _ClosedLoop | None = None
     if arrivals is not None:
+        phase = [MEASURED] * n
         if n:
             push(heap, (arrivals[0], 0, _ARRIVE, 0, 0))
             seq = 1
-        issued = n
     else:
         assert concurrency is not None
-        issued = min(concurrency, n)
-        for i in range(issued):
-            push(heap, (0.0, seq, _ARRIVE, i, 0))
+        loop = _ClosedLoop(n, warmup, measure)
+        for _ in range(concurrency):
+            ph = loop.next_phase()
+            if ph == NOT_SENT:
+                break
+            phase[loop.sent] = ph
+            push(heap, (0.0, seq, _ARRIVE, loop.sent, 0))
             seq += 1
+            loop.sent += 1
 
     # Views are rebuilt only where a server's state changed since the last decision: the
     # frozen dataclasses are the costliest part of an arrival.
@@ -345,10 +400,14 @@ def simulate(
                         )
                         infos[r] = None
                         decisions[r] = None
-                if issued < n:
-                    push(heap, (t, seq, _ARRIVE, issued, 0))
-                    seq += 1
-                    issued += 1
+                if loop is not None:
+                    loop.done(phase[r])
+                    ph = loop.next_phase()
+                    if ph != NOT_SENT:
+                        phase[loop.sent] = ph
+                        push(heap, (t, seq, _ARRIVE, loop.sent, 0))
+                        seq += 1
+                        loop.sent += 1
         elif kind == _FIRST:
             s = states[b]
             first[a] = t
@@ -423,6 +482,7 @@ def simulate(
         first_token=first,
         finish=finish,
         server=where,
+        phase=phase,
         output_tokens=output_tokens,
         servers=tuple(servers),
     )

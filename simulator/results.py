@@ -1,10 +1,12 @@
 """Summaries of simulated runs: the `S` objects of `specroute simulate --json`.
 
-Per request: TTFT = first token - arrival (queue wait included), e2e = finish - arrival,
-decode rate = (tokens - 1) / (finish - first token) for requests with at least 2 tokens.
-Throughput = output tokens of the measured requests / makespan (first measured arrival to
-last measured finish); for a sweep's overall summary the levels' tokens over the sum of their
-makespans. Percentiles interpolate linearly between order statistics.
+Per measured request: TTFT = first token - arrival (queue wait included), e2e = finish -
+arrival, decode rate = (tokens - 1) / (finish - first token) for requests with at least 2
+tokens. Throughput = output tokens emitted by all requests (warm-up and fillers included,
+spread evenly after each one's first token) between the first measured arrival and the last
+measured finish, over that makespan, exactly as `specroute bench` computes a level's total;
+for an open loop that is all output tokens / makespan, and a sweep's overall summary adds the
+levels' tokens and makespans. Percentiles interpolate linearly between order statistics.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from simulator.engine import RawRun
+from simulator.engine import MEASURED, NOT_SENT, RawRun
 
 
 @dataclass(frozen=True)
@@ -31,23 +33,25 @@ class Samples:
     e2e: list[float]
     decode: list[float]
     tpot: list[float | None]
-    tokens: int
+    tokens: float
     makespan: float
     pools: dict[str, int]
 
 
-def samples(run: RawRun, measured: range) -> Samples:
+def samples(run: RawRun) -> Samples:
     ttft: list[float] = []
     e2e: list[float] = []
     decode: list[float] = []
     tpot: list[float | None] = []
     pools = {"baseline": 0, "eagle": 0}
-    tokens = 0
     start = math.inf
     end = -math.inf
     pool_names = [m.pool for m in run.servers]
-    for i in measured:
-        a, f, z, n = run.arrival[i], run.first_token[i], run.finish[i], run.output_tokens[i]
+    arrival, first, finish, out = run.arrival, run.first_token, run.finish, run.output_tokens
+    for i, ph in enumerate(run.phase):
+        if ph != MEASURED:
+            continue
+        a, f, z, n = arrival[i], first[i], finish[i], out[i]
         ttft.append(f - a)
         e2e.append(z - a)
         if n >= 2 and z > f:
@@ -55,11 +59,24 @@ def samples(run: RawRun, measured: range) -> Samples:
             tpot.append((z - f) / (n - 1))
         else:
             tpot.append(None)
-        tokens += n
         pools[pool_names[run.server[i]]] += 1
         start = min(start, a)
         end = max(end, z)
-    return Samples(ttft, e2e, decode, tpot, tokens, max(end - start, 0.0), pools)
+    tokens = 0.0
+    if e2e:
+        parts = []
+        for i, ph in enumerate(run.phase):
+            if ph == NOT_SENT:
+                continue
+            f, z, n = first[i], finish[i], out[i]
+            if z <= f or n < 2:
+                parts.append(float(n) if start <= f <= end else 0.0)
+                continue
+            got = 1.0 if start <= f <= end else 0.0
+            overlap = max(0.0, min(end, z) - max(start, f))
+            parts.append(got + (n - 1) * overlap / (z - f))
+        tokens = math.fsum(parts)
+    return Samples(ttft, e2e, decode, tpot, tokens, max(end - start, 0.0) if e2e else 0.0, pools)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -86,7 +103,7 @@ def summarize(parts: Sequence[Samples]) -> dict[str, Any]:
     e2e = sorted(x for p in parts for x in p.e2e)
     decode = [x for p in parts for x in p.decode]
     requests = len(e2e)
-    tokens = sum(p.tokens for p in parts)
+    tokens = math.fsum(p.tokens for p in parts)
     makespan = math.fsum(p.makespan for p in parts)
     share = {
         pool: (sum(p.pools[pool] for p in parts) / requests if requests else 0.0)

@@ -64,8 +64,16 @@ def run(
     parts = []
     levels: list[dict[str, Any]] | None = None
     for k, seg in enumerate(segments):
-        raw = simulate(servers, policy, seg.batch, concurrency=seg.concurrency, seed=seed * 1000 + k)
-        part = samples(raw, seg.measured)
+        raw = simulate(
+            servers,
+            policy,
+            seg.batch,
+            concurrency=seg.concurrency,
+            warmup=seg.warmup,
+            measure=seg.measure,
+            seed=seed * 1000 + k,
+        )
+        part = samples(raw)
         parts.append(part)
         if seg.concurrency is not None:
             levels = levels if levels is not None else []

@@ -5,9 +5,10 @@ policies compared on a workload see exactly the same requests (lengths, hints an
 factors are properties of the request). A workload expands into one or more `Segment`s, each
 simulated from an empty deployment: one per concurrency level for `sweep`, one otherwise.
 
-- `sweep`: per level `c`, a closed loop of `c` clients. The first `warmup` requests are not
-  measured, the next `max(requests_per_level, c)` are (at least one per client, so every level
-  really reaches its concurrency); the tail drains as in a real benchmark.
+- `sweep`: per level `c`, a closed loop of `c` clients run exactly as `specroute bench` runs
+  a level: requests started before `warmup` requests have completed are warm-up, the next
+  `requests_per_level` are measured, and clients keep sending fillers until every measured
+  request has finished, so each measured request runs with `c` in flight.
 - `poisson`: open loop, exponential inter-arrival times at `rate`.
 - `bursty`: a two-state Markov-modulated Poisson process with mean rate `rate`: the high state
   is `burst_factor` times the low state's rate, each state lasts an exponential time with mean
@@ -157,10 +158,10 @@ class Segment:
     """Requests simulated together from an empty deployment."""
 
     batch: RequestBatch
-    concurrency: int | None
-    """Closed-loop clients (sweep), None for open loop."""
-    measured: range
-    """Indices of the requests that count in the statistics."""
+    concurrency: int | None = None
+    """Closed-loop clients (sweep), None for open loop (every request measured)."""
+    warmup: int = 0
+    measure: int | None = None
 
 
 def _hints(spec: WorkloadSpec, rng: random.Random, n: int) -> list[str | None]:
@@ -242,9 +243,11 @@ def generate(spec: WorkloadSpec, seed: int) -> list[Segment]:
         segments = []
         for level, c in enumerate(spec.levels):
             rng = random.Random(f"{seed}/sweep/{level}/{c}")
-            measured = max(spec.requests_per_level, c)
-            n = spec.warmup + measured
-            segments.append(Segment(_synthetic(spec, rng, n, None), c, range(spec.warmup, n)))
+            # Enough requests for every phase: warm-up starts (< c + warmup), the measured
+            # ones, and fillers (a generous bound; a level that ran out would just drain).
+            n = 2 * c + spec.warmup + spec.requests_per_level + 4 * (c + spec.requests_per_level)
+            batch = _synthetic(spec, rng, n, None)
+            segments.append(Segment(batch, c, spec.warmup, spec.requests_per_level))
         return segments
     rng = random.Random(f"{seed}/{spec.kind}")
     n = spec.requests if spec.requests is not None else 1000
@@ -254,4 +257,4 @@ def generate(spec: WorkloadSpec, seed: int) -> list[Segment]:
         batch = _synthetic(spec, rng, n, _bursty_arrivals(rng, spec, n))
     else:
         batch = _trace(spec, rng)
-    return [Segment(batch, None, range(len(batch)))]
+    return [Segment(batch)]

@@ -68,8 +68,7 @@ def test_sweep_json_schema_and_side_by_side_policies(capsys: pytest.CaptureFixtu
         assert [lv["concurrency"] for lv in r["levels"]] == [1, 10, 70]
         for lv in r["levels"]:
             check_summary(lv)
-        assert r["levels"][0]["requests"] == 20
-        assert r["levels"][2]["requests"] == 70  # at least one measured request per client
+        assert [lv["requests"] for lv in r["levels"]] == [20, 20, 20]
     eagle_only = runs[1]
     assert eagle_only["summary"]["pool_share"] == {"baseline": 0.0, "eagle": 1.0}
     # Alone on the server, a request decodes at the profile's concurrency-1 rate.

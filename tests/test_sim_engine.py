@@ -17,7 +17,7 @@ import pytest
 
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.registry import PolicyContext, default_registry
-from simulator.engine import RequestBatch, SimulationError, simulate
+from simulator.engine import FILLER, MEASURED, NOT_SENT, WARMUP, RequestBatch, SimulationError, simulate
 from simulator.runner import PolicyChoice, run
 from simulator.servers import build_deployment, parse_deployment
 from simulator.workloads import LengthSpec, WorkloadSpec, generate
@@ -143,6 +143,14 @@ def test_closed_loop_keeps_concurrency_clients() -> None:
     servers = build_deployment(linear_profile(0.01, 0.0), parse_deployment("baseline=1"))
     raw = simulate(servers, None, _batch([101] * 9), concurrency=3)
     assert sorted(raw.finish) == pytest.approx([1.0] * 3 + [2.0] * 3 + [3.0] * 3)
+
+
+def test_closed_loop_phases_follow_the_bench_rule() -> None:
+    """Warm-up until `warmup` have completed, then `measure` measured, fillers until they finish."""
+    servers = build_deployment(linear_profile(0.01, 0.0), parse_deployment("baseline=1"))
+    raw = simulate(servers, None, _batch([101] * 12), concurrency=3, warmup=2, measure=4)
+    assert raw.phase == [WARMUP] * 4 + [MEASURED] * 4 + [FILLER] * 2 + [NOT_SENT] * 2
+    assert raw.arrival[4:8] == [1.0, 1.0, 2.0, 2.0]  # each measured request runs with 3 in flight
 
 
 def test_policy_routes_and_learns_through_the_same_types() -> None:
