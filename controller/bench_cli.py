@@ -16,7 +16,7 @@ from controller.bench_prompts import PromptError, load_prompts
 from controller.bench_result import BenchResult, LevelResult, ResultFileError
 from controller.bench_stats import Estimate
 from controller.sglang_import import SglangImportError, import_sglang
-from policies.profile import Profile, ProfileError, load_profile, parse_profile
+from policies.profile import Profile, ProfileError, parse_profile, resolve_profile
 
 
 def _positive_int(text: str) -> int:
@@ -119,7 +119,7 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("profile", help="speed profile tools")
     psub = p.add_subparsers(dest="profile_command", metavar="SUBCOMMAND")
     m = psub.add_parser("merge", help="merge one-mode profiles (baseline + eagle) into one")
-    m.add_argument("inputs", nargs="+", metavar="PROFILE")
+    m.add_argument("inputs", nargs="+", metavar="PROFILE", help="profile files (or built-in names)")
     m.add_argument("-o", "--out", required=True, metavar="FILE")
     m.add_argument("--name", default=None)
     m.set_defaults(func=run_profile_merge)
@@ -335,7 +335,7 @@ def run_profile_merge(args: argparse.Namespace) -> int:
     if len(args.inputs) < 2:
         return _fail("profile merge", "give at least two profiles to merge")
     try:
-        merged = merge_profiles([(p, load_profile(p)) for p in args.inputs], args.name)
+        merged = merge_profiles([(p, resolve_profile(p)) for p in args.inputs], args.name)
     except ProfileError as e:
         return _fail("profile merge", str(e))
     _write_profile(merged, args.out)
