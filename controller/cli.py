@@ -14,6 +14,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "controller.bench_cli",
     "simulator.emulate_cli",
     "simulator.cli",
+    "simulator.plan_cli",
 )
 
 
