@@ -13,6 +13,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "controller.serve_cli",
     "controller.bench_cli",
     "simulator.emulate_cli",
+    "controller.demo",
     "simulator.cli",
     "simulator.plan_cli",
 )
