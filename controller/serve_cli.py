@@ -39,6 +39,16 @@ def _is_scalar(annotation: Any) -> bool:
     return all(a in (str, int, float, bool, type(None)) for a in args)
 
 
+def _metavar(name: str, annotation: Any) -> str:
+    if annotation is bool:
+        return "true|false"
+    if name.endswith("_s"):
+        return "SECONDS"
+    if name in ("profile", "decision_log"):
+        return "FILE" if name == "decision_log" else "FILE|NAME"
+    return name.rsplit("_", 1)[-1].upper()
+
+
 def _add_settings_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML file of settings (keys = setting names).")
     p.add_argument("--baseline", action="append", metavar="URL[,URL..]", help="Plain SGLang backends.")
@@ -52,7 +62,7 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
-            metavar=name.split("_")[-1].upper() if field.annotation is not bool else "true|false",
+            metavar=_metavar(name, field.annotation),
             help=f"{field.description} (env SPECROUTE_{name.upper()}; default {field.default!r})",
         )
 
