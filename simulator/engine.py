@@ -472,7 +472,9 @@ def simulate(
                 seq += 1
                 if s.dheap:
                     s.version += 1
-                    push(heap, (t + (s.dheap[0][0] - s.v) / rate, seq, _DONE, si, s.version))
+                    # Float rounding may put V a hair past the top: never schedule in the past.
+                    ahead = s.dheap[0][0] - s.v
+                    push(heap, (t + ahead / rate if ahead > 0.0 else t, seq, _DONE, si, s.version))
                     seq += 1
             else:
                 s.queue.append(a)

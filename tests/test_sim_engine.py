@@ -19,8 +19,8 @@ from policies.profile import Profile, parse_profile, resolve_profile
 from policies.registry import PolicyContext, default_registry
 from simulator.engine import FILLER, MEASURED, NOT_SENT, WARMUP, RequestBatch, SimulationError, simulate
 from simulator.runner import PolicyChoice, run
-from simulator.servers import build_deployment, parse_deployment
-from simulator.workloads import LengthSpec, WorkloadSpec, generate
+from simulator.servers import DeploymentError, build_deployment, build_server, parse_buckets, parse_deployment
+from simulator.workloads import AcceptModel, LengthSpec, WorkloadSpec, generate
 
 
 def linear_profile(a: float, c: float, *, cap: int | None = None, ttft: float = 0.0) -> Profile:
@@ -223,3 +223,54 @@ def test_policy_choosing_an_unknown_backend_is_a_clear_error() -> None:
     servers = build_deployment(profile, parse_deployment("baseline=1,eagle=1"))
     with pytest.raises(SimulationError, match="nowhere"):
         simulate(servers, Wrong(), _batch([10], [0.0]))  # type: ignore[arg-type]
+
+
+def test_adaptive_server_speculates_only_while_the_batch_is_small() -> None:
+    profile = resolve_profile("kimi-k25-int4-8gpu")
+    base, eagle = profile.speed("baseline"), profile.speed("eagle")
+    adaptive = build_server(profile, "adaptive", "adaptive-0")
+    assert adaptive.pool == "eagle"
+    assert adaptive.max_running_requests == base.max_running_requests
+    assert adaptive.rate_at(1) == pytest.approx(eagle.decode_tok_s(1))
+    assert adaptive.rate_at(100) == pytest.approx(base.decode_tok_s(100))
+    # In between, the step time lies between the two measured curves.
+    step = 1 / adaptive.rate_at(20)
+    assert 1 / base.decode_tok_s(20) < step < 1 / eagle.decode_tok_s(20)
+    custom = build_server(profile, "adaptive", "a", parse_buckets("4:1,16:0.5"))
+    assert custom.rate_at(3) == pytest.approx(eagle.decode_tok_s(3))
+    assert custom.rate_at(16) == pytest.approx(base.decode_tok_s(16))
+    assert 1 / custom.rate_at(10) == pytest.approx(
+        (1 / eagle.decode_tok_s(10) + 1 / base.decode_tok_s(10)) / 2
+    )
+
+
+def test_deployment_and_bucket_specs() -> None:
+    assert parse_deployment("baseline=2, adaptive=1") == (("baseline", 2), ("adaptive", 1))
+    for bad in ("baseline", "baseline=x", "baseline=-1", "eagle=1,eagle=2", "baseline=0", "gpu=1"):
+        with pytest.raises(DeploymentError):
+            parse_deployment(bad)
+    for bad in ("8", "8:1.5", "32:1,8:0.5", "0:1"):
+        with pytest.raises(DeploymentError):
+            parse_buckets(bad)
+
+
+def test_hint_acceptance_factors_reach_eagle_requests() -> None:
+    profile = resolve_profile("kimi-k25-int4-8gpu")
+    spec = WorkloadSpec(
+        kind="sweep",
+        levels=(1,),
+        requests_per_level=40,
+        hint_mix={"code": 1.0, "prose": 1.0},
+        accept=AcceptModel(hint_factor={"code": 1.25, "prose": 0.8}),
+    )
+    seg = generate(spec, 2)[0]
+    servers = build_deployment(profile, parse_deployment("eagle=1"))
+    raw = simulate(servers, None, seg.batch, concurrency=1, warmup=0, measure=40)
+    rates: dict[str | None, set[float]] = {}
+    for i, ph in enumerate(raw.phase):
+        if ph == MEASURED:
+            rate = (seg.batch.output_tokens[i] - 1) / (raw.finish[i] - raw.first_token[i])
+            rates.setdefault(seg.batch.hints[i], set()).add(round(rate, 6))
+    assert rates.keys() == {"code", "prose"}
+    assert rates["code"] == {round(96.1 * 1.25, 6)}
+    assert rates["prose"] == {round(96.1 * 0.8, 6)}
