@@ -60,6 +60,10 @@ class EngineRequest:
     """Mean tokens per verify step for this request (1 without speculation)."""
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     generated: int = 0
+    verify_ct: int = 0
+    """Verify steps this request took part in (EAGLE)."""
+    accepted_tokens: int = 0
+    """Tokens those verify steps produced (accepted drafts plus the bonus token)."""
     submitted_at: float = 0.0
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -325,9 +329,12 @@ class BatchEngine:
                 self.total_accepted += k
                 self._win_verify += 1
                 self._win_accepted += k
+                req.verify_ct += 1
             else:
                 k = 1
             k = min(k, req.output_tokens - req.generated)
+            if self.accept_length is not None:
+                req.accepted_tokens += k
             req.generated += k
             self.total_generated += k
             self._win_tokens += k

@@ -66,6 +66,7 @@ class GenRequest:
     ignore_eos: bool
     prompt_tokens: int
     rid: str | None
+    spec_details: bool = False
 
 
 def _tokens_of_text(text: str) -> int:
@@ -152,6 +153,7 @@ def parse_generation(body: Any, kind: Kind, default_model: str) -> GenRequest:
         ignore_eos=bool(ignore_eos),
         prompt_tokens=prompt_tokens,
         rid=rid,
+        spec_details=bool(body.get("return_spec_tokens_details")),
     )
 
 
@@ -222,6 +224,23 @@ class _Stream:
 
     def usage(self, completion: int) -> bytes:
         return self._event([], usage=_usage(self.g, completion))
+
+    def spec_details(self, details: dict[str, Any]) -> bytes:
+        return self._event([], sglext={"spec_tokens_details": details})
+
+
+def spec_tokens_details(req: EngineRequest, num_steps: int) -> dict[str, Any]:
+    """SGLang's per-request acceptance summary (`return_spec_tokens_details`)."""
+    verify = req.verify_ct
+    correct = req.accepted_tokens - verify  # drafts accepted, bonus tokens excluded
+    proposed = verify * num_steps
+    return {
+        "spec_accept_rate": correct / proposed if proposed else 0.0,
+        "spec_accept_length": req.accepted_tokens / verify if verify else 0.0,
+        "spec_verify_ct": verify,
+        "spec_num_correct_drafts": correct,
+        "spec_num_proposed_drafts": proposed,
+    }
 
 
 def queue_full_event() -> bytes:
@@ -420,7 +439,11 @@ async def _stream(request: web.Request, e: Emulator, g: GenRequest, req: EngineR
         if die is not None and chunks >= die and reason is None:
             _drop_connection(request)
             raise _Dropped
-    tail = s.usage(req.generated) if g.include_usage else b""
+    tail = b""
+    if g.spec_details and e.config.mode == "eagle":
+        tail += s.spec_details(spec_tokens_details(req, e.config.speculative_num_steps))
+    if g.include_usage:
+        tail += s.usage(req.generated)
     await resp.write(tail + b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
@@ -469,6 +492,8 @@ async def _complete(e: Emulator, g: GenRequest, req: EngineRequest, request: web
         "usage": usage,
         "metadata": {"weight_version": "default"},
     }
+    if g.spec_details and e.config.mode == "eagle":
+        body["sglext"] = {"spec_tokens_details": spec_tokens_details(req, e.config.speculative_num_steps)}
     return web.Response(text=_dumps(body), content_type="application/json")
 
 

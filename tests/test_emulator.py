@@ -495,3 +495,24 @@ async def test_emulate_command_prints_its_url_and_stops_on_sigterm() -> None:
     )  # fmt: skip
     _, err = await asyncio.wait_for(bad.communicate(), 30)
     assert bad.returncode == 2 and b"no built-in profile 'nope'" in err and b"Traceback" not in err
+
+
+async def test_spec_tokens_details_chunk_before_usage(emu: MakeEmu) -> None:
+    server = await emu("eagle")
+    body = {
+        **CHAT, "max_tokens": 60, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}, "return_spec_tokens_details": True,
+    }  # fmt: skip
+    _, events = await sse(server.url + "/v1/chat/completions", body)
+    *_, details, usage, done = events
+    d = details["sglext"]["spec_tokens_details"]
+    assert details["choices"] == [] and usage["usage"]["completion_tokens"] == 60 and done == "[DONE]"
+    # the first token comes from prefill; every other token from a verify step
+    assert d["spec_num_correct_drafts"] + d["spec_verify_ct"] == 59
+    assert d["spec_num_proposed_drafts"] == 3 * d["spec_verify_ct"]
+    assert d["spec_accept_length"] == pytest.approx(59 / d["spec_verify_ct"])
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(server.url + "/v1/chat/completions", json={**body, "stream": False}) as r,
+    ):
+        assert "spec_tokens_details" in (await r.json())["sglext"]
