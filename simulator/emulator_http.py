@@ -7,6 +7,10 @@ an EAGLE server), a separate finish chunk, the `choices: []` usage chunk when
 `stream_options.include_usage`, then `data: [DONE]`. Completion streams carry the finish
 reason on their last content chunk. Errors use SGLang's flat error body. Response headers
 are sent with the first event, as SGLang does.
+
+Deviations, on purpose: `/v1/loads` reports live running/waiting counts (SGLang's are at most
+a few decode steps old); `/health` answers at once (0.5.23 runs a one-token generation);
+`n > 1`, logprobs, tools and batch prompts are not emulated (400 or ignored).
 """
 
 from __future__ import annotations
@@ -300,6 +304,12 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
             g = parse_generation(body, kind, e.config.model)
         except BadRequest as err:
             return error_response(400, str(err))
+        if g.prompt_tokens >= e.config.max_model_len:
+            return error_response(
+                400,
+                f"The input ({g.prompt_tokens} tokens) is longer than the model's context length "
+                f"({e.config.max_model_len} tokens).",
+            )
         faults = e.faults
         if faults.stall_s > 0:
             await asyncio.sleep(faults.stall_s)

@@ -421,6 +421,9 @@ async def test_bad_input_gets_a_clear_400(emu: MakeEmu) -> None:
             assert r.status == 200  # an empty prompt is still one (BOS) token
         async with s.post(server.url + "/v1/completions", json={"prompt": {"a": 1}}) as r:
             assert r.status == 400
+        too_long = {"prompt": list(range(server.emulator.config.max_model_len))}
+        async with s.post(server.url + "/v1/completions", json=too_long) as r:
+            assert r.status == 400 and "context length" in (await r.json())["message"]
 
 
 async def test_api_key(emu: MakeEmu) -> None:
