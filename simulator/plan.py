@@ -34,12 +34,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from policies.profile import Profile
+from policies.profile import Profile, ProfileError
 from policies.registry import PolicyRegistry
 from simulator.plan_stats import Interval, Margin, interval, paired_margin
 from simulator.results import Slo
 from simulator.runner import SINGLE_POOL_POLICY, PolicyChoice, is_single_pool, typed_params
-from simulator.servers import DEFAULT_ADAPTIVE_BUCKETS, SERVER_KINDS, ServerKind
+from simulator.servers import DEFAULT_ADAPTIVE_BUCKETS, SERVER_KINDS, ServerKind, build_deployment
 from simulator.tuner import Objective, Task, evaluate, grid_points, score_of
 from simulator.workloads import WorkloadSpec
 
@@ -295,6 +295,11 @@ def plan(
     for name in spec.policies:
         registry.get(name)  # unknown names fail before any simulation
     deps = enumerate_deployments(spec.servers, spec.kinds)
+    for dep in deps:  # a profile lacking a mode fails here, not in a worker
+        try:
+            build_deployment(profile, dep, spec.buckets)
+        except ProfileError as e:
+            raise PlanError(f"{e}: cannot simulate {deployment_label(dep)} (choose --kinds it has)") from None
     cands = {dep: candidates(spec, dep, registry) for dep in deps}
     workloads = {f: scale_workload(spec.workload, f) for f in spec.loads}
 

@@ -32,7 +32,7 @@ def _num(v: float, fmt: str) -> str:
 def _pm(mean: float, half: float, fmt: str) -> str:
     if math.isnan(mean):
         return "-"
-    return fmt.format(mean) + ("" if math.isnan(half) else " ±" + fmt.format(half))
+    return fmt.format(mean) + ("" if math.isnan(half) else f" ±{half:.2g}")
 
 
 def table_rows(lr: LoadResult, objective: str) -> tuple[list[str], list[list[str]]]:

@@ -380,3 +380,18 @@ def test_single_pool_winner_gets_the_fixed_policy(tmp_path: Path) -> None:
     assert settings["profile"] == str(profile.resolve())
     check = _cli("check-config", str(cfg))
     assert check.returncode == 0, check.stderr
+
+
+def test_profile_without_an_eagle_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "plain-only.json"
+    mode = {"points": [{"concurrency": 1, "decode_tok_s": 80.0, "ttft_s": 0.1}]}
+    profile.write_text(
+        json.dumps({"format": "specroute.profile/v1", "name": "plain", "modes": {"baseline": mode}})
+    )
+    argv = ["plan", "--profile", str(profile), "--servers", "2", "--concurrency", "1", "--no-progress"]
+    assert specroute([*argv, "--out", str(tmp_path / "a.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "no 'eagle' mode" in err and "--kinds" in err and "Traceback" not in err
+    assert specroute([*argv, "--kinds", "baseline", "--out", str(tmp_path / "b.yaml"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["winner"] == "baseline=2" and doc["loads"][1]["ranking"][0]["margin_to_next"] is None
