@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
 from simulator.engine import simulate
@@ -31,6 +32,26 @@ from simulator.servers import build_deployment, parse_deployment
 from simulator.workloads import LengthSpec, WorkloadSpec, generate
 
 TARGET = 200_000.0
+
+
+class Timed:
+    """Wraps a policy and adds up the wall time spent inside choose() and observe()."""
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.seconds = 0.0
+
+    def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
+        t = time.perf_counter()
+        d = self.inner.choose(request, view, now)
+        self.seconds += time.perf_counter() - t
+        return d
+
+    def observe(self, outcome: Outcome) -> None:
+        t = time.perf_counter()
+        self.inner.observe(outcome)
+        self.seconds += time.perf_counter() - t
 
 
 def pin_one_core() -> str:
@@ -74,6 +95,7 @@ def main() -> int:
     print(f"workload generation (not in the figures below): {gen_s:.2f} s")
 
     rows = []
+    breakdown: list[str] = []
     for name in ["(engine alone)", *args.policies]:
         rates: list[float] = []
         sim_ratio = 0.0
@@ -90,6 +112,17 @@ def main() -> int:
             sim_ratio = max(raw.finish) / wall
             share = sum(1 for s in raw.server if servers[s].pool == "eagle") / args.requests
         rows.append((name, rates, sim_ratio, share))
+        if not name.startswith("("):
+            timed = Timed(registry.create(name, {}, PolicyContext(profile, args.seed)))
+            t = time.perf_counter()
+            simulate(servers, timed, batch, seed=args.seed)
+            wall = time.perf_counter() - t
+            per = 1e6 / args.requests
+            breakdown.append(
+                f"{name}: {wall * per:.2f} us/request in total, of which {timed.seconds * per:.2f} us "
+                "in the policy's choose()+observe() (timer overhead included) and "
+                f"{(wall - timed.seconds) * per:.2f} us in the engine (events, load views, outcomes)"
+            )
 
     print(
         f"\n{'policy':<16} {'n':>3} {'median req/s':>13} {'min':>10} {'max':>10} {'x real time':>12} "
@@ -101,6 +134,9 @@ def main() -> int:
             f"{name:<16} {len(rates):>3} {med:>13,.0f} {min(rates):>10,.0f} {max(rates):>10,.0f} "
             f"{ratio:>12,.0f} {100 * share:>8.1f} {med / TARGET:>9.2f}x"
         )
+    print("\nwhere the time goes (one extra timed run each):")
+    for line in breakdown:
+        print("  " + line)
     print(
         f"\nn = repeats of {args.requests:,} requests each; target {TARGET:,.0f} req/s; "
         "'x real time' = simulated seconds per wall second (last repeat)."

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -264,6 +265,8 @@ def simulate(
         raise SimulationError("no servers to simulate")
     if batch.arrivals is None and (concurrency is None or concurrency < 1):
         raise SimulationError("a closed loop needs concurrency >= 1")
+    if batch.arrivals is not None and any(b < a for a, b in itertools.pairwise(batch.arrivals)):
+        raise SimulationError("open-loop arrival times must be sorted")
     states = [_Server(m) for m in servers]
     pools = {m.pool for m in servers}
     route_by_policy = policy is not None and len(pools) == 2

@@ -274,3 +274,9 @@ def test_hint_acceptance_factors_reach_eagle_requests() -> None:
     assert rates.keys() == {"code", "prose"}
     assert rates["code"] == {round(96.1 * 1.25, 6)}
     assert rates["prose"] == {round(96.1 * 0.8, 6)}
+
+
+def test_unsorted_open_loop_arrivals_are_rejected() -> None:
+    servers = build_deployment(linear_profile(0.01, 0.0), parse_deployment("baseline=1"))
+    with pytest.raises(SimulationError, match="sorted"):
+        simulate(servers, None, _batch([10, 10], [1.0, 0.5]))
