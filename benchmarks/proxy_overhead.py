@@ -203,7 +203,7 @@ async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | No
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         for c in args.concurrency:
-            n = args.requests if c > 1 else max(200, args.requests // 5)
+            n = args.requests if c > 1 else max(200, args.requests // 2)
             for rnd in range(args.rounds):
                 order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
                 for name in order:

@@ -5,10 +5,12 @@ of unknown fields, /v1/models, per-pool model rewrite and API key."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from typing import Any
 
 import aiohttp
 import openai
+import pytest
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -203,3 +205,26 @@ async def test_models_health_ready_metrics(fake_backend, proxy):
     assert r.status == 200
     assert f'specroute_in_flight_requests{{backend="{fb.url}",pool="baseline"}} 0.0' in text
     assert f'specroute_backend_healthy{{backend="{fb.url}",pool="baseline"}} 1.0' in text
+
+
+async def test_metrics_exposition_passes_promtool(fake_backend, proxy):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed")
+    fb = await fake_backend()
+    p = await proxy(baseline=[fb.url], policy="fixed")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(p.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT}) as r:
+            await r.read()
+        async with s.post(p.url + "/v1/chat/completions", data=b"{") as r:
+            await r.read()
+        async with s.get(p.url + "/metrics") as r:
+            text = await r.read()
+    assert b'specroute_requests_total{backend="' in text
+    assert b'specroute_decisions_total{policy="fixed",pool="baseline",reason="fixed_baseline"} 1.0' in text
+    proc = await asyncio.create_subprocess_exec(
+        promtool, "check", "metrics", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await proc.communicate(text)
+    assert proc.returncode == 0, out.decode()
