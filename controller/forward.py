@@ -383,10 +383,10 @@ class Forwarder:
             self.metrics.reject(413)
             raise
         # Same synchronous step as the decision: no await between choose() and reserve().
-        reservation = self.tracker.reserve(chosen.backend, info.max_tokens or 0)
-        self.metrics.decision(policy.name, chosen.pool, chosen.reason)
-        run = _Run(self, request, info, body, raw, path, chosen, reservation)
+        run = _Run(self, request, info, body, raw, path, chosen)
+        run.reservation = self.tracker.reserve(chosen.backend, info.max_tokens or 0)
         try:
+            self.metrics.decision(policy.name, chosen.pool, chosen.reason)
             return await run.execute()
         finally:
             self.tracker.release(run.reservation)
@@ -427,7 +427,6 @@ class _Run:
         raw: bytes,
         path: str,
         decision: Decision,
-        reservation: Reservation,
     ) -> None:
         self.fwd = fwd
         self.request = request
@@ -436,7 +435,7 @@ class _Run:
         self.raw = raw
         self.path = path
         self.decision = decision
-        self.reservation = reservation
+        self.reservation: Reservation  # set by the caller right after the decision, before any await
         self.status: OutcomeStatus = "error"
         self.http_status = 0
         self.tokens: int | None = None
