@@ -30,6 +30,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from policies.base import BackendLoad, Decision, LoadView, Outcome, Policy, PoolLoad, RequestInfo
 from simulator.servers import ServerModel
@@ -39,6 +40,8 @@ _FIRST = 1
 _DONE = 2
 _INFO_CACHE_MAX = 1 << 16
 
+
+_T = TypeVar("_T")
 
 # Frozen dataclasses set each field through `object.__setattr__`, which makes building the
 # policy's inputs the costliest part of an arrival. Writing the slots through their
@@ -120,7 +123,25 @@ def _outcome_maker() -> Callable[[RequestInfo, Decision, float, float, int, floa
     return fast
 
 
+def _pair_maker(cls: type[_T], names: tuple[str, str]) -> Callable[[Any, Any], _T]:
+    """Fast constructor of a two-field frozen slots dataclass (PoolLoad, LoadView)."""
+    if not _has_fields(cls, names) or not hasattr(cls, "__slots__"):
+        return lambda x, y: cls(x, y)  # type: ignore[call-arg]
+    s0, s1 = (cls.__dict__[n].__set__ for n in names)
+    new = object.__new__
+
+    def fast(x: Any, y: Any) -> _T:
+        o = new(cls)
+        s0(o, x)
+        s1(o, y)
+        return o
+
+    return fast
+
+
 _make_backend_load = _backend_load_maker()
+_make_pool_load = _pair_maker(PoolLoad, ("pool", "backends"))
+_make_view = _pair_maker(LoadView, ("baseline", "eagle"))
 _make_outcome = _outcome_maker()
 
 
@@ -232,14 +253,6 @@ class _Server:
         self.rate = model.rate[0]
         self.version = 0
 
-    def rate_for(self, b: int) -> float:
-        table = self.rate_table
-        return table[b] if b < len(table) else self.model.rate_at(b)
-
-    def ttft_for(self, b: int) -> float:
-        table = self.ttft_table
-        return table[b] if b < len(table) else table[-1]
-
 
 def simulate(
     servers: Sequence[ServerModel],
@@ -268,6 +281,9 @@ def simulate(
     if batch.arrivals is not None and any(b < a for a, b in itertools.pairwise(batch.arrivals)):
         raise SimulationError("open-loop arrival times must be sorted")
     states = [_Server(m) for m in servers]
+    table_size = min(len(m.rate) for m in servers)
+    if any(len(m.ttft) < table_size for m in servers):
+        raise SimulationError("server speed tables must cover the same batch sizes")
     pools = {m.pool for m in servers}
     route_by_policy = policy is not None and len(pools) == 2
     index = {m.name: i for i, m in enumerate(servers)}
@@ -318,6 +334,7 @@ def simulate(
     current_view = LoadView(pool_loads[0], pool_loads[1])
     info_cache: dict[tuple[int, int | None, str | None], RequestInfo] = {}
     make_backend_load, make_outcome = _make_backend_load, _make_outcome
+    make_pool_load, make_view = _make_pool_load, _make_view
     observe = policy.observe if policy is not None else None
 
     def build_view() -> LoadView:
@@ -340,8 +357,8 @@ def simulate(
             for p, changed in ((0, changed0), (1, changed1)):
                 if changed:
                     backends = tuple(b for b in (bls[i] for i in pool_members[p]) if b is not None)
-                    pool_loads[p] = PoolLoad("baseline" if p == 0 else "eagle", backends)
-            current_view = LoadView(pool_loads[0], pool_loads[1])
+                    pool_loads[p] = make_pool_load("baseline" if p == 0 else "eagle", backends)
+            current_view = make_view(pool_loads[0], pool_loads[1])
         return current_view
 
     def least_loaded() -> int:
@@ -365,9 +382,13 @@ def simulate(
             fv, r = pop(dheap)
             s.v = fv
             s.t_last = t
-            done = [r]
-            while dheap and dheap[0][0] <= fv:
-                done.append(pop(dheap)[1])
+            done: list[int] | tuple[int]
+            if dheap and dheap[0][0] <= fv:
+                done = [r]
+                while dheap and dheap[0][0] <= fv:
+                    done.append(pop(dheap)[1])
+            else:
+                done = (r,)
             for r in done:
                 finish[r] = t
                 s.running -= 1
@@ -375,17 +396,17 @@ def simulate(
             dirty[a] = True
             while s.queue and s.running < s.cap:
                 q = s.queue.popleft()
-                s.running += 1
-                ft = t + s.ttft_for(s.running)
+                running = s.running = s.running + 1
+                ft = t + (s.ttft_table[running] if running < table_size else s.ttft_table[-1])
                 if s.prefill is not None and prompt_tokens[q] > 0:
                     ft += prompt_tokens[q] / s.prefill
                 push(heap, (ft, seq, _FIRST, q, a))
                 seq += 1
-            rate = s.rate_for(s.running)
-            s.rate = rate
+            running = s.running
+            rate = s.rate = s.rate_table[running] if running < table_size else s.model.rate_at(running)
             if dheap:
-                s.version += 1
-                push(heap, (t + (dheap[0][0] - fv) / rate, seq, _DONE, a, s.version))
+                version = s.version = s.version + 1
+                push(heap, (t + (dheap[0][0] - fv) / rate, seq, _DONE, a, version))
                 seq += 1
             for r in done:
                 if observe is not None:
@@ -425,10 +446,10 @@ def simulate(
             s.v = v
             s.t_last = t
             entry = (v + work, a)
-            heapq.heappush(dheap, entry)
+            push(dheap, entry)
             if dheap[0] is entry:
-                s.version += 1
-                push(heap, (t + work / s.rate, seq, _DONE, b, s.version))
+                version = s.version = s.version + 1
+                push(heap, (t + work / s.rate, seq, _DONE, b, version))
                 seq += 1
         else:
             arrival[a] = t
@@ -465,19 +486,18 @@ def simulate(
                 # Advance the virtual clock at the old rate before the batch grows.
                 s.v += (t - s.t_last) * s.rate
                 s.t_last = t
-                s.running += 1
-                rate = s.rate_for(s.running)
-                s.rate = rate
-                ft = t + s.ttft_for(s.running)
+                running = s.running = s.running + 1
+                rate = s.rate = s.rate_table[running] if running < table_size else s.model.rate_at(running)
+                ft = t + (s.ttft_table[running] if running < table_size else s.ttft_table[-1])
                 if s.prefill is not None and prompt_tokens[a] > 0:
                     ft += prompt_tokens[a] / s.prefill
                 push(heap, (ft, seq, _FIRST, a, si))
                 seq += 1
                 if s.dheap:
-                    s.version += 1
+                    version = s.version = s.version + 1
                     # Float rounding may put V a hair past the top: never schedule in the past.
                     ahead = s.dheap[0][0] - s.v
-                    push(heap, (t + ahead / rate if ahead > 0.0 else t, seq, _DONE, si, s.version))
+                    push(heap, (t + ahead / rate if ahead > 0.0 else t, seq, _DONE, si, version))
                     seq += 1
             else:
                 s.queue.append(a)

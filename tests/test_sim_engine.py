@@ -280,3 +280,18 @@ def test_unsorted_open_loop_arrivals_are_rejected() -> None:
     servers = build_deployment(linear_profile(0.01, 0.0), parse_deployment("baseline=1"))
     with pytest.raises(SimulationError, match="sorted"):
         simulate(servers, None, _batch([10, 10], [1.0, 0.5]))
+
+
+def test_fast_constructors_build_the_same_objects_as_the_dataclasses() -> None:
+    from policies.base import BackendLoad, Decision, LoadView, Outcome, PoolLoad, RequestInfo
+    from simulator import engine
+
+    b = engine._make_backend_load("eagle-0", "eagle", 3, 600, 2, 1, 2.4)
+    assert b == BackendLoad("eagle-0", "eagle", True, 3, 600, 2, 1, 2.4, 0.0)
+    p = engine._make_pool_load("eagle", (b,))
+    assert p == PoolLoad("eagle", (b,))
+    assert engine._make_view(PoolLoad("baseline"), p) == LoadView(PoolLoad("baseline"), p)
+    info, decision = RequestInfo(), Decision(pool="eagle", backend="eagle-0", reason="x")
+    o = engine._make_outcome(info, decision, 1.0, 0.2, 10, 2.0)
+    assert o == Outcome(info, decision, 1.0, 0.2, 10, 2.0, "ok")
+    assert o.decode_tok_s == pytest.approx(9 / 1.8)
