@@ -148,6 +148,18 @@ def test_decision_log_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert doc["runs"][0]["summary"]["requests"] == 60
 
 
+def test_policy_specs_with_inline_params_and_plugin_paths() -> None:
+    from simulator.cli import parse_policy
+
+    assert parse_policy("threshold", {"threshold": 4}).params == {"threshold": 4}
+    inline = parse_policy("threshold:threshold=16,signal=local", {"threshold": 4})
+    assert (inline.name, dict(inline.params)) == ("threshold", {"threshold": 16, "signal": "local"})
+    plugin = parse_policy("my.module:MyPolicy", {})
+    assert (plugin.name, dict(plugin.params)) == ("my.module:MyPolicy", {})
+    plugin = parse_policy("my.module:MyPolicy:k=1.5", {})
+    assert (plugin.name, dict(plugin.params)) == ("my.module:MyPolicy", {"k": 1.5})
+
+
 def test_json_is_byte_identical_across_processes(tmp_path: Path) -> None:
     args = [
         sys.executable, "-m", "controller.cli", "simulate", "--profile", PROFILE, "--json",

@@ -295,3 +295,22 @@ def test_fast_constructors_build_the_same_objects_as_the_dataclasses() -> None:
     o = engine._make_outcome(info, decision, 1.0, 0.2, 10, 2.0)
     assert o == Outcome(info, decision, 1.0, 0.2, 10, 2.0, "ok")
     assert o.decode_tok_s == pytest.approx(9 / 1.8)
+
+
+def test_prefill_cost_when_the_profile_gives_it() -> None:
+    profile = parse_profile(
+        {
+            "format": "specroute.profile/v1",
+            "modes": {
+                "baseline": {
+                    "prefill_tok_s": 1000.0,
+                    "points": [{"concurrency": 1, "decode_tok_s": 100.0, "ttft_s": 0.1}],
+                }
+            },
+        }
+    )
+    servers = build_deployment(profile, parse_deployment("baseline=1"))
+    batch = RequestBatch([2000], [11], [11], [None], [1.0], [0.0])
+    raw = simulate(servers, None, batch)
+    assert raw.first_token[0] == pytest.approx(0.1 + 2.0)
+    assert raw.finish[0] == pytest.approx(2.1 + 0.1)
