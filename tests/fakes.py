@@ -6,7 +6,8 @@ when `stream_options.include_usage`, then `data: [DONE]`. Answers are determinis
 hash of the request body, `created` is fixed) so a response fetched directly and one fetched
 through the proxy can be compared byte for byte.
 
-Behaviour is switched at run time through `mode`:
+Behaviour is switched at run time through `mode` (or per request by a body field `fake_mode`,
+which the proxy passes through like any unknown field):
   ok          normal answers
   error500    HTTP 500 with SGLang's flat error body
   queue_full  streaming: HTTP 200 whose first event is the queue-full error; else HTTP 503
@@ -137,22 +138,21 @@ class FakeBackend:
         self.request_headers.append(dict(request.headers))
         self.active += 1
         self.max_active = max(self.max_active, self.active)
+        mode = str(body.get("fake_mode", self.mode))
         try:
-            if self.mode in ("error500", "bad_request") or (
-                self.mode == "queue_full" and not body.get("stream")
-            ):
-                status = {"error500": 500, "bad_request": 400, "queue_full": 503}[self.mode]
+            if mode in ("error500", "bad_request") or (mode == "queue_full" and not body.get("stream")):
+                status = {"error500": 500, "bad_request": 400, "queue_full": 503}[mode]
                 return web.json_response(
                     {
                         "object": "error",
-                        "message": f"fake {self.mode}",
+                        "message": f"fake {mode}",
                         "type": "Error",
                         "param": None,
                         "code": status,
                     },
                     status=status,
                 )
-            if self.mode == "stall" and not body.get("stream"):
+            if mode == "stall" and not body.get("stream"):
                 await asyncio.sleep(3600)
             if self.first_byte_delay_s:
                 await asyncio.sleep(self.first_byte_delay_s)
@@ -160,7 +160,7 @@ class FakeBackend:
             model = str(body.get("model", self.model))
             tokens = self._tokens(body)
             if body.get("stream"):
-                resp = await self._stream(request, body, rid, model, tokens, chat)
+                resp = await self._stream(request, body, rid, model, tokens, chat, mode)
             else:
                 resp = self._whole(body, rid, model, tokens, chat)
             self.completed += 1
@@ -215,13 +215,20 @@ class FakeBackend:
         return web.json_response(out)
 
     async def _stream(
-        self, request: web.Request, body: dict[str, Any], rid: str, model: str, tokens: list[str], chat: bool
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        rid: str,
+        model: str,
+        tokens: list[str],
+        chat: bool,
+        mode: str,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        if self.mode == "stall":
+        if mode == "stall":
             await asyncio.sleep(3600)
-        if self.mode == "queue_full":
+        if mode == "queue_full":
             err = {
                 "error": {
                     "object": "error",
@@ -273,8 +280,8 @@ class FakeBackend:
         if chat:
             await resp.write(piece(None, None, role=True))
         for i, tok in enumerate(tokens):
-            if self.mode in ("die_mid", "stall_mid") and i == self.fail_after:
-                if self.mode == "stall_mid":
+            if mode in ("die_mid", "stall_mid") and i == self.fail_after:
+                if mode == "stall_mid":
                     await asyncio.sleep(3600)
                 assert request.transport is not None
                 request.transport.abort()

@@ -160,3 +160,52 @@ async def test_in_flight_tokens_follow_max_tokens(fake_backend, proxy):
         r2.close()
     await p.wait_idle()
     assert (state.in_flight, state.in_flight_tokens) == (0, 0)
+
+
+async def test_chaos_mix_of_failures_and_abandons_leaves_zero_in_flight(fake_backend, proxy):
+    """Random per-request backend behaviour (errors, queue-full, stalls, deaths mid-stream) and random
+    client abandonment, streaming and not, on both pools at once."""
+    backends = [await fake_backend(chunks=6, delay_s=0.002) for _ in range(4)]
+    p = await proxy(
+        baseline=[b.url for b in backends[:2]],
+        eagle=[b.url for b in backends[2:]],
+        policy="threshold",
+        policy_params={"threshold": 6},
+        first_byte_timeout_s=0.3,
+        idle_timeout_s=0.3,
+        health_check_interval_s=0.1,
+    )
+    rng = random.Random(11)
+    modes = ["ok"] * 6 + ["error500", "bad_request", "queue_full", "stall", "die_mid", "stall_mid"]
+    gate = asyncio.Semaphore(32)
+    statuses: list[int] = []
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        body = {**BODY, "stream": rng.random() < 0.8, "fake_mode": rng.choice(modes)}
+        abandon = rng.random() < 0.2
+        async with gate:
+            async with session.post(p.url + "/v1/chat/completions", json=body) as r:
+                statuses.append(r.status)
+                if abandon:
+                    await r.content.readany()
+                    r.close()
+                    return
+                await r.read()
+
+    async with aiohttp.ClientSession() as s:
+        await asyncio.gather(*(one(s) for _ in range(300)))
+    await p.wait_idle()
+    assert p.in_flight_samples() == [0.0] * 4
+    assert sum(b.in_flight_tokens for b in p.tracker) == 0
+    assert len(statuses) == 300 and set(statuses) <= {200, 400, 500, 502, 503, 504}
+    for _ in range(300):
+        if all(b.active == 0 for b in backends):
+            break
+        await asyncio.sleep(0.01)
+    assert [b.active for b in backends] == [0, 0, 0, 0]
+    total = sum(
+        p.sample("specroute_requests_total", pool=b.pool, backend=b.name, status=st) or 0.0
+        for b in p.tracker
+        for st in ("ok", "error", "timeout", "client_closed")
+    )
+    assert total + (p.sample("specroute_rejected_requests_total", code="503") or 0.0) == 300
