@@ -3,6 +3,10 @@
 `create_app` takes every collaborator (settings, policy, policy registry, optional client
 session, clock, metrics registry) so tests build the real app around fakes. One `cleanup_ctx`
 opens the shared `ClientSession` (unless one was passed in) and runs the health checker.
+
+Hooks for observers (decision log, shadow policies): pass `observers=[callable]`, or append to
+`app[FORWARDER].observers`; each gets a `RequestRecord` once a request has ended. Scrapers write
+backend samples into `app[TRACKER]` (`BackendState.running/queued/accept_length/sample_time`).
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ async def list_models(fwd: Forwarder, request: web.Request) -> web.StreamRespons
     )
     candidates = sorted((b for b in fwd.tracker if b.healthy), key=lambda b: b.pool != "baseline")
     for b in candidates:
-        auth = fwd._auth[b.pool]
+        auth = fwd.auth_header(b.pool)
         hdrs = {**headers, "Authorization": auth} if auth else headers
         try:
             async with fwd.session.get(b.name + "/v1/models", headers=hdrs, timeout=timeout) as resp:

@@ -265,6 +265,10 @@ class Forwarder:
             for pool, key in (("baseline", settings.baseline_api_key), ("eagle", settings.eagle_api_key))
         }
 
+    def auth_header(self, pool: Pool) -> str | None:
+        """The Authorization header configured for `pool` (None: forward the client's)."""
+        return self._auth[pool]
+
     # -- deciding --
 
     def decide(self, policy: Policy, info: RequestInfo, view: LoadView, now: float) -> Decision:
