@@ -74,8 +74,17 @@ def _add_workload(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"Sweep levels (default {' '.join(map(str, DEFAULT_LEVELS))}).",
     )
-    w.add_argument("--requests-per-level", type=int, default=30, help="Measured requests per sweep level.")
-    w.add_argument("--warmup-requests", type=int, default=5, help="Unmeasured requests per sweep level.")
+    w.add_argument(
+        "--requests-per-level",
+        type=int,
+        help="Measured requests per sweep level (default: the highest concurrency planned, at least 30, "
+        "so every level is measured in a steady state).",
+    )
+    w.add_argument(
+        "--warmup-requests",
+        type=int,
+        help="Unmeasured requests per sweep level (default: the highest concurrency planned, at least 5).",
+    )
     w.add_argument("--rate", type=float, default=10.0, help="Mean arrival rate (poisson, bursty), req/s.")
     w.add_argument("--requests", type=int, help="Requests (poisson/bursty: default 1000; trace: first N).")
     w.add_argument("--burst-factor", type=float, default=4.0, help="Bursty: high/low state rate.")
@@ -142,7 +151,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         nargs="+",
         default=list(DEFAULT_LOADS),
         metavar="X",
-        help="Load factors (default 0.5 1 1.5; 1 is always included).",
+        help="Load factors (default 0.5 1 1.5; 1 is always included): sweep concurrency levels, "
+        "poisson/bursty rate x X, a trace replayed X times as fast. Policies are re-tuned per load.",
     )
     p.add_argument(
         "--tie-within",
@@ -189,7 +199,11 @@ def _weights(text: str | None, what: str) -> dict[str, float]:
     return out
 
 
-def _workload(args: argparse.Namespace) -> WorkloadSpec:
+def _workload(args: argparse.Namespace, loads: list[float]) -> WorkloadSpec:
+    levels = tuple(args.concurrency) if args.concurrency else DEFAULT_LEVELS
+    # Steady state: with fewer measured (or warm-up) requests than clients, a level measures the
+    # first requests after warm-up, which a policy keeping one pool nearly empty passes quickly.
+    top = max(1, round(max(levels) * max(loads)))
     if args.accept_sigma < 0:
         raise PlanError("--accept-sigma must be >= 0")
     hint_accept = _weights(args.hint_accept, "--hint-accept")
@@ -197,9 +211,9 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
         raise PlanError("--hint-accept factors must be > 0")
     return WorkloadSpec(
         kind=args.workload,
-        levels=tuple(args.concurrency) if args.concurrency else DEFAULT_LEVELS,
-        requests_per_level=args.requests_per_level,
-        warmup=args.warmup_requests,
+        levels=levels,
+        requests_per_level=args.requests_per_level if args.requests_per_level is not None else max(30, top),
+        warmup=args.warmup_requests if args.warmup_requests is not None else max(5, top),
         rate=args.rate,
         requests=args.requests,
         burst_factor=args.burst_factor,
@@ -262,7 +276,7 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
     return PlanSpec(
         servers=args.servers,
         kinds=_kinds(args.kinds),
-        workload=_workload(args),
+        workload=_workload(args, loads),
         objective=args.objective,
         policies=policies,
         grids=grids,
@@ -278,7 +292,10 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
 def _describe(spec: PlanSpec, profile_name: str) -> str:
     w = spec.workload
     if w.kind == "sweep":
-        what = f"sweep, levels {' '.join(map(str, w.levels))}, {w.requests_per_level} requests/level"
+        what = (
+            f"sweep, levels {' '.join(map(str, w.levels))}, {w.requests_per_level} measured requests/level "
+            f"after {w.warmup} warm-up"
+        )
     elif w.kind == "trace":
         what = f"trace {w.trace} (time scale {w.time_scale:g})"
     else:
