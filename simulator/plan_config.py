@@ -13,6 +13,7 @@ with the plain server's cap, since it stops speculating under load.
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 from collections.abc import Sequence
@@ -129,7 +130,7 @@ def config_text(
     lines = [
         "# specroute config written by `specroute plan`.",
         f"# command: {command}",
-        f"# winner at the given load: {deployment_label(dep)} with {policy} {params}",
+        f"# winner at the given load: {deployment_label(dep)} with {policy} {json.dumps(params)}",
         f"# objective {spec.objective} = {_fmt(score.mean)} (95% CI {_fmt(score.low)}..{_fmt(score.high)}, "
         f"{score.n} seeds: {', '.join(map(str, spec.seeds))})",
     ]

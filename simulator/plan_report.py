@@ -32,6 +32,8 @@ def _num(v: float, fmt: str) -> str:
 def _pm(mean: float, half: float, fmt: str) -> str:
     if math.isnan(mean):
         return "-"
+    if not math.isnan(half) and half <= 1e-9 * abs(mean):
+        half = 0.0  # rounding noise of identical runs
     return fmt.format(mean) + ("" if math.isnan(half) else f" ±{half:.2g}")
 
 
