@@ -348,7 +348,12 @@ def _tune_main(args: argparse.Namespace) -> int:
             )
         print(_describe(spec, profile))
         print(
-            f"objective: {args.objective} ({'higher' if args.objective == 'goodput' else 'lower'} is better)"
+            f"objective: {args.objective} "
+            + (
+                "(requests/s meeting every SLO given; higher is better)"
+                if args.objective == "goodput"
+                else "(seconds; lower is better)"
+            )
         )
         columns = [c for c in ("mean_e2e_s", "p99_ttft_s", "p99_e2e_s") if c != args.objective]
         header = ["rank", "params", args.objective, *columns, "eagle %"]

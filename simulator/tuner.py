@@ -91,12 +91,18 @@ def score_of(objective: Objective, summary: Mapping[str, Any], good: float) -> f
 
 
 def rank(results: Sequence[PointResult], objective: Objective) -> list[PointResult]:
-    """Best first; goodput is maximised, latencies minimised; NaN last; ties by grid order."""
+    """Best first; goodput is maximised, latencies minimised; NaN last.
+
+    Ties (e.g. every point meets the SLOs) go to the lower mean end-to-end time, then to grid order.
+    """
     sign = -1.0 if objective == "goodput" else 1.0
-    return sorted(
-        results,
-        key=lambda r: (math.isnan(r.score), sign * r.score if not math.isnan(r.score) else 0.0, r.index),
-    )
+
+    def key(r: PointResult) -> tuple[bool, float, float, int]:
+        mean = r.summary.get("mean_e2e_s")
+        tie = float(mean) if isinstance(mean, int | float) else math.inf
+        return (math.isnan(r.score), sign * r.score if not math.isnan(r.score) else 0.0, tie, r.index)
+
+    return sorted(results, key=key)
 
 
 def tune(
