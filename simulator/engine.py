@@ -327,10 +327,14 @@ def simulate(
     accept_len = [m.accept_length if m.speculative else None for m in servers]
     n_servers = len(states)
     dirty = [True] * n_servers
-    bls: list[BackendLoad | None] = [None] * len(states)
     pool_of = [0 if m.pool == "baseline" else 1 for m in servers]
-    pool_members = [[i for i in range(len(states)) if pool_of[i] == p] for p in (0, 1)]
-    pool_loads = [PoolLoad("baseline"), PoolLoad("eagle")]
+    pool_names = ("baseline", "eagle")
+    # Each pool's backends in deployment order; slot[i] is server i's index in its pool.
+    slot = [sum(1 for j in range(i) if pool_of[j] == pool_of[i]) for i in range(n_servers)]
+    pool_bls: list[list[BackendLoad]] = [[], []]
+    for i, m in enumerate(servers):
+        pool_bls[pool_of[i]].append(_make_backend_load(m.name, m.pool, 0, 0, 0, 0, accept_len[i]))
+    pool_loads = [PoolLoad("baseline", tuple(pool_bls[0])), PoolLoad("eagle", tuple(pool_bls[1]))]
     current_view = LoadView(pool_loads[0], pool_loads[1])
     info_cache: dict[tuple[int, int | None, str | None], RequestInfo] = {}
     make_backend_load, make_outcome = _make_backend_load, _make_outcome
@@ -346,18 +350,19 @@ def simulate(
                 s = states[i]
                 q = len(s.queue)
                 m = s.model
-                bls[i] = make_backend_load(
+                p = pool_of[i]
+                pool_bls[p][slot[i]] = make_backend_load(
                     m.name, m.pool, s.running + q, s.tokens, s.running, q, accept_len[i]
                 )
-                if pool_of[i]:
+                if p:
                     changed1 = True
                 else:
                     changed0 = True
         if changed0 or changed1:
-            for p, changed in ((0, changed0), (1, changed1)):
-                if changed:
-                    backends = tuple(b for b in (bls[i] for i in pool_members[p]) if b is not None)
-                    pool_loads[p] = make_pool_load("baseline" if p == 0 else "eagle", backends)
+            if changed0:
+                pool_loads[0] = make_pool_load(pool_names[0], tuple(pool_bls[0]))
+            if changed1:
+                pool_loads[1] = make_pool_load(pool_names[1], tuple(pool_bls[1]))
             current_view = make_view(pool_loads[0], pool_loads[1])
         return current_view
 
