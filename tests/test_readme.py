@@ -70,9 +70,7 @@ def test_every_specroute_line_parses() -> None:
         assert getattr(args, "func", None) is not None, line
 
 
-@pytest.mark.parametrize(
-    "line", [line for line in _specroute_lines() if shlex.split(line)[1] in OFFLINE]
-)
+@pytest.mark.parametrize("line", [line for line in _specroute_lines() if shlex.split(line)[1] in OFFLINE])
 def test_offline_examples_run(line: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "controller.cli", *shlex.split(line)[1:]],
@@ -138,8 +136,6 @@ def readme_stack() -> Iterator[int]:
 def test_client_example_runs_against_the_emulated_stack(readme_stack: int) -> None:
     code = next(b for b in _blocks("python") if "OpenAI(" in b)
     code = code.replace("127.0.0.1:8000", f"127.0.0.1:{readme_stack}")
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(proc.stdout.strip()) > 0  # the emulator's synthetic tokens, streamed through
