@@ -160,5 +160,14 @@ async def list_models(fwd: Forwarder, request: web.Request) -> web.StreamRespons
 
 def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.AppRunner:
     """An AppRunner that cancels a handler when its client disconnects (so the upstream request
-    is closed at once and SGLang aborts the generation)."""
-    return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, access_log=None)
+    is closed at once and SGLang aborts the generation) and closes connections that do not send
+    complete headers within `header_timeout_s`."""
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=shutdown_timeout,
+        access_log=None,
+        # aiohttp arms this timer at connect and after each response, and closes a connection that
+        # has not delivered complete headers by then: the slowloris / idle-connection guard.
+        keepalive_timeout=app[SETTINGS].header_timeout_s,
+    )

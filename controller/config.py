@@ -78,6 +78,15 @@ class Settings(BaseModel):
         default=True, description="Honour the x-specroute-mode request header (force a pool)."
     )
     body_limit_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest request body.")
+    header_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Time a client has to send complete request headers after connecting or after its "
+        "previous response (also the idle keep-alive limit); then the connection is closed.",
+    )
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, description="Time a client has to send the whole request body (else 408)."
+    )
     connect_timeout_s: float = Field(default=5.0, gt=0, description="TCP connect timeout to a backend.")
     first_byte_timeout_s: float = Field(
         default=300.0,

@@ -69,6 +69,14 @@ class MethodNotAllowed(SpecrouteError):
     code = "method_not_allowed"
 
 
+class RequestTimeout(SpecrouteError):
+    """The client did not send its whole request body within `body_timeout_s`."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class PayloadTooLarge(SpecrouteError):
     status = 413
     type = "invalid_request_error"

@@ -37,6 +37,7 @@ from controller.errors import (
     BackendTimeout,
     BadRequest,
     NoBackendAvailable,
+    RequestTimeout,
     SpecrouteError,
     StreamBroken,
 )
@@ -103,6 +104,8 @@ def parse_body(raw: bytes, endpoint: EndpointKind) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     if endpoint == "chat":
@@ -113,6 +116,13 @@ def parse_body(raw: bytes, endpoint: EndpointKind) -> dict[str, Any]:
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise BadRequest("'stream' must be a boolean")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not integral or not 0 <= value < 2**53:
+            raise BadRequest(f"'{key}' must be a non-negative integer")
     return body
 
 
@@ -129,8 +139,8 @@ def _text_len(value: Any) -> int:
                 total += len(text) if isinstance(text, str) else 0
             elif isinstance(part, int):
                 total += 4  # a token id
-            elif isinstance(part, list):
-                total += _text_len(part)
+            elif isinstance(part, list):  # a batch of prompts; deeper nesting is not counted
+                total += sum(4 if isinstance(x, int) else len(x) if isinstance(x, str) else 0 for x in part)
         return total
     return 0
 
@@ -371,7 +381,16 @@ class Forwarder:
 
     async def handle(self, request: web.Request, endpoint: EndpointKind, path: str) -> web.StreamResponse:
         try:
-            raw = await request.read()
+            if request.content.is_eof():  # the usual case: the body came with the headers
+                raw = await request.read()
+            else:
+                try:
+                    async with asyncio.timeout(self.settings.body_timeout_s):
+                        raw = await request.read()
+                except TimeoutError:
+                    raise RequestTimeout(
+                        f"request body not received within {self.settings.body_timeout_s:g} s"
+                    ) from None
             body = parse_body(raw, endpoint)
             info = request_info(body, endpoint, request.headers, self.settings.allow_client_override)
             if self.settings.log_bodies:

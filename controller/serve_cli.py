@@ -114,6 +114,22 @@ def _build(args: argparse.Namespace) -> tuple[Settings, Any, Any, Any]:
     return settings, registry, context, policy
 
 
+def raise_open_files_limit() -> None:
+    """Raise the soft open-files limit to the hard one: each proxied stream holds two sockets."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as e:
+        log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, e)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
@@ -123,6 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
         settings, registry, context, policy = _build(args)
     except (ConfigError, PolicyError, ProfileError) as e:
         return _fail(str(e))
+    raise_open_files_limit()
     try:
         import uvloop
 
