@@ -364,6 +364,15 @@ def test_dockerfile_structure() -> None:
     assert not ignored & needed, f"Dockerfile.dockerignore hides {ignored & needed}"
 
 
+def _healthcheck_command() -> list[str]:
+    (healthcheck,) = [rest for ins, rest in _final_stage(_dockerfile()) if ins == "HEALTHCHECK"]
+    _, sep, exec_form = healthcheck.partition(" CMD ")
+    assert sep, "HEALTHCHECK needs a CMD"
+    command = json.loads(exec_form)
+    assert isinstance(command, list)
+    return [str(w) for w in command]
+
+
 def test_dockerfile_runs_specroute_serve_with_accepted_flags() -> None:
     final = _final_stage(_dockerfile())
     (entrypoint,) = [json.loads(rest) for ins, rest in final if ins == "ENTRYPOINT"]
@@ -846,6 +855,10 @@ def test_emulated_stack_serves_through_the_deploy_command_lines(tmp_path: Path) 
         assert raw.parse().usage.completion_tokens == 8
         stream = client.chat.completions.create(model="any", messages=messages, max_tokens=8, stream=True)
         assert any(chunk.choices and chunk.choices[0].delta.content for chunk in stream)
+        # the image's HEALTHCHECK command, pointed at this port, reports healthy
+        probe = [w.replace("127.0.0.1:8000", url.removeprefix("http://")) for w in _healthcheck_command()]
+        assert probe[0] == "python"
+        assert subprocess.run([sys.executable, *probe[1:]], timeout=30).returncode == 0
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             metrics = r.read().decode()
         assert "specroute_requests_total" in metrics
