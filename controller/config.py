@@ -40,6 +40,12 @@ class ShadowPolicy(BaseModel):
 
     name: str = Field(description="Registered policy name or module.path:ClassName.")
     params: dict[str, Any] = Field(default_factory=dict, description="Parameters of that policy.")
+    label: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
+        description="Name in metrics and the decision log (default: the policy name); must be "
+        "unique, so set it when the same policy appears twice with different params.",
+    )
 
 
 def _split_list(value: Any) -> Any:
@@ -122,7 +128,7 @@ class Settings(BaseModel):
     )
     scrape_interval_s: float = Field(default=1.0, gt=0, description="Seconds between backend scrapes.")
     scrape_stale_after_s: float = Field(
-        default=10.0, gt=0, description="Scraped samples older than this are ignored."
+        default=5.0, gt=0, description="Scraped samples older than this are ignored."
     )
 
     _split = field_validator("baseline", "eagle", mode="before")(_split_list)
@@ -146,6 +152,12 @@ class Settings(BaseModel):
             if url in seen:
                 raise ValueError(f"backend {url} is listed twice (each backend belongs to one pool)")
             seen.add(url)
+        labels = [s.label or s.name for s in self.shadow_policies]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise ValueError(
+                f"shadow_policies: {', '.join(twice)} appear(s) more than once: give each a distinct `label`"
+            )
         return self
 
     def require_backends(self) -> None:

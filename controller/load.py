@@ -6,8 +6,12 @@ observe a stale count), and `release` is called from a `finally` on every path. 
 releases at most once, so a double release cannot drive a count negative; `move` re-targets a
 reservation for a failover in one synchronous step.
 
-The scraped fields (`running`, `queued`, `accept_length`, `sample_time`) are slots that the
-backend scraper fills; `view` only reports them while they are fresher than `stale_after_s`.
+Scraped samples (`record_sample`, filled by `controller.scrape.ScrapeLoop`) are combined with
+this replica's own traffic: a sample carries the backend's running/queued counts and this
+replica's in-flight count when the scrape was sent, so the requests dispatched (+1) and finished
+(-1) since then are exactly `in_flight - sample_in_flight`. `view` reports running + queued
+corrected by that difference (the backend's count already includes the other replicas'
+requests), and drops samples older than `stale_after_s`.
 """
 
 from __future__ import annotations
@@ -27,23 +31,50 @@ class BackendState:
     in_flight: int = 0
     in_flight_tokens: int = 0
     running: int | None = None
+    """Backend-reported running requests of the latest sample (as reported, uncorrected)."""
     queued: int | None = None
     accept_length: float | None = None
+    gen_throughput: float | None = None
     sample_time: float | None = None
+    """When the latest sample was taken (sent), on the proxy's clock; None before the first."""
+    sample_in_flight: int | None = None
+    """`in_flight` when the latest sample was taken; None: the sample already counts ours."""
 
     def load(self, now: float, stale_after_s: float) -> BackendLoad:
-        fresh = self.sample_time is not None and now - self.sample_time <= stale_after_s
+        t = self.sample_time
+        if t is None or now - t > stale_after_s or self.running is None:
+            return BackendLoad(
+                name=self.name,
+                pool=self.pool,
+                healthy=self.healthy,
+                in_flight=self.in_flight,
+                in_flight_tokens=self.in_flight_tokens,
+            )
+        running, queued = self.running, self.queued or 0
+        if self.sample_in_flight is not None:
+            running, queued = corrected(running, queued, self.in_flight - self.sample_in_flight)
         return BackendLoad(
             name=self.name,
             pool=self.pool,
             healthy=self.healthy,
             in_flight=self.in_flight,
             in_flight_tokens=self.in_flight_tokens,
-            running=self.running if fresh else None,
-            queued=self.queued if fresh else None,
-            accept_length=self.accept_length if fresh else None,
-            sample_age_s=(now - self.sample_time) if fresh and self.sample_time is not None else None,
+            running=running,
+            queued=queued,
+            accept_length=self.accept_length,
+            sample_age_s=now - t,
         )
+
+
+def corrected(running: int, queued: int, delta: int) -> tuple[int, int]:
+    """Running/queued after `delta` requests joined (+) or left (-) since the sample.
+
+    New requests count as running (the backend's capacity is not known here); leaving ones
+    shrink the total, and the queue never exceeds the total.
+    """
+    total = max(0, running + queued + delta)
+    queued = min(queued, total)
+    return total - queued, queued
 
 
 @dataclass(slots=True)
@@ -56,7 +87,7 @@ class Reservation:
 class LoadTracker:
     """The backends of both pools with their health and proxy-local load."""
 
-    def __init__(self, baseline: Iterable[str], eagle: Iterable[str], *, stale_after_s: float = 10.0) -> None:
+    def __init__(self, baseline: Iterable[str], eagle: Iterable[str], *, stale_after_s: float = 5.0) -> None:
         self.backends: dict[str, BackendState] = {}
         for pool, urls in (("baseline", baseline), ("eagle", eagle)):
             for url in urls:
@@ -99,6 +130,26 @@ class LoadTracker:
         """Release `r` and reserve `name` for the same request, in one synchronous step."""
         self.release(r)
         return self.reserve(name, r.tokens)
+
+    def record_sample(
+        self,
+        name: str,
+        running: float,
+        queued: float,
+        taken_at: float,
+        in_flight_at_sample: int | None,
+        accept_length: float | None = None,
+        gen_throughput: float | None = None,
+    ) -> None:
+        """Store a scraped sample taken at `taken_at` (when this replica had
+        `in_flight_at_sample` requests in flight on the backend)."""
+        b = self.backends[name]
+        b.running = round(running)
+        b.queued = round(queued)
+        b.accept_length = accept_length
+        b.gen_throughput = gen_throughput
+        b.sample_time = taken_at
+        b.sample_in_flight = in_flight_at_sample
 
     def set_healthy(self, name: str, healthy: bool) -> bool:
         """Set a backend's health; True when it changed."""

@@ -7,20 +7,24 @@ report only from rank 0), so within one data-parallel rank we take the largest v
 than the sum, which is the same as the sum whenever only one rank reports. `/v1/loads` is
 refreshed more often than `/metrics` (every 15 decode steps instead of 40), so where both
 answer, running/queued come from `/v1/loads`. Parsing uses `prometheus_client.parser`, never
-regexes. The functions here are pure; `BackendScraper` does the HTTP.
+regexes. The functions here are pure; `BackendScraper` does the HTTP and `ScrapeLoop` runs it
+for every backend in the background, storing samples in the `LoadTracker`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from controller.load import LoadTracker
 
 log = logging.getLogger("specroute.scrape")
 
@@ -146,33 +150,121 @@ def merge_samples(metrics: BackendSample | None, loads: BackendSample | None) ->
 
 
 class BackendScraper:
-    """Scrapes one backend. Remembers which endpoints answer so it stops asking the others."""
+    """Scrapes one backend. Remembers which endpoints answer so it stops asking the others
+    (an endpoint that did not answer is asked again every `recheck_every` scrapes)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 2.0,
+        headers: Mapping[str, str] | None = None,
+        recheck_every: int = 60,
+    ) -> None:
         self.url = url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._headers = dict(headers or {})
+        self.recheck_every = recheck_every
         self.has_metrics: bool | None = None
         self.has_loads: bool | None = None
+        self._scrapes = 0
 
     async def _get(self, session: aiohttp.ClientSession, path: str) -> tuple[int, str]:
-        async with session.get(self.url + path, timeout=self._timeout) as resp:
+        async with session.get(self.url + path, timeout=self._timeout, headers=self._headers) as resp:
             return resp.status, await resp.text(errors="replace")
 
+    def _ask(self, known: bool | None) -> bool:
+        return known is not False or self._scrapes % self.recheck_every == 0
+
     async def scrape(self, session: aiohttp.ClientSession, now: float) -> BackendSample | None:
-        """One scrape; raises aiohttp/OS errors when the backend cannot be reached."""
+        """One scrape; raises aiohttp/OS/timeout errors when the backend cannot be reached."""
+        self._scrapes += 1
         metrics = loads = None
-        if self.has_metrics is not False:
+        if self._ask(self.has_metrics):
             status, text = await self._get(session, "/metrics")
             metrics = parse_sglang_metrics(text, now) if status == 200 else None
-            if self.has_metrics is None:
-                self.has_metrics = metrics is not None
-        if self.has_loads is not False:
+            self.has_metrics = metrics is not None
+        if self._ask(self.has_loads):
             status, text = await self._get(session, "/v1/loads")
             if status == 200:
                 try:
                     loads = parse_v1_loads(json.loads(text), now)
                 except ValueError:
                     loads = None
-            if self.has_loads is None:
-                self.has_loads = loads is not None
+            self.has_loads = loads is not None
         return merge_samples(metrics, loads)
+
+
+class ScrapeLoop:
+    """Background task: scrape every backend each `interval_s` and store the samples in the
+    `LoadTracker`. One task per backend, so a slow backend never delays the others' samples.
+    A backend that answers but exports no load signal is logged once (local counts only)."""
+
+    def __init__(
+        self,
+        tracker: LoadTracker,
+        session: aiohttp.ClientSession,
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+        clock: Callable[[], float],
+        headers: Callable[[str], Mapping[str, str]] | None = None,
+    ) -> None:
+        self.tracker = tracker
+        self.session = session
+        self.interval_s = interval_s
+        self.clock = clock
+        self.scrapers = {
+            b.name: BackendScraper(b.name, timeout_s=timeout_s, headers=headers(b.pool) if headers else None)
+            for b in tracker
+        }
+        self.samples = 0
+        """Samples stored so far (all backends)."""
+
+    async def run(self) -> None:
+        """Scrape until cancelled."""
+        await asyncio.gather(*(self._backend(name) for name in self.scrapers))
+
+    async def scrape_once(self, name: str) -> BackendSample | None:
+        """Scrape one backend now and store the sample; None when there was none."""
+        scraper = self.scrapers[name]
+        state = self.tracker.get(name)
+        taken_at, in_flight = self.clock(), state.in_flight
+        try:
+            sample = await scraper.scrape(self.session, taken_at)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            log.debug("scrape of %s failed: %s", name, type(e).__name__)
+            return None
+        if sample is not None:
+            self.tracker.record_sample(
+                name,
+                sample.running,
+                sample.queued,
+                taken_at,
+                in_flight,
+                accept_length=sample.accept_length,
+                gen_throughput=sample.gen_throughput,
+            )
+            self.samples += 1
+        return sample
+
+    async def _backend(self, name: str) -> None:
+        scraper = self.scrapers[name]
+        warned = False
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                sample = await self.scrape_once(name)
+            except Exception:  # a bug here must not stop the scraping of this backend for good
+                log.exception("scrape of %s failed", name)
+                sample = None
+            if sample is None and not warned and scraper.has_metrics is False and scraper.has_loads is False:
+                warned = True
+                log.warning(
+                    "backend %s exports no load metrics (neither sglang:num_running_reqs on /metrics "
+                    "nor /v1/loads; start SGLang with --enable-metrics): routing on this proxy's own "
+                    "in-flight counts only",
+                    name,
+                )
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
