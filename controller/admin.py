@@ -59,7 +59,8 @@ class PolicyAdmin:
             raise NotFound(f"unknown route {request.method} {request.path}")
         given = request.headers.get("Authorization", "")
         expected = "Bearer " + token.get_secret_value()
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        # surrogateescape: a header with invalid UTF-8 is a wrong token, not an encoding error
+        if not hmac.compare_digest(given.encode(errors="surrogateescape"), expected.encode()):
             raise Unauthorized("missing or wrong admin token")
 
     def current(self) -> dict[str, Any]:

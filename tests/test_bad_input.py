@@ -1,0 +1,302 @@
+"""Hostile or broken clients: wrong types, bodies over the limit or nested too deeply, invalid
+UTF-8, oversized headers, slowloris (headers or body never finished) and 2,000 idle connections.
+Each gets a fitting 4xx (OpenAI-shaped when the request got as far as specroute's handler) or is
+closed by a timeout, and a normal request succeeds meanwhile. Raw sockets (asyncio streams) speak
+the broken HTTP; the official openai client is the well-behaved neighbour."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+
+import aiohttp
+import openai
+import pytest
+
+CHAT = [{"role": "user", "content": "hello"}]
+BODY = {"model": "m", "messages": CHAT, "stream": True}
+
+
+def _assert_openai_error(body: dict, code: str) -> None:
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == code and err["param"] is None
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in err["message"]
+
+
+async def _normal_request(base_url: str) -> None:
+    """A well-behaved client: a streaming chat completion through the official client."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="k", max_retries=0, timeout=20)
+    try:
+        stream = await client.chat.completions.create(model="m", messages=CHAT, stream=True)
+        chunks = [c async for c in stream]
+    finally:
+        await client.close()
+    assert chunks[1].choices[0].delta.content == "tok0 "
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+async def _raw(port: int, data: bytes, timeout_s: float = 10.0) -> bytes:
+    """Send raw bytes, read until the server closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), timeout_s)
+    finally:
+        writer.close()
+
+
+def _split_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    if headers.get("transfer-encoding") == "chunked":
+        out = b""
+        while body:
+            size_line, _, body = body.partition(b"\r\n")
+            size = int(size_line, 16)
+            if size == 0:
+                break
+            out, body = out + body[:size], body[size + 2 :]
+        body = out
+    return status, headers, body
+
+
+def _request(path: str, body: bytes, extra: bytes = b"", content_length: int | None = None) -> bytes:
+    length = len(body) if content_length is None else content_length
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\nConnection: close\r\n".encode()
+        + extra
+        + b"\r\n"
+        + body
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "data", "needle"),
+    [
+        ("/v1/chat/completions", b'{"messages": [], "max_tokens": "ten"}', "max_tokens"),
+        ("/v1/chat/completions", b'{"messages": [], "max_tokens": -1}', "max_tokens"),
+        ("/v1/chat/completions", b'{"messages": [], "max_tokens": true}', "max_tokens"),
+        ("/v1/chat/completions", b'{"messages": [], "max_tokens": 1e400}', "max_tokens"),
+        ("/v1/chat/completions", b'{"messages": [], "max_completion_tokens": 2.5}', "max_completion_tokens"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": [1]}', "max_tokens"),
+        ("/v1/completions", b'{"prompt": "x", "stream": 1}', "stream"),
+        ("/v1/completions", b'{"max_tokens": 4}', "prompt"),
+        ("/v1/chat/completions", b'{"messages": null}', "messages"),
+        ("/v1/chat/completions", b"null", "JSON object"),
+        ("/v1/chat/completions", b"42", "JSON object"),
+        ("/v1/chat/completions", b"", "not valid JSON"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}',
+            "not valid JSON",
+        ),
+        ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        ("/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
+    ],
+)
+async def test_wrong_types_and_broken_json_get_400(fake_backend, proxy, path, data, needle):
+    fb = await fake_backend()
+    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(p.url + path, data=data, headers={"Content-Type": "application/json"}) as r,
+    ):
+        body = await r.json()
+    assert r.status == 400, body
+    _assert_openai_error(body, "invalid_request")
+    assert needle in body["error"]["message"]
+    assert fb.requests == []
+    assert p.in_flight_samples() == [0.0]
+
+
+async def test_integral_float_max_tokens_and_null_are_accepted(fake_backend, proxy):
+    fb = await fake_backend(chunks=3)
+    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False)
+    async with aiohttp.ClientSession() as s:
+        for extra in ({"max_tokens": 2.0}, {"max_tokens": None}, {"max_completion_tokens": 0}):
+            async with s.post(p.url + "/v1/chat/completions", json={**BODY, **extra}) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.read()).endswith(b"data: [DONE]\n\n")
+
+
+async def test_body_over_limit_without_content_length_gets_413(fake_backend, proxy):
+    fb = await fake_backend()
+    p = await proxy(baseline=[fb.url], policy="fixed", body_limit_bytes=4096, health_checks=False)
+
+    async def chunks():  # chunked upload: the size is only known while reading
+        for _ in range(64):
+            yield b"x" * 1024
+
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(p.url + "/v1/chat/completions", data=chunks()) as r,
+    ):
+        body = await r.json()
+    assert r.status == 413
+    _assert_openai_error(body, "payload_too_large")
+    assert fb.requests == []
+    await _normal_request(p.base_url)
+    assert p.in_flight_samples() == [0.0]
+
+
+async def test_invalid_utf8_in_headers_and_path(fake_backend, proxy):
+    fb = await fake_backend(chunks=2)
+    p = await proxy(baseline=[fb.url], policy="fixed", admin_token="t0ken", health_checks=False)
+    port = _port(p.url)
+    body = json.dumps({**BODY, "stream": False}).encode()
+    for header in (b"X-Note: \xff\xfe\r\n", b"Authorization: Bearer \xff\r\n", b"x-specroute-mode: \xe9\r\n"):
+        status, _, answer = _split_response(await _raw(port, _request("/v1/chat/completions", body, header)))
+        assert status in (200, 400), (header, status, answer)
+        assert b"Traceback" not in answer
+        if status == 400:
+            _assert_openai_error(json.loads(answer), "invalid_request")
+    status, _, answer = _split_response(
+        await _raw(
+            port,
+            b"GET /admin/policy HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Authorization: Bearer \xff\xfe\r\n\r\n",
+        )
+    )
+    assert status == 401, answer
+    _assert_openai_error(json.loads(answer), "invalid_api_key")
+    status, _, answer = _split_response(
+        await _raw(port, b"GET /v1/\xff\xfe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    )
+    assert 400 <= status < 500 and b"Traceback" not in answer
+    await _normal_request(p.base_url)
+    assert p.in_flight_samples() == [0.0]
+
+
+async def test_oversized_header_and_too_many_headers_get_400(fake_backend, proxy):
+    fb = await fake_backend()
+    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False)
+    port = _port(p.url)
+    body = json.dumps(BODY).encode()
+    big = b"X-Big: " + b"a" * 20_000 + b"\r\n"
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(500))
+    for extra in (big, many):
+        status, _, answer = _split_response(await _raw(port, _request("/v1/chat/completions", body, extra)))
+        # rejected by aiohttp's HTTP parser before any handler runs: a plain-text 400, no traceback
+        assert status == 400
+        assert b"Traceback" not in answer and len(answer) < 1024
+    long_line = (
+        b"POST /v1/chat/completions?" + b"q" * 20_000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    status, _, answer = _split_response(await _raw(port, long_line))
+    assert status in (400, 414) and b"Traceback" not in answer
+    assert fb.requests == []
+    await _normal_request(p.base_url)
+    assert p.in_flight_samples() == [0.0]
+
+
+async def test_slowloris_headers_are_cut_by_the_header_timeout(fake_backend, proxy):
+    fb = await fake_backend(chunks=2)
+    p = await proxy(baseline=[fb.url], policy="fixed", header_timeout_s=0.5, health_checks=False)
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(p.url))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    t0 = loop.time()
+    closed = asyncio.create_task(reader.read())
+    closed_after = None
+    try:
+        for i in range(100):  # one header line every 50 ms, never the blank line
+            if closed.done():
+                closed_after = loop.time() - t0
+                break
+            if i == 3:
+                await _normal_request(p.base_url)  # served while the slow client holds its socket
+            writer.write(b"X-Slow-%d: x\r\n" % i)
+            await asyncio.sleep(0.05)
+    finally:
+        writer.close()
+        closed.cancel()
+    assert closed_after is not None, "the proxy never closed the slowloris connection"
+    assert 0.3 < closed_after < 4.0
+    assert len(fb.requests) == 1  # only the normal request
+    assert p.in_flight_samples() == [0.0]
+
+
+@pytest.mark.parametrize("trickle", [False, True])
+async def test_slowloris_body_gets_408(fake_backend, proxy, trickle):
+    fb = await fake_backend(chunks=2)
+    p = await proxy(baseline=[fb.url], policy="fixed", body_timeout_s=0.5, health_checks=False)
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(p.url))
+    head = _request("/v1/chat/completions", b"", content_length=1000)
+    writer.write(head + b'{"messages": [')
+    answer = b""
+    try:
+
+        async def trickler() -> None:
+            for _ in range(200):  # a byte every 20 ms: would take 20 s to finish
+                writer.write(b" ")
+                await asyncio.sleep(0.02)
+
+        task = asyncio.create_task(trickler()) if trickle else None
+        await _normal_request(p.base_url)  # served meanwhile
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        status, headers, _ = _split_response(head)
+        answer = head + await reader.readexactly(int(headers["content-length"]))
+        if task is not None:
+            task.cancel()
+    finally:
+        writer.close()
+    status, headers, body = _split_response(answer)
+    assert status == 408
+    assert headers["content-type"].startswith("application/json")
+    _assert_openai_error(json.loads(body), "request_timeout")
+    assert len(fb.requests) == 1  # only the normal request reached the backend
+    assert p.in_flight_samples() == [0.0]
+    assert p.sample("specroute_rejected_requests_total", code="408") == 1.0
+
+
+def _raise_open_files_limit(needed: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        pytest.skip(f"open-files limit {soft} < {needed} and the hard limit does not allow more")
+
+
+async def test_2000_idle_connections_are_closed_and_others_are_served(fake_backend, spawn_serve):
+    """`specroute serve` as a subprocess (its own fd limit, raised at start-up): 2,000 sockets that
+    never send a byte do not stop a normal client, and are all closed after header_timeout_s."""
+    n = 2000
+    _raise_open_files_limit(n + 500)
+    fb = await fake_backend(chunks=2)
+    sp = await spawn_serve("--baseline", fb.url, "--policy", "fixed", "--header-timeout-s", "3")
+    port = _port(sp.url)
+    loop = asyncio.get_running_loop()
+    conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        t0 = loop.time()
+        for start in range(0, n, 100):  # batches: the listen backlog is finite
+            conns += await asyncio.gather(
+                *(asyncio.open_connection("127.0.0.1", port) for _ in range(start, min(n, start + 100)))
+            )
+        opened_s = loop.time() - t0
+        await _normal_request(sp.url + "/v1")  # all 2,000 are still open here (unless opening was slow)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(r.read() for r, _ in conns), return_exceptions=True), 30.0
+        )
+        closed_s = loop.time() - t0
+    finally:
+        for _, w in conns:
+            w.close()
+    assert all(res == b"" or isinstance(res, ConnectionResetError) for res in results)
+    assert closed_s < opened_s + 3.0 + 10.0  # header timeout plus slack for a slow machine
+    await _normal_request(sp.url + "/v1")
+    sp.signal()
+    assert await sp.wait() == 0
