@@ -31,6 +31,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -55,10 +56,12 @@ class Proc:
 
     def __init__(self, args: list[str], marker: str) -> None:
         self.args = args
+        # stderr goes to a file: an unread pipe would fill up and stall the server.
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "controller.cli", *args],
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=self.log,
             text=True,
         )
         lines: queue.Queue[str] = queue.Queue()
@@ -75,7 +78,11 @@ class Proc:
                 line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
             except queue.Empty:
                 self.stop()
-                raise RuntimeError(f"specroute {' '.join(args)}: no '{marker}' line within 30 s") from None
+                self.log.seek(0)
+                tail = self.log.read()[-2000:]
+                raise RuntimeError(
+                    f"specroute {' '.join(args)}: no '{marker}' line in 30 s; stderr:\n{tail}"
+                ) from None
             if marker in line:
                 self.url = line.strip().rsplit(" ", 1)[-1]
                 return
@@ -88,10 +95,13 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
 
 
 @contextlib.contextmanager
-def live_stack(profile: str, policy: str, scale: float, seed: int) -> Iterator[str]:
+def live_stack(
+    profile: str, policy: str, scale: float, seed: int, decision_log: str | None = None
+) -> Iterator[str]:
     procs: list[Proc] = []
     try:
         common = ["--profile", profile, "--port", "0", "--time-scale", str(scale), "--seed", str(seed)]
@@ -101,7 +111,8 @@ def live_stack(profile: str, policy: str, scale: float, seed: int) -> Iterator[s
         procs.append(eagle)
         proxy = Proc(
             ["serve", "--baseline", base.url, "--eagle", eagle.url, "--policy", policy, "--profile", profile,
-             "--port", "0", "--seed", str(seed)],
+             "--port", "0", "--seed", str(seed),
+             *(["--decision-log", decision_log] if decision_log else [])],
             "listening on",
         )  # fmt: skip
         procs.append(proxy)
@@ -203,11 +214,12 @@ def main() -> int:
         "--time-scale", type=float, default=0.25, help="Emulator time scale (wall = profile x X)."
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decision-log", help="Also write the proxy's decision log here (JSONL; replayable).")
     args = ap.parse_args()
 
     sim = simulated_levels(args)
     t0 = time.monotonic()
-    with live_stack(args.profile, args.policy, args.time_scale, args.seed) as url:
+    with live_stack(args.profile, args.policy, args.time_scale, args.seed, args.decision_log) as url:
         live = asyncio.run(live_levels(url, args))
     wall = time.monotonic() - t0
 
