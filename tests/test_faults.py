@@ -1,0 +1,424 @@
+"""One backend failing never takes the service down: faults injected into emulated SGLang servers
+(killed or frozen processes, 5xx, queue full, stalls, dropped streams, both pools down) while the
+real proxy runs on 127.0.0.1. After every scenario the proxy's own /metrics shows every
+`specroute_in_flight_requests` sample at exactly 0.
+
+Emulators that must die for real run as `specroute emulate` subprocesses (SIGKILL, SIGSTOP);
+the others run in-process so their fault knobs can be turned while traffic runs."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from policies.profile import resolve_profile
+from simulator.emulator import EmulatorConfig, EmulatorServer, run_emulator
+
+KIMI = resolve_profile("kimi-k25-int4-8gpu")
+CHAT = [{"role": "user", "content": "hello"}]
+LONG = {"max_tokens": 4000, "extra_body": {"ignore_eos": True}}
+
+
+# --- emulators -----------------------------------------------------------------------------
+
+
+@dataclass
+class EmulatorProcess:
+    """`specroute emulate` as a subprocess that can be killed, frozen and restarted on its port."""
+
+    args: list[str]
+    proc: asyncio.subprocess.Process | None = None
+    port: int = 0
+    history: list[asyncio.subprocess.Process] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "simulator.emulate_cli",
+            *self.args,
+            "--port",
+            str(self.port),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+        assert " listening on http://" in line, line
+        self.port = int(line.rsplit(":", 1)[1])
+        self.proc = proc
+        self.history.append(proc)
+
+    async def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        await self.proc.wait()
+
+    def freeze(self, frozen: bool = True) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
+
+    async def stop_all(self) -> None:
+        for proc in self.history:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                await proc.wait()
+
+
+@pytest.fixture
+async def emulator_process() -> AsyncIterator[Callable[..., Awaitable[EmulatorProcess]]]:
+    started: list[EmulatorProcess] = []
+
+    async def make(mode: str, *flags: str) -> EmulatorProcess:
+        ep = EmulatorProcess(["--mode", mode, "--profile", "kimi-k25-int4-8gpu", *flags])
+        await ep.start()
+        started.append(ep)
+        return ep
+
+    yield make
+    for ep in started:
+        await ep.stop_all()
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[Callable[..., Awaitable[EmulatorServer]]]:
+    async with AsyncExitStack() as stack:
+
+        async def make(mode: str, **kw: Any) -> EmulatorServer:
+            kw.setdefault("time_scale", 0.05)
+            config = EmulatorConfig(mode=mode, profile=KIMI, **kw)  # type: ignore[arg-type]
+            return await stack.enter_async_context(run_emulator(config))
+
+        yield make
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+async def metric_samples(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Samples of one metric family from a /metrics endpoint, keyed by their sorted labels."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    out: dict[tuple[tuple[str, str], ...], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+async def assert_in_flight_zero(url: str, timeout_s: float = 10.0) -> None:
+    """Every specroute_in_flight_requests sample on the proxy's /metrics is exactly 0 (client
+    disconnects are noticed asynchronously, so poll for a bounded time)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        samples = await metric_samples(url, "specroute_in_flight_requests")
+        assert samples, "no specroute_in_flight_requests samples"
+        if all(v == 0.0 for v in samples.values()) or loop.time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert all(v == 0.0 for v in samples.values()), samples
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return await predicate()
+
+
+async def emulator_running(url: str) -> int:
+    async with aiohttp.ClientSession() as s, s.get(url + "/v1/loads") as r:
+        load = (await r.json())["loads"][0]
+    return int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])
+
+
+def client(url: str, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=30, **kw)
+
+
+async def complete(c: openai.AsyncOpenAI, stream: bool, **kw: Any) -> tuple[str, str]:
+    """One short request; returns (pool, text) and asserts it finished."""
+    if stream:
+        raw = await c.chat.completions.with_raw_response.create(
+            model="m", messages=CHAT, stream=True, max_tokens=8, stream_options={"include_usage": True}, **kw
+        )
+        chunks = [ch async for ch in raw.parse()]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        return raw.headers["x-specroute-pool"], text
+    raw = await c.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=8, **kw)
+    out = raw.parse()
+    assert out.usage is not None and out.usage.completion_tokens >= 1
+    return raw.headers["x-specroute-pool"], out.choices[0].message.content or ""
+
+
+# --- scenarios -----------------------------------------------------------------------------
+
+
+async def test_backend_killed_while_traffic_runs(emulator_process, emulator, proxy):
+    eagle = await emulator_process("eagle", "--time-scale", "1")
+    base = await emulator("baseline")
+    p = await proxy(
+        baseline=[base.url],
+        eagle=[eagle.url],
+        policy="fixed",
+        policy_params={"pool": "eagle"},
+        health_check_interval_s=0.2,
+        health_check_timeout_s=1.0,
+        idle_timeout_s=10.0,
+    )
+    c = client(p.url)
+    # streams in progress on eagle: their first chunk has arrived
+    streams = [
+        await c.chat.completions.create(model="m", messages=CHAT, stream=True, **LONG) for _ in range(4)
+    ]
+    for s in streams:
+        first = await s.__anext__()
+        assert first.choices[0].delta.role == "assistant"
+    assert await emulator_running(eagle.url) == 4
+    await eagle.kill()
+
+    async def drain(stream: Any) -> str:
+        try:
+            async for _ in stream:
+                pass
+        except openai.APIError as e:
+            return str(e)
+        return "ended without an error event"
+
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    errors = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 15)
+    assert loop.time() - t0 < 10.0  # well within the idle timeout: a killed peer closes at once
+    assert all("stream broke" in e for e in errors), errors
+
+    # requests not yet started: no client-visible error, served by the other pool
+    for i in range(6):
+        pool, text = await complete(c, stream=i % 2 == 0)
+        assert pool == "baseline" and text
+    assert await wait_for(lambda: _healthy(p.url, eagle.url, False), 5)  # ejected
+
+    await eagle.start()  # comes back on the same port
+    assert await wait_for(lambda: _healthy(p.url, eagle.url, True), 10)  # readmitted
+    pool, _ = await complete(c, stream=True)
+    assert pool == "eagle"
+    await c.close()
+    await assert_in_flight_zero(p.url)
+    assert await emulator_running(base.url) == 0
+    assert await emulator_running(eagle.url) == 0
+
+
+async def _healthy(proxy_url: str, backend: str, want: bool) -> bool:
+    samples = await metric_samples(proxy_url, "specroute_backend_healthy")
+    return samples[(("backend", backend), ("pool", "eagle"))] == (1.0 if want else 0.0)
+
+
+async def test_frozen_backend_times_out_and_traffic_moves(emulator_process, emulator, proxy):
+    """SIGSTOP: the kernel still accepts connections, nothing answers (a hung server)."""
+    eagle = await emulator_process("eagle", "--time-scale", "1")
+    base = await emulator("baseline")
+    p = await proxy(
+        baseline=[base.url],
+        eagle=[eagle.url],
+        policy="fixed",
+        policy_params={"pool": "eagle"},
+        first_byte_timeout_s=0.5,
+        idle_timeout_s=0.5,
+        health_check_interval_s=0.2,
+        health_check_timeout_s=0.3,
+    )
+    c = client(p.url)
+    stream = await c.chat.completions.create(model="m", messages=CHAT, stream=True, **LONG)
+    await stream.__anext__()
+    eagle.freeze()
+    try:
+        with pytest.raises(openai.APIError, match=r"sent nothing for 0\.5 s"):
+            await asyncio.wait_for(_consume(stream), 10)
+        pool, text = await complete(c, stream=True)  # first byte times out on eagle: retried
+        assert pool == "baseline" and text
+        assert await wait_for(lambda: _healthy(p.url, eagle.url, False), 5)
+        await assert_in_flight_zero(p.url)
+    finally:
+        eagle.freeze(False)
+    assert await wait_for(lambda: _healthy(p.url, eagle.url, True), 10)
+    # the frozen stream's upstream connection was closed: the emulator aborts it once it runs again
+    assert await wait_for(lambda: _running_is(eagle.url, 0), 10)
+    pool, _ = await complete(c, stream=False)
+    assert pool == "eagle"
+    await c.close()
+    await assert_in_flight_zero(p.url)
+
+
+async def _consume(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
+async def _running_is(url: str, n: int) -> bool:
+    return await emulator_running(url) == n
+
+
+async def test_5xx_and_queue_full_are_retried_once_on_the_other_pool(emulator, proxy):
+    base = await emulator("baseline")
+    eagle = await emulator("eagle", max_running_requests=1)
+    p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="fixed", policy_params={"pool": "eagle"})
+    c = client(p.url)
+
+    def requests_total(pool: str, status: str) -> Awaitable[float]:
+        async def read() -> float:
+            samples = await metric_samples(p.url, "specroute_requests_total")
+            backend = base.url if pool == "baseline" else eagle.url
+            return samples.get((("backend", backend), ("pool", pool), ("status", status)), 0.0)
+
+        return read()
+
+    # 5xx from eagle (emulated fault): retried on baseline before the first byte
+    eagle.faults.error_rate = 1.0
+    for stream in (True, False):
+        pool, text = await complete(c, stream=stream)
+        assert pool == "baseline" and text
+    assert await requests_total("baseline", "ok") == 2.0
+    failovers = await metric_samples(p.url, "specroute_failovers_total")
+    assert failovers[(("pool", "eagle"),)] == 2.0
+    eagle.faults.error_rate = 0.0
+
+    # queue full: eagle's one slot is taken and its queue bound is 0
+    eagle.faults.max_queued_requests = 0
+    hog = await c.chat.completions.create(model="m", messages=CHAT, stream=True, **LONG)
+    await hog.__anext__()
+    for stream in (True, False):  # streaming: HTTP 200 + error event; else HTTP 503
+        pool, text = await complete(c, stream=stream)
+        assert pool == "baseline" and text
+    assert await requests_total("baseline", "ok") == 4.0
+    assert (await metric_samples(p.url, "specroute_failovers_total"))[(("pool", "eagle"),)] == 4.0
+    await hog.close()
+
+    # both pools failing: the second answer is relayed as the backend sent it, counted as error
+    base.faults.error_rate = eagle.faults.error_rate = 1.0
+    with pytest.raises(openai.InternalServerError) as info:
+        await c.chat.completions.create(model="m", messages=CHAT, max_tokens=4)
+    assert info.value.status_code == 500
+    assert await requests_total("baseline", "error") == 1.0
+    await c.close()
+    await assert_in_flight_zero(p.url)
+    assert await emulator_running(eagle.url) == 0 and await emulator_running(base.url) == 0
+
+
+async def test_stalled_backends_give_504_and_release_the_slot(emulator, proxy):
+    base = await emulator("baseline")
+    eagle = await emulator("eagle")
+    base.faults.stall_s = eagle.faults.stall_s = 60.0  # accept, then say nothing
+    p = await proxy(
+        baseline=[base.url],
+        eagle=[eagle.url],
+        policy="threshold",
+        first_byte_timeout_s=0.3,
+        health_check_interval_s=60,
+    )
+    c = client(p.url)
+    loop = asyncio.get_running_loop()
+    for stream in (True, False):
+        for b in (base.url, eagle.url):
+            p.tracker.set_healthy(b, True)
+        t0 = loop.time()
+        with pytest.raises(openai.APIStatusError) as info:
+            await complete(c, stream=stream)
+        assert loop.time() - t0 < 5.0  # two first-byte timeouts, not the 60 s stall
+        assert info.value.status_code == 504
+        assert info.value.response.json()["error"]["code"] == "backend_timeout"
+    await c.close()
+    await assert_in_flight_zero(p.url)
+    timeouts = await metric_samples(p.url, "specroute_requests_total")
+    assert sum(v for k, v in timeouts.items() if ("status", "timeout") in k) == 2.0
+
+    # the upstream requests were closed: the emulators' HTTP handlers were cancelled (the one
+    # active request left is the /metrics scrape itself)
+    async def idle() -> bool:
+        gauges = [await metric_samples(u, "sglang:http_requests_active") for u in (base.url, eagle.url)]
+        return all(v == 1.0 for g in gauges for v in g.values())
+
+    assert await wait_for(idle, 5)
+
+
+async def test_stream_dropped_mid_way_ends_with_error_event(emulator, proxy):
+    base = await emulator("baseline")
+    base.faults.die_after_chunks = 3
+    p = await proxy(baseline=[base.url], policy="fixed")
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            p.url + "/v1/chat/completions",
+            json={"model": "m", "messages": CHAT, "stream": True, "max_tokens": 50, "ignore_eos": True},
+        ) as r,
+    ):
+        body = await asyncio.wait_for(r.read(), 10)
+    assert r.status == 200
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert b'"code": "stream_broken"' in events[-2] and b'"type": "server_error"' in events[-2]
+    await assert_in_flight_zero(p.url)
+
+
+async def test_both_backends_down(emulator_process, proxy):
+    base = await emulator_process("baseline", "--time-scale", "0.05")
+    eagle = await emulator_process("eagle", "--time-scale", "0.05")
+    p = await proxy(
+        baseline=[base.url],
+        eagle=[eagle.url],
+        policy="threshold",
+        connect_timeout_s=1.0,
+        health_check_interval_s=0.2,
+        health_check_timeout_s=0.5,
+    )
+    c = client(p.url)
+    await complete(c, stream=True)
+    await base.kill()
+    await eagle.kill()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(openai.APIStatusError) as info:
+        await complete(c, stream=True)
+    # the first request finds out itself (502: both refused); once known, 503
+    assert info.value.status_code in (502, 503)
+    assert loop.time() - t0 < 1.0 + 2.0  # the connect timeout plus slack
+
+    async def both_ejected() -> bool:
+        samples = await metric_samples(p.url, "specroute_backend_healthy")
+        return all(v == 0.0 for v in samples.values())
+
+    assert await wait_for(both_ejected, 5)
+    for stream in (True, False):
+        t0 = loop.time()
+        with pytest.raises(openai.APIStatusError) as info:
+            await complete(c, stream=stream)
+        assert loop.time() - t0 < 1.0 + 2.0
+        assert info.value.status_code == 503
+        assert info.value.response.json()["error"]["code"] == "no_healthy_backend"
+    await c.close()
+    async with aiohttp.ClientSession() as s:
+        async with s.get(p.url + "/ready") as r:
+            assert r.status == 503
+            assert (await r.json())["error"]["code"] == "no_healthy_backend"
+        async with s.get(p.url + "/health") as r:
+            assert r.status == 200
+    await assert_in_flight_zero(p.url)
