@@ -23,7 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.admin import PolicyAdmin, admin_routes
 from controller.config import Settings
-from controller.errors import NoBackendAvailable, error_middleware
+from controller.errors import NoBackendAvailable, error_middleware, http_log
 from controller.forward import Forwarder, Observer
 from controller.health import HealthChecker
 from controller.load import LoadTracker
@@ -170,4 +170,5 @@ def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.
         # aiohttp arms this timer at connect and after each response, and closes a connection that
         # has not delivered complete headers by then: the slowloris / idle-connection guard.
         keepalive_timeout=app[SETTINGS].header_timeout_s,
+        logger=http_log,  # malformed client HTTP is logged without the client's bytes
     )

@@ -13,8 +13,32 @@ import logging
 from typing import Any, ClassVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 log = logging.getLogger("specroute.errors")
+
+
+class _MalformedHttpFilter(logging.Filter):
+    """aiohttp logs a client's malformed HTTP (oversized header, bad request line) with a traceback
+    whose message quotes the offending bytes -- possibly an Authorization header. Such a record is
+    rewritten to one INFO line naming the error class only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg, record.args = (
+                "malformed HTTP from %s: %s (answered %s)",
+                (peer, type(exc).__name__, exc.code),
+            )
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+http_log = logging.getLogger("specroute.http")
+"""The logger of aiohttp's HTTP protocol handler (`make_runner` passes it): no client bytes in it."""
+http_log.addFilter(_MalformedHttpFilter())
 
 
 class SpecrouteError(Exception):

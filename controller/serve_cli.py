@@ -172,13 +172,13 @@ async def _serve(
         # and collect the young generation less often -- a request allocates a few hundred objects.
         gc.freeze()
         gc.set_threshold(20_000, 50, 100)
-        print(f"specroute listening on http://{host}:{port}", flush=True)
-        log.info("policy %s, baseline %s, eagle %s", settings.policy, settings.baseline, settings.eagle)
-
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # Only now say so: a supervisor may send SIGTERM as soon as it reads this line.
+        print(f"specroute listening on http://{host}:{port}", flush=True)
+        log.info("policy %s, baseline %s, eagle %s", settings.policy, settings.baseline, settings.eagle)
 
         def reload() -> None:
             if args.config is None:
