@@ -2,11 +2,13 @@
 
 `create_app` takes every collaborator (settings, policy, policy registry, optional client
 session, clock, metrics registry) so tests build the real app around fakes. One `cleanup_ctx`
-opens the shared `ClientSession` (unless one was passed in) and runs the health checker.
+opens the shared `ClientSession` (unless one was passed in), runs the health checker and the
+backend scraper (`controller.scrape.ScrapeLoop`, samples into `app[TRACKER]`), and opens and
+closes the decision log (`settings.decision_log`, written by `controller.observe`).
 
-Hooks for observers (decision log, shadow policies): pass `observers=[callable]`, or append to
-`app[FORWARDER].observers`; each gets a `RequestRecord` once a request has ended. Scrapers write
-backend samples into `app[TRACKER]` (`BackendState.running/queued/accept_length/sample_time`).
+Shadow policies (`settings.shadow_policies`, or built ones passed as `shadows=`) are asked by
+the `Forwarder` on every request. Further observers: pass `observers=[callable]`, or append to
+`app[FORWARDER].observers`; each gets a `RequestRecord` once a request has ended.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from controller.forward import Forwarder, Observer
 from controller.health import HealthChecker
 from controller.load import LoadTracker
 from controller.metrics import Metrics
+from controller.observe import open_decision_log
+from controller.scrape import ScrapeLoop
+from controller.shadow import ShadowPolicies, build_shadows
 from policies.base import Policy
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, PolicyRegistry
@@ -38,6 +43,7 @@ TRACKER = web.AppKey("tracker", LoadTracker)
 METRICS = web.AppKey("metrics", Metrics)
 ADMIN = web.AppKey("admin", PolicyAdmin)
 HEALTH = web.AppKey("health", HealthChecker)
+SCRAPER = web.AppKey("scraper", ScrapeLoop)
 
 
 def policy_context(settings: Settings) -> PolicyContext:
@@ -57,16 +63,31 @@ def create_app(
     context: PolicyContext | None = None,
     observers: Sequence[Observer] = (),
     health_checks: bool = True,
+    scrape: bool = True,
+    shadows: Sequence[tuple[str, Policy]] | None = None,
 ) -> web.Application:
+    """`shadows`: (label, policy) pairs; None builds `settings.shadow_policies` (PolicyError)."""
     app = web.Application(client_max_size=settings.body_limit_bytes, middlewares=[error_middleware])
     tracker = LoadTracker(settings.baseline, settings.eagle, stale_after_s=settings.scrape_stale_after_s)
-    metrics = Metrics(metrics_registry if metrics_registry is not None else CollectorRegistry(), tracker)
-    fwd = Forwarder(settings, policy, tracker, metrics, clock=clock, observers=list(observers))
+    registry_ = metrics_registry if metrics_registry is not None else CollectorRegistry()
+    metrics = Metrics(registry_, tracker, clock=clock)
+    ctx = context if context is not None else policy_context(settings)
+    if shadows is None:
+        shadows = build_shadows(settings.shadow_policies, registry, ctx)
+    fwd = Forwarder(
+        settings,
+        policy,
+        tracker,
+        metrics,
+        clock=clock,
+        observers=list(observers),
+        shadows=ShadowPolicies(shadows, metrics),
+    )
     app[SETTINGS] = settings
     app[TRACKER] = tracker
     app[METRICS] = metrics
     app[FORWARDER] = fwd
-    app[ADMIN] = PolicyAdmin(fwd, registry, context if context is not None else policy_context(settings))
+    app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         own = session is None
@@ -83,14 +104,34 @@ def create_app(
             timeout_s=settings.health_check_timeout_s,
         )
         app[HEALTH] = checker
-        task = asyncio.create_task(checker.run()) if health_checks else None
+        scraper = ScrapeLoop(
+            tracker,
+            fwd.session,
+            interval_s=settings.scrape_interval_s,
+            timeout_s=min(2.0, settings.scrape_stale_after_s),
+            clock=clock,
+            headers=lambda pool: {"Authorization": auth} if (auth := fwd.auth_header(pool)) else {},
+        )
+        app[SCRAPER] = scraper
+        decisions = open_decision_log(settings.decision_log, clock) if settings.decision_log else None
+        if decisions is not None:
+            fwd.observers.append(decisions)
+        tasks = []
+        if health_checks:
+            tasks.append(asyncio.create_task(checker.run()))
+        if scrape:
+            tasks.append(asyncio.create_task(scraper.run()))
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
+            for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if decisions is not None:
+                fwd.observers.remove(decisions)
+                await asyncio.to_thread(decisions.log.close)
             if own:
                 await fwd.session.close()
 

@@ -1,10 +1,12 @@
 """Decision log: one JSON line per finished request, written off the event loop.
 
-How it works: the request path only appends a plain dict to a queue (no I/O, no JSON
-encoding on the event loop). A daemon thread encodes and writes the lines, flushing after
-each batch it drains, and rotates the file by size (`FILE` -> `FILE.1` -> ... keeping
-`backups` old files). `close()` drains what is queued and joins the thread. The records hold
-routing facts only: never prompt or answer text.
+How it works: the request path only appends an item to a queue (no I/O, no JSON encoding on
+the event loop). A daemon thread turns items into dicts (`transform`, e.g. building the record
+from immutable request data), encodes and writes the lines, flushing after each batch it
+drains, and rotates the file by size (`FILE` -> `FILE.1` -> ... keeping `backups` old files).
+When the disk falls behind by more than `max_queued` items, new items are dropped and counted
+rather than letting memory grow. `close()` drains what is queued and joins the thread. The
+records hold routing facts only: never prompt or answer text.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +26,20 @@ _STOP = object()
 
 
 class DecisionLog:
-    def __init__(self, path: str | Path, *, max_bytes: int = 100 * 1024 * 1024, backups: int = 5) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_bytes: int = 100 * 1024 * 1024,
+        backups: int = 5,
+        transform: Callable[[Any], Any] | None = None,
+        max_queued: int = 100_000,
+    ) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.backups = backups
+        self.transform = transform
+        self.max_queued = max_queued
         self.dropped = 0
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -35,8 +48,13 @@ class DecisionLog:
         self._thread = threading.Thread(target=self._run, name="specroute-decision-log", daemon=True)
         self._thread.start()
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Any) -> None:
         """Queue one record (called on the event loop: never blocks)."""
+        if self._queue.qsize() >= self.max_queued:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 10_000 == 0:
+                log.warning("decision log: writer behind, %d record(s) dropped so far", self.dropped)
+            return
         self._queue.put(record)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -58,8 +76,10 @@ class DecisionLog:
 
     def _write_line(self, record: Any) -> None:
         try:
+            if self.transform is not None:
+                record = self.transform(record)
             line = json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError, KeyError) as e:
             self.dropped += 1
             log.warning("decision log: record dropped (%s)", e)
             return

@@ -12,8 +12,9 @@ How it works:
    stream that dies or idles out afterwards ends with an OpenAI-shaped SSE error and `[DONE]`.
 4. `finally` (every path, including client disconnect = handler cancellation): close the
    upstream response unless it was read to its end (so SGLang aborts), release the
-   reservation, feed `Outcome` to the policy that chose the request, count metrics, notify
-   observers.
+   reservation, feed `Outcome` to the policy that chose the request (and to the shadow
+   policies, which were asked right after the live decision with the same inputs), count
+   metrics, notify observers (decision log).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from controller.errors import (
 )
 from controller.load import BackendState, LoadTracker, Reservation
 from controller.metrics import Metrics
+from controller.shadow import ShadowChoice, ShadowPolicies
 from policies.base import (
     Decision,
     EndpointKind,
@@ -91,6 +93,10 @@ class RequestRecord:
     outcome: Outcome
     http_status: int
     policy: Policy
+    shadow: tuple[ShadowChoice, ...] = ()
+    """What each shadow policy chose for this request (same inputs as `chosen`)."""
+    arrived_at: float | None = None
+    """When the handler started (the proxy's clock); `outcome.started_at` is the decision."""
 
 
 Observer = Callable[[RequestRecord], None]
@@ -254,6 +260,7 @@ class Forwarder:
         *,
         clock: Callable[[], float],
         observers: list[Observer] | None = None,
+        shadows: ShadowPolicies | None = None,
     ) -> None:
         self.settings = settings
         self.policy = policy
@@ -261,6 +268,7 @@ class Forwarder:
         self.metrics = metrics
         self.clock = clock
         self.observers: list[Observer] = observers if observers is not None else []
+        self.shadows = shadows if shadows else None
         self.session: aiohttp.ClientSession | None = None
         self.rng = random.Random(settings.seed)
         self.client_timeout = aiohttp.ClientTimeout(
@@ -380,6 +388,7 @@ class Forwarder:
             raise
 
     async def handle(self, request: web.Request, endpoint: EndpointKind, path: str) -> web.StreamResponse:
+        arrived = self.clock()
         try:
             if request.content.is_eof():  # the usual case: the body came with the headers
                 raw = await request.read()
@@ -410,6 +419,8 @@ class Forwarder:
         run.reservation = self.tracker.reserve(chosen.backend, info.max_tokens or 0)
         try:
             self.metrics.decision(policy.name, chosen.pool, chosen.reason)
+            if self.shadows is not None:
+                run.shadow = self.shadows.decide(info, view, started, chosen)
             return await run.execute()
         finally:
             self.tracker.release(run.reservation)
@@ -428,9 +439,17 @@ class Forwarder:
                 policy.observe(outcome)
             except Exception:
                 log.exception("policy %r failed in observe()", policy.name)
-            self.metrics.request_done(run.decision.pool, run.decision.backend, run.status)
+            if self.shadows is not None:
+                self.shadows.observe(outcome)
+            metrics = self.metrics
+            metrics.request_done(run.decision.pool, run.decision.backend, run.status)
+            metrics.outcome(policy.name, outcome)
+            if run.sent_at is not None:
+                metrics.proxy_overhead(max(0.0, run.sent_at - arrived))
             if self.observers:
-                record = RequestRecord(info, view, run.decision, chosen, outcome, run.http_status, policy)
+                record = RequestRecord(
+                    info, view, run.decision, chosen, outcome, run.http_status, policy, run.shadow, arrived
+                )
                 for observer in self.observers:
                     try:
                         observer(record)
@@ -459,6 +478,9 @@ class _Run:
         self.path = path
         self.decision = decision
         self.reservation: Reservation  # set by the caller right after the decision, before any await
+        self.shadow: tuple[ShadowChoice, ...] = ()
+        self.sent_at: float | None = None
+        """When the request was first handed to an upstream connection."""
         self.status: OutcomeStatus = "error"
         self.http_status = 0
         self.tokens: int | None = None
@@ -485,6 +507,8 @@ class _Run:
             tried.add(backend.name)
             data, hdrs = fwd._for_pool(backend.pool, self.raw, self.body, headers)
             up: Upstream | None = None
+            if self.sent_at is None:
+                self.sent_at = fwd.clock()
             try:
                 up = await fwd.open(backend.name + self.path, data, hdrs, self.info.stream)
             except UpstreamFailure as f:

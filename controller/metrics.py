@@ -9,6 +9,7 @@ pools, configured backends, policy names and their short reasons, never a reques
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -211,7 +212,7 @@ class Metrics:
             if decode is not None:
                 rate.observe(decode)
         predicted = outcome.decision.predicted_e2e_s.get(pool)
-        if predicted is not None and predicted > 0:
+        if predicted is not None and 0 < predicted < math.inf:
             key = (policy, pool)
             ratio = self._ratio.get(key)
             if ratio is None:

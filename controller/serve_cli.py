@@ -111,7 +111,23 @@ def _build(args: argparse.Namespace) -> tuple[Settings, Any, Any, Any]:
     registry = default_registry()
     context = policy_context(settings)
     policy = registry.create(settings.policy, settings.policy_params, context)
+    _check_observability(settings, registry, context)
     return settings, registry, context, policy
+
+
+def _check_observability(settings: Settings, registry: Any, context: Any) -> None:
+    """Fail at start-up, with the setting's name, on a bad shadow policy or decision log path."""
+    from controller.shadow import build_shadows
+
+    build_shadows(settings.shadow_policies, registry, context)
+    if settings.decision_log:
+        path = settings.decision_log
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"decision_log {path}: cannot open for writing: {e.strerror or e}") from None
 
 
 def raise_open_files_limit() -> None:
@@ -219,11 +235,14 @@ def run_policies(args: argparse.Namespace) -> int:
 
 def run_check_config(args: argparse.Namespace) -> int:
     from controller.app import policy_context
+    from controller.shadow import build_shadows
 
     try:
         settings = load_settings({}, os.environ, args.file)
         settings.require_backends()
-        default_registry().create(settings.policy, settings.policy_params, policy_context(settings))
+        registry, context = default_registry(), policy_context(settings)
+        registry.create(settings.policy, settings.policy_params, context)
+        build_shadows(settings.shadow_policies, registry, context)
     except (ConfigError, PolicyError, ProfileError) as e:
         return _fail(str(e))
     print(f"# {args.file}: valid (environment SPECROUTE_* applied; secrets masked)")
