@@ -14,23 +14,22 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("specroute.errors")
 
 
 class _MalformedHttpFilter(logging.Filter):
     """aiohttp logs a client's malformed HTTP (oversized header, bad request line) with a traceback
-    whose message quotes the offending bytes -- possibly an Authorization header. Such a record is
-    rewritten to one INFO line naming the error class only."""
+    whose message quotes the offending bytes -- possibly an Authorization header -- and a body it
+    cannot decode after the answer went out. Such a record is rewritten to one INFO line naming
+    the error class only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
-            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-            record.msg, record.args = (
-                "malformed HTTP from %s: %s (answered %s)",
-                (peer, type(exc).__name__, exc.code),
-            )
+        if isinstance(exc, HttpProcessingError | RequestPayloadError):
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "a client"
+            record.msg, record.args = "malformed HTTP from %s: %s", (peer, type(exc).__name__)
             record.exc_info, record.exc_text = None, None
             record.levelno, record.levelname = logging.INFO, "INFO"
         return True
@@ -153,6 +152,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         ).response()
     except web.HTTPRequestEntityTooLarge as e:
         return PayloadTooLarge(f"request body too large: {e.text}").response()
+    except RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match
+        return BadRequest(f"request body could not be read: {e.__cause__ or e}").response()
     except web.HTTPException:
         raise
     except Exception:

@@ -68,7 +68,7 @@ _USAGE_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _REQUEST_DROP = frozenset(
     {
         "host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding", "expect",
+        "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding", "expect", "content-encoding",
         MODE_HEADER, HINT_HEADER,
     }
 )  # fmt: skip

@@ -7,6 +7,7 @@ the broken HTTP; the official openai client is the well-behaved neighbour."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import resource
 
@@ -300,3 +301,23 @@ async def test_2000_idle_connections_are_closed_and_others_are_served(fake_backe
     await _normal_request(sp.url + "/v1")
     sp.signal()
     assert await sp.wait() == 0
+
+
+async def test_content_encoding_is_decoded_once_or_rejected(fake_backend, proxy, caplog):
+    fb = await fake_backend(chunks=2)
+    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False)
+    payload = json.dumps({**BODY, "stream": False}).encode()
+    async with aiohttp.ClientSession() as s:
+        gz = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        async with s.post(p.url + "/v1/chat/completions", data=gzip.compress(payload), headers=gz) as r:
+            assert r.status == 200, await r.text()
+        # the backend got the decoded JSON, without a Content-Encoding that no longer applies
+        assert fb.requests[-1]["messages"] == CHAT
+        assert "Content-Encoding" not in fb.request_headers[-1]
+        async with s.post(p.url + "/v1/chat/completions", data=payload, headers=gz) as r:
+            assert r.status == 400
+            _assert_openai_error(await r.json(), "invalid_request")
+    assert len(fb.requests) == 1
+    assert "Traceback" not in caplog.text
+    await _normal_request(p.base_url)
+    assert p.in_flight_samples() == [0.0]
