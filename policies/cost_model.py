@@ -82,6 +82,9 @@ def backend_counts(backend: BackendLoad) -> tuple[int, int]:
 
 def least_loaded(pool: PoolLoad) -> BackendLoad | None:
     """The healthy backend with the smallest `load` (first one on ties), or None."""
+    if len(pool.backends) == 1:
+        only = pool.backends[0]
+        return only if only.healthy else None
     best: BackendLoad | None = None
     best_load = 0
     for b in pool.backends:

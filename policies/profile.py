@@ -248,7 +248,10 @@ class SpeedModel:
             mean_n = float(n) if mean_output_tokens is None else max(mean_output_tokens, 1.0)
             # (ahead + 1) completions at cap * rate(cap) / mean_n per second
             wait = (occupied - cap + 1) * mean_n * self.step_time(cap) / cap
-        ttft = wait + self.ttft_s(batch)
+        if batch < _TABLE_SIZE:  # step_time / ttft_s inlined (hot path)
+            step, ttft = self._step_table[batch], wait + self._ttft_table[batch]
+        else:
+            step, ttft = self.step_time(batch), wait + self.ttft_s(batch)
         if prompt_tokens > 0 and self.prefill_tok_s is not None:
             ttft += prompt_tokens / self.prefill_tok_s
-        return ttft, ttft + (n - 1) * self.step_time(batch) / rate_scale
+        return ttft, ttft + (n - 1) * step / rate_scale
