@@ -25,6 +25,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.load import LoadTracker
+from policies.base import Pool
 
 log = logging.getLogger("specroute.scrape")
 
@@ -208,7 +209,7 @@ class ScrapeLoop:
         interval_s: float = 1.0,
         timeout_s: float = 2.0,
         clock: Callable[[], float],
-        headers: Callable[[str], Mapping[str, str]] | None = None,
+        headers: Callable[[Pool], Mapping[str, str]] | None = None,
     ) -> None:
         self.tracker = tracker
         self.session = session
