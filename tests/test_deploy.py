@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from controller.cli import build_parser
 from controller.config import Settings, load_settings
@@ -93,7 +94,9 @@ SPECROUTE_METRICS = frozenset(
     }
 )
 # Further metrics the proxy exports (controller/metrics.py), shown but not part of the list above.
-SPECROUTE_EXTRA_METRICS = frozenset({"specroute_rejected_requests_total", "specroute_failovers_total"})
+SPECROUTE_EXTRA_METRICS = frozenset(
+    {"specroute_rejected_requests_total", "specroute_failovers_total", "specroute_backend_sample_age_seconds"}
+)
 SGLANG_METRICS = frozenset(
     {
         "sglang:num_running_reqs",
@@ -796,6 +799,14 @@ def _local(args: list[str]) -> list[str]:
     return out
 
 
+def _exported_metric_names(text: str) -> set[str]:
+    """Metric names as PromQL sees them (counters with _total, histograms by base name)."""
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name + "_total" if family.type == "counter" else family.name)
+    return names
+
+
 def _wait_ready(url: str) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -860,16 +871,21 @@ def test_emulated_stack_serves_through_the_deploy_command_lines(tmp_path: Path) 
         assert probe[0] == "python"
         assert subprocess.run([sys.executable, *probe[1:]], timeout=30).returncode == 0
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            metrics = r.read().decode()
-        assert "specroute_requests_total" in metrics
+            exported = _exported_metric_names(r.read().decode())
+        on_dashboard = {
+            _base_name(m)
+            for _, expr in _queries()
+            for m in _METRIC.findall(expr)
+            if m.startswith("specroute_")
+        }
+        missing = on_dashboard - exported
+        assert not missing, f"the dashboard queries metrics specroute does not export: {sorted(missing)}"
 
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=40) == 0
-        log = tmp_path / "decisions.jsonl"
-        if log.exists():  # TODO(issue 7): required once serve writes the decision log
-            lines = log.read_text().splitlines()
-            assert len(lines) == 2
-            assert all(json.loads(line)["policy"] == "cost_model" for line in lines)
+        lines = (tmp_path / "decisions.jsonl").read_text().splitlines()
+        assert len(lines) == 2
+        assert all(json.loads(line)["policy"] == "cost_model" for line in lines)
     finally:
         for proc in reversed(started):
             _stop(proc)
