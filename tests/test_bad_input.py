@@ -10,6 +10,9 @@ import asyncio
 import gzip
 import json
 import resource
+import signal
+import sys
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -271,36 +274,69 @@ def _raise_open_files_limit(needed: int) -> None:
         pytest.skip(f"open-files limit {soft} < {needed} and the hard limit does not allow more")
 
 
-async def test_2000_idle_connections_are_closed_and_others_are_served(fake_backend, spawn_serve):
-    """`specroute serve` as a subprocess (its own fd limit, raised at start-up): 2,000 sockets that
-    never send a byte do not stop a normal client, and are all closed after header_timeout_s."""
+async def _serve_with_fd_limit(soft: int, *args: str) -> tuple[asyncio.subprocess.Process, str]:
+    """`specroute serve --port 0 ARGS` started with a low soft open-files limit."""
+
+    def lower() -> None:  # runs in the child before exec
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "controller.cli", "serve", "--port", "0", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, preexec_fn=lower,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+    assert line.startswith("specroute listening on "), line
+    return proc, line.removeprefix("specroute listening on ")
+
+
+def _soft_open_files(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError("no 'Max open files' line")
+
+
+async def test_2000_idle_connections_are_closed_and_others_are_served(fake_backend):
+    """`specroute serve` as a subprocess, started with a soft limit of 1,024 open files (which it
+    raises at start-up): 2,000 sockets that never send a byte do not stop a normal client, and
+    are all closed after header_timeout_s."""
     n = 2000
     _raise_open_files_limit(n + 500)
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < n + 500:
+        pytest.skip("the hard open-files limit is too low for 2,000 connections")
     fb = await fake_backend(chunks=2)
-    sp = await spawn_serve("--baseline", fb.url, "--policy", "fixed", "--header-timeout-s", "3")
-    port = _port(sp.url)
-    loop = asyncio.get_running_loop()
+    proc, url = await _serve_with_fd_limit(
+        1024, "--baseline", fb.url, "--policy", "fixed", "--header-timeout-s", "3"
+    )
     conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
     try:
+        assert _soft_open_files(proc.pid) >= n + 500  # serve raised its own soft limit
+        port = _port(url)
+        loop = asyncio.get_running_loop()
         t0 = loop.time()
         for start in range(0, n, 100):  # batches: the listen backlog is finite
             conns += await asyncio.gather(
                 *(asyncio.open_connection("127.0.0.1", port) for _ in range(start, min(n, start + 100)))
             )
         opened_s = loop.time() - t0
-        await _normal_request(sp.url + "/v1")  # all 2,000 are still open here (unless opening was slow)
+        await _normal_request(url + "/v1")  # all 2,000 are still open here (unless opening was slow)
         results = await asyncio.wait_for(
             asyncio.gather(*(r.read() for r, _ in conns), return_exceptions=True), 30.0
         )
         closed_s = loop.time() - t0
+        assert all(res == b"" or isinstance(res, ConnectionResetError) for res in results)
+        assert closed_s < opened_s + 3.0 + 10.0  # header timeout plus slack for a slow machine
+        await _normal_request(url + "/v1")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
     finally:
         for _, w in conns:
             w.close()
-    assert all(res == b"" or isinstance(res, ConnectionResetError) for res in results)
-    assert closed_s < opened_s + 3.0 + 10.0  # header timeout plus slack for a slow machine
-    await _normal_request(sp.url + "/v1")
-    sp.signal()
-    assert await sp.wait() == 0
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 async def test_content_encoding_is_decoded_once_or_rejected(fake_backend, proxy, caplog):
