@@ -264,7 +264,7 @@ async def test_interval_shrinks_as_requests_per_level_grow(server: Running) -> N
     assert b.half_width < a.half_width / 1.5
 
 
-@pytest.mark.parametrize("server", [Pacing(interval_s=0.002, fail_every=3)], indirect=True)
+@pytest.mark.parametrize("server", [Pacing(interval_s=0.01, fail_every=3)], indirect=True)
 async def test_failed_requests_are_counted_as_errors(server: Running) -> None:
     result = await run_sweep(server.url, levels=[1], requests_per_level=12, warmup=0, max_tokens=11)
     lv = result.levels[0]
@@ -277,7 +277,8 @@ async def test_failed_requests_are_counted_as_errors(server: Running) -> None:
     assert any("no SSE events" in e for e in errors)
     # failed requests are instant: averaging them in would inflate speed and shrink TTFT
     assert s.decode_tok_s is not None and s.decode_tok_s.n == 8
-    assert s.decode_tok_s.mean < 700.0  # pacing 500 tok/s
+    # pacing 100 tok/s; 2x leaves room for a loaded machine delaying the first chunk
+    assert s.decode_tok_s.mean < 200.0
     assert s.ttft_s is not None and s.ttft_s.n == 8 and s.ttft_s.mean > 0.015
 
 
