@@ -57,6 +57,13 @@ def test_quick_start_is_two_commands_and_ci_runs_the_test_one() -> None:
     assert commands[1] in ci.splitlines()
 
 
+def test_every_setting_is_named_in_the_readme() -> None:
+    from controller.config import Settings
+
+    missing = [key for key in Settings.model_fields if f"`{key}`" not in README]
+    assert not missing, f"README does not mention settings {missing}"
+
+
 def test_every_specroute_line_parses() -> None:
     lines = _specroute_lines()
     assert len(lines) >= 12
