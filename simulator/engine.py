@@ -15,10 +15,14 @@ otherwise it waits in a FIFO queue. Its first token comes `ttft(b)` after admiss
 `prompt_tokens / prefill_tok_s` when the profile gives it); the remaining `n - 1` tokens are
 decoded after that.
 
-The global event heap is keyed by `(time, seq)` with a counter owned by the run; a server's
-completion event is re-pushed whenever its rate or heap top changes and stale ones are
-skipped by a version number. Policies see the same `LoadView`/`RequestInfo` types as in the
-proxy, and get `observe(Outcome)` when a request finishes.
+The global event heap is keyed by `(time, seq)` with a counter owned by the run. A server's
+next completion is rescheduled whenever its rate or heap top changes; the entry whose `seq`
+is the server's `done_seq` is the live one, others are skipped. A completion that moves
+later (the common case: an arrival slows the batch) is not pushed at once: the server's
+earlier entry still in the heap (its carrier) pushes it when it pops, under the `(time,
+seq)` key it was given, so events pop in exactly the order of pushing every reschedule.
+Policies see the same `LoadView`/`RequestInfo` types as in the proxy, and get
+`observe(Outcome)` when a request finishes.
 """
 
 from __future__ import annotations
@@ -224,7 +228,11 @@ class _ClosedLoop:
 class _Server:
     __slots__ = (
         "cap",
+        "carrier_seq",
+        "carrier_t",
         "dheap",
+        "done_seq",
+        "done_t",
         "model",
         "prefill",
         "queue",
@@ -235,7 +243,6 @@ class _Server:
         "tokens",
         "ttft_table",
         "v",
-        "version",
     )
 
     def __init__(self, model: ServerModel) -> None:
@@ -251,7 +258,13 @@ class _Server:
         self.v = 0.0
         self.t_last = 0.0
         self.rate = model.rate[0]
-        self.version = 0
+        self.done_t = 0.0
+        self.done_seq = -1
+        """Key of the live completion event (-1: none); it may not be in the heap yet."""
+        self.carrier_t = 0.0
+        self.carrier_seq = -1
+        """Key of this server's earliest entry in the heap (-1: none); it pops no later than
+        the live event and pushes it when it is not in the heap yet."""
 
 
 def simulate(
@@ -381,8 +394,15 @@ def simulate(
         t, _, kind, a, b = pop(heap)
         if kind == _DONE:
             s = states[a]
-            if b != s.version:
+            if b != s.done_seq:
+                if b == s.carrier_seq:
+                    if s.done_seq >= 0:  # the live event, deferred: it pops no earlier than now
+                        push(heap, (s.done_t, s.done_seq, _DONE, a, s.done_seq))
+                        s.carrier_t, s.carrier_seq = s.done_t, s.done_seq
+                    else:
+                        s.carrier_seq = -1
                 continue
+            s.done_seq = s.carrier_seq = -1
             dheap = s.dheap
             fv, r = pop(dheap)
             s.v = fv
@@ -409,9 +429,10 @@ def simulate(
                 seq += 1
             running = s.running
             rate = s.rate = s.rate_table[running] if running < table_size else s.model.rate_at(running)
-            if dheap:
-                version = s.version = s.version + 1
-                push(heap, (t + (dheap[0][0] - fv) / rate, seq, _DONE, a, version))
+            if dheap:  # no carrier: the live event just popped
+                done_t = s.done_t = s.carrier_t = t + (dheap[0][0] - fv) / rate
+                s.done_seq = s.carrier_seq = seq
+                push(heap, (done_t, seq, _DONE, a, seq))
                 seq += 1
             for r in done:
                 if observe is not None:
@@ -453,8 +474,11 @@ def simulate(
             entry = (v + work, a)
             push(dheap, entry)
             if dheap[0] is entry:
-                version = s.version = s.version + 1
-                push(heap, (t + work / s.rate, seq, _DONE, b, version))
+                done_t = s.done_t = t + work / s.rate
+                s.done_seq = seq
+                if s.carrier_seq < 0 or done_t < s.carrier_t:
+                    push(heap, (done_t, seq, _DONE, b, seq))
+                    s.carrier_t, s.carrier_seq = done_t, seq
                 seq += 1
         else:
             arrival[a] = t
@@ -499,10 +523,13 @@ def simulate(
                 push(heap, (ft, seq, _FIRST, a, si))
                 seq += 1
                 if s.dheap:
-                    version = s.version = s.version + 1
                     # Float rounding may put V a hair past the top: never schedule in the past.
                     ahead = s.dheap[0][0] - s.v
-                    push(heap, (t + ahead / rate if ahead > 0.0 else t, seq, _DONE, si, version))
+                    done_t = s.done_t = t + ahead / rate if ahead > 0.0 else t
+                    s.done_seq = seq
+                    if s.carrier_seq < 0 or done_t < s.carrier_t:
+                        push(heap, (done_t, seq, _DONE, si, seq))
+                        s.carrier_t, s.carrier_seq = done_t, seq
                     seq += 1
             else:
                 s.queue.append(a)
