@@ -11,9 +11,9 @@ policy objects as the proxy and reproduce a run to the bit.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Literal, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, cast, runtime_checkable
 
 Pool = Literal["baseline", "eagle"]
 POOLS: tuple[Pool, Pool] = ("baseline", "eagle")
@@ -151,44 +151,49 @@ class Decision:
     policy: str = ""
 
 
-# The frozen dataclass's __init__ sets each field through `object.__setattr__`; writing the
-# slots through their descriptors builds the same Decision about twice as fast, which the
-# simulator feels (one Decision per simulated request). Checked against the fields at import.
-_DECISION_FIELDS = (
-    "pool",
-    "backend",
-    "reason",
-    "predicted_ttft_s",
-    "predicted_e2e_s",
-    "backend_load",
-    "policy",
-)
-if tuple(f.name for f in fields(Decision)) != _DECISION_FIELDS:
-    raise RuntimeError("policies.base: _DECISION_FIELDS no longer matches Decision's fields")
-_set_pool, _set_backend, _set_reason, _set_ttft, _set_e2e, _set_load, _set_policy = (
-    Decision.__dict__[name].__set__ for name in _DECISION_FIELDS
-)
+class _DecisionTwin:
+    """Builds a Decision twice as fast as its constructor (one per routed request matters to
+    the simulator): a mutable class with the same slots, filled by plain attribute stores and
+    then re-classed as `Decision` (allowed between classes of the same slot layout). Checked
+    against `Decision(...)` at import; the constructor is used if they ever differ."""
+
+    __slots__ = ("backend", "backend_load", "policy", "pool", "predicted_e2e_s", "predicted_ttft_s", "reason")
+
+    def __init__(
+        self,
+        pool: Pool,
+        backend: str,
+        reason: str,
+        predicted_ttft_s: Mapping[Pool, float],
+        predicted_e2e_s: Mapping[Pool, float],
+        backend_load: int,
+        policy: str,
+    ) -> None:
+        self.pool = pool
+        self.backend = backend
+        self.reason = reason
+        self.predicted_ttft_s = predicted_ttft_s
+        self.predicted_e2e_s = predicted_e2e_s
+        self.backend_load = backend_load
+        self.policy = policy
+        self.__class__ = Decision  # type: ignore[assignment]
 
 
-def _new_decision(
-    pool: Pool,
-    backend: str,
-    reason: str,
-    predicted_ttft_s: Mapping[Pool, float],
-    predicted_e2e_s: Mapping[Pool, float],
-    backend_load: int,
-    policy: str,
-) -> Decision:
-    """`Decision(...)` with every field given, built through the slot descriptors."""
-    d: Decision = object.__new__(Decision)
-    _set_pool(d, pool)
-    _set_backend(d, backend)
-    _set_reason(d, reason)
-    _set_ttft(d, predicted_ttft_s)
-    _set_e2e(d, predicted_e2e_s)
-    _set_load(d, backend_load)
-    _set_policy(d, policy)
-    return d
+_DecisionFactory = Callable[[Pool, str, str, Mapping[Pool, float], Mapping[Pool, float], int, str], Decision]
+
+
+def _decision_maker() -> _DecisionFactory:
+    sample = ("eagle", "eagle-0", "reason", {"eagle": 1.0}, {"eagle": 2.0}, 3, "policy")
+    try:
+        made: object = _DecisionTwin(*sample)  # type: ignore[arg-type]
+    except TypeError:  # the slot layouts differ
+        return Decision
+    if type(made) is not Decision or made != Decision(*sample):  # type: ignore[arg-type]
+        return Decision
+    return cast(_DecisionFactory, _DecisionTwin)
+
+
+_new_decision = _decision_maker()
 
 
 class NoHealthyBackend(Exception):
