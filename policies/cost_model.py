@@ -116,6 +116,8 @@ class CostModelPolicy:
         )
         self._ttft = params.objective == "ttft"
         self._eagle_factor = 1.0 - params.eagle_margin
+        self._default_n = params.default_output_tokens
+        self._scraped_accept = params.scraped_accept_length
 
     def _eagle_scale(self, request: RequestInfo, backend: BackendLoad) -> float:
         scale = 1.0
@@ -130,7 +132,7 @@ class CostModelPolicy:
         return scale
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
-        n = request.max_tokens or self.params.default_output_tokens
+        n = request.max_tokens or self._default_n
         ttft: dict[Pool, float] = {}
         e2e: dict[Pool, float] = {}
         b = least_loaded(view.baseline)
@@ -143,7 +145,7 @@ class CostModelPolicy:
         if e is not None:
             running, queued = backend_counts(e)
             scale = 1.0
-            if request.hint is not None or self.params.scraped_accept_length:
+            if request.hint is not None or self._scraped_accept:
                 scale = self._eagle_scale(request, e)
             ttft["eagle"], e2e["eagle"] = self._eagle.predict_e2e_s(
                 n,
