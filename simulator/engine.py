@@ -258,6 +258,7 @@ class _Server:
         "rate",
         "rate_table",
         "running",
+        "speculative",
         "t_last",
         "tokens",
         "ttft_table",
@@ -269,6 +270,7 @@ class _Server:
         self.cap = model.max_running_requests if model.max_running_requests is not None else 1 << 62
         self.prefill = model.prefill_tok_s
         self.rate_table = model.rate
+        self.speculative = model.speculative
         self.ttft_table = model.ttft
         self.running = 0
         self.tokens = 0
@@ -317,7 +319,9 @@ def simulate(
     if any(len(m.ttft) < table_size for m in servers):
         raise SimulationError("server speed tables must cover the same batch sizes")
     pools = {m.pool for m in servers}
-    route_by_policy = policy is not None and len(pools) == 2
+    # A single-pool deployment is routed least-loaded, without the policy.
+    choose = policy.choose if policy is not None and len(pools) == 2 else None
+    policy_name = policy.name if policy is not None else ""
     index = {m.name: i for i, m in enumerate(servers)}
     rng = random.Random(seed)
 
@@ -372,6 +376,8 @@ def simulate(
     make_backend_load, make_outcome = _make_backend_load, _make_outcome
     make_pool_load, make_view = _make_pool_load, _make_view
     observe = policy.observe if policy is not None else None
+    names = [m.name for m in servers]
+    pool_strs = [m.pool for m in servers]
 
     def build_view() -> LoadView:
         nonlocal current_view
@@ -381,10 +387,9 @@ def simulate(
                 dirty[i] = False
                 s = states[i]
                 q = len(s.queue)
-                m = s.model
                 p = pool_of[i]
                 pool_bls[p][slot[i]] = make_backend_load(
-                    m.name, m.pool, s.running + q, s.tokens, s.running, q, accept_len[i]
+                    names[i], pool_strs[i], s.running + q, s.tokens, s.running, q, accept_len[i]
                 )
                 if p:
                     changed1 = True
@@ -485,7 +490,7 @@ def simulate(
                 # Nothing to decode: finishes with its first token (a zero-work heap entry).
                 work = 0.0
             else:
-                work = out / accept[a] if s.model.speculative else float(out)
+                work = out / accept[a] if s.speculative else float(out)
             dheap = s.dheap
             v = s.v + (t - s.t_last) * s.rate
             s.v = v
@@ -504,8 +509,7 @@ def simulate(
             if arrivals is not None and a + 1 < n:
                 push(heap, (arrivals[a + 1], seq, _ARRIVE, a + 1, 0))
                 seq += 1
-            if route_by_policy:
-                assert policy is not None
+            if choose is not None:
                 ikey = (prompt_tokens[a], max_tokens[a], hints[a])
                 info = info_cache.get(ikey)
                 if info is None:
@@ -515,11 +519,11 @@ def simulate(
                         endpoint="chat", stream=True, prompt_tokens=ikey[0], max_tokens=ikey[1], hint=ikey[2]
                     )
                     info_cache[ikey] = info
-                decision = policy.choose(info, build_view(), t)
+                decision = choose(info, build_view(), t)
                 si = index.get(decision.backend)
                 if si is None:
                     raise SimulationError(
-                        f"policy {policy.name!r} chose backend {decision.backend!r}, "
+                        f"policy {policy_name!r} chose backend {decision.backend!r}, "
                         f"which is not in the deployment ({', '.join(index)})"
                     )
                 infos[a] = info
