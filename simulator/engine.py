@@ -375,7 +375,7 @@ def simulate(
     info_cache: dict[tuple[int, int | None, str | None], RequestInfo] = {}
     make_backend_load, make_outcome = _make_backend_load, _make_outcome
     make_pool_load, make_view = _make_pool_load, _make_view
-    observe = policy.observe if policy is not None else None
+    observe = policy.observe if policy is not None and choose is not None else None
     names = [m.name for m in servers]
     pool_strs = [m.pool for m in servers]
 
@@ -458,23 +458,17 @@ def simulate(
                 s.done_seq = s.carrier_seq = seq
                 push(heap, (done_t, seq, _DONE, a, seq))
                 seq += 1
-            for r in done:
-                if observe is not None:
+            if observe is not None:
+                for r in done:
                     info, decision = infos[r], decisions[r]
                     if info is not None and decision is not None:
+                        start = arrival[r]
                         observe(
-                            make_outcome(
-                                info,
-                                decision,
-                                arrival[r],
-                                first[r] - arrival[r],
-                                output_tokens[r],
-                                t - arrival[r],
-                            )
+                            make_outcome(info, decision, start, first[r] - start, output_tokens[r], t - start)
                         )
-                        infos[r] = None
-                        decisions[r] = None
-                if loop is not None:
+                        infos[r] = decisions[r] = None
+            if loop is not None:
+                for r in done:
                     loop.done(phase[r])
                     ph = loop.next_phase()
                     if ph != NOT_SENT:
