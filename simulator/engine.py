@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -246,18 +247,24 @@ class _ClosedLoop:
 
 class _Server:
     __slots__ = (
+        "accept_length",
         "cap",
         "carrier_seq",
         "carrier_t",
         "dheap",
+        "dirty",
         "done_seq",
         "done_t",
         "model",
+        "name",
+        "pool",
+        "pool_index",
         "prefill",
         "queue",
         "rate",
         "rate_table",
         "running",
+        "slot",
         "speculative",
         "t_last",
         "tokens",
@@ -267,6 +274,14 @@ class _Server:
 
     def __init__(self, model: ServerModel) -> None:
         self.model = model
+        self.name = model.name
+        self.pool = model.pool
+        self.pool_index = 0 if model.pool == "baseline" else 1
+        self.slot = 0
+        """Index of this server among its pool's backends (deployment order)."""
+        self.accept_length = model.accept_length if model.speculative else None
+        self.dirty = True
+        """State changed since its `BackendLoad` was last built."""
         self.cap = model.max_running_requests if model.max_running_requests is not None else 1 << 62
         self.prefill = model.prefill_tok_s
         self.rate_table = model.rate
@@ -312,7 +327,9 @@ def simulate(
         raise SimulationError("no servers to simulate")
     if batch.arrivals is None and (concurrency is None or concurrency < 1):
         raise SimulationError("a closed loop needs concurrency >= 1")
-    if batch.arrivals is not None and any(b < a for a, b in itertools.pairwise(batch.arrivals)):
+    if batch.arrivals is not None and any(
+        map(operator.gt, batch.arrivals, itertools.islice(batch.arrivals, 1, None))
+    ):
         raise SimulationError("open-loop arrival times must be sorted")
     states = [_Server(m) for m in servers]
     table_size = min(len(m.rate) for m in servers)
@@ -360,47 +377,39 @@ def simulate(
 
     # Views are rebuilt only where a server's state changed since the last decision: the
     # frozen dataclasses are the costliest part of an arrival.
-    accept_len = [m.accept_length if m.speculative else None for m in servers]
-    n_servers = len(states)
-    dirty = [True] * n_servers
-    pool_of = [0 if m.pool == "baseline" else 1 for m in servers]
-    pool_names = ("baseline", "eagle")
-    # Each pool's backends in deployment order; slot[i] is server i's index in its pool.
-    slot = [sum(1 for j in range(i) if pool_of[j] == pool_of[i]) for i in range(n_servers)]
-    pool_bls: list[list[BackendLoad]] = [[], []]
-    for i, m in enumerate(servers):
-        pool_bls[pool_of[i]].append(_make_backend_load(m.name, m.pool, 0, 0, 0, 0, accept_len[i]))
-    pool_loads = [PoolLoad("baseline", tuple(pool_bls[0])), PoolLoad("eagle", tuple(pool_bls[1]))]
-    current_view = LoadView(pool_loads[0], pool_loads[1])
+    baseline_bls: list[BackendLoad] = []
+    eagle_bls: list[BackendLoad] = []
+    for s in states:
+        bls = eagle_bls if s.pool_index else baseline_bls
+        s.slot = len(bls)
+        bls.append(_make_backend_load(s.name, s.pool, 0, 0, 0, 0, s.accept_length))
+    baseline_load, eagle_load = PoolLoad("baseline", tuple(baseline_bls)), PoolLoad("eagle", tuple(eagle_bls))
+    current_view = LoadView(baseline_load, eagle_load)
     info_cache: dict[tuple[int, int | None, str | None], RequestInfo] = {}
     make_backend_load, make_outcome = _make_backend_load, _make_outcome
     make_pool_load, make_view = _make_pool_load, _make_view
     observe = policy.observe if policy is not None and choose is not None else None
-    names = [m.name for m in servers]
-    pool_strs = [m.pool for m in servers]
 
     def build_view() -> LoadView:
-        nonlocal current_view
+        nonlocal current_view, baseline_load, eagle_load
         changed0 = changed1 = False
-        for i in range(n_servers):
-            if dirty[i]:
-                dirty[i] = False
-                s = states[i]
+        for s in states:
+            if s.dirty:
+                s.dirty = False
                 q = len(s.queue)
-                p = pool_of[i]
-                pool_bls[p][slot[i]] = make_backend_load(
-                    names[i], pool_strs[i], s.running + q, s.tokens, s.running, q, accept_len[i]
-                )
-                if p:
+                bl = make_backend_load(s.name, s.pool, s.running + q, s.tokens, s.running, q, s.accept_length)
+                if s.pool_index:
+                    eagle_bls[s.slot] = bl
                     changed1 = True
                 else:
+                    baseline_bls[s.slot] = bl
                     changed0 = True
         if changed0 or changed1:
             if changed0:
-                pool_loads[0] = make_pool_load(pool_names[0], tuple(pool_bls[0]))
+                baseline_load = make_pool_load("baseline", tuple(baseline_bls))
             if changed1:
-                pool_loads[1] = make_pool_load(pool_names[1], tuple(pool_bls[1]))
-            current_view = make_view(pool_loads[0], pool_loads[1])
+                eagle_load = make_pool_load("eagle", tuple(eagle_bls))
+            current_view = make_view(baseline_load, eagle_load)
         return current_view
 
     def least_loaded() -> int:
@@ -442,7 +451,7 @@ def simulate(
                 finish[r] = t
                 s.running -= 1
                 s.tokens -= budget[r]
-            dirty[a] = True
+            s.dirty = True
             while s.queue and s.running < s.cap:
                 q = s.queue.popleft()
                 running = s.running = s.running + 1
@@ -527,7 +536,7 @@ def simulate(
             where[a] = si
             s = states[si]
             s.tokens += budget[a]
-            dirty[si] = True
+            s.dirty = True
             if s.running < s.cap:
                 # Advance the virtual clock at the old rate before the batch grows.
                 s.v += (t - s.t_last) * s.rate
