@@ -7,7 +7,7 @@ live. Its choice is counted in `specroute_shadow_decisions_total{policy,pool,agr
 into the decision log; routing never looks at it. When the request ends, every shadow policy
 `observe`s the real outcome (the live decision and what happened), so `online` learns pool
 speeds from real traffic while in shadow. A shadow policy that raises is logged (once per
-policy) and skipped: it can never fail a request.
+policy and method) and skipped: it can never fail a request.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class ShadowPolicies:
             raise PolicyError("shadow policies need distinct labels (set `label` on repeated policies)")
         self.policies = list(policies)
         self.metrics = metrics
-        self._failed: set[str] = set()
+        self._failed: set[tuple[str, str]] = set()
 
     def __bool__(self) -> bool:
         return bool(self.policies)
@@ -81,6 +81,6 @@ class ShadowPolicies:
                 self._fail(label, "observe")
 
     def _fail(self, label: str, method: str) -> None:
-        if label not in self._failed:
-            self._failed.add(label)
+        if (label, method) not in self._failed:
+            self._failed.add((label, method))
             log.exception("shadow policy %r failed in %s() (logged once; routing unaffected)", label, method)
