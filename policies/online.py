@@ -119,6 +119,7 @@ class OnlinePolicy:
         self._hint_factor: dict[tuple[Pool, str], _Mean] = {}
         self._hints: set[str] = set()
         self._ttft_objective = params.objective == "ttft"
+        self._min_samples = params.min_samples
 
     def _bucket(self, pool: Pool, batch: int) -> _Bucket:
         table = self._bucket_of
@@ -131,32 +132,40 @@ class OnlinePolicy:
         cap = speed.max_running_requests
         return speed.decode_tok_s(batch if cap is None or batch <= cap else cap)
 
+    def _prior(self, pool: Pool, load: int, n: int, request: RequestInfo) -> tuple[float, float]:
+        """(TTFT, decode seconds) for an untrusted bucket: the profile's, or the optimistic prior."""
+        p = self.params
+        speed = self._speed[pool]
+        if speed is None:
+            return p.prior_ttft_s, (n - 1) / p.prior_decode_tok_s
+        prof_ttft, prof_e2e = speed.predict_e2e_s(
+            n,
+            load,
+            0,
+            mean_output_tokens=float(p.default_output_tokens),
+            prompt_tokens=request.prompt_tokens,
+        )
+        return prof_ttft, prof_e2e - prof_ttft
+
     def _predict(self, pool: Pool, load: int, n: int, request: RequestInfo) -> tuple[float, float, int]:
         """(TTFT, end-to-end, samples in the bucket) for a request joining a backend at `load`."""
-        p = self.params
         bucket = self._bucket(pool, load + 1)
-        speed = self._speed[pool]
-        if speed is not None:
-            prof_ttft, prof_e2e = speed.predict_e2e_s(
-                n,
-                load,
-                0,
-                mean_output_tokens=float(p.default_output_tokens),
-                prompt_tokens=request.prompt_tokens,
-            )
-            prof_decode = prof_e2e - prof_ttft
+        min_samples = self._min_samples
+        ttft_mean, rate_mean = bucket.ttft, bucket.rate
+        if ttft_mean.n >= min_samples and rate_mean.n >= min_samples:
+            ttft, rate = ttft_mean.value, rate_mean.value
         else:
-            prof_ttft, prof_decode = p.prior_ttft_s, (n - 1) / p.prior_decode_tok_s
-        ttft = bucket.ttft.value if bucket.ttft.n >= p.min_samples else prof_ttft
-        if bucket.rate.n >= p.min_samples:
-            rate = bucket.rate.value
-        else:
-            rate = (n - 1) / prof_decode if prof_decode > 0 else p.prior_decode_tok_s
+            prof_ttft, prof_decode = self._prior(pool, load, n, request)
+            ttft = ttft_mean.value if ttft_mean.n >= min_samples else prof_ttft
+            if rate_mean.n >= min_samples:
+                rate = rate_mean.value
+            else:
+                rate = (n - 1) / prof_decode if prof_decode > 0 else self.params.prior_decode_tok_s
         if request.hint is not None:
             factor = self._hint_factor.get((pool, request.hint))
-            if factor is not None and factor.n >= p.min_samples:
+            if factor is not None and factor.n >= min_samples:
                 rate *= factor.value
-        return ttft, ttft + (n - 1) / rate, bucket.rate.n
+        return ttft, ttft + (n - 1) / rate, rate_mean.n
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self.params.default_output_tokens
