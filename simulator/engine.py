@@ -154,18 +154,20 @@ def _outcome(
     return Outcome(info, decision, start, ttft, n, duration, "ok")
 
 
-_T_BL = BackendLoad("b", "eagle", True, 1, 2, 3, 4, 2.5, 0.0)
-_T_PL = PoolLoad("eagle", (_T_BL,))
-_T_DECISION = Decision("eagle", "b", "r", {"eagle": 1.0}, {"eagle": 2.0}, 3, "p")
+_SAMPLE_BACKEND = BackendLoad("b", "eagle", True, 1, 2, 3, 4, 2.5, 0.0)
+_SAMPLE_POOL = PoolLoad("eagle", (_SAMPLE_BACKEND,))
+_SAMPLE_DECISION = Decision("eagle", "b", "r", {"eagle": 1.0}, {"eagle": 2.0}, 3, "p")
 _make_backend_load: Callable[[str, str, int, int, int, int, float | None], BackendLoad] = _twin_or(
     _BackendLoadTwin, _backend_load, ("b", "eagle", 1, 2, 3, 4, 2.5)
 )
 _make_pool_load: Callable[[str, tuple[BackendLoad, ...]], PoolLoad] = _twin_or(
-    _PoolLoadTwin, PoolLoad, ("eagle", (_T_BL,))
+    _PoolLoadTwin, PoolLoad, ("eagle", (_SAMPLE_BACKEND,))
 )
-_make_view: Callable[[PoolLoad, PoolLoad], LoadView] = _twin_or(_LoadViewTwin, LoadView, (_T_PL, _T_PL))
+_make_view: Callable[[PoolLoad, PoolLoad], LoadView] = _twin_or(
+    _LoadViewTwin, LoadView, (_SAMPLE_POOL, _SAMPLE_POOL)
+)
 _make_outcome: Callable[[RequestInfo, Decision, float, float, int, float], Outcome] = _twin_or(
-    _OutcomeTwin, _outcome, (RequestInfo(), _T_DECISION, 1.0, 0.5, 10, 2.0)
+    _OutcomeTwin, _outcome, (RequestInfo(), _SAMPLE_DECISION, 1.0, 0.5, 10, 2.0)
 )
 
 
