@@ -334,6 +334,7 @@ async def test_stalled_backends_give_504_and_release_the_slot(emulator, proxy):
         policy="threshold",
         first_byte_timeout_s=0.3,
         health_check_interval_s=60,
+        scrape_interval_s=3600,  # no background scrape may overlap the idle check below
     )
     c = client(p.url)
     loop = asyncio.get_running_loop()

@@ -64,6 +64,16 @@ def test_every_setting_is_named_in_the_readme() -> None:
     assert not missing, f"README does not mention settings {missing}"
 
 
+def test_every_metric_is_in_the_readme_table() -> None:
+    source = (ROOT / "controller" / "metrics.py").read_text(encoding="utf-8")
+    names = set(re.findall(r'"(specroute_[a-z_]+)"', source))
+    assert len(names) >= 12
+    table = {m for m in re.findall(r"^\| `(specroute_[a-z_]+)`", README, flags=re.M)}
+    # Counters are declared without `_total`; the exposition (and the README) adds it.
+    missing = sorted(n for n in names if n not in table and f"{n}_total" not in table)
+    assert not missing, f"README metrics table lacks {missing}"
+
+
 def test_every_specroute_line_parses() -> None:
     lines = _specroute_lines()
     assert len(lines) >= 12
