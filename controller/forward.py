@@ -526,8 +526,13 @@ class _Run:
                     return up  # relay the backend's own error as it sent it
                 assert failure is not None
                 self.status = "timeout" if failure.timeout else "error"
-                self.http_status = failure.error.status
-                raise failure.error
+                error: SpecrouteError = failure.error
+                if failure.mark_unhealthy and not failure.timeout and not fwd.tracker.any_healthy():
+                    # Every backend is down (this request just found the last one refusing):
+                    # that is "no healthy backend", the same answer later requests get at once.
+                    error = NoBackendAvailable(f"no healthy backend ({failure.error.message})")
+                self.http_status = error.status
+                raise error
             if up is not None:
                 up.resp.close()
             fwd.metrics.failover(backend.pool)

@@ -15,6 +15,7 @@ which the proxy passes through like any unknown field):
   stall       headers (streaming) but never a first event / never a body
   die_mid     stream `fail_after` content chunks, then drop the connection
   stall_mid   stream `fail_after` content chunks, then go silent
+  drop        read the request, then drop the connection without answering
 A stopped backend (`await fake.stop()`) refuses connections.
 """
 
@@ -154,6 +155,10 @@ class FakeBackend:
                 )
             if mode == "stall" and not body.get("stream"):
                 await asyncio.sleep(3600)
+            if mode == "drop":
+                assert request.transport is not None
+                request.transport.abort()
+                raise asyncio.CancelledError
             if self.first_byte_delay_s:
                 await asyncio.sleep(self.first_byte_delay_s)
             rid = str(body.get("rid") or "fake" + hashlib.sha1(raw).hexdigest()[:24])

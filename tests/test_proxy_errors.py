@@ -65,12 +65,20 @@ async def test_unknown_route_and_wrong_method(proxy, fake_backend):
 async def test_openai_client_sees_502_503_504(fake_backend, proxy):
     stalled = await fake_backend()
     stalled.mode = "stall"
+    dropping = await fake_backend()
+    dropping.mode = "drop"
     cases = [
         (
-            dict(baseline=[closed_port_url()], health_checks=False),
+            dict(baseline=[dropping.url], health_checks=False),
             openai.InternalServerError,
             502,
             "backend_failed",
+        ),
+        (  # the only backend refuses: none is healthy any more
+            dict(baseline=[closed_port_url()], health_checks=False),
+            openai.InternalServerError,
+            503,
+            "no_healthy_backend",
         ),
         (
             dict(baseline=[stalled.url], first_byte_timeout_s=0.2, health_checks=False),
