@@ -3,6 +3,9 @@
 - `fake_backend(**kw)` starts a `tests.fakes.FakeBackend` and returns it (stopped at teardown).
 - `proxy(baseline=[...], eagle=[...], policy=..., policy_params=..., **settings)` builds the real
   app with `create_app` and serves it on 127.0.0.1:0; returns a `RunningProxy`.
+- `emulator(mode="baseline", profile=KIMI, **config)` starts an in-process SGLang emulator
+  (`simulator.emulator.run_emulator`); its default time scale is the `emulator_time_scale` fixture,
+  which a test module may override.
 - `spawn_serve(*args)` runs `specroute serve --port 0 ...` as a subprocess and returns a
   `ServeProcess` (its URL read from the "specroute listening on" line).
 """
@@ -14,6 +17,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +30,11 @@ from controller.app import FORWARDER, TRACKER, create_app, make_runner
 from controller.config import Settings
 from controller.forward import Forwarder, Observer, RequestRecord
 from controller.load import LoadTracker
+from policies.profile import Profile, resolve_profile
 from policies.registry import PolicyContext, default_registry
+from simulator.emulator import EmulatorConfig, EmulatorServer, run_emulator
+
+KIMI = resolve_profile("kimi-k25-int4-8gpu")
 
 
 @dataclass
@@ -88,6 +96,24 @@ async def fake_backend() -> AsyncIterator[Callable[..., Awaitable[FakeBackend]]]
     yield make
     for fb in started:
         await fb.stop()
+
+
+@pytest.fixture
+def emulator_time_scale() -> float:
+    """Wall seconds per profile second of the `emulator` fixture's servers unless a test passes one."""
+    return 0.05
+
+
+@pytest.fixture
+async def emulator(emulator_time_scale: float) -> AsyncIterator[Callable[..., Awaitable[EmulatorServer]]]:
+    async with AsyncExitStack() as stack:
+
+        async def make(mode: str = "baseline", profile: Profile = KIMI, **kw: Any) -> EmulatorServer:
+            kw.setdefault("time_scale", emulator_time_scale)
+            config = EmulatorConfig(mode=mode, profile=profile, **kw)  # type: ignore[arg-type]
+            return await stack.enter_async_context(run_emulator(config))
+
+        yield make
 
 
 @pytest.fixture

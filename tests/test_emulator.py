@@ -7,31 +7,24 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from helpers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from policies.profile import Profile, resolve_profile
-from simulator.emulator import EmulatorConfig, EmulatorServer, FaultConfig, run_emulator
+from policies.profile import resolve_profile
+from simulator.emulator import EmulatorConfig, EmulatorServer, FaultConfig
 
 KIMI = resolve_profile("kimi-k25-int4-8gpu")
 MakeEmu = Callable[..., Awaitable[EmulatorServer]]
 
 
 @pytest.fixture
-async def emu() -> AsyncIterator[MakeEmu]:
-    async with AsyncExitStack() as stack:
-
-        async def make(mode: str = "baseline", profile: Profile = KIMI, **kw: Any) -> EmulatorServer:
-            kw.setdefault("time_scale", 0.2)
-            config = EmulatorConfig(mode=mode, profile=profile, **kw)  # type: ignore[arg-type]
-            return await stack.enter_async_context(run_emulator(config))
-
-        yield make
+def emulator_time_scale() -> float:
+    return 0.2
 
 
 _CLIENTS: list[openai.AsyncOpenAI] = []
@@ -70,14 +63,6 @@ async def get_json(url: str) -> Any:
         return await r.json()
 
 
-async def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 CHAT = {"model": "kimi", "messages": [{"role": "user", "content": "Write a haiku about routers."}]}
 
 
@@ -85,8 +70,8 @@ CHAT = {"model": "kimi", "messages": [{"role": "user", "content": "Write a haiku
 
 
 @pytest.mark.parametrize("mode", ["baseline", "eagle"])
-async def test_openai_client_non_streaming_exact_usage(emu: MakeEmu, mode: str) -> None:
-    server = await emu(mode)
+async def test_openai_client_non_streaming_exact_usage(emulator: MakeEmu, mode: str) -> None:
+    server = await emulator(mode)
     c = client(server)
     r = await c.chat.completions.create(
         model="kimi", messages=CHAT["messages"], max_tokens=17, extra_body={"ignore_eos": True}
@@ -107,8 +92,8 @@ async def test_openai_client_non_streaming_exact_usage(emu: MakeEmu, mode: str) 
     assert cr.choices[0].finish_reason == "length"
 
 
-async def test_streaming_chat_chunk_sequence_matches_sglang(emu: MakeEmu) -> None:
-    server = await emu("baseline")
+async def test_streaming_chat_chunk_sequence_matches_sglang(emulator: MakeEmu) -> None:
+    server = await emulator("baseline")
     body = {
         **CHAT,
         "max_tokens": 6,
@@ -137,8 +122,8 @@ async def test_streaming_chat_chunk_sequence_matches_sglang(emu: MakeEmu) -> Non
     }  # fmt: skip
 
 
-async def test_eagle_chunks_carry_several_tokens_and_usage_is_exact(emu: MakeEmu) -> None:
-    server = await emu("eagle")
+async def test_eagle_chunks_carry_several_tokens_and_usage_is_exact(emulator: MakeEmu) -> None:
+    server = await emulator("eagle")
     c = client(server)
     stream = await c.chat.completions.create(
         model="kimi",
@@ -161,8 +146,8 @@ async def test_eagle_chunks_carry_several_tokens_and_usage_is_exact(emu: MakeEmu
     assert sum(p.count(" ") + p.count(",") + p.count(".") - p.count(" ,") for p in pieces) >= 100
 
 
-async def test_completions_stream_carries_finish_on_last_content_chunk(emu: MakeEmu) -> None:
-    server = await emu("baseline")
+async def test_completions_stream_carries_finish_on_last_content_chunk(emulator: MakeEmu) -> None:
+    server = await emulator("baseline")
     body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True, "stream": True}
     status, events = await sse(server.url + "/v1/completions", body)
     assert status == 200
@@ -172,8 +157,8 @@ async def test_completions_stream_carries_finish_on_last_content_chunk(emu: Make
     assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
 
 
-async def test_without_max_tokens_length_is_drawn_and_stops_at_eos(emu: MakeEmu) -> None:
-    server = await emu("baseline", output_tokens_mean=12, output_tokens_cv=0.0, time_scale=0.05)
+async def test_without_max_tokens_length_is_drawn_and_stops_at_eos(emulator: MakeEmu) -> None:
+    server = await emulator("baseline", output_tokens_mean=12, output_tokens_cv=0.0, time_scale=0.05)
     body = {**CHAT, "stream": False}
     async with aiohttp.ClientSession() as s, s.post(server.url + "/v1/chat/completions", json=body) as r:
         data = await r.json()
@@ -189,8 +174,8 @@ async def test_without_max_tokens_length_is_drawn_and_stops_at_eos(emu: MakeEmu)
     )
 
 
-async def test_info_endpoints(emu: MakeEmu) -> None:
-    server = await emu("eagle", model="kimi-k2.5", stats_interval_steps=1)
+async def test_info_endpoints(emulator: MakeEmu) -> None:
+    server = await emulator("eagle", model="kimi-k2.5", stats_interval_steps=1)
     models = await get_json(server.url + "/v1/models")
     assert models["data"][0]["id"] == "kimi-k2.5" and models["data"][0]["owned_by"] == "sglang"
     await client(server).chat.completions.create(
@@ -212,8 +197,8 @@ async def test_info_endpoints(emu: MakeEmu) -> None:
             assert r.status == 200
 
 
-async def test_metrics_names_and_labels(emu: MakeEmu) -> None:
-    server = await emu("eagle", stats_interval_steps=2)
+async def test_metrics_names_and_labels(emulator: MakeEmu) -> None:
+    server = await emulator("eagle", stats_interval_steps=2)
     await client(server).chat.completions.create(
         model="x", messages=CHAT["messages"], max_tokens=30, extra_body={"ignore_eos": True}
     )
@@ -251,8 +236,8 @@ async def _decode_rate(c: openai.AsyncOpenAI, tokens: int) -> float:
     return (tokens - 1) / (last - first)
 
 
-async def test_batching_slows_each_request_as_concurrency_rises(emu: MakeEmu) -> None:
-    server = await emu("baseline", time_scale=0.5)
+async def test_batching_slows_each_request_as_concurrency_rises(emulator: MakeEmu) -> None:
+    server = await emulator("baseline", time_scale=0.5)
     c = client(server)
     solo = await _decode_rate(c, 40)
     crowd = await asyncio.gather(*(_decode_rate(c, 40) for _ in range(20)))
@@ -261,15 +246,15 @@ async def test_batching_slows_each_request_as_concurrency_rises(emu: MakeEmu) ->
     assert 92.7 * 2 * 0.5 < solo < 92.7 * 2 * 1.5
 
 
-async def test_max_running_requests_queues_the_excess_and_abort_frees_the_slot(emu: MakeEmu) -> None:
-    server = await emu("baseline", max_running_requests=2, time_scale=1.0)
+async def test_max_running_requests_queues_the_excess_and_abort_frees_the_slot(emulator: MakeEmu) -> None:
+    server = await emulator("baseline", max_running_requests=2, time_scale=1.0)
     body = {**CHAT, "max_tokens": 5000, "ignore_eos": True, "stream": True}
     tasks = [
         asyncio.create_task(sse(server.url + "/v1/chat/completions", {**body, "rid": f"r{i}"}))
         for i in range(3)
     ]
     engine = server.engine
-    await wait_for(lambda: engine.num_running == 2 and engine.num_queued == 1)
+    assert await wait_until(lambda: engine.num_running == 2 and engine.num_queued == 1)
     load = (await get_json(server.url + "/v1/loads"))["loads"][0]
     assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (2, 1)
     assert not engine.is_active("nope")
@@ -278,7 +263,7 @@ async def test_max_running_requests_queues_the_excess_and_abort_frees_the_slot(e
     status, events = await tasks[0]
     assert status == 200 and events[-1] == "[DONE]"
     assert events[-2]["choices"][0]["finish_reason"] == "abort"
-    await wait_for(lambda: engine.num_running == 2 and engine.num_queued == 0)  # r2 got the slot
+    assert await wait_until(lambda: engine.num_running == 2 and engine.num_queued == 0)  # r2 got the slot
     async with aiohttp.ClientSession() as s, s.post(server.url + "/abort_request", json={"abort_all": True}):
         pass
     for t in tasks[1:]:
@@ -287,32 +272,32 @@ async def test_max_running_requests_queues_the_excess_and_abort_frees_the_slot(e
     assert engine.num_running == 0
 
 
-async def test_client_disconnect_aborts_and_frees_the_slot_at_once(emu: MakeEmu) -> None:
-    server = await emu("eagle", max_running_requests=1, time_scale=1.0)
+async def test_client_disconnect_aborts_and_frees_the_slot_at_once(emulator: MakeEmu) -> None:
+    server = await emulator("eagle", max_running_requests=1, time_scale=1.0)
     body = {**CHAT, "max_tokens": 5000, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession() as s:
         async with s.post(server.url + "/v1/chat/completions", json=body) as r:
             await r.content.readline()  # the first event: it is running
             assert server.engine.num_running == 1
         # leaving the block closes the connection mid-stream
-    await wait_for(lambda: server.engine.num_running == 0, timeout_s=5)
+    assert await wait_until(lambda: server.engine.num_running == 0, timeout_s=5)
     # non-streaming, still queued behind nothing: cancelled while waiting for its answer
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(
             s.post(server.url + "/v1/chat/completions", json={**body, "stream": False})
         )
-        await wait_for(lambda: server.engine.num_running == 1)
+        assert await wait_until(lambda: server.engine.num_running == 1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    await wait_for(lambda: server.engine.num_running == 0, timeout_s=5)
+    assert await wait_until(lambda: server.engine.num_running == 0, timeout_s=5)
 
 
 # -- fault knobs ---------------------------------------------------------------------------
 
 
-async def test_error_rate_answers_sglang_flat_500(emu: MakeEmu) -> None:
-    server = await emu("baseline", faults=FaultConfig(error_rate=1.0))
+async def test_error_rate_answers_sglang_flat_500(emulator: MakeEmu) -> None:
+    server = await emulator("baseline", faults=FaultConfig(error_rate=1.0))
     async with aiohttp.ClientSession() as s, s.post(server.url + "/v1/chat/completions", json=CHAT) as r:
         assert r.status == 500
         body = await r.json()
@@ -324,13 +309,13 @@ async def test_error_rate_answers_sglang_flat_500(emu: MakeEmu) -> None:
     assert r2.usage is not None and r2.usage.completion_tokens == 2
 
 
-async def test_queue_bound_gives_503_or_streamed_error_event(emu: MakeEmu) -> None:
-    server = await emu(
+async def test_queue_bound_gives_503_or_streamed_error_event(emulator: MakeEmu) -> None:
+    server = await emulator(
         "baseline", max_running_requests=1, time_scale=1.0, faults=FaultConfig(max_queued_requests=0)
     )
     long = {**CHAT, "max_tokens": 5000, "ignore_eos": True, "stream": True}
     holder = asyncio.create_task(sse(server.url + "/v1/chat/completions", long))
-    await wait_for(lambda: server.engine.num_running == 1)
+    assert await wait_until(lambda: server.engine.num_running == 1)
     async with aiohttp.ClientSession() as s, s.post(server.url + "/v1/chat/completions", json=CHAT) as r:
         assert r.status == 503
         body = await r.json()
@@ -345,8 +330,8 @@ async def test_queue_bound_gives_503_or_streamed_error_event(emu: MakeEmu) -> No
     await holder
 
 
-async def test_stall_delays_the_first_byte(emu: MakeEmu) -> None:
-    server = await emu("baseline", time_scale=0.05, faults=FaultConfig(stall_s=0.6))
+async def test_stall_delays_the_first_byte(emulator: MakeEmu) -> None:
+    server = await emulator("baseline", time_scale=0.05, faults=FaultConfig(stall_s=0.6))
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     r = await client(server).chat.completions.create(model="x", messages=CHAT["messages"], max_tokens=2)
@@ -354,8 +339,8 @@ async def test_stall_delays_the_first_byte(emu: MakeEmu) -> None:
     assert r.usage is not None and r.usage.completion_tokens == 2
 
 
-async def test_die_mid_stream_breaks_the_client_and_frees_the_slot(emu: MakeEmu) -> None:
-    server = await emu("baseline", faults=FaultConfig(die_after_chunks=3))
+async def test_die_mid_stream_breaks_the_client_and_frees_the_slot(emulator: MakeEmu) -> None:
+    server = await emulator("baseline", faults=FaultConfig(die_after_chunks=3))
     body = {**CHAT, "max_tokens": 50, "ignore_eos": True, "stream": True}
     got: list[bytes] = []
     with pytest.raises(aiohttp.ClientPayloadError):
@@ -370,13 +355,13 @@ async def test_die_mid_stream_breaks_the_client_and_frees_the_slot(emu: MakeEmu)
         )
         async for _ in stream:
             pass
-    await wait_for(lambda: server.engine.num_running == 0)
+    assert await wait_until(lambda: server.engine.num_running == 0)
     with pytest.raises(openai.APIConnectionError):  # non-streaming: the connection drops unanswered
         await client(server).chat.completions.create(model="x", messages=CHAT["messages"], max_tokens=50)
 
 
-async def test_refusing_connections(emu: MakeEmu) -> None:
-    server = await emu("baseline", faults=FaultConfig(refuse_connections=True))
+async def test_refusing_connections(emulator: MakeEmu) -> None:
+    server = await emulator("baseline", faults=FaultConfig(refuse_connections=True))
     with pytest.raises(aiohttp.ClientConnectionError):
         async with aiohttp.ClientSession() as s, s.get(server.url + "/health") as r:
             await r.read()
@@ -390,16 +375,16 @@ async def test_refusing_connections(emu: MakeEmu) -> None:
     await get_json(server.url + "/v1/models")
 
 
-async def test_unhealthy_knob(emu: MakeEmu) -> None:
-    server = await emu("baseline", faults=FaultConfig(unhealthy=True))
+async def test_unhealthy_knob(emulator: MakeEmu) -> None:
+    server = await emulator("baseline", faults=FaultConfig(unhealthy=True))
     async with aiohttp.ClientSession() as s:
         for path in ("/health", "/ready"):
             async with s.get(server.url + path) as r:
                 assert r.status == 503
 
 
-async def test_bad_input_gets_a_clear_400(emu: MakeEmu) -> None:
-    server = await emu("baseline")
+async def test_bad_input_gets_a_clear_400(emulator: MakeEmu) -> None:
+    server = await emulator("baseline")
     url = server.url + "/v1/chat/completions"
     cases: list[tuple[Any, str]] = [
         ({"model": "x"}, "messages"),
@@ -426,8 +411,8 @@ async def test_bad_input_gets_a_clear_400(emu: MakeEmu) -> None:
             assert r.status == 400 and "context length" in (await r.json())["message"]
 
 
-async def test_api_key(emu: MakeEmu) -> None:
-    server = await emu("baseline", api_key="sekret")
+async def test_api_key(emulator: MakeEmu) -> None:
+    server = await emulator("baseline", api_key="sekret")
     with pytest.raises(openai.AuthenticationError):
         await client(server).chat.completions.create(model="x", messages=CHAT["messages"], max_tokens=2)
     ok = client(server, api_key="sekret")
@@ -437,8 +422,8 @@ async def test_api_key(emu: MakeEmu) -> None:
         assert resp.status == 200
 
 
-async def test_hint_factor_raises_tokens_per_chunk(emu: MakeEmu) -> None:
-    server = await emu("eagle", hint_factors={"code": 1.5, "prose": 0.5}, time_scale=0.05)
+async def test_hint_factor_raises_tokens_per_chunk(emulator: MakeEmu) -> None:
+    server = await emulator("eagle", hint_factors={"code": 1.5, "prose": 0.5}, time_scale=0.05)
     body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
 
     async def chunks(hint: str) -> int:
@@ -500,8 +485,8 @@ async def test_emulate_command_prints_its_url_and_stops_on_sigterm() -> None:
     assert bad.returncode == 2 and b"no built-in profile 'nope'" in err and b"Traceback" not in err
 
 
-async def test_spec_tokens_details_chunk_before_usage(emu: MakeEmu) -> None:
-    server = await emu("eagle")
+async def test_spec_tokens_details_chunk_before_usage(emulator: MakeEmu) -> None:
+    server = await emulator("eagle")
     body = {
         **CHAT, "max_tokens": 60, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True}, "return_spec_tokens_details": True,

@@ -12,19 +12,14 @@ import asyncio
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import assert_in_flight_zero, metric_samples, wait_until
 
-from policies.profile import resolve_profile
-from simulator.emulator import EmulatorConfig, EmulatorServer, run_emulator
-
-KIMI = resolve_profile("kimi-k25-int4-8gpu")
 CHAT = [{"role": "user", "content": "hello"}]
 LONG = {"max_tokens": 4000, "extra_body": {"ignore_eos": True}}
 
@@ -95,55 +90,7 @@ async def emulator_process() -> AsyncIterator[Callable[..., Awaitable[EmulatorPr
         await ep.stop_all()
 
 
-@pytest.fixture
-async def emulator() -> AsyncIterator[Callable[..., Awaitable[EmulatorServer]]]:
-    async with AsyncExitStack() as stack:
-
-        async def make(mode: str, **kw: Any) -> EmulatorServer:
-            kw.setdefault("time_scale", 0.05)
-            config = EmulatorConfig(mode=mode, profile=KIMI, **kw)  # type: ignore[arg-type]
-            return await stack.enter_async_context(run_emulator(config))
-
-        yield make
-
-
 # --- helpers -------------------------------------------------------------------------------
-
-
-async def metric_samples(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """Samples of one metric family from a /metrics endpoint, keyed by their sorted labels."""
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        text = await r.text()
-    out: dict[tuple[tuple[str, str], ...], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                out[tuple(sorted(sample.labels.items()))] = sample.value
-    return out
-
-
-async def assert_in_flight_zero(url: str, timeout_s: float = 10.0) -> None:
-    """Every specroute_in_flight_requests sample on the proxy's /metrics is exactly 0 (client
-    disconnects are noticed asynchronously, so poll for a bounded time)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        samples = await metric_samples(url, "specroute_in_flight_requests")
-        assert samples, "no specroute_in_flight_requests samples"
-        if all(v == 0.0 for v in samples.values()) or loop.time() > deadline:
-            break
-        await asyncio.sleep(0.05)
-    assert all(v == 0.0 for v in samples.values()), samples
-
-
-async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        if await predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return await predicate()
 
 
 async def emulator_running(url: str) -> int:
@@ -216,10 +163,10 @@ async def test_backend_killed_while_traffic_runs(emulator_process, emulator, pro
     for i in range(6):
         pool, text = await complete(c, stream=i % 2 == 0)
         assert pool == "baseline" and text
-    assert await wait_for(lambda: _healthy(p.url, eagle.url, False), 5)  # ejected
+    assert await wait_until(lambda: _healthy(p.url, eagle.url, False), 5)  # ejected
 
     await eagle.start()  # comes back on the same port
-    assert await wait_for(lambda: _healthy(p.url, eagle.url, True), 10)  # readmitted
+    assert await wait_until(lambda: _healthy(p.url, eagle.url, True), 10)  # readmitted
     pool, _ = await complete(c, stream=True)
     assert pool == "eagle"
     await c.close()
@@ -256,13 +203,13 @@ async def test_frozen_backend_times_out_and_traffic_moves(emulator_process, emul
             await asyncio.wait_for(_consume(stream), 10)
         pool, text = await complete(c, stream=True)  # first byte times out on eagle: retried
         assert pool == "baseline" and text
-        assert await wait_for(lambda: _healthy(p.url, eagle.url, False), 5)
+        assert await wait_until(lambda: _healthy(p.url, eagle.url, False), 5)
         await assert_in_flight_zero(p.url)
     finally:
         eagle.freeze(False)
-    assert await wait_for(lambda: _healthy(p.url, eagle.url, True), 10)
+    assert await wait_until(lambda: _healthy(p.url, eagle.url, True), 10)
     # the frozen stream's upstream connection was closed: the emulator aborts it once it runs again
-    assert await wait_for(lambda: _running_is(eagle.url, 0), 10)
+    assert await wait_until(lambda: _running_is(eagle.url, 0), 10)
     pool, _ = await complete(c, stream=False)
     assert pool == "eagle"
     await c.close()
@@ -358,7 +305,7 @@ async def test_stalled_backends_give_504_and_release_the_slot(emulator, proxy):
         gauges = [await metric_samples(u, "sglang:http_requests_active") for u in (base.url, eagle.url)]
         return all(v == 1.0 for g in gauges for v in g.values())
 
-    assert await wait_for(idle, 5)
+    assert await wait_until(idle, 5)
 
 
 async def test_stream_dropped_mid_way_ends_with_error_event(emulator, proxy):
@@ -408,7 +355,7 @@ async def test_both_backends_down(emulator_process, proxy):
         samples = await metric_samples(p.url, "specroute_backend_healthy")
         return all(v == 0.0 for v in samples.values())
 
-    assert await wait_for(both_ejected, 5)
+    assert await wait_until(both_ejected, 5)
     for stream in (True, False):
         t0 = loop.time()
         with pytest.raises(openai.APIStatusError) as info:

@@ -1,0 +1,126 @@
+"""Small helpers shared by the test modules (imported as `from helpers import ...`).
+
+- `wait_until(predicate)`: poll a plain or async predicate for a bounded time; its last value.
+- `metric_samples(url, name)`: one metric's samples from a live `/metrics`, keyed by sorted labels.
+- `assert_in_flight_zero(url)`: every `specroute_in_flight_requests` sample on a proxy's `/metrics` is 0.
+- `assert_openai_error(body, code)`: an OpenAI-shaped error body with that code and no traceback.
+- `run_command(*args)` / `run_specroute(*args)`: a subprocess run to its end without blocking the loop.
+- `free_port()`, `raise_open_files_limit(n)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import resource
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+
+Labels = tuple[tuple[str, str], ...]
+
+
+async def wait_until(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0, interval_s: float = 0.02
+) -> bool:
+    """Poll `predicate` (plain or async) until it holds or `timeout_s` has passed; returns its last
+    value, so callers write `assert await wait_until(...)`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        result = predicate()
+        ok = bool(await result) if inspect.isawaitable(result) else bool(result)
+        if ok or loop.time() >= deadline:
+            return ok
+        await asyncio.sleep(interval_s)
+
+
+async def metric_samples(url: str, name: str) -> dict[Labels, float]:
+    """Samples of one metric from a `/metrics` endpoint, keyed by their sorted labels."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+async def assert_in_flight_zero(url: str, timeout_s: float = 10.0) -> None:
+    """Every specroute_in_flight_requests sample on the proxy's /metrics is exactly 0 (client
+    disconnects are noticed asynchronously, so poll for a bounded time)."""
+    samples: dict[Labels, float] = {}
+
+    async def all_zero() -> bool:
+        nonlocal samples
+        samples = await metric_samples(url, "specroute_in_flight_requests")
+        assert samples, "no specroute_in_flight_requests samples"
+        return all(v == 0.0 for v in samples.values())
+
+    await wait_until(all_zero, timeout_s, interval_s=0.05)
+    assert all(v == 0.0 for v in samples.values()), samples
+
+
+def assert_openai_error(body: Any, code: str) -> None:
+    """`body` is `{"error": {message, type, param, code}}` with this code, a message, no traceback."""
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == code and err["param"] is None, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in err["message"]
+
+
+async def run_command(
+    *args: str,
+    stdin: str | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path | str | None = ROOT,
+    timeout_s: float = 120.0,
+) -> tuple[int, str, str]:
+    """Run a command to its end without blocking the loop; (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        *args, cwd=cwd, env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else None), timeout_s)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def run_specroute(*args: str, **kw: Any) -> tuple[int, str, str]:
+    """`specroute ARGS` (as `python -m controller.cli`) through `run_command`."""
+    return await run_command(sys.executable, "-m", "controller.cli", *args, **kw)
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (right now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def raise_open_files_limit(needed: int) -> None:
+    """Raise this process's soft open-files limit to `needed` (up to the hard limit), else skip."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        pytest.skip(f"open-files limit {soft} < {needed} and the hard limit does not allow more")
