@@ -2,7 +2,8 @@
 
 - `fake_backend(**kw)` starts a `tests.fakes.FakeBackend` and returns it (stopped at teardown).
 - `proxy(baseline=[...], eagle=[...], policy=..., policy_params=..., **settings)` builds the real
-  app with `create_app` and serves it on 127.0.0.1:0; returns a `RunningProxy`.
+  app with `create_app` (optionally with a `clock` and `shadows`) and serves it on 127.0.0.1:0;
+  returns a `RunningProxy`.
 - `emulator(mode="baseline", profile=KIMI, **config)` starts an in-process SGLang emulator
   (`simulator.emulator.run_emulator`); its default time scale is the `emulator_time_scale` fixture,
   which a test module may override.
@@ -21,17 +22,20 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+import openai
 import pytest
 from aiohttp import web
 from fakes import FakeBackend
 from prometheus_client import CollectorRegistry
 
-from controller.app import FORWARDER, TRACKER, create_app, make_runner
+from controller.app import FORWARDER, TRACKER, create_app, make_runner, policy_context
 from controller.config import Settings
 from controller.forward import Forwarder, Observer, RequestRecord
 from controller.load import LoadTracker
+from policies.base import Policy
 from policies.profile import Profile, resolve_profile
-from policies.registry import PolicyContext, default_registry
+from policies.registry import default_registry
 from simulator.emulator import EmulatorConfig, EmulatorServer, run_emulator
 
 KIMI = resolve_profile("kimi-k25-int4-8gpu")
@@ -58,6 +62,14 @@ class RunningProxy:
     @property
     def forwarder(self) -> Forwarder:
         return self.app[FORWARDER]
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key="k", max_retries=0, timeout=30)
+
+    async def metrics_text(self) -> str:
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/metrics") as r:
+            assert r.status == 200
+            return await r.text()
 
     def sample(self, name: str, **labels: str) -> float | None:
         return self.metrics.get_sample_value(name, labels)
@@ -128,6 +140,8 @@ async def proxy() -> AsyncIterator[Callable[..., Awaitable[RunningProxy]]]:
         policy_params: dict[str, Any] | None = None,
         health_checks: bool = True,
         observers: Sequence[Observer] = (),
+        clock: Callable[[], float] | None = None,
+        shadows: Sequence[tuple[str, Policy]] | None = None,
         **settings: Any,
     ) -> RunningProxy:
         s = Settings.model_validate(
@@ -140,7 +154,7 @@ async def proxy() -> AsyncIterator[Callable[..., Awaitable[RunningProxy]]]:
             }
         )
         registry = default_registry(entry_points=False)
-        context = PolicyContext(seed=s.seed)
+        context = policy_context(s)
         pol = registry.create(s.policy, s.policy_params, context)
         metrics = CollectorRegistry()
         records: list[RequestRecord] = []
@@ -152,6 +166,8 @@ async def proxy() -> AsyncIterator[Callable[..., Awaitable[RunningProxy]]]:
             context=context,
             observers=[records.append, *observers],
             health_checks=health_checks,
+            shadows=shadows,
+            **({"clock": clock} if clock is not None else {}),
         )
         runner = make_runner(app, shutdown_timeout=s.drain_timeout_s)
         await runner.setup()

@@ -11,27 +11,21 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
-from fakes import FakeBackend
-from prometheus_client import CollectorRegistry
+from helpers import run_command, run_specroute, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.app import FORWARDER, SCRAPER, TRACKER, create_app, make_runner, policy_context
+from controller.app import FORWARDER, SCRAPER, policy_context
 from controller.config import Settings
 from controller.decision_log import DecisionLog
 from controller.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
-from policies.profile import resolve_profile
 from policies.registry import default_registry
-from simulator.emulator import EmulatorConfig, run_emulator
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = "kimi-k25-int4-8gpu"
@@ -83,83 +77,6 @@ class ManualClock:
         return self.now
 
 
-class Proxy:
-    def __init__(self, url: str, app: web.Application, registry: CollectorRegistry, runner: web.AppRunner):
-        self.url, self.app, self.registry, self.runner = url, app, registry, runner
-
-    @property
-    def tracker(self) -> LoadTracker:
-        return self.app[TRACKER]
-
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="k", max_retries=0, timeout=30)
-
-    async def metrics_text(self) -> str:
-        async with aiohttp.ClientSession() as s, s.get(self.url + "/metrics") as r:
-            assert r.status == 200
-            return await r.text()
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()
-
-
-@pytest.fixture
-async def start_proxy() -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
-    """The real app (profile resolved, shadow policies from settings) on 127.0.0.1:0."""
-    started: list[Proxy] = []
-
-    async def make(
-        *,
-        clock: Callable[[], float] | None = None,
-        shadows: list[tuple[str, Policy]] | None = None,
-        **kw: Any,
-    ) -> Proxy:
-        kw.setdefault("health_check_interval_s", 60)
-        settings = Settings.model_validate(kw)
-        registry = default_registry(entry_points=False)
-        context = policy_context(settings)
-        policy = registry.create(settings.policy, settings.policy_params, context)
-        metrics = CollectorRegistry()
-        extra: dict[str, Any] = {"clock": clock} if clock is not None else {}
-        app = create_app(
-            settings, policy, registry=registry, metrics_registry=metrics, context=context, shadows=shadows,
-            **extra,
-        )  # fmt: skip
-        runner = make_runner(app, shutdown_timeout=5)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        p = Proxy(f"http://127.0.0.1:{runner.addresses[0][1]}", app, metrics, runner)
-        started.append(p)
-        return p
-
-    yield make
-    for p in started:
-        await p.stop()
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[Callable[..., Awaitable[FakeBackend]]]:
-    started: list[FakeBackend] = []
-
-    async def make(**kw: Any) -> FakeBackend:
-        fb = FakeBackend(**kw)
-        await fb.start()
-        started.append(fb)
-        return fb
-
-    yield make
-    for fb in started:
-        await fb.stop()
-
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 async def chat(
     client: openai.AsyncOpenAI, *, stream: bool, max_tokens: int = 8, headers: dict[str, str] | None = None
 ) -> str:
@@ -175,17 +92,6 @@ async def chat(
     return raw.headers["x-specroute-pool"]
 
 
-async def run(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
-    """Run a command without blocking the loop; (exit code, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        *args, cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else None), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
 def families(text: str) -> dict[str, Any]:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
@@ -193,16 +99,16 @@ def families(text: str) -> dict[str, Any]:
 # --- /metrics ------------------------------------------------------------------------------
 
 
-async def test_metrics_under_traffic_pass_promtool_and_parse(fake, start_proxy):
-    base = await fake(name="base", delay_s=0.005)
-    eagle = await fake(name="eagle", delay_s=0.005)
+async def test_metrics_under_traffic_pass_promtool_and_parse(fake_backend, proxy):
+    base = await fake_backend(name="base", delay_s=0.005)
+    eagle = await fake_backend(name="eagle", delay_s=0.005)
     base.metrics_text = sglang_metrics(1)
     eagle.metrics_text = sglang_metrics(2, 1, accept=2.6)
-    p = await start_proxy(
+    p = await proxy(
         baseline=[base.url], eagle=[eagle.url], policy="cost_model", profile=PROFILE, scrape_interval_s=0.05,
-        shadow_policies=[{"name": "threshold", "params": {"threshold": 1}}],
+        shadow_policies=[{"name": "threshold", "params": {"threshold": 1}}], health_check_interval_s=60,
     )  # fmt: skip
-    await wait_until(lambda: all(b.sample_time is not None for b in p.tracker))
+    assert await wait_until(lambda: all(b.sample_time is not None for b in p.tracker))
     client = p.client()
     for i in range(6):
         await chat(client, stream=i % 3 != 0, headers={"x-specroute-hint": "code"})
@@ -222,7 +128,7 @@ async def test_metrics_under_traffic_pass_promtool_and_parse(fake, start_proxy):
             assert set(s.labels) <= {"pool", "backend", "status", "policy", "reason", "agrees", "code", "le"}
 
     def value(name: str, **labels: str) -> float | None:
-        return p.registry.get_sample_value(name, labels)
+        return p.metrics.get_sample_value(name, labels)
 
     def both_pools(name: str, **labels: str) -> float:
         return sum(value(name, pool=pool, **labels) or 0.0 for pool in ("baseline", "eagle"))
@@ -257,37 +163,35 @@ async def test_metrics_under_traffic_pass_promtool_and_parse(fake, start_proxy):
         if os.environ.get("CI"):
             pytest.fail("promtool is required in CI (.ci/run installs Debian's prometheus package)")
         pytest.skip("promtool not installed")
-    code, out, err = await run(promtool, "check", "metrics", stdin=text)
+    code, out, err = await run_command(promtool, "check", "metrics", stdin=text)
     assert code == 0, out + err
 
 
 # --- live backend load -----------------------------------------------------------------------
 
 
-async def test_emulated_backend_load_from_other_clients_moves_the_threshold_policy(start_proxy):
-    profile = resolve_profile(PROFILE)
-    async with AsyncExitStack() as stack:
-        base = await stack.enter_async_context(run_emulator(EmulatorConfig(mode="baseline", profile=profile)))
-        eagle = await stack.enter_async_context(run_emulator(EmulatorConfig(mode="eagle", profile=profile)))
-        p = await start_proxy(
-            baseline=[base.url], eagle=[eagle.url], policy="threshold",
-            policy_params={"threshold": 4, "signal": "max"}, scrape_interval_s=0.05,
-        )  # fmt: skip
-        await wait_until(lambda: p.tracker.get(eagle.url).sample_time is not None)
-        client = p.client()
-        assert await chat(client, stream=True) == "eagle"  # idle: below the threshold
+async def test_emulated_backend_load_from_other_clients_moves_the_threshold_policy(emulator, proxy):
+    base = await emulator("baseline", time_scale=1.0)
+    eagle = await emulator("eagle", time_scale=1.0)
+    p = await proxy(
+        baseline=[base.url], eagle=[eagle.url], policy="threshold",
+        policy_params={"threshold": 4, "signal": "max"}, scrape_interval_s=0.05, health_check_interval_s=60,
+    )  # fmt: skip
+    assert await wait_until(lambda: p.tracker.get(eagle.url).sample_time is not None)
+    client = p.client()
+    assert await chat(client, stream=True) == "eagle"  # idle: below the threshold
 
-        # Five requests another proxy replica (or a client going direct) sent to the eagle server.
-        session = await stack.enter_async_context(aiohttp.ClientSession())
+    # Five requests another proxy replica (or a client going direct) sent to the eagle server.
+    async with aiohttp.ClientSession() as session:
         direct = []
         for _ in range(5):
             body = {"model": "m", "messages": CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
             resp = await session.post(eagle.url + "/v1/chat/completions", json=body)
             await resp.content.readany()  # first event: the request is running
             direct.append(resp)
-        await wait_until(lambda: p.tracker.get(eagle.url).running == 5)
+        assert await wait_until(lambda: p.tracker.get(eagle.url).running == 5)
 
-        view = p.tracker.view(p.app[FORWARDER].clock())
+        view = p.tracker.view(p.forwarder.clock())
         (e,) = view.eagle.backends
         assert (e.in_flight, e.running, e.queued, e.load) == (0, 5, 0, 5)
         assert e.sample_age_s is not None and 0 <= e.sample_age_s < 5
@@ -298,33 +202,33 @@ async def test_emulated_backend_load_from_other_clients_moves_the_threshold_poli
 
         for resp in direct:
             resp.close()
-        await wait_until(lambda: p.tracker.get(eagle.url).running == 0)
-        assert await chat(client, stream=True) == "eagle"
-        await client.close()
+    assert await wait_until(lambda: p.tracker.get(eagle.url).running == 0)
+    assert await chat(client, stream=True) == "eagle"
+    await client.close()
 
 
-async def test_stale_sample_is_ignored(fake, start_proxy):
-    base, eagle = await fake(name="base"), await fake(name="eagle")
+async def test_stale_sample_is_ignored(fake_backend, proxy):
+    base, eagle = await fake_backend(name="base"), await fake_backend(name="eagle")
     eagle.metrics_text = sglang_metrics(50)
     clock = ManualClock()
-    p = await start_proxy(
+    p = await proxy(
         baseline=[base.url], eagle=[eagle.url], policy="threshold", policy_params={"threshold": 8},
-        clock=clock, scrape_interval_s=3600,  # one scrape at start, then none
+        clock=clock, health_check_interval_s=60, scrape_interval_s=3600,  # one scrape at start, then none
     )  # fmt: skip
-    await wait_until(lambda: p.tracker.get(eagle.url).sample_time is not None)
+    assert await wait_until(lambda: p.tracker.get(eagle.url).sample_time is not None)
     assert p.tracker.view(clock()).eagle.backends[0].load == 50
     client = p.client()
     assert await chat(client, stream=True) == "baseline"
     labels = {"pool": "eagle", "backend": eagle.url}
-    assert p.registry.get_sample_value("specroute_backend_running_requests", labels) == 50
+    assert p.metrics.get_sample_value("specroute_backend_running_requests", labels) == 50
 
     clock.now += 5.5  # older than scrape_stale_after_s (default 5 s)
     b = p.tracker.view(clock()).eagle.backends[0]
     assert (b.running, b.queued, b.sample_age_s, b.load) == (None, None, None, 0)
     assert await chat(client, stream=True) == "eagle"
     await client.close()
-    assert p.registry.get_sample_value("specroute_backend_running_requests", labels) is None
-    assert p.registry.get_sample_value("specroute_backend_sample_age_seconds", labels) == 5.5
+    assert p.metrics.get_sample_value("specroute_backend_running_requests", labels) is None
+    assert p.metrics.get_sample_value("specroute_backend_sample_age_seconds", labels) == 5.5
 
 
 def test_sample_is_combined_with_this_replicas_traffic_since_it_was_taken():
@@ -349,11 +253,11 @@ def test_sample_is_combined_with_this_replicas_traffic_since_it_was_taken():
     assert t.view(17.5).eagle.backends[0].running is None  # stale
 
 
-async def test_backend_without_metrics_works_on_local_counts_with_one_warning(fake, start_proxy, caplog):
-    base = await fake(name="base")  # /metrics without SGLang gauges, no /v1/loads
+async def test_backend_without_metrics_works_on_local_counts_with_one_warning(fake_backend, proxy, caplog):
+    base = await fake_backend(name="base")  # /metrics without SGLang gauges, no /v1/loads
     caplog.set_level("WARNING", logger="specroute.scrape")
-    p = await start_proxy(baseline=[base.url], policy="fixed", scrape_interval_s=0.02)
-    await wait_until(lambda: p.app[SCRAPER].scrapers[base.url].has_metrics is False)
+    p = await proxy(baseline=[base.url], policy="fixed", scrape_interval_s=0.02, health_check_interval_s=60)
+    assert await wait_until(lambda: p.app[SCRAPER].scrapers[base.url].has_metrics is False)
     await asyncio.sleep(0.2)  # several more rounds
     client = p.client()
     assert await chat(client, stream=False) == "baseline"
@@ -376,16 +280,17 @@ class ExplodingPolicy:
         raise RuntimeError("boom")
 
 
-async def test_decision_log_fields_no_text_and_simulator_replay(fake, start_proxy, tmp_path):
-    base = await fake(name="base", delay_s=0.002)
-    eagle = await fake(name="eagle", delay_s=0.002)
+async def test_decision_log_fields_no_text_and_simulator_replay(fake_backend, proxy, tmp_path):
+    base = await fake_backend(name="base", delay_s=0.002)
+    eagle = await fake_backend(name="eagle", delay_s=0.002)
     log = tmp_path / "logs" / "decisions.jsonl"
-    p = await start_proxy(
+    p = await proxy(
         baseline=[base.url], eagle=[eagle.url], policy="cost_model", profile=PROFILE, decision_log=str(log),
         shadow_policies=[
             {"name": "fixed", "params": {"pool": "eagle"}, "label": "always-eagle"},
             {"name": "online", "params": {"epsilon": 0.0}},
         ],
+        health_check_interval_s=60,
     )  # fmt: skip
     client = p.client()
     for i in range(8):
@@ -424,14 +329,13 @@ async def test_decision_log_fields_no_text_and_simulator_replay(fake, start_prox
 
     # replayed as a trace; no --trace-format: the format is detected from the file
     simulate = ["simulate", "--profile", PROFILE, "--policy", "threshold", "--json"]
-    code, out, err = await run(sys.executable, "-m", "controller.cli", *simulate, "--workload", "trace",
-                               "--trace", str(log))  # fmt: skip
+    code, out, err = await run_specroute(*simulate, "--workload", "trace", "--trace", str(log))
     assert code == 0, err
     assert json.loads(out)["runs"][0]["summary"]["requests"] == 9
 
 
-async def test_shadow_policies_are_counted_and_never_change_routing(fake, start_proxy, caplog):
-    base, eagle = await fake(name="base"), await fake(name="eagle")
+async def test_shadow_policies_are_counted_and_never_change_routing(fake_backend, proxy, caplog):
+    base, eagle = await fake_backend(name="base"), await fake_backend(name="eagle")
     caplog.set_level("ERROR", logger="specroute.shadow")
     registry = default_registry(entry_points=False)
     settings = Settings(baseline=[base.url], eagle=[eagle.url])
@@ -441,9 +345,9 @@ async def test_shadow_policies_are_counted_and_never_change_routing(fake, start_
         ("to-eagle", registry.create("fixed", {"pool": "eagle"}, ctx)),
         ("threshold", registry.create("threshold", {"threshold": 1}, ctx)),
     ]
-    p = await start_proxy(
+    p = await proxy(
         baseline=[base.url], eagle=[eagle.url], policy="fixed", policy_params={"pool": "baseline"},
-        shadows=shadows,
+        shadows=shadows, health_check_interval_s=60,
     )  # fmt: skip
     client = p.client()
     pools = [await chat(client, stream=i % 2 == 0) for i in range(6)]
@@ -453,13 +357,13 @@ async def test_shadow_policies_are_counted_and_never_change_routing(fake, start_
 
     def shadow(policy: str, pool: str, agrees: str) -> float | None:
         labels = {"policy": policy, "pool": pool, "agrees": agrees}
-        return p.registry.get_sample_value("specroute_shadow_decisions_total", labels)
+        return p.metrics.get_sample_value("specroute_shadow_decisions_total", labels)
 
     assert shadow("to-eagle", "eagle", "false") == 6
     assert shadow("threshold", "eagle", "false") == 6  # nothing in flight on eagle: below 1
     assert shadow("exploding", "baseline", "true") is None and shadow("exploding", "eagle", "false") is None
     decisions = {"policy": "fixed", "pool": "baseline", "reason": "fixed_baseline"}
-    assert p.registry.get_sample_value("specroute_decisions_total", decisions) == 6
+    assert p.metrics.get_sample_value("specroute_decisions_total", decisions) == 6
     boom = [r for r in caplog.records if "exploding" in r.getMessage()]
     assert len(boom) == 2  # choose() and observe(), each logged once
 
