@@ -24,20 +24,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import socket
 from typing import Any
 
 from aiohttp import web
+from helpers import free_port
 
 CREATED = 1700000000
 
 
 def closed_port_url() -> str:
     """A URL on 127.0.0.1 where nothing listens (connection refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 class FakeBackend:

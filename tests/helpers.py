@@ -2,6 +2,7 @@
 
 - `wait_until(predicate)`: poll a plain or async predicate for a bounded time; its last value.
 - `metric_samples(url, name)`: one metric's samples from a live `/metrics`, keyed by sorted labels.
+- `emulator_running(url)`: requests an emulated SGLang server runs or queues (`/v1/loads`).
 - `assert_in_flight_zero(url)`: every `specroute_in_flight_requests` sample on a proxy's `/metrics` is 0.
 - `assert_openai_error(body, code)`: an OpenAI-shaped error body with that code and no traceback.
 - `run_command(*args)` / `run_specroute(*args)`: a subprocess run to its end without blocking the loop.
@@ -54,6 +55,13 @@ async def metric_samples(url: str, name: str) -> dict[Labels, float]:
         for sample in family.samples
         if sample.name == name
     }
+
+
+async def emulator_running(url: str) -> int:
+    """Requests an emulated SGLang server runs or queues, from its `/v1/loads`."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/v1/loads") as r:
+        load = (await r.json())["loads"][0]
+    return int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])
 
 
 async def assert_in_flight_zero(url: str, timeout_s: float = 10.0) -> None:

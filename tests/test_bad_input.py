@@ -17,18 +17,10 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from helpers import assert_openai_error, raise_open_files_limit
 
 CHAT = [{"role": "user", "content": "hello"}]
 BODY = {"model": "m", "messages": CHAT, "stream": True}
-
-
-def _assert_openai_error(body: dict, code: str) -> None:
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == code and err["param"] is None
-    assert isinstance(err["message"], str) and err["message"]
-    assert "Traceback" not in err["message"]
 
 
 async def _normal_request(base_url: str) -> None:
@@ -118,7 +110,7 @@ async def test_wrong_types_and_broken_json_get_400(fake_backend, proxy, path, da
     ):
         body = await r.json()
     assert r.status == 400, body
-    _assert_openai_error(body, "invalid_request")
+    assert_openai_error(body, "invalid_request")
     assert needle in body["error"]["message"]
     assert fb.requests == []
     assert p.in_flight_samples() == [0.0]
@@ -148,7 +140,7 @@ async def test_body_over_limit_without_content_length_gets_413(fake_backend, pro
     ):
         body = await r.json()
     assert r.status == 413
-    _assert_openai_error(body, "payload_too_large")
+    assert_openai_error(body, "payload_too_large")
     assert fb.requests == []
     await _normal_request(p.base_url)
     assert p.in_flight_samples() == [0.0]
@@ -164,7 +156,7 @@ async def test_invalid_utf8_in_headers_and_path(fake_backend, proxy):
         assert status in (200, 400), (header, status, answer)
         assert b"Traceback" not in answer
         if status == 400:
-            _assert_openai_error(json.loads(answer), "invalid_request")
+            assert_openai_error(json.loads(answer), "invalid_request")
     status, _, answer = _split_response(
         await _raw(
             port,
@@ -173,7 +165,7 @@ async def test_invalid_utf8_in_headers_and_path(fake_backend, proxy):
         )
     )
     assert status == 401, answer
-    _assert_openai_error(json.loads(answer), "invalid_api_key")
+    assert_openai_error(json.loads(answer), "invalid_api_key")
     status, _, answer = _split_response(
         await _raw(port, b"GET /v1/\xff\xfe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     )
@@ -258,20 +250,10 @@ async def test_slowloris_body_gets_408(fake_backend, proxy, trickle):
     status, headers, body = _split_response(answer)
     assert status == 408
     assert headers["content-type"].startswith("application/json")
-    _assert_openai_error(json.loads(body), "request_timeout")
+    assert_openai_error(json.loads(body), "request_timeout")
     assert len(fb.requests) == 1  # only the normal request reached the backend
     assert p.in_flight_samples() == [0.0]
     assert p.sample("specroute_rejected_requests_total", code="408") == 1.0
-
-
-def _raise_open_files_limit(needed: int) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        pytest.skip(f"open-files limit {soft} < {needed} and the hard limit does not allow more")
 
 
 async def _serve_with_fd_limit(soft: int, *args: str) -> tuple[asyncio.subprocess.Process, str]:
@@ -303,7 +285,7 @@ async def test_2000_idle_connections_are_closed_and_others_are_served(fake_backe
     raises at start-up): 2,000 sockets that never send a byte do not stop a normal client, and
     are all closed after header_timeout_s."""
     n = 2000
-    _raise_open_files_limit(n + 500)
+    raise_open_files_limit(n + 500)
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < n + 500:
         pytest.skip("the hard open-files limit is too low for 2,000 connections")
     fb = await fake_backend(chunks=2)
@@ -352,7 +334,7 @@ async def test_content_encoding_is_decoded_once_or_rejected(fake_backend, proxy,
         assert "Content-Encoding" not in fb.request_headers[-1]
         async with s.post(p.url + "/v1/chat/completions", data=payload, headers=gz) as r:
             assert r.status == 400
-            _assert_openai_error(await r.json(), "invalid_request")
+            assert_openai_error(await r.json(), "invalid_request")
     assert len(fb.requests) == 1
     assert "Traceback" not in caplog.text
     await _normal_request(p.base_url)

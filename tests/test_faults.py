@@ -13,12 +13,17 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import openai
 import pytest
-from helpers import assert_in_flight_zero, metric_samples, wait_until
+from helpers import assert_in_flight_zero, emulator_running, metric_samples, wait_until
+
+if TYPE_CHECKING:
+    from conftest import RunningProxy
+
+    from simulator.emulator import EmulatorServer
 
 CHAT = [{"role": "user", "content": "hello"}]
 LONG = {"max_tokens": 4000, "extra_body": {"ignore_eos": True}}
@@ -93,16 +98,6 @@ async def emulator_process() -> AsyncIterator[Callable[..., Awaitable[EmulatorPr
 # --- helpers -------------------------------------------------------------------------------
 
 
-async def emulator_running(url: str) -> int:
-    async with aiohttp.ClientSession() as s, s.get(url + "/v1/loads") as r:
-        load = (await r.json())["loads"][0]
-    return int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])
-
-
-def client(url: str, **kw: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=30, **kw)
-
-
 async def complete(c: openai.AsyncOpenAI, stream: bool, **kw: Any) -> tuple[str, str]:
     """One short request; returns (pool, text) and asserts it finished."""
     if stream:
@@ -122,7 +117,14 @@ async def complete(c: openai.AsyncOpenAI, stream: bool, **kw: Any) -> tuple[str,
 # --- scenarios -----------------------------------------------------------------------------
 
 
-async def test_backend_killed_while_traffic_runs(emulator_process, emulator, proxy):
+async def _eagle_process_first(
+    emulator_process: Callable[..., Awaitable[EmulatorProcess]],
+    emulator: Callable[..., Awaitable[EmulatorServer]],
+    proxy: Callable[..., Awaitable[RunningProxy]],
+    **settings: Any,
+) -> tuple[EmulatorProcess, EmulatorServer, RunningProxy]:
+    """An eagle emulator as a subprocess (killable, freezable) at full time scale, an in-process
+    baseline one, and a proxy that sends everything to eagle; health checks every 0.2 s."""
     eagle = await emulator_process("eagle", "--time-scale", "1")
     base = await emulator("baseline")
     p = await proxy(
@@ -131,10 +133,16 @@ async def test_backend_killed_while_traffic_runs(emulator_process, emulator, pro
         policy="fixed",
         policy_params={"pool": "eagle"},
         health_check_interval_s=0.2,
-        health_check_timeout_s=1.0,
-        idle_timeout_s=10.0,
+        **settings,
     )
-    c = client(p.url)
+    return eagle, base, p
+
+
+async def test_backend_killed_while_traffic_runs(emulator_process, emulator, proxy):
+    eagle, base, p = await _eagle_process_first(
+        emulator_process, emulator, proxy, health_check_timeout_s=1.0, idle_timeout_s=10.0
+    )
+    c = p.client()
     # streams in progress on eagle: their first chunk has arrived
     streams = [
         await c.chat.completions.create(model="m", messages=CHAT, stream=True, **LONG) for _ in range(4)
@@ -182,19 +190,11 @@ async def _healthy(proxy_url: str, backend: str, want: bool) -> bool:
 
 async def test_frozen_backend_times_out_and_traffic_moves(emulator_process, emulator, proxy):
     """SIGSTOP: the kernel still accepts connections, nothing answers (a hung server)."""
-    eagle = await emulator_process("eagle", "--time-scale", "1")
-    base = await emulator("baseline")
-    p = await proxy(
-        baseline=[base.url],
-        eagle=[eagle.url],
-        policy="fixed",
-        policy_params={"pool": "eagle"},
-        first_byte_timeout_s=0.5,
-        idle_timeout_s=0.5,
-        health_check_interval_s=0.2,
-        health_check_timeout_s=0.3,
-    )
-    c = client(p.url)
+    eagle, _, p = await _eagle_process_first(
+        emulator_process, emulator, proxy,
+        first_byte_timeout_s=0.5, idle_timeout_s=0.5, health_check_timeout_s=0.3,
+    )  # fmt: skip
+    c = p.client()
     stream = await c.chat.completions.create(model="m", messages=CHAT, stream=True, **LONG)
     await stream.__anext__()
     eagle.freeze()
@@ -229,7 +229,7 @@ async def test_5xx_and_queue_full_are_retried_once_on_the_other_pool(emulator, p
     base = await emulator("baseline")
     eagle = await emulator("eagle", max_running_requests=1)
     p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="fixed", policy_params={"pool": "eagle"})
-    c = client(p.url)
+    c = p.client()
 
     def requests_total(pool: str, status: str) -> Awaitable[float]:
         async def read() -> float:
@@ -283,7 +283,7 @@ async def test_stalled_backends_give_504_and_release_the_slot(emulator, proxy):
         health_check_interval_s=60,
         scrape_interval_s=3600,  # no background scrape may overlap the idle check below
     )
-    c = client(p.url)
+    c = p.client()
     loop = asyncio.get_running_loop()
     for stream in (True, False):
         for b in (base.url, eagle.url):
@@ -338,7 +338,7 @@ async def test_both_backends_down(emulator_process, proxy):
         health_check_interval_s=0.2,
         health_check_timeout_s=0.5,
     )
-    c = client(p.url)
+    c = p.client()
     await complete(c, stream=True)
     await base.kill()
     await eagle.kill()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import resource
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import emulator_running, metric_samples, raise_open_files_limit
 
 pytestmark = pytest.mark.load
 
@@ -50,27 +49,11 @@ class Stack:
                 return int(line.split()[1])
         raise AssertionError("no VmRSS line")
 
-    async def metric(self, url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-            text = await r.text()
-        return {
-            tuple(sorted(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name
-        }
-
     async def in_flight(self) -> list[float]:
-        return list((await self.metric(self.proxy_url, "specroute_in_flight_requests")).values())
+        return list((await metric_samples(self.proxy_url, "specroute_in_flight_requests")).values())
 
     async def emulator_busy(self) -> int:
-        busy = 0
-        async with aiohttp.ClientSession() as s:
-            for url in self.emulators:
-                async with s.get(url + "/v1/loads") as r:
-                    load = (await r.json())["loads"][0]
-                busy += int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])
-        return busy
+        return sum([await emulator_running(url) for url in self.emulators])
 
     async def settle(self, timeout_s: float = 20.0) -> tuple[list[float], int]:
         """Poll until the proxy has nothing in flight and the emulators run nothing."""
@@ -99,17 +82,6 @@ async def _spawn(args: list[str], stderr_path: Path, marker: str) -> tuple[async
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace")
-
-
-def _raise_open_files_limit(needed: int) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        resource.setrlimit(
-            resource.RLIMIT_NOFILE, (needed if hard == resource.RLIM_INFINITY else min(needed, hard), hard)
-        )
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        pytest.skip(f"open-files limit {soft} < {needed}")
 
 
 @pytest.fixture
@@ -192,7 +164,7 @@ async def _peak_in_flight(st: Stack, stop: asyncio.Event, peaks: list[float]) ->
 
 async def test_1000_concurrent_streams_complete_and_memory_returns(stack):
     n = 1000
-    _raise_open_files_limit(2 * n + 500)
+    raise_open_files_limit(2 * n + 500)
     st = await stack(time_scale=0.05)
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -235,7 +207,7 @@ async def test_10000_requests_with_20_percent_vanishing_leave_nothing_running(st
     flight and the emulators run nothing: every upstream stream was closed, so each abandoned
     generation was aborted (unaborted, they would run for minutes). About 10 s here."""
     n, concurrency = 10_000, 400
-    _raise_open_files_limit(2 * concurrency + 500)
+    raise_open_files_limit(2 * concurrency + 500)
     st = await stack(time_scale=0.02)
     rng = random.Random(20)
     plan = [rng.randint(1, 3) if rng.random() < 0.2 else None for _ in range(n)]
@@ -258,7 +230,7 @@ async def test_10000_requests_with_20_percent_vanishing_leave_nothing_running(st
     in_flight, busy = await st.settle()
     assert in_flight and all(v == 0 for v in in_flight), in_flight
     assert busy == 0
-    closed = await st.metric(st.proxy_url, "specroute_requests_total")
+    closed = await metric_samples(st.proxy_url, "specroute_requests_total")
     by_status: dict[str, float] = {}
     for labels, value in closed.items():
         status = dict(labels)["status"]

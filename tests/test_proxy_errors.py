@@ -6,14 +6,7 @@ import aiohttp
 import openai
 import pytest
 from fakes import closed_port_url
-
-
-def _assert_openai_error(body: dict, code: str) -> None:
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["param"] is None and err["code"] == code
-    assert isinstance(err["message"], str) and err["message"]
+from helpers import assert_openai_error
 
 
 @pytest.mark.parametrize(
@@ -40,7 +33,7 @@ async def test_bad_requests(fake_backend, proxy, path, data, headers, status, co
     ):
         body = await r.json()
     assert r.status == status
-    _assert_openai_error(body, code)
+    assert_openai_error(body, code)
     assert fb.requests == []
     assert p.sample("specroute_rejected_requests_total", code=str(status)) == 1.0
     assert p.tracker.total_in_flight == 0
@@ -52,14 +45,14 @@ async def test_unknown_route_and_wrong_method(proxy, fake_backend):
     async with aiohttp.ClientSession() as s:
         async with s.get(p.url + "/v1/nothing") as r:
             assert r.status == 404
-            _assert_openai_error(await r.json(), "not_found")
+            assert_openai_error(await r.json(), "not_found")
         async with s.get(p.url + "/v1/chat/completions") as r:
             assert r.status == 405
             assert r.headers["Allow"] == "POST"
-            _assert_openai_error(await r.json(), "method_not_allowed")
+            assert_openai_error(await r.json(), "method_not_allowed")
         async with s.post(p.url + "/admin/policy", json={"name": "fixed"}) as r:
             assert r.status == 404  # admin disabled without a token
-            _assert_openai_error(await r.json(), "not_found")
+            assert_openai_error(await r.json(), "not_found")
 
 
 async def test_openai_client_sees_502_503_504(fake_backend, proxy):
@@ -94,7 +87,7 @@ async def test_openai_client_sees_502_503_504(fake_backend, proxy):
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
         await client.close()
         assert info.value.status_code == status
-        _assert_openai_error(info.value.response.json(), code)
+        assert_openai_error(info.value.response.json(), code)
         assert p.tracker.total_in_flight == 0
     # now every backend is marked unhealthy: 503
     client = openai.AsyncOpenAI(base_url=p.base_url, api_key="k", max_retries=0)
@@ -102,7 +95,7 @@ async def test_openai_client_sees_502_503_504(fake_backend, proxy):
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     await client.close()
     assert info.value.status_code == 503
-    _assert_openai_error(info.value.response.json(), "no_healthy_backend")
+    assert_openai_error(info.value.response.json(), "no_healthy_backend")
 
 
 async def test_backend_errors_are_relayed_as_sent(fake_backend, proxy):

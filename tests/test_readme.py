@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 from controller.cli import build_parser
 
@@ -100,12 +100,6 @@ def test_offline_examples_run(line: str) -> None:
     assert proc.stdout.strip()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_listening(proc: subprocess.Popen[str], deadline: float) -> None:
     assert proc.stdout is not None
     while time.monotonic() < deadline:
@@ -121,7 +115,7 @@ def _wait_listening(proc: subprocess.Popen[str], deadline: float) -> None:
 def readme_stack() -> Iterator[int]:
     """Run the README's emulate/serve block with free ports; yield the proxy port."""
     block = next(b for b in _blocks("bash") if "specroute emulate" in b and "127.0.0.1" in b)
-    ports = {"30001": str(_free_port()), "30002": str(_free_port()), "8000": str(_free_port())}
+    ports = {"30001": str(free_port()), "30002": str(free_port()), "8000": str(free_port())}
     procs: list[subprocess.Popen[str]] = []
     try:
         for cmd in _commands(block):
