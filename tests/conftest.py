@@ -27,6 +27,7 @@ import openai
 import pytest
 from aiohttp import web
 from fakes import FakeBackend
+from helpers import wait_until
 from prometheus_client import CollectorRegistry
 
 from controller.app import FORWARDER, TRACKER, create_app, make_runner, policy_context
@@ -84,10 +85,7 @@ class RunningProxy:
 
     async def wait_idle(self, timeout_s: float = 10.0) -> None:
         """Wait until no request is in flight (client disconnects are noticed asynchronously)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self.tracker.total_in_flight and loop.time() < deadline:  # noqa: ASYNC110 - polled state
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: not self.tracker.total_in_flight, timeout_s, interval_s=0.01)
 
     async def stop(self) -> None:
         if self.runner is not None:

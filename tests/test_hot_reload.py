@@ -9,6 +9,7 @@ import random
 import signal
 
 import aiohttp
+from helpers import wait_until
 from pydantic import BaseModel, ConfigDict
 
 from policies.base import Decision, LoadView, Outcome, RequestInfo, route
@@ -133,21 +134,15 @@ async def test_sighup_rereads_config_file(fake_backend, spawn_serve, tmp_path):
             await r.read()
             return r.headers["x-specroute-pool"]
 
-    async def wait_for_pool(want: str) -> str:
-        got = ""
-        for _ in range(100):
-            got = await pool()
-            if got == want:
-                break
-            await asyncio.sleep(0.05)
-        return got
+    async def serves_eagle() -> bool:
+        return await pool() == "eagle"
 
     assert await pool() == "baseline"
     cfg.write_text(
         f"baseline: [{base.url}]\neagle: [{eagle.url}]\npolicy: fixed\npolicy_params: {{pool: eagle}}\n"
     )
     sp.signal(signal.SIGHUP)
-    assert await wait_for_pool("eagle") == "eagle"
+    assert await wait_until(serves_eagle, 5.0, interval_s=0.05)
     # a broken file on SIGHUP keeps the running policy
     cfg.write_text("policy: nosuch\n")
     sp.signal(signal.SIGHUP)

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import openai
+from helpers import wait_until
+
+if TYPE_CHECKING:
+    from conftest import RunningProxy
+    from fakes import FakeBackend
 
 CHAT = [{"role": "user", "content": "hello"}]
 BODY = {"model": "m", "messages": CHAT, "stream": True}
@@ -20,6 +27,26 @@ async def _open_stream(session: aiohttp.ClientSession, url: str) -> aiohttp.Clie
     assert resp.status == 200
     await resp.content.readuntil(b"\n\n")
     return resp
+
+
+async def _two_per_pool(
+    fake_backend: Callable[..., Awaitable[FakeBackend]],
+    proxy: Callable[..., Awaitable[RunningProxy]],
+    *,
+    chunks: int,
+    threshold: int,
+    **settings: Any,
+) -> tuple[list[FakeBackend], RunningProxy]:
+    """Four fakes streaming `chunks` chunks 2 ms apart, two per pool, behind the threshold policy."""
+    backends = [await fake_backend(chunks=chunks, delay_s=0.002) for _ in range(4)]
+    p = await proxy(
+        baseline=[b.url for b in backends[:2]],
+        eagle=[b.url for b in backends[2:]],
+        policy="threshold",
+        policy_params={"threshold": threshold},
+        **settings,
+    )
+    return backends, p
 
 
 async def test_threshold_first_n_streams_to_eagle_rest_to_baseline(fake_backend, proxy):
@@ -45,13 +72,7 @@ async def test_threshold_first_n_streams_to_eagle_rest_to_baseline(fake_backend,
 
 
 async def test_500_streams_30_percent_abandoned_leave_zero_in_flight(fake_backend, proxy):
-    backends = [await fake_backend(chunks=12, delay_s=0.002) for _ in range(4)]
-    p = await proxy(
-        baseline=[b.url for b in backends[:2]],
-        eagle=[b.url for b in backends[2:]],
-        policy="threshold",
-        policy_params={"threshold": 12},
-    )
+    backends, p = await _two_per_pool(fake_backend, proxy, chunks=12, threshold=12)
     rng = random.Random(7)
     plan = [rng.random() < 0.3 for _ in range(500)]
     abandon_after = [rng.randrange(0, 6) for _ in range(500)]
@@ -129,17 +150,13 @@ async def test_client_disconnect_while_waiting_for_first_byte(fake_backend, prox
     p = await proxy(baseline=[fb.url], policy="fixed")
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(s.post(p.url + "/v1/chat/completions", json={**BODY, "stream": False}))
-        while fb.active == 0:  # noqa: ASYNC110 - waiting for the fake to see the request
-            await asyncio.sleep(0.01)
+        assert await wait_until(lambda: fb.active > 0)  # the fake has seen the request
         assert p.tracker.total_in_flight == 1
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     await p.wait_idle()
     assert p.tracker.total_in_flight == 0
-    for _ in range(200):
-        if fb.active == 0:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: fb.active == 0, 2.0)
     assert fb.active == 0 and fb.aborted == 1  # the upstream request was closed at once
     assert p.records[-1].outcome.status == "client_closed"
 
@@ -165,12 +182,11 @@ async def test_in_flight_tokens_follow_max_tokens(fake_backend, proxy):
 async def test_chaos_mix_of_failures_and_abandons_leaves_zero_in_flight(fake_backend, proxy):
     """Random per-request backend behaviour (errors, queue-full, stalls, deaths mid-stream) and random
     client abandonment, streaming and not, on both pools at once."""
-    backends = [await fake_backend(chunks=6, delay_s=0.002) for _ in range(4)]
-    p = await proxy(
-        baseline=[b.url for b in backends[:2]],
-        eagle=[b.url for b in backends[2:]],
-        policy="threshold",
-        policy_params={"threshold": 6},
+    backends, p = await _two_per_pool(
+        fake_backend,
+        proxy,
+        chunks=6,
+        threshold=6,
         first_byte_timeout_s=0.3,
         idle_timeout_s=0.3,
         health_check_interval_s=0.1,
@@ -198,10 +214,7 @@ async def test_chaos_mix_of_failures_and_abandons_leaves_zero_in_flight(fake_bac
     assert p.in_flight_samples() == [0.0] * 4
     assert sum(b.in_flight_tokens for b in p.tracker) == 0
     assert len(statuses) == 300 and set(statuses) <= {200, 400, 500, 502, 503, 504}
-    for _ in range(300):
-        if all(b.active == 0 for b in backends):
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: all(b.active == 0 for b in backends), 3.0)
     assert [b.active for b in backends] == [0, 0, 0, 0]
     total = sum(
         p.sample("specroute_requests_total", pool=b.pool, backend=b.name, status=st) or 0.0

@@ -8,6 +8,7 @@ import json
 import aiohttp
 import openai
 from fakes import closed_port_url
+from helpers import wait_until
 
 CHAT = [{"role": "user", "content": "hello"}]
 BODY = {"model": "m", "messages": CHAT, "stream": True}
@@ -111,10 +112,7 @@ async def test_first_byte_timeout_retries_then_504(fake_backend, proxy):
     await p.wait_idle()
     assert p.tracker.total_in_flight == 0
     # the upstream requests were closed, so the backends stopped generating
-    for _ in range(200):
-        if slow.active == fast.active == 0:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: slow.active == fast.active == 0, 2.0)
     assert slow.active == fast.active == 0
 
 
@@ -161,10 +159,7 @@ async def test_no_healthy_backend_answers_503_quickly(fake_backend, proxy):
         policy="threshold",
         health_check_interval_s=60,
     )
-    for _ in range(100):
-        if not p.tracker.any_healthy():
-            break
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: not p.tracker.any_healthy(), 2.0)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     async with aiohttp.ClientSession() as s:
@@ -182,16 +177,10 @@ async def test_active_health_check_brings_backend_back(fake_backend, proxy):
     fb = await fake_backend()
     fb.health_status = 503
     p = await proxy(baseline=[fb.url], policy="fixed", health_check_interval_s=0.05)
-    for _ in range(200):
-        if not p.tracker.get(fb.url).healthy:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: not p.tracker.get(fb.url).healthy, 2.0)
     assert not p.tracker.get(fb.url).healthy
     fb.health_status = 200
-    for _ in range(200):
-        if p.tracker.get(fb.url).healthy:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: p.tracker.get(fb.url).healthy, 2.0)
     assert p.tracker.get(fb.url).healthy
     assert p.sample("specroute_backend_healthy", pool="baseline", backend=fb.url) == 1.0
 

@@ -9,6 +9,7 @@ import sys
 
 import aiohttp
 import pytest
+from helpers import wait_until
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -45,10 +46,7 @@ async def test_drain_timeout_cuts_streams_and_aborts_upstream(fake_backend, spaw
         assert await sp.wait(timeout_s=20) == 0
         assert loop.time() - t0 < 10
         resp.close()
-    for _ in range(300):
-        if fb.active == 0:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: fb.active == 0, 3.0)
     assert fb.active == 0 and fb.aborted == 1
 
 
