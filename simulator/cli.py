@@ -7,35 +7,21 @@ import json
 import os
 import shlex
 import sys
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from policies.profile import Profile, ProfileError, resolve_profile
 from policies.registry import PolicyError, default_registry
+from simulator.cli_args import add_workload_args, buckets_from_args, profile_ref, workload_from_args
 from simulator.engine import SimulationError
 from simulator.report import ReportError, format_table, write_report
 from simulator.results import RunResult, Slo
 from simulator.runner import PolicyChoice, is_single_pool, run
-from simulator.servers import (
-    DEFAULT_ADAPTIVE_BUCKETS,
-    DeploymentError,
-    ServerKind,
-    parse_buckets,
-    parse_deployment,
-)
-from simulator.traces import TRACE_FORMATS, TraceError
+from simulator.servers import DeploymentError, ServerKind, parse_deployment
+from simulator.traces import TraceError
 from simulator.tuner import OBJECTIVES, TuneError, config_text, parse_grid, tune, write_config
-from simulator.workloads import (
-    DEFAULT_LEVELS,
-    WORKLOAD_KINDS,
-    AcceptModel,
-    LengthSpec,
-    WorkloadError,
-    WorkloadSpec,
-    generate,
-)
+from simulator.workloads import WorkloadError, WorkloadSpec, generate
 
 _ERRORS = (
     ProfileError,
@@ -79,23 +65,6 @@ def parse_policy(text: str, default_params: dict[str, Any]) -> PolicyChoice:
     return PolicyChoice(text, dict(default_params))
 
 
-def _weights(text: str | None, what: str) -> dict[str, float]:
-    if not text:
-        return {}
-    out: dict[str, float] = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        try:
-            if not sep or not key.strip():
-                raise ValueError
-            out[key.strip()] = float(value)
-        except ValueError:
-            raise CliError(f"{what} {item!r}: expected NAME=NUMBER[,NAME=NUMBER...]") from None
-        if out[key.strip()] < 0:
-            raise CliError(f"{what} {item!r}: must be >= 0")
-    return out
-
-
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True, help="Speed profile: a JSON file or a built-in name.")
     p.add_argument(
@@ -105,65 +74,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="Policy parameter (JSON values accepted); applies to every --policy without inline params.",
     )
-    w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=WORKLOAD_KINDS, default="sweep")
-    w.add_argument(
-        "--concurrency",
-        type=int,
-        nargs="+",
-        action="extend",
-        metavar="N",
-        help=f"Sweep levels (default {' '.join(map(str, DEFAULT_LEVELS))}).",
-    )
-    w.add_argument(
-        "--requests-per-level",
-        type=int,
-        default=30,
-        help="Measured requests per sweep level (at least one per client is always measured).",
-    )
-    w.add_argument(
-        "--warmup-requests", type=int, default=5, help="Unmeasured requests at the start of each level."
-    )
-    w.add_argument(
-        "--rate", type=float, default=10.0, help="Mean arrival rate (poisson, bursty), requests/s."
-    )
-    w.add_argument(
-        "--requests",
-        type=int,
-        default=None,
-        help="Requests (poisson/bursty: default 1000; trace: the first N, default all).",
-    )
-    w.add_argument(
-        "--burst-factor", type=float, default=4.0, help="Bursty: high-state rate / low-state rate."
-    )
-    w.add_argument("--burst-period", type=float, default=10.0, help="Bursty: mean seconds in each state.")
-    w.add_argument("--trace", help="Trace file (Azure LLM inference CSV or specroute decision log JSONL).")
-    w.add_argument("--trace-format", choices=TRACE_FORMATS, help="Trace format (default: detected).")
-    w.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="Multiply trace timestamps by this (0.5 replays twice as fast).",
-    )
-    w.add_argument(
-        "--output-tokens",
-        help="Output lengths: const:N, exp:MEAN, lognormal:MEAN,SIGMA (default const:200 or the trace's).",
-    )
-    w.add_argument("--prompt-tokens", help="Prompt lengths, same forms (default const:256 or the trace's).")
-    w.add_argument(
-        "--hint-mix", metavar="HINT=W,...", help="Synthetic hints with weights, e.g. code=0.3,prose=0.7."
-    )
-    w.add_argument(
-        "--hint-accept",
-        metavar="HINT=F,...",
-        help="EAGLE speed factor per hint (acceptance), e.g. code=1.2,prose=0.85.",
-    )
-    w.add_argument(
-        "--accept-sigma",
-        type=float,
-        default=0.0,
-        help="Spread (lognormal sigma, mean 1) of each request's EAGLE speed factor.",
-    )
+    add_workload_args(p)
     d = p.add_argument_group("deployment")
     d.add_argument(
         "--deployment",
@@ -215,45 +126,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     t.set_defaults(func=_tune_main)
 
 
-def _workload(args: argparse.Namespace) -> WorkloadSpec:
-    def length(text: str | None) -> LengthSpec | None:
-        return LengthSpec.parse(text) if text else None
-
-    if args.accept_sigma < 0:
-        raise CliError("--accept-sigma must be >= 0")
-    hint_accept = _weights(args.hint_accept, "--hint-accept")
-    if any(v <= 0 for v in hint_accept.values()):
-        raise CliError("--hint-accept factors must be > 0")
-    return WorkloadSpec(
-        kind=args.workload,
-        levels=tuple(args.concurrency) if args.concurrency else DEFAULT_LEVELS,
-        requests_per_level=args.requests_per_level,
-        warmup=args.warmup_requests,
-        rate=args.rate,
-        requests=args.requests,
-        burst_factor=args.burst_factor,
-        burst_period_s=args.burst_period,
-        trace=args.trace,
-        trace_format=args.trace_format,
-        time_scale=args.time_scale,
-        output_tokens=length(args.output_tokens),
-        prompt_tokens=length(args.prompt_tokens),
-        hint_mix=_weights(args.hint_mix, "--hint-mix"),
-        accept=AcceptModel(args.accept_sigma, hint_accept),
-    )
-
-
 def _deployments(args: argparse.Namespace) -> list[tuple[tuple[ServerKind, int], ...]]:
     return [parse_deployment(d) for d in (args.deployment or ["baseline=1,eagle=1"])]
-
-
-def _buckets(args: argparse.Namespace) -> tuple[tuple[int, float], ...]:
-    return parse_buckets(args.adaptive_buckets) if args.adaptive_buckets else DEFAULT_ADAPTIVE_BUCKETS
-
-
-def _profile_ref(arg: str) -> str:
-    p = Path(arg)
-    return str(p.resolve()) if p.is_file() else arg
 
 
 def _describe(spec: WorkloadSpec, profile: Profile) -> str:
@@ -278,9 +152,9 @@ def _fail(command: str, e: Exception) -> int:
 def _simulate_main(args: argparse.Namespace) -> int:
     try:
         profile = resolve_profile(args.profile)
-        spec = _workload(args)
+        spec = workload_from_args(args)
         deployments = _deployments(args)
-        buckets = _buckets(args)
+        buckets = buckets_from_args(args)
         base_params = parse_key_values(args.policy_param, "--policy-param")
         choices = [parse_policy(p, base_params) for p in (args.policy or ["threshold"])]
         registry = default_registry()
@@ -311,7 +185,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
 def _tune_main(args: argparse.Namespace) -> int:
     try:
         profile = resolve_profile(args.profile)
-        spec = _workload(args)
+        spec = workload_from_args(args)
         deployments = _deployments(args)
         if len(deployments) != 1:
             raise CliError("tune takes one --deployment")
@@ -343,7 +217,7 @@ def _tune_main(args: argparse.Namespace) -> int:
                 slo=Slo(args.slo_ttft, args.slo_tpot),
                 seed=args.seed,
                 jobs=args.jobs,
-                buckets=_buckets(args),
+                buckets=buckets_from_args(args),
                 progress=bar.update,
             )
         print(_describe(spec, profile))
@@ -379,7 +253,7 @@ def _tune_main(args: argparse.Namespace) -> int:
         text = config_text(
             args.policy,
             best.params,
-            _profile_ref(args.profile),
+            profile_ref(args.profile),
             objective=args.objective,
             best=best,
             command="specroute " + shlex.join(sys.argv[1:]),

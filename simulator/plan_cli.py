@@ -7,7 +7,6 @@ import json
 import os
 import shlex
 import sys
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -15,6 +14,7 @@ from tqdm import tqdm
 
 from policies.profile import ProfileError, resolve_profile
 from policies.registry import PolicyError, default_registry
+from simulator.cli_args import add_workload_args, buckets_from_args, profile_ref, workload_from_args
 from simulator.engine import SimulationError
 from simulator.plan import (
     DEFAULT_LOADS,
@@ -30,24 +30,10 @@ from simulator.plan_config import config_text
 from simulator.plan_report import format_plan, plan_json, write_report
 from simulator.report import ReportError
 from simulator.results import Slo
-from simulator.servers import (
-    DEFAULT_ADAPTIVE_BUCKETS,
-    SERVER_KINDS,
-    DeploymentError,
-    ServerKind,
-    parse_buckets,
-)
-from simulator.traces import TRACE_FORMATS, TraceError
+from simulator.servers import SERVER_KINDS, DeploymentError, ServerKind
+from simulator.traces import TraceError
 from simulator.tuner import OBJECTIVES, TuneError, parse_grid, write_config
-from simulator.workloads import (
-    DEFAULT_LEVELS,
-    WORKLOAD_KINDS,
-    AcceptModel,
-    LengthSpec,
-    WorkloadError,
-    WorkloadSpec,
-    generate,
-)
+from simulator.workloads import WorkloadError, generate
 
 _ERRORS = (
     PlanError,
@@ -60,43 +46,6 @@ _ERRORS = (
     ReportError,
     SimulationError,
 )
-
-
-def _add_workload(p: argparse.ArgumentParser) -> None:
-    """The workload flags of `specroute simulate`, with the same names and defaults."""
-    w = p.add_argument_group("workload (as for specroute simulate)")
-    w.add_argument("--workload", choices=WORKLOAD_KINDS, default="sweep")
-    w.add_argument(
-        "--concurrency",
-        type=int,
-        nargs="+",
-        action="extend",
-        metavar="N",
-        help=f"Sweep levels (default {' '.join(map(str, DEFAULT_LEVELS))}).",
-    )
-    w.add_argument(
-        "--requests-per-level",
-        type=int,
-        help="Measured requests per sweep level (default: the highest concurrency planned, at least 30, "
-        "so every level is measured in a steady state).",
-    )
-    w.add_argument(
-        "--warmup-requests",
-        type=int,
-        help="Unmeasured requests per sweep level (default: the highest concurrency planned, at least 5).",
-    )
-    w.add_argument("--rate", type=float, default=10.0, help="Mean arrival rate (poisson, bursty), req/s.")
-    w.add_argument("--requests", type=int, help="Requests (poisson/bursty: default 1000; trace: first N).")
-    w.add_argument("--burst-factor", type=float, default=4.0, help="Bursty: high/low state rate.")
-    w.add_argument("--burst-period", type=float, default=10.0, help="Bursty: mean seconds per state.")
-    w.add_argument("--trace", help="Trace file (Azure LLM inference CSV or specroute decision log).")
-    w.add_argument("--trace-format", choices=TRACE_FORMATS, help="Trace format (default: detected).")
-    w.add_argument("--time-scale", type=float, default=1.0, help="Multiply trace timestamps by this.")
-    w.add_argument("--output-tokens", help="const:N, exp:MEAN, lognormal:MEAN,SIGMA (default const:200).")
-    w.add_argument("--prompt-tokens", help="Prompt lengths, same forms (default const:256).")
-    w.add_argument("--hint-mix", metavar="HINT=W,...", help="Synthetic hints with weights.")
-    w.add_argument("--hint-accept", metavar="HINT=F,...", help="EAGLE speed factor per hint.")
-    w.add_argument("--accept-sigma", type=float, default=0.0, help="Spread of each request's EAGLE factor.")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -180,52 +129,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--json", action="store_true", help="Print one JSON document instead of tables.")
     p.add_argument("--report", metavar="DIR", help="Write a markdown report and a PNG plot into DIR.")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
-    _add_workload(p)
+    add_workload_args(p, title="workload (as for specroute simulate)", steady_level_defaults=True)
     p.set_defaults(func=_main)
-
-
-def _weights(text: str | None, what: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for item in (text or "").split(",") if text else []:
-        key, sep, value = item.partition("=")
-        try:
-            if not sep or not key.strip():
-                raise ValueError
-            out[key.strip()] = float(value)
-        except ValueError:
-            raise PlanError(f"{what} {item!r}: expected NAME=NUMBER[,NAME=NUMBER...]") from None
-        if out[key.strip()] < 0:
-            raise PlanError(f"{what} {item!r}: must be >= 0")
-    return out
-
-
-def _workload(args: argparse.Namespace, loads: list[float]) -> WorkloadSpec:
-    levels = tuple(args.concurrency) if args.concurrency else DEFAULT_LEVELS
-    # Steady state: with fewer measured (or warm-up) requests than clients, a level measures the
-    # first requests after warm-up, which a policy keeping one pool nearly empty passes quickly.
-    top = max(1, round(max(levels) * max(loads)))
-    if args.accept_sigma < 0:
-        raise PlanError("--accept-sigma must be >= 0")
-    hint_accept = _weights(args.hint_accept, "--hint-accept")
-    if any(v <= 0 for v in hint_accept.values()):
-        raise PlanError("--hint-accept factors must be > 0")
-    return WorkloadSpec(
-        kind=args.workload,
-        levels=levels,
-        requests_per_level=args.requests_per_level if args.requests_per_level is not None else max(30, top),
-        warmup=args.warmup_requests if args.warmup_requests is not None else max(5, top),
-        rate=args.rate,
-        requests=args.requests,
-        burst_factor=args.burst_factor,
-        burst_period_s=args.burst_period,
-        trace=args.trace,
-        trace_format=args.trace_format,
-        time_scale=args.time_scale,
-        output_tokens=LengthSpec.parse(args.output_tokens) if args.output_tokens else None,
-        prompt_tokens=LengthSpec.parse(args.prompt_tokens) if args.prompt_tokens else None,
-        hint_mix=_weights(args.hint_mix, "--hint-mix"),
-        accept=AcceptModel(args.accept_sigma, hint_accept),
-    )
 
 
 def _kinds(text: str) -> tuple[ServerKind, ...]:
@@ -276,7 +181,7 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
     return PlanSpec(
         servers=args.servers,
         kinds=_kinds(args.kinds),
-        workload=_workload(args, loads),
+        workload=workload_from_args(args, max_load=max(loads)),
         objective=args.objective,
         policies=policies,
         grids=grids,
@@ -285,7 +190,7 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
         seeds=tuple(args.seeds),
         loads=tuple(loads),
         tie_within=args.tie_within / 100.0,
-        buckets=parse_buckets(args.adaptive_buckets) if args.adaptive_buckets else DEFAULT_ADAPTIVE_BUCKETS,
+        buckets=buckets_from_args(args),
     )
 
 
@@ -339,15 +244,13 @@ def _main(args: argparse.Namespace) -> int:
             total=total, desc="simulations", unit="run", file=sys.stderr, disable=args.no_progress
         ) as bar:
             result = plan(profile, spec, registry=registry, jobs=args.jobs, progress=bar.update)
-        path = Path(args.profile)
-        profile_ref = str(path.resolve()) if path.is_file() else args.profile
         command = "specroute " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["plan"] else "specroute plan"
         write_config(
             args.out,
             config_text(
                 result,
                 profile,
-                profile_ref,
+                profile_ref(args.profile),
                 command=command,
                 model_path=args.model_path,
                 draft_model_path=args.draft_model_path,
