@@ -15,7 +15,7 @@ from policies.profile import Profile, ProfileError, resolve_profile
 from policies.registry import PolicyError, default_registry
 from simulator.cli_args import add_workload_args, buckets_from_args, profile_ref, workload_from_args
 from simulator.engine import SimulationError
-from simulator.report import ReportError, format_table, write_report
+from simulator.report import ReportError, align_columns, format_table, write_report
 from simulator.results import RunResult, Slo
 from simulator.runner import PolicyChoice, is_single_pool, run
 from simulator.servers import DeploymentError, ServerKind, parse_deployment
@@ -243,12 +243,7 @@ def _tune_main(args: argparse.Namespace) -> int:
                     f"{100 * s['pool_share']['eagle']:.0f}",
                 ]
             )
-        widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
-        for row in [header, *rows]:
-            cells = (
-                c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            )
-            print("  ".join(cells))
+        print(align_columns(header, rows, left={1}))
         best = ranking[0]
         text = config_text(
             args.policy,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator.plan import Entry, LoadResult, PlanResult
-from simulator.report import ReportError
+from simulator.report import align_columns, markdown_table, report_directory, save_figure, write_markdown
 from simulator.runner import SINGLE_POOL_POLICY
 
 
@@ -82,14 +82,7 @@ def table_rows(lr: LoadResult, objective: str) -> tuple[list[str], list[list[str
 
 def format_table(lr: LoadResult, objective: str) -> str:
     header, rows = table_rows(lr, objective)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    left = {1, 2, 10}
-    return "\n".join(
-        "  ".join(
-            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ).rstrip()
-        for r in [header, *rows]
-    )
+    return align_columns(header, rows, left={1, 2, 10}, strip=True)
 
 
 def headline(lr: LoadResult) -> str:
@@ -204,33 +197,13 @@ def plan_json(result: PlanResult, config_path: str | None) -> dict[str, Any]:
     return dict(_clean(doc))
 
 
-def _markdown(lr: LoadResult, objective: str) -> list[str]:
-    header, rows = table_rows(lr, objective)
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
-
-
 def write_report(
     result: PlanResult, directory: str | Path, *, description: str, config_path: str | None
 ) -> Path:
     """Write `report.md` and `objective_vs_load.png` into `directory`."""
-    try:
-        import matplotlib
+    d = report_directory(directory)
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ReportError(
-            "--report needs matplotlib, an optional extra: pip install 'specroute[plot]'"
-        ) from None
-    d = Path(directory)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ReportError(f"{d}: cannot create report directory: {e.strerror or e}") from None
     spec = result.spec
     factors = [lr.factor for lr in result.loads]
     labels = [r.entry.label for r in result.reference.ranking]
@@ -249,13 +222,7 @@ def write_report(
     ax.legend(fontsize=8)
     ax.set_title(f"{spec.servers} servers: {spec.objective} per deployment against load")
     fig.tight_layout()
-    plot = d / "objective_vs_load.png"
-    try:
-        fig.savefig(plot, dpi=110)
-    except OSError as e:
-        raise ReportError(f"{plot}: cannot write plot: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, d / "objective_vs_load.png")
 
     md = [
         f"# specroute plan: {spec.servers} servers",
@@ -270,16 +237,12 @@ def write_report(
         "",
     ]
     for lr in result.loads:
-        md += [f"## Load {lr.factor:g}x", "", *_markdown(lr, spec.objective), "", headline(lr), ""]
+        table = markdown_table(*table_rows(lr, spec.objective))
+        md += [f"## Load {lr.factor:g}x", "", *table, "", headline(lr), ""]
     note = flips(result)
     if note:
         md += [note, ""]
     if config_path:
         md += [f"Config for the winner at 1x: `{config_path}`", ""]
     md += ["![objective against load](objective_vs_load.png)", ""]
-    path = d / "report.md"
-    try:
-        path.write_text("\n".join(md), encoding="utf-8")
-    except OSError as e:
-        raise ReportError(f"{path}: cannot write report: {e.strerror or e}") from None
-    return path
+    return write_markdown(d / "report.md", md)

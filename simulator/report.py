@@ -6,15 +6,82 @@ report is written, and its absence is a clear error, not a traceback.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from simulator.results import RunResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 class ReportError(RuntimeError):
     """The report cannot be written (matplotlib missing, directory not writable)."""
+
+
+def align_columns(
+    header: Sequence[str], rows: Sequence[Sequence[str]], *, left: Container[int], strip: bool = False
+) -> str:
+    """A plain-text table: columns two spaces apart, those in `left` left-aligned, the others
+    right-aligned; `strip` drops each line's trailing blanks."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for r in [header, *rows]:
+        line = "  ".join(
+            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        lines.append(line.rstrip() if strip else line)
+    return "\n".join(lines)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The lines of a markdown table."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
+
+
+def report_directory(directory: str | Path) -> Path:
+    """Load matplotlib (Agg backend) and create `directory`; ReportError when either fails."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # an unusable pyplot fails here, not in the caller
+    except ImportError:
+        raise ReportError(
+            "--report needs matplotlib, an optional extra: pip install 'specroute[plot]'"
+        ) from None
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"{d}: cannot create report directory: {e.strerror or e}") from None
+    return d
+
+
+def save_figure(fig: Figure, path: Path) -> None:
+    """Save `fig` as a PNG at `path` and close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise ReportError(f"{path}: cannot write plot: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+
+
+def write_markdown(path: Path, lines: Sequence[str]) -> Path:
+    """Write the lines (joined with newlines) to `path`."""
+    try:
+        path.write_text("\n".join(lines), encoding="utf-8")
+    except OSError as e:
+        raise ReportError(f"{path}: cannot write report: {e.strerror or e}") from None
+    return path
 
 
 def run_label(run: RunResult) -> str:
@@ -64,39 +131,13 @@ def table_rows(runs: Sequence[RunResult]) -> tuple[list[str], list[list[str]]]:
 
 def format_table(runs: Sequence[RunResult]) -> str:
     header, rows = table_rows(runs)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
-        for r in [header, *rows]
-    ]
-    return "\n".join(lines)
-
-
-def _markdown_table(runs: Sequence[RunResult]) -> str:
-    header, rows = table_rows(runs)
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
+    return align_columns(header, rows, left={0})
 
 
 def write_report(runs: Sequence[RunResult], directory: str | Path, *, title: str, description: str) -> Path:
     """Write `report.md` plus `latency.png` and `throughput.png` into `directory`."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ReportError(
-            "--report needs matplotlib, an optional extra: pip install 'specroute[plot]'"
-        ) from None
-    d = Path(directory)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ReportError(f"{d}: cannot create report directory: {e.strerror or e}") from None
+    d = report_directory(directory)
+    import matplotlib.pyplot as plt
 
     sweep = all(r.levels for r in runs)
     figures: list[tuple[str, str, list[tuple[str, str]]]] = [
@@ -132,12 +173,7 @@ def write_report(runs: Sequence[RunResult], directory: str | Path, *, title: str
         axes[0].legend(fontsize=7)
         fig.suptitle(fig_title)
         fig.tight_layout()
-        try:
-            fig.savefig(d / filename, dpi=110)
-        except OSError as e:
-            raise ReportError(f"{d / filename}: cannot write plot: {e.strerror or e}") from None
-        finally:
-            plt.close(fig)
+        save_figure(fig, d / filename)
 
     md = [
         f"# {title}",
@@ -147,16 +183,11 @@ def write_report(runs: Sequence[RunResult], directory: str | Path, *, title: str
         "Simulated with specroute's discrete-event simulator (processor sharing with the profile's",
         "load-dependent decode rate). `n` is the number of measured requests per row.",
         "",
-        _markdown_table(runs),
+        *markdown_table(*table_rows(runs)),
         "",
         "![latency](latency.png)",
         "",
         "![throughput](throughput.png)",
         "",
     ]
-    path = d / "report.md"
-    try:
-        path.write_text("\n".join(md), encoding="utf-8")
-    except OSError as e:
-        raise ReportError(f"{path}: cannot write report: {e.strerror or e}") from None
-    return path
+    return write_markdown(d / "report.md", md)
