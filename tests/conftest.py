@@ -7,8 +7,8 @@
 - `emulator(mode="baseline", profile=KIMI, **config)` starts an in-process SGLang emulator
   (`simulator.emulator.run_emulator`); its default time scale is the `emulator_time_scale` fixture,
   which a test module may override.
-- `spawn_serve(*args)` runs `specroute serve --port 0 ...` as a subprocess and returns a
-  `ServeProcess` (its URL read from the "specroute listening on" line).
+- `spawn_serve(*args, env=..., stderr=..., preexec_fn=...)` runs `specroute serve --port 0 ...` as
+  a subprocess and returns a `ServeProcess` (its URL read from the "specroute listening on" line).
 """
 
 from __future__ import annotations
@@ -193,8 +193,15 @@ class ServeProcess:
         return await asyncio.wait_for(self.proc.wait(), timeout_s)
 
 
-async def start_serve(*args: str, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> ServeProcess:
-    """Run `specroute serve --port 0 ARGS` and wait for its listening line."""
+async def start_serve(
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 30.0,
+    stderr: int = asyncio.subprocess.PIPE,
+    preexec_fn: Callable[[], Any] | None = None,
+) -> ServeProcess:
+    """Run `specroute serve --port 0 ARGS` and wait for its listening line. `stderr` is piped
+    unless DEVNULL is passed (a test that does not read it and makes serve log a lot)."""
     full_env = {**os.environ, **(env or {})}
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -205,8 +212,9 @@ async def start_serve(*args: str, env: dict[str, str] | None = None, timeout_s: 
         "0",
         *args,
         stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        stderr=stderr,
         env=full_env,
+        preexec_fn=preexec_fn,
     )
     assert proc.stdout is not None
     try:
@@ -226,8 +234,8 @@ async def start_serve(*args: str, env: dict[str, str] | None = None, timeout_s: 
 async def spawn_serve() -> AsyncIterator[Callable[..., Awaitable[ServeProcess]]]:
     procs: list[ServeProcess] = []
 
-    async def make(*args: str, env: dict[str, str] | None = None) -> ServeProcess:
-        sp = await start_serve(*args, env=env)
+    async def make(*args: str, **kw: Any) -> ServeProcess:
+        sp = await start_serve(*args, **kw)
         procs.append(sp)
         return sp
 

@@ -11,7 +11,7 @@ import gzip
 import json
 import resource
 import signal
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -256,21 +256,14 @@ async def test_slowloris_body_gets_408(fake_backend, proxy, trickle):
     assert p.sample("specroute_rejected_requests_total", code="408") == 1.0
 
 
-async def _serve_with_fd_limit(soft: int, *args: str) -> tuple[asyncio.subprocess.Process, str]:
-    """`specroute serve --port 0 ARGS` started with a low soft open-files limit."""
+def _soft_limit(soft: int) -> Callable[[], None]:
+    """A preexec_fn that sets the child's soft open-files limit to `soft` before exec."""
 
-    def lower() -> None:  # runs in the child before exec
+    def lower() -> None:
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "controller.cli", "serve", "--port", "0", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, preexec_fn=lower,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
-    assert line.startswith("specroute listening on "), line
-    return proc, line.removeprefix("specroute listening on ")
+    return lower
 
 
 def _soft_open_files(pid: int) -> int:
@@ -280,7 +273,7 @@ def _soft_open_files(pid: int) -> int:
     raise AssertionError("no 'Max open files' line")
 
 
-async def test_2000_idle_connections_are_closed_and_others_are_served(fake_backend):
+async def test_2000_idle_connections_are_closed_and_others_are_served(fake_backend, spawn_serve):
     """`specroute serve` as a subprocess, started with a soft limit of 1,024 open files (which it
     raises at start-up): 2,000 sockets that never send a byte do not stop a normal client, and
     are all closed after header_timeout_s."""
@@ -289,12 +282,14 @@ async def test_2000_idle_connections_are_closed_and_others_are_served(fake_backe
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < n + 500:
         pytest.skip("the hard open-files limit is too low for 2,000 connections")
     fb = await fake_backend(chunks=2)
-    proc, url = await _serve_with_fd_limit(
-        1024, "--baseline", fb.url, "--policy", "fixed", "--header-timeout-s", "3"
-    )
+    sp = await spawn_serve(
+        "--baseline", fb.url, "--policy", "fixed", "--header-timeout-s", "3",
+        stderr=asyncio.subprocess.DEVNULL, preexec_fn=_soft_limit(1024),
+    )  # fmt: skip
+    url = sp.url
     conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
     try:
-        assert _soft_open_files(proc.pid) >= n + 500  # serve raised its own soft limit
+        assert _soft_open_files(sp.proc.pid) >= n + 500  # serve raised its own soft limit
         port = _port(url)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -311,14 +306,11 @@ async def test_2000_idle_connections_are_closed_and_others_are_served(fake_backe
         assert all(res == b"" or isinstance(res, ConnectionResetError) for res in results)
         assert closed_s < opened_s + 3.0 + 10.0  # header timeout plus slack for a slow machine
         await _normal_request(url + "/v1")
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        sp.signal(signal.SIGTERM)
+        assert await sp.wait(30) == 0
     finally:
         for _, w in conns:
             w.close()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_content_encoding_is_decoded_once_or_rejected(fake_backend, proxy, caplog):
