@@ -11,28 +11,21 @@ from typing import Any
 
 from tqdm import tqdm
 
-from policies.profile import Profile, ProfileError, resolve_profile
-from policies.registry import PolicyError, default_registry
-from simulator.cli_args import add_workload_args, buckets_from_args, profile_ref, workload_from_args
-from simulator.engine import SimulationError
-from simulator.report import ReportError, align_columns, format_table, write_report
+from policies.profile import Profile, resolve_profile
+from policies.registry import default_registry
+from simulator.cli_args import (
+    SIMULATION_ERRORS,
+    add_workload_args,
+    buckets_from_args,
+    profile_ref,
+    workload_from_args,
+)
+from simulator.report import align_columns, format_table, write_report
 from simulator.results import RunResult, Slo
 from simulator.runner import PolicyChoice, is_single_pool, run
-from simulator.servers import DeploymentError, ServerKind, parse_deployment
-from simulator.traces import TraceError
-from simulator.tuner import OBJECTIVES, TuneError, config_text, parse_grid, tune, write_config
-from simulator.workloads import WorkloadError, WorkloadSpec, generate
-
-_ERRORS = (
-    ProfileError,
-    PolicyError,
-    WorkloadError,
-    TraceError,
-    DeploymentError,
-    TuneError,
-    ReportError,
-    SimulationError,
-)
+from simulator.servers import ServerKind, parse_deployment
+from simulator.tuner import OBJECTIVES, config_text, parse_grid, tune, write_config
+from simulator.workloads import WorkloadSpec, generate
 
 
 class CliError(ValueError):
@@ -177,7 +170,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
                 runs, args.report, title="specroute simulation", description=_describe(spec, profile)
             )
             print(f"report written to {path}", file=sys.stderr)
-    except (*_ERRORS, CliError) as e:
+    except (*SIMULATION_ERRORS, CliError) as e:
         return _fail("simulate", e)
     return 0
 
@@ -255,6 +248,6 @@ def _tune_main(args: argparse.Namespace) -> int:
         )
         write_config(args.out, text)
         print(f"best: {args.policy} {json.dumps(best.params)} -> {args.out}")
-    except (*_ERRORS, CliError) as e:
+    except (*SIMULATION_ERRORS, CliError) as e:
         return _fail("tune", e)
     return 0

@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from simulator.servers import DEFAULT_ADAPTIVE_BUCKETS, parse_buckets
-from simulator.traces import TRACE_FORMATS
+from policies.profile import ProfileError
+from policies.registry import PolicyError
+from simulator.engine import SimulationError
+from simulator.report import ReportError
+from simulator.servers import DEFAULT_ADAPTIVE_BUCKETS, DeploymentError, parse_buckets
+from simulator.traces import TRACE_FORMATS, TraceError
+from simulator.tuner import TuneError
 from simulator.workloads import (
     DEFAULT_LEVELS,
     WORKLOAD_KINDS,
@@ -16,6 +21,18 @@ from simulator.workloads import (
     WorkloadError,
     WorkloadSpec,
 )
+
+SIMULATION_ERRORS = (
+    ProfileError,
+    PolicyError,
+    WorkloadError,
+    TraceError,
+    DeploymentError,
+    TuneError,
+    ReportError,
+    SimulationError,
+)
+"""What a simulating command reports as `specroute COMMAND: error: ...` (exit 2), not a traceback."""
 
 REQUESTS_PER_LEVEL = 30
 """Measured requests per sweep level when not given (plan: at least this)."""

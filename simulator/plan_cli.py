@@ -12,10 +12,15 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
-from policies.profile import ProfileError, resolve_profile
-from policies.registry import PolicyError, default_registry
-from simulator.cli_args import add_workload_args, buckets_from_args, profile_ref, workload_from_args
-from simulator.engine import SimulationError
+from policies.profile import resolve_profile
+from policies.registry import default_registry
+from simulator.cli_args import (
+    SIMULATION_ERRORS,
+    add_workload_args,
+    buckets_from_args,
+    profile_ref,
+    workload_from_args,
+)
 from simulator.plan import (
     DEFAULT_LOADS,
     DEFAULT_POLICIES,
@@ -28,24 +33,10 @@ from simulator.plan import (
 )
 from simulator.plan_config import config_text
 from simulator.plan_report import format_plan, plan_json, write_report
-from simulator.report import ReportError
 from simulator.results import Slo
-from simulator.servers import SERVER_KINDS, DeploymentError, ServerKind
-from simulator.traces import TraceError
-from simulator.tuner import OBJECTIVES, TuneError, parse_grid, write_config
-from simulator.workloads import WorkloadError, generate
-
-_ERRORS = (
-    PlanError,
-    ProfileError,
-    PolicyError,
-    WorkloadError,
-    TraceError,
-    DeploymentError,
-    TuneError,
-    ReportError,
-    SimulationError,
-)
+from simulator.servers import SERVER_KINDS, ServerKind
+from simulator.tuner import OBJECTIVES, parse_grid, write_config
+from simulator.workloads import generate
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -265,7 +256,7 @@ def _main(args: argparse.Namespace) -> int:
         if args.report:
             report = write_report(result, args.report, description=description, config_path=args.out)
             print(f"report written to {report}", file=sys.stderr)
-    except _ERRORS as e:
+    except (PlanError, *SIMULATION_ERRORS) as e:
         print(f"specroute plan: error: {e}", file=sys.stderr)
         return 2
     return 0
