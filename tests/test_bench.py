@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from helpers import run_specroute
 
 from controller.bench import run_sweep
 from controller.bench_prompts import load_prompts
@@ -317,24 +318,10 @@ def test_builtin_prompt_sets_are_large_enough() -> None:
         assert len(texts) >= 250, name
 
 
-async def _cli(*args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "controller.cli",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=90)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
 @pytest.mark.parametrize("server", [Pacing(interval_s=0.002)], indirect=True)
 async def test_cli_writes_results_and_a_profile_that_round_trips(server: Running, tmp_path: Path) -> None:
     out, prof = tmp_path / "r.json", tmp_path / "eagle.json"
-    code, stdout, stderr = await _cli(
+    code, stdout, stderr = await run_specroute(
         "bench",
         server.url,
         "--concurrency",
@@ -359,6 +346,7 @@ async def test_cli_writes_results_and_a_profile_that_round_trips(server: Running
         "x-specroute-mode:eagle",
         "--api-key",
         "sk-test",
+        timeout_s=90,
     )
     assert code == 0, stderr
     assert all(h.get("x-specroute-mode") == "eagle" for h in server.fake.headers)
@@ -437,7 +425,7 @@ async def test_bad_input_gives_clear_errors(tmp_path: Path) -> None:
         (["bench", "--concurrency", "0"], "must be >= 1"),
     ]
     for argv, needle in cases:
-        code, _, err = await _cli(*argv)
+        code, _, err = await run_specroute(*argv, timeout_s=90)
         assert code == 2, (argv, err)
         assert needle in err and "Traceback" not in err, (argv, err)
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_specroute
 
 DEMO = [sys.executable, "-m", "controller.cli", "demo"]
 
@@ -95,10 +96,6 @@ async def test_ctrl_c_leaves_no_process_behind() -> None:
 
 
 async def test_bad_arguments_are_reported_without_starting_anything() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        *DEMO, "--profile", "no-such-profile",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    _, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 2
-    assert b"no built-in profile 'no-such-profile'" in err and b"Traceback" not in err
+    code, _, err = await run_specroute("demo", "--profile", "no-such-profile", timeout_s=60)
+    assert code == 2
+    assert "no built-in profile 'no-such-profile'" in err and "Traceback" not in err

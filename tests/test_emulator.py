@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from helpers import wait_until
+from helpers import run_specroute, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from policies.profile import resolve_profile
@@ -477,12 +477,8 @@ async def test_emulate_command_prints_its_url_and_stops_on_sigterm() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    bad = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "controller.cli", "emulate", "--mode", "eagle", "--profile", "nope",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    _, err = await asyncio.wait_for(bad.communicate(), 30)
-    assert bad.returncode == 2 and b"no built-in profile 'nope'" in err and b"Traceback" not in err
+    code, _, err = await run_specroute("emulate", "--mode", "eagle", "--profile", "nope", timeout_s=30)
+    assert code == 2 and "no built-in profile 'nope'" in err and "Traceback" not in err
 
 
 async def test_spec_tokens_details_chunk_before_usage(emulator: MakeEmu) -> None:

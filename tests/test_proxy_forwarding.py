@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from helpers import run_command
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -222,9 +223,5 @@ async def test_metrics_exposition_passes_promtool(fake_backend, proxy):
             text = await r.read()
     assert b'specroute_requests_total{backend="' in text
     assert b'specroute_decisions_total{policy="fixed",pool="baseline",reason="fixed_baseline"} 1.0' in text
-    proc = await asyncio.create_subprocess_exec(
-        promtool, "check", "metrics", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    out, _ = await proc.communicate(text)
-    assert proc.returncode == 0, out.decode()
+    code, out, err = await run_command(promtool, "check", "metrics", stdin=text.decode())
+    assert code == 0, out + err

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 
 import aiohttp
 import pytest
-from helpers import wait_until
+from helpers import run_specroute, wait_until
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -80,13 +79,10 @@ async def test_serve_prints_real_port_and_serves(fake_backend, spawn_serve):
 async def test_serve_rejects_bad_settings_with_exit_2(args, env, needle):
     import os
 
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "controller.cli", "serve", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")}, **env},
+    code, _, text = await run_specroute(
+        "serve", *args,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")}, **env}, timeout_s=60,
     )  # fmt: skip
-    _out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 2
-    text = err.decode()
+    assert code == 2
     assert text.startswith("specroute: error: ") and needle in text, text
     assert "Traceback" not in text
