@@ -30,6 +30,59 @@ from aiohttp import web
 from helpers import free_port
 
 CREATED = 1700000000
+QUEUE_FULL = {
+    "error": {
+        "object": "error",
+        "message": "The request queue is full.",
+        "type": "SERVICE_UNAVAILABLE",
+        "param": None,
+        "code": 503,
+    }
+}
+"""The error event SGLang streams (after HTTP 200) when its request queue is full."""
+
+
+def sglang_error(message: str, status: int, type_: str = "Error") -> dict[str, Any]:
+    """SGLang's flat error body (no `{"error": ...}` wrapper)."""
+    return {"object": "error", "message": message, "type": type_, "param": None, "code": status}
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One SSE event with a chunk, compact JSON as SGLang's `model_dump_json` writes it."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_error(payload: dict[str, Any]) -> bytes:
+    """One SSE event with an error, spaced JSON as SGLang's `json.dumps` writes it."""
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def stream_event(
+    rid: str, model: Any, chat: bool, choices: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
+    """The envelope of a streamed chunk: id, object, created, model, choices, then `extra`."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": rid, "object": obj, "created": CREATED, "model": model, "choices": choices, **extra}
+
+
+def stream_chunk(
+    rid: str, model: Any, chat: bool, text: str | None, finish: str | None = None, role: bool = False
+) -> dict[str, Any]:
+    """A one-choice streamed chunk: the role chunk (chat, `role=True`), a content chunk, or the
+    finish chunk (`text=None`, `finish` set). Completions chunks carry `usage: null`."""
+    if chat:
+        delta: dict[str, Any] = {"reasoning_content": None}
+        if role:
+            delta.update(role="assistant", content="")
+        elif text is not None:
+            delta["content"] = text
+        c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}
+        return stream_event(rid, model, chat, [c])
+    c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish, "matched_stop": None}
+    return stream_event(rid, model, chat, [c], usage=None)
 
 
 def closed_port_url() -> str:
@@ -140,16 +193,7 @@ class FakeBackend:
         try:
             if mode in ("error500", "bad_request") or (mode == "queue_full" and not body.get("stream")):
                 status = {"error500": 500, "bad_request": 400, "queue_full": 503}[mode]
-                return web.json_response(
-                    {
-                        "object": "error",
-                        "message": f"fake {mode}",
-                        "type": "Error",
-                        "param": None,
-                        "code": status,
-                    },
-                    status=status,
-                )
+                return web.json_response(sglang_error(f"fake {mode}", status), status=status)
             if mode == "stall" and not body.get("stream"):
                 await asyncio.sleep(3600)
             if mode == "drop":
@@ -231,53 +275,11 @@ class FakeBackend:
         if mode == "stall":
             await asyncio.sleep(3600)
         if mode == "queue_full":
-            err = {
-                "error": {
-                    "object": "error",
-                    "message": "The request queue is full.",
-                    "type": "SERVICE_UNAVAILABLE",
-                    "param": None,
-                    "code": 503,
-                }
-            }
-            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+            await resp.write(sse_error(QUEUE_FULL) + SSE_DONE)
             return resp
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-            payload = {
-                "id": rid,
-                "object": obj,
-                "created": CREATED,
-                "model": model,
-                "choices": choices,
-                **extra,
-            }
-            return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
         def piece(text: str | None, finish: str | None, role: bool = False) -> bytes:
-            if chat:
-                delta: dict[str, Any] = {"reasoning_content": None}
-                if role:
-                    delta.update(role="assistant", content="")
-                elif text is not None:
-                    delta["content"] = text
-                c = {
-                    "index": 0,
-                    "delta": delta,
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "matched_stop": None,
-                }
-                return event([c])
-            c = {
-                "index": 0,
-                "text": text or "",
-                "logprobs": None,
-                "finish_reason": finish,
-                "matched_stop": None,
-            }
-            return event([c], usage=None)
+            return sse(stream_chunk(rid, model, chat, text, finish, role))
 
         if chat:
             await resp.write(piece(None, None, role=True))
@@ -294,7 +296,7 @@ class FakeBackend:
         await resp.write(piece(None, "length"))
         options = body.get("stream_options") or {}
         if options.get("include_usage"):
-            await resp.write(event([], usage=self._usage(body, len(tokens))))
-        await resp.write(b"data: [DONE]\n\n")
+            await resp.write(sse(stream_event(rid, model, chat, [], usage=self._usage(body, len(tokens)))))
+        await resp.write(SSE_DONE)
         await resp.write_eof()
         return resp

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from fakes import QUEUE_FULL, SSE_DONE, sglang_error, sse, sse_error, stream_chunk, stream_event
 from helpers import run_specroute
 
 from controller.bench import run_sweep
@@ -94,74 +95,19 @@ class FakeSGLang:
         if failure == "json":
             return web.json_response({"id": rid, "object": "chat.completion", "choices": []})
         if failure == "http":
-            return web.json_response(
-                {
-                    "object": "error",
-                    "message": "boom",
-                    "type": "InternalServerError",
-                    "param": None,
-                    "code": 500,
-                },
-                status=500,
-            )
+            return web.json_response(sglang_error("boom", 500, "InternalServerError"), status=500)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        model = body.get("model")
 
-        async def send(obj: Any) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj)
-            await resp.write(f"data: {data}\n\n".encode())
+        async def send(chunk: dict[str, Any]) -> None:
+            await resp.write(sse(chunk))
 
         def chunk(text: str | None, role: bool = False, finish: str | None = None) -> dict[str, Any]:
-            if chat:
-                delta: dict[str, Any] = {"reasoning_content": None}
-                if role:
-                    delta["role"] = "assistant"
-                    delta["content"] = ""
-                elif text is not None:
-                    delta["content"] = text
-                choice = {
-                    "index": 0,
-                    "delta": delta,
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "matched_stop": None,
-                }
-                return {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": 1700000000,
-                    "model": body.get("model"),
-                    "choices": [choice],
-                }
-            choice = {
-                "index": 0,
-                "text": text or "",
-                "logprobs": None,
-                "finish_reason": finish,
-                "matched_stop": None,
-            }
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": 1700000000,
-                "model": body.get("model"),
-                "choices": [choice],
-                "usage": None,
-            }
+            return stream_chunk(rid, model, chat, text, finish, role)
 
         if failure == "event":
-            await send(
-                {
-                    "error": {
-                        "object": "error",
-                        "message": "The request queue is full.",
-                        "type": "SERVICE_UNAVAILABLE",
-                        "param": None,
-                        "code": 503,
-                    }
-                }
-            )
-            await send("[DONE]")
+            await resp.write(sse_error(QUEUE_FULL) + SSE_DONE)
             return resp
         n = int(body.get("max_tokens", 16))
         dt = p.interval_s * p.interval_factors[idx % len(p.interval_factors)]
@@ -186,17 +132,9 @@ class FakeSGLang:
             sent += k
         await send(chunk(None, finish="length"))
         if failure != "no_usage" and (body.get("stream_options") or {}).get("include_usage"):
-            await send(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": 1700000000,
-                    "model": body.get("model"),
-                    "choices": [],
-                    "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": n + 12},
-                }
-            )
-        await send("[DONE]")
+            usage = {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": n + 12}
+            await send(stream_event(rid, model, chat, [], usage=usage))
+        await resp.write(SSE_DONE)
         return resp
 
 
