@@ -62,6 +62,12 @@ def detect_format(path: Path) -> TraceFormat:
     )
 
 
+_CACHE_SIZE = 4
+_cache: dict[tuple[str, int, int, TraceFormat | None], list[TraceRecord]] = {}
+"""Parsed traces of this process (a tune or plan simulates the same trace in every task), keyed by
+file, modification time, size and format: a changed file is read again."""
+
+
 def read_trace(
     path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None
 ) -> list[TraceRecord]:
@@ -69,13 +75,27 @@ def read_trace(
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"{p}: no such trace file")
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise TraceError(f"{p}: cannot read trace: {e.strerror or e}") from None
+    key = (str(p.resolve()), st.st_mtime_ns, st.st_size, fmt)
+    records = _cache.get(key)
+    if records is None:
+        records = _parse(p, fmt)
+        while len(_cache) >= _CACHE_SIZE:
+            del _cache[next(iter(_cache))]
+        _cache[key] = records
+    return records[:limit] if limit is not None else list(records)
+
+
+def _parse(p: Path, fmt: TraceFormat | None) -> list[TraceRecord]:
+    """All records, sorted by arrival (stable), times relative to the first."""
     fmt = fmt or detect_format(p)
     records = _read_azure(p) if fmt == "azure" else _read_log(p)
     if not records:
         raise TraceError(f"{p}: the trace has no requests")
     records.sort(key=lambda r: r.t)
-    if limit is not None:
-        records = records[:limit]
     t0 = records[0].t
     return [TraceRecord(r.t - t0, r.prompt_tokens, r.output_tokens, r.max_tokens, r.hint) for r in records]
 
