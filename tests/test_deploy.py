@@ -46,6 +46,15 @@ EXAMPLE = DEPLOY / "specroute.yaml"
 K8S = DEPLOY / "kubernetes"
 SYSTEMD = DEPLOY / "systemd"
 
+# Flags the eagle SGLang deployment must set (speculative decoding and its running cap).
+SPECULATIVE_FLAGS = (
+    "--speculative-algorithm",
+    "--speculative-draft-model-path",
+    "--speculative-num-steps",
+    "--speculative-eagle-topk",
+    "--speculative-num-draft-tokens",
+    "--max-running-requests",
+)
 # SGLang launch flags the deploy files may use, checked by hand against SGLang's
 # python/sglang/srt/server_args.py (ServerArgs field name -> --kebab-case flag).
 SGLANG_FLAGS = frozenset(
@@ -57,21 +66,8 @@ SGLANG_FLAGS = frozenset(
         "--tp-size",
         "--enable-metrics",
         "--trust-remote-code",
-        "--speculative-algorithm",
-        "--speculative-draft-model-path",
-        "--speculative-num-steps",
-        "--speculative-eagle-topk",
-        "--speculative-num-draft-tokens",
-        "--max-running-requests",
+        *SPECULATIVE_FLAGS,
     }
-)
-SPECULATIVE_FLAGS = (
-    "--speculative-algorithm",
-    "--speculative-draft-model-path",
-    "--speculative-num-steps",
-    "--speculative-eagle-topk",
-    "--speculative-num-draft-tokens",
-    "--max-running-requests",
 )
 
 # Public metric names (DESIGN.md "Public surfaces", issue 7) and SGLang's (SGLANG.md).
