@@ -17,6 +17,7 @@ from simulator.cli_args import (
     SIMULATION_ERRORS,
     add_workload_args,
     buckets_from_args,
+    describe_workload,
     profile_ref,
     workload_from_args,
 )
@@ -124,17 +125,9 @@ def _deployments(args: argparse.Namespace) -> list[tuple[tuple[ServerKind, int],
 
 
 def _describe(spec: WorkloadSpec, profile: Profile) -> str:
-    if spec.kind == "sweep":
-        levels = " ".join(map(str, spec.levels))
-        what = f"sweep, levels {levels}, {spec.requests_per_level} requests/level + {spec.warmup} warm-up"
-    elif spec.kind == "trace":
-        what = f"trace {spec.trace} (time scale {spec.time_scale:g})"
-    else:
-        what = f"{spec.kind}, rate {spec.rate:g}/s"
-    out = (
-        str(spec.output_tokens) if spec.output_tokens else ("trace" if spec.kind == "trace" else "const:200")
-    )
-    return f"profile {profile.name!r}; workload: {what}; output tokens {out}"
+    levels = " ".join(map(str, spec.levels))
+    sweep = f"sweep, levels {levels}, {spec.requests_per_level} requests/level + {spec.warmup} warm-up"
+    return f"profile {profile.name!r}; {describe_workload(spec, sweep)}"
 
 
 def _fail(command: str, e: Exception) -> int:

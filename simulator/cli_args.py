@@ -176,6 +176,22 @@ def workload_from_args(args: argparse.Namespace, *, max_load: float = 1.0) -> Wo
     )
 
 
+def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
+    """`workload: WHAT; output tokens LENGTHS` for a command's header line; `sweep` is what a sweep
+    is called (each command words its levels)."""
+    if spec.kind == "sweep":
+        what = sweep
+    elif spec.kind == "trace":
+        what = f"trace {spec.trace} (time scale {spec.time_scale:g})"
+    else:
+        what = f"{spec.kind}, rate {spec.rate:g}/s"
+    if spec.output_tokens:
+        out = str(spec.output_tokens)
+    else:
+        out = "trace" if spec.kind == "trace" else "const:200"
+    return f"workload: {what}; output tokens {out}"
+
+
 def buckets_from_args(args: argparse.Namespace) -> tuple[tuple[int, float], ...]:
     """--adaptive-buckets, or the default buckets."""
     return parse_buckets(args.adaptive_buckets) if args.adaptive_buckets else DEFAULT_ADAPTIVE_BUCKETS

@@ -18,6 +18,7 @@ from simulator.cli_args import (
     SIMULATION_ERRORS,
     add_workload_args,
     buckets_from_args,
+    describe_workload,
     profile_ref,
     workload_from_args,
 )
@@ -187,19 +188,13 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
 
 def _describe(spec: PlanSpec, profile_name: str) -> str:
     w = spec.workload
-    if w.kind == "sweep":
-        what = (
-            f"sweep, levels {' '.join(map(str, w.levels))}, {w.requests_per_level} measured requests/level "
-            f"after {w.warmup} warm-up"
-        )
-    elif w.kind == "trace":
-        what = f"trace {w.trace} (time scale {w.time_scale:g})"
-    else:
-        what = f"{w.kind}, rate {w.rate:g}/s"
-    out = str(w.output_tokens) if w.output_tokens else ("trace" if w.kind == "trace" else "const:200")
+    sweep = (
+        f"sweep, levels {' '.join(map(str, w.levels))}, {w.requests_per_level} measured requests/level "
+        f"after {w.warmup} warm-up"
+    )
     return (
         f"profile {profile_name!r}; {spec.servers} servers over {', '.join(spec.kinds)}; "
-        f"workload: {what}; output tokens {out}"
+        f"{describe_workload(w, sweep)}"
     )
 
 
