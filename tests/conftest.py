@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import openai
 import pytest
 from aiohttp import web
 from fakes import FakeBackend
-from helpers import wait_until
+from helpers import start_module, wait_until
 from prometheus_client import CollectorRegistry
 
 from controller.app import FORWARDER, TRACKER, create_app, make_runner, policy_context
@@ -202,27 +201,10 @@ async def start_serve(
 ) -> ServeProcess:
     """Run `specroute serve --port 0 ARGS` and wait for its listening line. `stderr` is piped
     unless DEVNULL is passed (a test that does not read it and makes serve log a lot)."""
-    full_env = {**os.environ, **(env or {})}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "controller.cli",
-        "serve",
-        "--port",
-        "0",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=stderr,
-        env=full_env,
-        preexec_fn=preexec_fn,
-    )
-    assert proc.stdout is not None
-    try:
-        line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
-    except TimeoutError:
-        proc.kill()
-        raise
-    text = line.decode().strip()
+    proc, text = await start_module(
+        "controller.cli", "serve", "--port", "0", *args,
+        stderr=stderr, env={**os.environ, **(env or {})}, preexec_fn=preexec_fn, timeout_s=timeout_s,
+    )  # fmt: skip
     if not text.startswith("specroute listening on "):
         err = await proc.stderr.read() if proc.stderr is not None else b""
         await proc.wait()

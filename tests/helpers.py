@@ -6,6 +6,8 @@
 - `assert_in_flight_zero(url)`: every `specroute_in_flight_requests` sample on a proxy's `/metrics` is 0.
 - `assert_openai_error(body, code)`: an OpenAI-shaped error body with that code and no traceback.
 - `run_command(*args)` / `run_specroute(*args)`: a subprocess run to its end without blocking the loop.
+- `start_module(module, *args)`: `python -m MODULE ARGS` started, its first stdout line read (a
+  server's "listening on URL").
 - `free_port()`, `raise_open_files_limit(n)`.
 """
 
@@ -114,6 +116,30 @@ async def run_command(
 async def run_specroute(*args: str, **kw: Any) -> tuple[int, str, str]:
     """`specroute ARGS` (as `python -m controller.cli`) through `run_command`."""
     return await run_command(sys.executable, "-m", "controller.cli", *args, **kw)
+
+
+async def start_module(
+    module: str,
+    *args: str,
+    stderr: Any = asyncio.subprocess.PIPE,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], Any] | None = None,
+    timeout_s: float = 30.0,
+) -> tuple[asyncio.subprocess.Process, str]:
+    """Start `python -m MODULE ARGS` with stdout piped and return it with its first stdout line
+    (stripped); the process is killed if that line does not come within `timeout_s`."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, *args, stdout=asyncio.subprocess.PIPE, stderr=stderr, env=env,
+        preexec_fn=preexec_fn,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+    return proc, line.decode().strip()
 
 
 def free_port() -> int:

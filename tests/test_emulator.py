@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from helpers import run_specroute, wait_until
+from helpers import run_specroute, start_module, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from policies.profile import resolve_profile
@@ -457,16 +457,12 @@ def test_config_errors_are_clear() -> None:
 
 async def test_emulate_command_prints_its_url_and_stops_on_sigterm() -> None:
     import signal
-    import sys
 
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "controller.cli", "emulate", "--mode", "eagle", "--port", "0",
-        "--time-scale", "0.1", "--hint-factor", "code=1.2",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    proc, line = await start_module(
+        "controller.cli", "emulate", "--mode", "eagle", "--port", "0", "--time-scale", "0.1",
+        "--hint-factor", "code=1.2",
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
         assert line.startswith("emulator (eagle) listening on http://127.0.0.1:"), line
         url = line.rsplit(" ", 1)[1]
         info = await get_json(url + "/server_info")

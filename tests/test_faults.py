@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import openai
 import pytest
-from helpers import assert_in_flight_zero, emulator_running, metric_samples, wait_until
+from helpers import assert_in_flight_zero, emulator_running, metric_samples, start_module, wait_until
 
 if TYPE_CHECKING:
     from conftest import RunningProxy
@@ -46,18 +45,9 @@ class EmulatorProcess:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "simulator.emulate_cli",
-            *self.args,
-            "--port",
-            str(self.port),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
+        proc, line = await start_module(
+            "simulator.emulate_cli", *self.args, "--port", str(self.port), stderr=asyncio.subprocess.DEVNULL
         )
-        assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
         assert " listening on http://" in line, line
         self.port = int(line.rsplit(":", 1)[1])
         self.proc = proc

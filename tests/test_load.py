@@ -12,14 +12,13 @@ import asyncio
 import json
 import random
 import signal
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import pytest
-from helpers import emulator_running, metric_samples, raise_open_files_limit
+from helpers import emulator_running, metric_samples, raise_open_files_limit, start_module, wait_until
 
 pytestmark = pytest.mark.load
 
@@ -57,22 +56,21 @@ class Stack:
 
     async def settle(self, timeout_s: float = 20.0) -> tuple[list[float], int]:
         """Poll until the proxy has nothing in flight and the emulators run nothing."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
+        in_flight: list[float] = []
+        busy = 0
+
+        async def idle() -> bool:
+            nonlocal in_flight, busy
             in_flight, busy = await self.in_flight(), await self.emulator_busy()
-            if (all(v == 0 for v in in_flight) and busy == 0) or loop.time() > deadline:
-                return in_flight, busy
-            await asyncio.sleep(0.1)
+            return all(v == 0 for v in in_flight) and busy == 0
+
+        await wait_until(idle, timeout_s, interval_s=0.1)
+        return in_flight, busy
 
 
 async def _spawn(args: list[str], stderr_path: Path, marker: str) -> tuple[asyncio.subprocess.Process, str]:
     with stderr_path.open("wb") as err:  # a file, not a pipe: an unread pipe could stall the server
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "controller.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=err
-        )
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
+        proc, line = await start_module("controller.cli", *args, stderr=err, timeout_s=60)
     if marker not in line:
         proc.kill()
         await proc.wait()
