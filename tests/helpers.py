@@ -8,6 +8,7 @@
 - `run_command(*args)` / `run_specroute(*args)`: a subprocess run to its end without blocking the loop.
 - `start_module(module, *args)`: `python -m MODULE ARGS` started, its first stdout line read (a
   server's "listening on URL").
+- `listening_url(popen)`: the URL a synchronously started server prints when it listens.
 - `free_port()`, `raise_open_files_limit(n)`.
 """
 
@@ -16,8 +17,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import resource
+import select
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -140,6 +144,24 @@ async def start_module(
         await proc.wait()
         raise
     return proc, line.decode().strip()
+
+
+def listening_url(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> str | None:
+    """Read a text-mode `Popen`'s stdout until a line says "listening on URL"; that URL, or None
+    when the process ends or `timeout_s` passes first (for synchronous tests)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if "listening on " in line:
+                return line.split("listening on ", 1)[1].strip()
+            if line:
+                continue
+        if proc.poll() is not None:
+            return None
+    return None
 
 
 def free_port() -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import shlex
 import shutil
 import signal
@@ -33,6 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import listening_url
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.cli import build_parser
@@ -771,17 +771,9 @@ def _start(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str],
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if ready:
-            line = proc.stdout.readline()
-            m = re.search(r"http://127\.0\.0\.1:\d+", line)
-            if m:
-                return proc, m.group(0)
-        if proc.poll() is not None:
-            break
+    url = listening_url(proc, 60)
+    if url is not None:
+        return proc, url
     proc.kill()
     _, err = proc.communicate(timeout=10)
     pytest.fail(f"`specroute {shlex.join(args)}` did not start: {err[-2000:]}")

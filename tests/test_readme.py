@@ -10,12 +10,11 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, listening_url
 
 from controller.cli import build_parser
 
@@ -100,17 +99,6 @@ def test_offline_examples_run(line: str) -> None:
     assert proc.stdout.strip()
 
 
-def _wait_listening(proc: subprocess.Popen[str], deadline: float) -> None:
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if "listening on" in line:
-            return
-        if not line and proc.poll() is not None:
-            break
-    pytest.fail(f"{proc.args!r} did not start")
-
-
 @pytest.fixture
 def readme_stack() -> Iterator[int]:
     """Run the README's emulate/serve block with free ports; yield the proxy port."""
@@ -131,7 +119,8 @@ def readme_stack() -> Iterator[int]:
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
             procs.append(proc)
-            _wait_listening(proc, time.monotonic() + 60)
+            if listening_url(proc, 60) is None:
+                pytest.fail(f"{proc.args!r} did not start")
         yield int(ports["8000"])
     finally:
         for proc in procs:
