@@ -33,6 +33,16 @@ def _hint_factor(text: str) -> tuple[str, float]:
     return tag, factor
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
+    return port
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "emulate",
@@ -50,7 +60,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"profile file or built-in profile name (default: {DEFAULT_PROFILE})",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=30000, help="port (default: 30000; 0 picks a free one)")
+    p.add_argument("--port", type=_port, default=30000, help="port (default: 30000; 0 picks a free one)")
     p.add_argument("--model", default="specroute-emulated", help="served model name")
     p.add_argument(
         "--time-scale",

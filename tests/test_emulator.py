@@ -475,6 +475,9 @@ async def test_emulate_command_prints_its_url_and_stops_on_sigterm() -> None:
             await proc.wait()
     code, _, err = await run_specroute("emulate", "--mode", "eagle", "--profile", "nope", timeout_s=30)
     assert code == 2 and "no built-in profile 'nope'" in err and "Traceback" not in err
+    for port in ("-1", "65536"):
+        code, _, err = await run_specroute("emulate", "--mode", "baseline", "--port", port, timeout_s=30)
+        assert code == 2 and "expected a port number 0..65535" in err and "Traceback" not in err
 
 
 async def test_spec_tokens_details_chunk_before_usage(emulator: MakeEmu) -> None:
