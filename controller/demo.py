@@ -31,6 +31,7 @@ from controller.bench import run_sweep
 from controller.bench_result import LevelSummary
 from policies.base import POOLS, Pool
 from policies.profile import ProfileError, resolve_profile
+from policies.registry import PolicyError, default_registry
 
 DEFAULT_PROFILE = "kimi-k25-int4-8gpu"
 DEFAULT_LEVELS = (1, 2, 5, 10, 30, 70)
@@ -255,8 +256,10 @@ def write_plot(rows: list[Row], scale: float, path: Path, title: str) -> str:
     axes[0].legend()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
     return f"plot written to {path.resolve()}"
 
 
@@ -317,6 +320,14 @@ def _check_args(args: argparse.Namespace) -> str | None:
         resolve_profile(args.profile)
     except ProfileError as e:
         return str(e)
+    try:
+        default_registry().get(args.policy)
+    except PolicyError as e:
+        return str(e)
+    if not args.no_plot:
+        folder = Path(args.plot).parent
+        if not folder.is_dir():
+            return f"--plot {args.plot}: {folder} is not an existing directory"
     return None
 
 
@@ -341,7 +352,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"done in {took:.0f} s; n = measured requests per way and level; decode ± is a 95% t-interval")
     if not args.no_plot and rows:
         title = f"specroute demo ({resolve_profile(args.profile).name}; policy {args.policy})"
-        print(write_plot(rows, args.time_scale, Path(args.plot), title))
+        try:
+            print(write_plot(rows, args.time_scale, Path(args.plot), title))
+        except OSError as e:
+            print(f"specroute demo: error: cannot write the plot to {args.plot}: {e}", file=sys.stderr)
+            return 1
     return 0
 
 

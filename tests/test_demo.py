@@ -99,3 +99,11 @@ async def test_bad_arguments_are_reported_without_starting_anything() -> None:
     code, _, err = await run_specroute("demo", "--profile", "no-such-profile", timeout_s=60)
     assert code == 2
     assert "no built-in profile 'no-such-profile'" in err and "Traceback" not in err
+    cases = [
+        (["--policy", "no-such-policy"], "unknown policy 'no-such-policy'"),
+        (["--plot", "/no/such/dir/demo.png"], "/no/such/dir is not an existing directory"),
+    ]
+    for argv, needle in cases:
+        code, out, err = await run_specroute("demo", *argv, timeout_s=60)
+        assert code == 2 and needle in err and "Traceback" not in err, (argv, err)
+        assert "emulated SGLang" not in out  # nothing started
