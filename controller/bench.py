@@ -87,6 +87,10 @@ class BenchConfig:
             raise ValueError("warm-up requests must be >= 0")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if not self.timeout_s > 0 or self.timeout_s == float("inf"):
+            raise ValueError(
+                f"the per-request timeout must be a positive number of seconds, got {self.timeout_s}"
+            )
         if self.endpoint not in ("chat", "completions"):
             raise ValueError(f"endpoint must be 'chat' or 'completions', got {self.endpoint!r}")
         if not self.url.startswith(("http://", "https://")):

@@ -173,7 +173,10 @@ def run_bench(args: argparse.Namespace) -> int:
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
         if args.profile_out:
-            _write_profile(profile, args.profile_out)
+            try:
+                _write_profile(profile, args.profile_out)
+            except OSError as e:
+                return _fail("bench", f"cannot write {args.profile_out}: {e.strerror or e}")
             print(f"wrote {args.profile_out}: {len(profile.mode(args.mode).points)} points ({args.mode})")
         else:
             sys.stdout.write(profile.to_json())
@@ -338,6 +341,9 @@ def run_profile_merge(args: argparse.Namespace) -> int:
         merged = merge_profiles([(p, resolve_profile(p)) for p in args.inputs], args.name)
     except ProfileError as e:
         return _fail("profile merge", str(e))
-    _write_profile(merged, args.out)
+    try:
+        _write_profile(merged, args.out)
+    except OSError as e:
+        return _fail("profile merge", f"cannot write {args.out}: {e.strerror or e}")
     print(f"wrote {args.out}: modes {', '.join(merged.modes)}")
     return 0

@@ -361,6 +361,7 @@ async def test_bad_input_gives_clear_errors(tmp_path: Path) -> None:
         (["bench", "127.0.0.1:9"], "http://"),
         (["bench", "http://127.0.0.1:9", "--concurrency", "1", "--no-progress"], "cannot reach"),
         (["bench", "--concurrency", "0"], "must be >= 1"),
+        (["bench", "http://127.0.0.1:9", "--timeout", "0"], "timeout must be a positive number"),
     ]
     for argv, needle in cases:
         code, _, err = await run_specroute(*argv, timeout_s=90)

@@ -154,6 +154,8 @@ def test_profile_merge(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     err = capsys.readouterr().err
     assert "have a 'eagle' mode" in err and "Traceback" not in err
     assert not (tmp_path / "x.json").exists()
+    assert main(["profile", "merge", a, b, "-o", str(tmp_path / "no" / "m.json")]) == 2
+    assert "cannot write" in capsys.readouterr().err
 
 
 def test_import_sglang_sample(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,6 +189,11 @@ def test_import_sglang_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert needle in err and "Traceback" not in err
     assert main(["bench", "--import-sglang", str(SAMPLE)]) == 2
     assert "--mode" in capsys.readouterr().err
+    missing = tmp_path / "no" / "p.json"
+    assert (
+        main(["bench", "--import-sglang", str(SAMPLE), "--mode", "eagle", "--profile-out", str(missing)]) == 2
+    )
+    assert f"cannot write {missing}" in capsys.readouterr().err
     # without --profile-out the profile goes to stdout
     assert main(["bench", "--import-sglang", str(SAMPLE), "--mode", "baseline"]) == 0
     data = json.loads(capsys.readouterr().out)
