@@ -554,6 +554,9 @@ def test_systemd_units_structure() -> None:
     (stop,) = specroute["Service"]["TimeoutStopSec"]
     assert _seconds(stop) > drain, "systemd would SIGKILL specroute before its drain ends"
     assert specroute["Service"]["KillSignal"] == ["SIGTERM"]
+    # `systemctl reload` re-reads the config: SIGHUP to the main process (serve's reload signal)
+    (reload,) = specroute["Service"]["ExecReload"]
+    assert re.fullmatch(r"(/usr)?/bin/kill -(HUP|s HUP|SIGHUP) \$MAINPID", reload), reload
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
