@@ -11,13 +11,14 @@ import gzip
 import json
 import resource
 import signal
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
-from helpers import assert_openai_error, raise_open_files_limit
+from helpers import assert_openai_error, raise_open_files_limit, wait_until
 
 CHAT = [{"role": "user", "content": "hello"}]
 BODY = {"model": "m", "messages": CHAT, "stream": True}
@@ -330,4 +331,29 @@ async def test_content_encoding_is_decoded_once_or_rejected(fake_backend, proxy,
     assert len(fb.requests) == 1
     assert "Traceback" not in caplog.text
     await _normal_request(p.base_url)
+    assert p.in_flight_samples() == [0.0]
+
+
+async def test_client_that_stops_reading_releases_its_slot(fake_backend, proxy):
+    """A client that sends a streaming request and then never reads: once the socket buffers are
+    full the proxy cannot deliver anything for idle_timeout_s, so it gives up the stream, closes
+    the upstream request (the backend sees the abort) and releases the slot; others are served."""
+    fb = await fake_backend(chunks=400_000)  # ~50 MB of events: far more than the socket buffers hold
+    p = await proxy(baseline=[fb.url], policy="fixed", idle_timeout_s=1.0, health_checks=False)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", _port(p.url)))
+    try:
+        body = json.dumps({**BODY, "max_tokens": 400_000}).encode()
+        await loop.sock_sendall(sock, _request("/v1/chat/completions", body))
+        assert await wait_until(lambda: fb.active == 1, 5)
+        fb.chunks = 8  # later requests get short answers
+        await _normal_request(p.base_url)  # served while the stuck reader holds its stream
+        assert await wait_until(lambda: p.tracker.total_in_flight == 0, 30), p.in_flight_samples()
+        assert await wait_until(lambda: fb.aborted == 1 and fb.active == 0, 5)
+    finally:
+        sock.close()
+    assert fb.completed == 1  # only the normal request ran to its end
     assert p.in_flight_samples() == [0.0]
