@@ -9,6 +9,7 @@ the others run in-process so their fault knobs can be turned while traffic runs.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 from helpers import assert_in_flight_zero, emulator_running, metric_samples, start_module, wait_until
 
 if TYPE_CHECKING:
@@ -461,3 +463,62 @@ async def test_both_backends_unreachable_give_503(unreachable, proxy):
         async with s.get(p.url + "/health") as r:
             assert r.status == 200
     await assert_in_flight_zero(p.url)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="controller gap: _Run._break in controller/forward.py appends the error event right after "
+    "the last relayed bytes, which may end inside an event, so the client gets one garbled event (a JSON "
+    "decode error) instead of the OpenAI-shaped error",
+)
+@pytest.mark.parametrize("fault", ["stall", "die"])
+async def test_stream_broken_mid_event_still_ends_with_a_parseable_error_event(fault, proxy):
+    """The backend's last bytes end in the middle of an SSE event (a process killed mid-write, or
+    a stall between two TCP segments). The error event specroute appends must still be a whole,
+    parseable event: the client has to see the OpenAI-shaped error, not a JSON decode error."""
+    chunk = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": "a"}}],
+    }
+    event = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    async def half_event(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(event)
+        await asyncio.sleep(0.2)  # the proxy has relayed the first event
+        await resp.write(event[:40])  # half of the next one
+        await asyncio.sleep(0.2)
+        if fault == "die":
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        await asyncio.sleep(3600)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", half_event)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        p = await proxy(baseline=[url], policy="fixed", idle_timeout_s=0.5, health_checks=False)
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                p.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT, "stream": True}
+            ) as r,
+        ):
+            body = await asyncio.wait_for(r.read(), 10)
+        events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
+        assert events[-1] == b"[DONE]", body
+        assert json.loads(events[0])["choices"][0]["delta"]["content"] == "a"
+        error = json.loads(events[-2])  # a whole event, not glued to the backend's half one
+        assert set(error["error"]) == {"message", "type", "param", "code"}
+        assert error["error"]["code"] == "stream_broken"
+        await assert_in_flight_zero(p.url)
+    finally:
+        await runner.cleanup()
