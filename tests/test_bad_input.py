@@ -357,3 +357,23 @@ async def test_client_that_stops_reading_releases_its_slot(fake_backend, proxy):
         sock.close()
     assert fb.completed == 1  # only the normal request ran to its end
     assert p.in_flight_samples() == [0.0]
+
+
+async def test_gzip_bomb_is_refused_by_its_decoded_size(fake_backend, proxy):
+    """The body limit counts decoded bytes: 100 kB of gzip that inflate to 50 MB get a 413 at
+    once, without the proxy inflating the whole thing."""
+    fb = await fake_backend(chunks=2)
+    p = await proxy(baseline=[fb.url], policy="fixed", body_limit_bytes=64 * 1024, health_checks=False)
+    bomb = gzip.compress(b'{"messages": [], "x": "' + b"a" * 50_000_000 + b'"}', 9)
+    assert len(bomb) < 100_000
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(p.url + "/v1/chat/completions", data=bomb, headers=headers) as r,
+    ):
+        body = await r.json()
+    assert r.status == 413
+    assert_openai_error(body, "payload_too_large")
+    assert fb.requests == []
+    await _normal_request(p.base_url)
+    assert p.in_flight_samples() == [0.0]
