@@ -190,6 +190,7 @@ def _tune_main(args: argparse.Namespace) -> int:
         total = 1
         for _, values in grid:
             total *= len(values)
+        skipped: list[tuple[dict[str, Any], str]] = []
         with tqdm(total=total, desc="grid points", unit="pt", file=sys.stderr) as bar:
             ranking = tune(
                 profile,
@@ -205,7 +206,11 @@ def _tune_main(args: argparse.Namespace) -> int:
                 jobs=args.jobs,
                 buckets=buckets_from_args(args),
                 progress=bar.update,
+                on_skip=lambda point, reason: skipped.append((point, reason)),
             )
+        for point, reason in skipped:
+            shown = ",".join(f"{k}={point[k]}" for k, _ in grid)
+            print(f"warning: grid point {shown} skipped: {reason}", file=sys.stderr)
         print(_describe(spec, profile))
         print(
             f"objective: {args.objective} "

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from policies.profile import Profile
-from policies.registry import PolicyRegistry
+from policies.registry import PolicyError, PolicyRegistry
 from simulator.results import Slo, goodput
 from simulator.runner import PolicyChoice, is_single_pool, run, typed_params
 from simulator.servers import DEFAULT_ADAPTIVE_BUCKETS, ServerKind
@@ -55,6 +55,40 @@ def grid_points(base: Mapping[str, Any], grid: Sequence[tuple[str, list[str]]]) 
     return [
         {**base, **dict(zip(keys, combo, strict=True))} for combo in itertools.product(*(v for _, v in grid))
     ]
+
+
+def valid_points(
+    registry: PolicyRegistry,
+    policy: str,
+    base: Mapping[str, Any],
+    grid: Sequence[tuple[str, list[str]]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[tuple[dict[str, Any], str]]]:
+    """The grid points the policy accepts, their typed parameters, and the rejected points with
+    the reason.
+
+    A combination the policy rejects is skipped; a value that no combination makes valid (e.g.
+    threshold=0) is the user's error and raises the policy's PolicyError, as does a grid with
+    no valid point at all."""
+    points: list[dict[str, Any]] = []
+    typed: list[dict[str, Any]] = []
+    skipped: list[tuple[dict[str, Any], str]] = []
+    first_error: PolicyError | None = None
+    for point in grid_points(base, grid):
+        try:
+            typed.append(typed_params(registry, PolicyChoice(policy, point)))
+        except PolicyError as e:
+            first_error = first_error or e
+            skipped.append((point, str(e)))
+        else:
+            points.append(point)
+    if first_error is not None and not points:
+        raise first_error
+    for key, values in grid:
+        for value in values:
+            if not any(p[key] == value for p in points):
+                reason = next(r for p, r in skipped if p[key] == value)
+                raise PolicyError(f"--grid {key}={value} is valid in no combination: {reason}")
+    return points, typed, skipped
 
 
 @dataclass(frozen=True)
@@ -120,14 +154,22 @@ def tune(
     jobs: int = 1,
     buckets: Sequence[tuple[int, float]] = DEFAULT_ADAPTIVE_BUCKETS,
     progress: Callable[[int], object] | None = None,
+    on_skip: Callable[[dict[str, Any], str], object] | None = None,
 ) -> list[PointResult]:
-    """Evaluate every grid point; returns the ranking (best first)."""
+    """Evaluate every valid grid point; returns the ranking (best first).
+
+    Combinations the policy rejects (e.g. threshold's hysteresis >= threshold) are passed to
+    `on_skip` and left out; see `valid_points` for when a bad grid is an error instead."""
     if objective not in OBJECTIVES:
         raise TuneError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
     if is_single_pool(deployment):
         raise TuneError("tune needs a deployment with both pools (the policy routes between them)")
-    points = grid_points(base_params, grid)
-    typed = [typed_params(registry, PolicyChoice(policy, p)) for p in points]  # fails fast on bad values
+    points, typed, skipped = valid_points(registry, policy, base_params, grid)
+    for point, reason in skipped:
+        if on_skip:
+            on_skip(point, reason)
+        if progress:
+            progress(1)
     tasks = [
         Task(
             profile, PolicyChoice(policy, p), tuple(deployment), workload, seed, tuple(buckets), slo or Slo()

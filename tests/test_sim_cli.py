@@ -271,3 +271,30 @@ def test_tune_goodput_needs_an_slo(tmp_path: Path, capsys: pytest.CaptureFixture
     code, out, err = cli(capsys, *args, "--slo-ttft", "0.3", "--slo-tpot", "0.05")
     assert code == 0, err
     assert "higher is better" in out
+
+
+def test_tune_skips_combinations_the_policy_rejects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = [
+        "tune", "--profile", PROFILE, "--policy", "threshold", "--concurrency", "1", "10",
+        "--requests-per-level", "10", "--jobs", "1",
+    ]  # fmt: skip
+    out_file = tmp_path / "t.yaml"
+    # threshold's hysteresis must be smaller than its threshold: (1, 1) is not a valid point
+    code, out, err = cli(
+        capsys, *base, "--grid", "threshold=1,2", "--grid", "hysteresis=0,1", "--out", str(out_file)
+    )
+    assert code == 0, err
+    ranks = [line for line in out.splitlines() if line.lstrip()[:1].isdigit()]
+    assert len(ranks) == 3 and not any("threshold=1,hysteresis=1" in r for r in ranks)
+    assert "warning: grid point threshold=1,hysteresis=1 skipped" in err
+    assert yaml.safe_load(out_file.read_text())["policy_params"]["hysteresis"] in (0, 1)
+    # a value valid in no combination is still the user's error
+    code, _, err = cli(capsys, *base, "--grid", "threshold=0,2", "--out", str(tmp_path / "u.yaml"))
+    assert code == 2 and "--grid threshold=0 is valid in no combination" in err
+    code, _, err = cli(
+        capsys, *base, "--grid", "threshold=1", "--grid", "hysteresis=1", "--out", str(tmp_path / "v.yaml")
+    )
+    assert code == 2 and "hysteresis must be smaller than threshold" in err
+    assert not (tmp_path / "u.yaml").exists() and not (tmp_path / "v.yaml").exists()
