@@ -40,7 +40,7 @@ from simulator.plan_stats import Interval, Margin, interval, paired_margin
 from simulator.results import Slo
 from simulator.runner import SINGLE_POOL_POLICY, PolicyChoice, is_single_pool, typed_params
 from simulator.servers import DEFAULT_ADAPTIVE_BUCKETS, SERVER_KINDS, ServerKind, build_deployment
-from simulator.tuner import Objective, Task, evaluate, grid_points, score_of
+from simulator.tuner import Objective, Task, evaluate, score_of, valid_points
 from simulator.workloads import WorkloadSpec
 
 Deployment = tuple[tuple[ServerKind, int], ...]
@@ -153,8 +153,14 @@ def candidates(spec: PlanSpec, dep: Deployment, registry: PolicyRegistry) -> lis
     for policy in spec.policies:
         base = dict(spec.base_params.get(policy, {}))
         grid = spec.grids.get(policy)
-        points = grid_points(base, grid) if grid else [{**base, **p} for p in default_grid(policy, dep)]
-        for p in points:
+        if grid:  # combinations the policy rejects are left out (as `specroute tune` does)
+            try:
+                typed = valid_points(registry, policy, base, grid)[1]
+            except ValueError as e:  # PolicyError
+                raise PlanError(f"policy {policy!r}: {e}") from None
+            out.extend(PolicyChoice(policy, t) for t in typed)
+            continue
+        for p in [{**base, **p} for p in default_grid(policy, dep)]:
             try:
                 out.append(PolicyChoice(policy, typed_params(registry, PolicyChoice(policy, p))))
             except ValueError as e:  # PolicyError: name the policy and the point

@@ -4,6 +4,7 @@ figures, determinism across --jobs, and the written config checked and served fo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import signal
@@ -102,6 +103,23 @@ def test_default_grids_are_valid_and_scale_thresholds_with_the_eagle_pool() -> N
     assert [c.name for c in candidates(spec, (("eagle", 4),), registry)] == ["least_loaded"]
     # 3 mixed deployments x 14 points + 5 deployments, x 3 loads x 3 seeds
     assert count_simulations(spec, registry) == 3 * 3 * (3 * 14 + 5)
+
+
+def test_user_grids_leave_out_combinations_the_policy_rejects() -> None:
+    grid = [("threshold", ["1", "4"]), ("hysteresis", ["0", "1", "2"])]
+    spec = PlanSpec(
+        servers=2, kinds=("baseline", "eagle"), workload=small_sweep(1), objective="mean_e2e_s",
+        policies=("threshold",), grids={"threshold": grid},
+    )  # fmt: skip
+    registry = default_registry(entry_points=False)
+    points = [c.params for c in candidates(spec, (("baseline", 1), ("eagle", 1)), registry)]
+    # hysteresis must be smaller than threshold: (1, 1) and (1, 2) are not points
+    assert points == [{"threshold": 1, "hysteresis": 0}] + [
+        {"threshold": 4, "hysteresis": h} for h in (0, 1, 2)
+    ]
+    bad = dataclasses.replace(spec, grids={"threshold": [("threshold", ["0", "4"])]})
+    with pytest.raises(PlanError, match="threshold=0 is valid in no combination"):
+        candidates(bad, (("baseline", 1), ("eagle", 1)), registry)
 
 
 def test_load_factors_scale_concurrency_rate_and_trace_speed() -> None:
