@@ -44,6 +44,8 @@ class Pacing:
     slow_from: int | None = None
     """Requests from this index on take 1 s per token (to interrupt a level mid-way)."""
     """Request i uses interval_s * interval_factors[i % len]: a known spread."""
+    info_path: str = "/server_info"
+    """Where the fake answers server info (older SGLang: /get_server_info)."""
     server_info: dict[str, Any] | None = field(
         default_factory=lambda: {
             "max_running_requests": 48,
@@ -67,7 +69,7 @@ class FakeSGLang:
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/server_info", self.info)
+        app.router.add_get(self.pacing.info_path, self.info)
         return app
 
     async def models(self, request: web.Request) -> web.Response:
@@ -247,6 +249,14 @@ async def test_missing_server_info_is_recorded_as_null(server: Running) -> None:
     assert info["avg_spec_accept_length"] is None and info["max_running_requests"] is None
     profile = result.to_profile("eagle")
     assert profile.mode("eagle").accept_length is None
+
+
+@pytest.mark.parametrize("server", [Pacing(info_path="/get_server_info")], indirect=True)
+async def test_older_get_server_info_is_read_when_server_info_is_missing(server: Running) -> None:
+    result = await run_sweep(server.url, levels=[1], requests_per_level=2, warmup=0, max_tokens=4)
+    info = result.metadata["server_info"]
+    assert info["endpoint"] == "/get_server_info"
+    assert info["avg_spec_accept_length"] == 2.5 and info["max_running_requests"] == 48
 
 
 def test_builtin_prompt_sets_are_large_enough() -> None:
