@@ -275,15 +275,8 @@ def _better(a: float, b: float, higher_is_better: bool) -> bool:
     return a > b if higher_is_better else a < b
 
 
-def plan(
-    profile: Profile,
-    spec: PlanSpec,
-    *,
-    registry: PolicyRegistry,
-    jobs: int = 1,
-    progress: Callable[[int], object] | None = None,
-) -> PlanResult:
-    """Tune, evaluate and rank every deployment at every load factor."""
+def check_spec(spec: PlanSpec) -> None:
+    """The spec's own settings (seeds, loads, tie tolerance, SLOs); PlanError when wrong."""
     if not spec.seeds:
         raise PlanError("at least one seed is needed")
     if len(set(spec.seeds)) != len(spec.seeds):
@@ -296,6 +289,18 @@ def plan(
         raise PlanError("the tie tolerance must be between 0 and 100 percent")
     if spec.objective == "goodput" and spec.slo.ttft_s is None and spec.slo.tpot_s is None:
         raise PlanError("--objective goodput needs --slo-ttft and/or --slo-tpot")
+
+
+def plan(
+    profile: Profile,
+    spec: PlanSpec,
+    *,
+    registry: PolicyRegistry,
+    jobs: int = 1,
+    progress: Callable[[int], object] | None = None,
+) -> PlanResult:
+    """Tune, evaluate and rank every deployment at every load factor."""
+    check_spec(spec)
     if not spec.policies:
         raise PlanError("at least one policy is needed (--policies)")
     for name in spec.policies:

@@ -29,6 +29,7 @@ from simulator.plan import (
     DEFAULT_TIE_WITHIN,
     PlanError,
     PlanSpec,
+    check_spec,
     count_simulations,
     plan,
 )
@@ -222,6 +223,7 @@ def _main(args: argparse.Namespace) -> int:
         spec = _spec(args)
         if args.jobs < 1:
             raise PlanError("--jobs must be >= 1")
+        check_spec(spec)  # before the progress bar appears
         generate(spec.workload, spec.seeds[0])  # a bad trace fails here, before any worker starts
         _warn_transient(spec)
         registry = default_registry()

@@ -413,3 +413,23 @@ def test_profile_without_an_eagle_mode(tmp_path: Path, capsys: pytest.CaptureFix
     assert specroute([*argv, "--kinds", "baseline", "--out", str(tmp_path / "b.yaml"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["winner"] == "baseline=2" and doc["loads"][1]["ranking"][0]["margin_to_next"] is None
+
+
+def test_bad_settings_fail_before_the_progress_bar(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    base = [
+        "plan",
+        "--profile",
+        KIMI,
+        "--servers",
+        "2",
+        "--concurrency",
+        "1",
+        "--out",
+        str(tmp_path / "c.yaml"),
+    ]
+    for extra, message in ((["--loads", "0"], "load factors"), (["--tie-within", "-1"], "tie tolerance")):
+        assert specroute([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "simulations" not in err, err
