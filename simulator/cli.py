@@ -25,7 +25,7 @@ from simulator.report import align_columns, format_table, write_report
 from simulator.results import RunResult, Slo
 from simulator.runner import PolicyChoice, is_single_pool, run
 from simulator.servers import ServerKind, parse_deployment
-from simulator.tuner import OBJECTIVES, config_text, parse_grid, tune, write_config
+from simulator.tuner import OBJECTIVES, config_text, parse_grid, tune, valid_points, write_config
 from simulator.workloads import WorkloadSpec, generate
 
 
@@ -187,9 +187,8 @@ def _tune_main(args: argparse.Namespace) -> int:
         base_params = parse_key_values(args.policy_param, "--policy-param")
         grid = parse_grid(args.grid)
         registry = default_registry()
-        total = 1
-        for _, values in grid:
-            total *= len(values)
+        points, _, rejected = valid_points(registry, args.policy, base_params, grid)  # before the bar
+        total = len(points) + len(rejected)
         skipped: list[tuple[dict[str, Any], str]] = []
         with tqdm(total=total, desc="grid points", unit="pt", file=sys.stderr) as bar:
             ranking = tune(

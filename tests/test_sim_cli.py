@@ -293,6 +293,7 @@ def test_tune_skips_combinations_the_policy_rejects(
     # a value valid in no combination is still the user's error
     code, _, err = cli(capsys, *base, "--grid", "threshold=0,2", "--out", str(tmp_path / "u.yaml"))
     assert code == 2 and "--grid threshold=0 is valid in no combination" in err
+    assert "grid points" not in err  # reported before the progress bar starts
     code, _, err = cli(
         capsys, *base, "--grid", "threshold=1", "--grid", "hysteresis=1", "--out", str(tmp_path / "v.yaml")
     )
