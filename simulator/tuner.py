@@ -229,4 +229,7 @@ def write_config(path: str | Path, text: str) -> None:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text, encoding="utf-8")
     except OSError as e:
-        raise TuneError(f"{p}: cannot write config: {e.strerror or e}") from None
+        # mkdir over a file says only "File exists"
+        blocker = next((d for d in p.parents if d.exists() and not d.is_dir()), None)
+        detail = f"{blocker} is not a directory" if blocker is not None else e.strerror or e
+        raise TuneError(f"{p}: cannot write config: {detail}") from None

@@ -299,3 +299,11 @@ def test_tune_skips_combinations_the_policy_rejects(
     )
     assert code == 2 and "hysteresis must be smaller than threshold" in err
     assert not (tmp_path / "u.yaml").exists() and not (tmp_path / "v.yaml").exists()
+
+
+def test_tune_out_below_a_file_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    args = tune_args(blocker / "best.yaml", 1)
+    code, _, err = cli(capsys, *args)
+    assert code == 2 and f"cannot write config: {blocker} is not a directory" in err
