@@ -77,7 +77,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="N",
         help="warm-up requests per level, not counted (default: %(default)s)",
     )
-    b.add_argument("--max-tokens", type=_positive_int, default=200, metavar="N")
+    b.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=200,
+        metavar="N",
+        help="output tokens per request (default: 200)",
+    )
     b.add_argument(
         "--prompts",
         default="coding",
@@ -85,10 +91,15 @@ def add_parser(subparsers: Any) -> None:
         help="built-in set 'coding' (default) or 'general', or a JSONL file with "
         '{"messages": [...]} or {"prompt": "..."} per line',
     )
-    b.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    b.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="/v1/chat/completions (default) or /v1/completions",
+    )
     b.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
     b.add_argument("--label", default=None, help="name of this run in results and comparisons")
-    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent (default: 0.0)")
     b.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (SGLang extension)")
     b.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout")
     b.add_argument(

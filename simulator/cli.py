@@ -82,7 +82,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="Adaptive server: speculation depth (0..1) below each batch size; 0 beyond the last "
         "(default 8:1,32:0.667,64:0.333).",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="Random seed of the workload and the run (default 0).")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -110,9 +110,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Simulate every grid point, rank them, and write the best as a serve config.",
     )
     _add_common(t)
-    t.add_argument("--policy", required=True, metavar="NAME")
-    t.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...", required=True)
-    t.add_argument("--objective", choices=OBJECTIVES, default="mean_e2e_s")
+    t.add_argument(
+        "--policy", required=True, metavar="NAME", help="Policy to tune (a built-in name or module:Class)."
+    )
+    t.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        required=True,
+        help="Values to try for a policy parameter (repeat for more keys: every combination is run).",
+    )
+    t.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="mean_e2e_s",
+        help="What to optimise: latencies are minimised, goodput (requests/s meeting the SLOs) "
+        "maximised (default mean_e2e_s).",
+    )
     t.add_argument("--slo-ttft", type=float, help="TTFT SLO in seconds (goodput).")
     t.add_argument("--slo-tpot", type=float, help="Time-per-output-token SLO in seconds (goodput).")
     t.add_argument("--out", required=True, metavar="FILE", help="Config file to write (YAML).")

@@ -47,7 +47,13 @@ def add_workload_args(
     --warmup-requests default to None: `workload_from_args` then sizes them to the highest
     concurrency planned."""
     w = p.add_argument_group(title)
-    w.add_argument("--workload", choices=WORKLOAD_KINDS, default="sweep")
+    w.add_argument(
+        "--workload",
+        choices=WORKLOAD_KINDS,
+        default="sweep",
+        help="Closed-loop concurrency sweep, open-loop Poisson or bursty arrivals, or a trace replay "
+        "(default sweep).",
+    )
     w.add_argument(
         "--concurrency",
         type=int,

@@ -57,7 +57,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="Server kinds to consider (default baseline,eagle,adaptive; adaptive only as "
         "an all-adaptive deployment).",
     )
-    p.add_argument("--objective", choices=OBJECTIVES, default="mean_e2e_s")
+    p.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="mean_e2e_s",
+        help="What to optimise: latencies are minimised, goodput (requests/s meeting the SLOs) "
+        "maximised (default mean_e2e_s).",
+    )
     p.add_argument("--slo-ttft", type=float, help="TTFT SLO in seconds (goodput).")
     p.add_argument("--slo-tpot", type=float, help="Time-per-output-token SLO in seconds (goodput).")
     p.add_argument(

@@ -307,3 +307,15 @@ def test_tune_out_below_a_file_names_the_file(tmp_path: Path, capsys: pytest.Cap
     args = tune_args(blocker / "best.yaml", 1)
     code, _, err = cli(capsys, *args)
     assert code == 2 and f"cannot write config: {blocker} is not a directory" in err
+
+
+def test_every_option_of_the_simulator_bench_and_demo_commands_has_help() -> None:
+    import argparse
+
+    from controller.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("emulate", "demo", "simulate", "tune", "plan", "bench", "compare"):
+        parser = sub.choices[name]
+        missing = [a.option_strings or [a.dest] for a in parser._actions if not a.help]
+        assert missing == [], (name, missing)
