@@ -274,7 +274,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"speed profile (default: {DEFAULT_PROFILE})")
     p.add_argument("--policy", default="cost_model", help="specroute policy (default: cost_model)")
-    p.add_argument("--levels", type=int, nargs="+", help=f"concurrency levels (default: {DEFAULT_LEVELS})")
+    p.add_argument(
+        "--levels",
+        type=int,
+        nargs="+",
+        help=f"concurrency levels (default: {' '.join(map(str, DEFAULT_LEVELS))})",
+    )
     p.add_argument("--max-tokens", type=int, help="output tokens per request (default: 64; --quick: 32)")
     p.add_argument(
         "--time-scale",

@@ -107,3 +107,5 @@ async def test_bad_arguments_are_reported_without_starting_anything() -> None:
         code, out, err = await run_specroute("demo", *argv, timeout_s=60)
         assert code == 2 and needle in err and "Traceback" not in err, (argv, err)
         assert "emulated SGLang" not in out  # nothing started
+    code, out, _ = await run_specroute("demo", "--help", timeout_s=60)
+    assert code == 0 and "(default: 1 2 5 10 30 70)" in out  # the levels as a user types them
