@@ -314,3 +314,19 @@ def test_prefill_cost_when_the_profile_gives_it() -> None:
     raw = simulate(servers, None, batch)
     assert raw.first_token[0] == pytest.approx(0.1 + 2.0)
     assert raw.finish[0] == pytest.approx(2.1 + 0.1)
+
+
+def test_goodput_counts_requests_meeting_both_slos_per_second() -> None:
+    from simulator.results import Samples, Slo, goodput
+
+    def part(ttft: list[float], tpot: list[float | None], makespan: float) -> Samples:
+        n = len(ttft)
+        return Samples(ttft, [1.0] * n, [50.0] * n, tpot, 100.0 * n, makespan, {"baseline": n})
+
+    a = part([0.1, 0.5, 0.2, 0.1], [0.01, 0.01, 0.10, None], 10.0)  # None: a one-token answer
+    b = part([0.1], [0.02], 10.0)
+    # both SLOs: requests 1 and 4 of a, and b's -> 3 over 20 s
+    assert goodput([a, b], Slo(ttft_s=0.3, tpot_s=0.05)) == pytest.approx(3 / 20)
+    assert goodput([a, b], Slo(ttft_s=0.3)) == pytest.approx(4 / 20)  # an unset SLO always holds
+    assert goodput([a, b], Slo(tpot_s=0.05)) == pytest.approx(4 / 20)
+    assert goodput([a], Slo()) == pytest.approx(4 / 10)
