@@ -230,6 +230,10 @@ def run_policies(args: argparse.Namespace) -> int:
         for key, typ, default, help_ in spec.describe_params():
             print(f"    --policy-param {key}=<{typ}>  default {default}  {help_}")
         print()
+    for name, problem in sorted(registry.broken().items()):
+        print(f"{name}  (installed plugin that failed to load: not usable)")
+        print(f"    {problem}")
+        print()
     return 0
 
 

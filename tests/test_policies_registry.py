@@ -151,3 +151,28 @@ def test_custom_spec_registration() -> None:
     assert reg.names() == ["mine"]
     with pytest.raises(PolicyError, match="known policies: mine"):
         reg.get("yours")
+
+
+def test_policies_command_lists_entry_point_plugins_and_broken_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controller.cli import main
+
+    dist = tmp_path / "specroute_fake_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: specroute-fake-plugin\nVersion: 1.0\n", encoding="utf-8"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[specroute.policies]\n"
+        "alternating = plugin_policy_example:AlternatingPolicy\n"
+        "broken = no_such_module_xyz:Policy\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    assert "alternating" in out.splitlines() and "--policy-param first=" in out  # listed with its parameters
+    # a plugin that fails to load is named with the reason, not silently left out
+    assert "broken  (installed plugin that failed to load" in out
+    assert "no_such_module_xyz" in out
