@@ -65,6 +65,7 @@ MODE_HEADER = "x-specroute-mode"
 HINT_HEADER = "x-specroute-hint"
 _HINT_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _USAGE_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_MAX_HELD_BACK = 1 << 16  # bytes of an unfinished SSE event held back before relaying anyway
 _REQUEST_DROP = frozenset(
     {
         "host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
@@ -367,6 +368,13 @@ class Forwarder:
         except BaseException as e:
             if resp is not None:
                 resp.close()
+            if isinstance(e, aiohttp.ConnectionTimeoutError):
+                # The host never completed the TCP handshake: unreachable, like a refusal.
+                raise UpstreamFailure(
+                    BackendFailed(f"backend {url} did not accept the connection in time"),
+                    mark_unhealthy=True,
+                    timeout=False,
+                ) from None
             if isinstance(e, TimeoutError):
                 raise UpstreamFailure(
                     BackendTimeout(f"backend {url} timed out before the first byte"),
@@ -562,13 +570,25 @@ class _Run:
             slack = idle / 8
             last = loop.time()
             chunk = up.head
+            # Bytes after the last complete SSE event are held back until the event is whole, so
+            # an error event sent after a break never lands inside a torn one. SGLang writes whole
+            # events, so this is normally empty; it is bounded in case a backend never sends "\n\n".
+            pending = b""
             try:
                 async with asyncio.timeout(idle) as timer:
                     while chunk:
                         tail[0], tail[1], tail[2] = tail[1], tail[2], chunk
                         if content.at_eof():
                             break  # the last piece goes out with the terminating chunk, in one write
-                        await sr.write(chunk)
+                        if pending:
+                            chunk, pending = pending + chunk, b""
+                        if not chunk.endswith(b"\n\n") and len(chunk) < _MAX_HELD_BACK:
+                            end = chunk.rfind(b"\n\n") + 2
+                            if end == 1:  # not one event in it is complete yet
+                                end = 0
+                            chunk, pending = chunk[:end], chunk[end:]
+                        if chunk:
+                            await sr.write(chunk)
                         chunk = await content.readany()
                         now = loop.time()
                         if now - last >= slack:  # re-arming per chunk would cost a timer each
@@ -588,7 +608,7 @@ class _Run:
             clean = True
             self.status = "ok" if resp.status < 400 and not up.retryable else "error"
             self.tokens = completion_tokens(b"".join(tail))
-            await sr.write_eof(chunk)
+            await sr.write_eof(pending + chunk)
             return sr
         except ConnectionResetError:
             self.status = "client_closed"

@@ -431,12 +431,6 @@ async def test_unreachable_backend_fails_over_within_the_connect_timeout(unreach
     await assert_in_flight_zero(p.url)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="controller gap: a connect timeout is reported as 504 backend_timeout ('timed out before the "
-    "first byte'), not 503 no_healthy_backend, when it leaves no healthy backend (controller/forward.py "
-    "Forwarder.open treats aiohttp.ConnectionTimeoutError as a first-byte timeout)",
-)
 async def test_both_backends_unreachable_give_503(unreachable, proxy):
     base, eagle = unreachable(), unreachable()
     p = await proxy(
@@ -465,12 +459,6 @@ async def test_both_backends_unreachable_give_503(unreachable, proxy):
     await assert_in_flight_zero(p.url)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="controller gap: _Run._break in controller/forward.py appends the error event right after "
-    "the last relayed bytes, which may end inside an event, so the client gets one garbled event (a JSON "
-    "decode error) instead of the OpenAI-shaped error",
-)
 @pytest.mark.parametrize("fault", ["stall", "die"])
 async def test_stream_broken_mid_event_still_ends_with_a_parseable_error_event(fault, proxy):
     """The backend's last bytes end in the middle of an SSE event (a process killed mid-write, or
