@@ -54,6 +54,14 @@ def _split_list(value: Any) -> Any:
     return value
 
 
+def _blank_is_unset(value: Any) -> Any:
+    """An empty or blank optional setting (`admin_token: ""`, `SPECROUTE_BASELINE_API_KEY=`) means
+    unset: it must not switch the admin endpoint on or replace the client's key with nothing."""
+    if isinstance(value, str) and not value.strip():
+        return None
+    return value
+
+
 def _normalise_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -132,6 +140,10 @@ class Settings(BaseModel):
     )
 
     _split = field_validator("baseline", "eagle", mode="before")(_split_list)
+    _blank = field_validator(
+        "profile", "decision_log", "admin_token", "baseline_model", "eagle_model",
+        "baseline_api_key", "eagle_api_key", mode="before",
+    )(_blank_is_unset)  # fmt: skip
 
     @field_validator("baseline", "eagle")
     @classmethod
@@ -207,8 +219,6 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
                 out[name] = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{name} (from environment {key}): not valid JSON: {e}") from None
-        elif value == "" and name in ("profile", "decision_log", "admin_token"):
-            out[name] = None
         else:
             out[name] = value
     return out

@@ -228,12 +228,6 @@ async def test_secrets_cannot_be_given_as_flags():
         assert "Traceback" not in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason='controller gap: an empty admin_token (YAML `admin_token: ""`) turns the admin endpoint on '
-    "(401 for every token) instead of leaving it off (404); controller/config.py should treat an empty or "
-    "blank token as unset",
-)
 async def test_empty_admin_token_leaves_admin_off(fake_backend, proxy):
     fb = await fake_backend()
     p = await proxy(baseline=[fb.url], policy="fixed", admin_token="")
@@ -243,12 +237,6 @@ async def test_empty_admin_token_leaves_admin_off(fake_backend, proxy):
             assert status == 404 and body["error"]["code"] == "not_found"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="controller gap: SPECROUTE_BASELINE_API_KEY= (empty, e.g. an uncommented line of "
-    "deploy/systemd/specroute.env) replaces the client's Authorization with 'Bearer '; controller/config.py "
-    "read_env maps an empty value to None only for profile, decision_log and admin_token",
-)
 async def test_empty_upstream_key_in_the_environment_forwards_the_clients_header(fake_backend, spawn_serve):
     fb = await fake_backend(chunks=2)
     sp = await spawn_serve("--baseline", fb.url, "--policy", "fixed", env={"SPECROUTE_BASELINE_API_KEY": ""})
