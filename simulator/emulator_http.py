@@ -310,6 +310,16 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
                 f"The input ({g.prompt_tokens} tokens) is longer than the model's context length "
                 f"({e.config.max_model_len} tokens).",
             )
+        if g.max_tokens is not None and g.prompt_tokens + g.max_tokens >= e.config.max_model_len:
+            total = g.prompt_tokens + g.max_tokens
+            return error_response(  # SGLang's TokenizerManager._validate_one_request wording
+                400,
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{e.config.max_model_len} tokens. You requested a total of {total} tokens: "
+                f"{g.prompt_tokens} tokens from the input messages and {g.max_tokens} tokens for the "
+                "completion. Please reduce the number of tokens in the input messages or the "
+                "completion to fit within the limit.",
+            )
         faults = e.faults
         if faults.stall_s > 0:
             await asyncio.sleep(faults.stall_s)

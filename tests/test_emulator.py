@@ -409,6 +409,11 @@ async def test_bad_input_gets_a_clear_400(emulator: MakeEmu) -> None:
         too_long = {"prompt": list(range(server.emulator.config.max_model_len))}
         async with s.post(server.url + "/v1/completions", json=too_long) as r:
             assert r.status == 400 and "context length" in (await r.json())["message"]
+        # SGLang refuses prompt + max_tokens beyond the context rather than cutting the answer short
+        over = {**CHAT, "max_tokens": server.emulator.config.max_model_len}
+        async with s.post(url, json=over) as r:
+            assert r.status == 400
+            assert "exceeds the model's maximum context length" in (await r.json())["message"]
 
 
 async def test_api_key(emulator: MakeEmu) -> None:
