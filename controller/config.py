@@ -72,6 +72,8 @@ def _normalise_url(url: str) -> str:
         raise ValueError(f"{url!r} has an invalid port") from None
     if parts.query or parts.fragment:
         raise ValueError(f"{url!r}: query strings and fragments are not allowed")
+    if parts.path not in ("", "/"):
+        raise ValueError(f"{url!r}: give the server's base URL without a path (specroute adds /v1/...)")
     return url.rstrip("/")
 
 

@@ -80,6 +80,7 @@ def test_secrets_are_masked_and_never_in_repr():
         ({}, {}, "- a\n- b\n", "expected a mapping"),
         ({"baseline": "http://a:1", "eagle": "http://a:1"}, {}, None, "listed twice"),
         ({"baseline": "a:1"}, {}, None, "baseline (from flag --baseline)"),
+        ({"eagle": "http://gpu:30000/v1"}, {}, None, "without a path"),
         ({}, {}, "health_check_path: health\n", "health_check_path"),
         ({}, {"SPECROUTE_SHADOW_POLICIES": "[{"}, None, "not valid JSON"),
         ({}, {"SPECROUTE_SHADOW_POLICIES": '[{"nme": "fixed"}]'}, None, "shadow_policies.0"),
