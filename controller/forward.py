@@ -567,6 +567,9 @@ class _Run:
             content = resp.content
             loop = asyncio.get_running_loop()
             idle = fwd.settings.idle_timeout_s
+            # Re-arming the timer per chunk would cost a timer each: it is re-armed at most every
+            # `slack` seconds, to `idle + slack` ahead, so a silence shorter than `idle` is never cut
+            # (and a longer one is cut at the latest `idle + slack` after the last chunk).
             slack = idle / 8
             last = loop.time()
             chunk = up.head
@@ -575,7 +578,7 @@ class _Run:
             # events, so this is normally empty; it is bounded in case a backend never sends "\n\n".
             pending = b""
             try:
-                async with asyncio.timeout(idle) as timer:
+                async with asyncio.timeout_at(last + idle + slack) as timer:
                     while chunk:
                         tail[0], tail[1], tail[2] = tail[1], tail[2], chunk
                         if content.at_eof():
@@ -591,8 +594,8 @@ class _Run:
                             await sr.write(chunk)
                         chunk = await content.readany()
                         now = loop.time()
-                        if now - last >= slack:  # re-arming per chunk would cost a timer each
-                            timer.reschedule(now + idle)
+                        if now - last >= slack:
+                            timer.reschedule(now + idle + slack)
                             last = now
             except TimeoutError:
                 self.status = "timeout"

@@ -7,7 +7,8 @@ import json
 
 import aiohttp
 import openai
-from fakes import closed_port_url
+from aiohttp import web
+from fakes import SSE_DONE, closed_port_url, sse, stream_chunk
 from helpers import wait_until
 
 CHAT = [{"role": "user", "content": "hello"}]
@@ -197,3 +198,37 @@ async def test_forced_pool_is_kept_on_failover(fake_backend, proxy):
         await r.read()
     assert r.status == 500 and r.headers["x-specroute-pool"] == "eagle"
     assert len(base.requests) == 0
+
+
+async def test_a_silence_shorter_than_the_idle_timeout_is_never_cut(proxy):
+    """The idle timer is re-armed lazily (at most every idle / 8), not per chunk: a chunk that
+    arrives just after a re-arm must still buy the stream a full `idle_timeout_s` of silence."""
+    idle = 8.0
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse(stream_chunk("r", "m", True, None, role=True)))
+        await asyncio.sleep(0.5)  # inside the first re-arm interval (1 s)
+        await resp.write(sse(stream_chunk("r", "m", True, "a")))
+        await asyncio.sleep(7.6)  # a silence shorter than idle_timeout_s
+        await resp.write(sse(stream_chunk("r", "m", True, None, finish="stop")) + SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        p = await proxy(baseline=[url], policy="fixed", idle_timeout_s=idle, health_checks=False)
+        async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+            body = await r.read()
+        assert b"stream_broken" not in body and b"sent nothing" not in body, body
+        assert body.endswith(b'"finish_reason":"stop","matched_stop":null}]}\n\ndata: [DONE]\n\n')
+        await p.wait_idle()
+        assert p.records[-1].outcome.status == "ok"
+    finally:
+        await runner.cleanup()
