@@ -93,6 +93,13 @@ class EmulatorConfig(BaseModel):
         mode = self.profile.mode(self.mode)  # raises ProfileError naming the modes it has
         if self.mode == "eagle" and self.accept_length is None and mode.accept_length is None:
             raise ValueError("the profile's eagle mode has no accept_length: set accept_length")
+        accept = self.accept_length or mode.accept_length
+        if self.mode == "eagle" and accept is not None and accept > self.speculative_num_steps + 1:
+            raise ValueError(
+                f"accept_length {accept} is more than a verify step can accept with "
+                f"speculative_num_steps={self.speculative_num_steps} (at most "
+                f"{self.speculative_num_steps + 1}): raise speculative_num_steps"
+            )
         for hint, factor in self.hint_factors.items():
             if not factor > 0:
                 raise ValueError(f"hint_factors[{hint!r}] must be > 0, got {factor}")

@@ -455,6 +455,10 @@ def test_config_errors_are_clear() -> None:
         EmulatorConfig(mode="baseline", profile=only_eagle)
     with pytest.raises(ValueError, match="time_scale"):
         EmulatorConfig(mode="baseline", profile=KIMI, time_scale=0)
+    # a verify step accepts at most num_steps + 1 tokens; more would silently slow the server down
+    with pytest.raises(ValueError, match="raise speculative_num_steps"):
+        EmulatorConfig(mode="eagle", profile=KIMI, accept_length=4.5)
+    assert EmulatorConfig(mode="eagle", profile=KIMI, accept_length=4.5, speculative_num_steps=4)
 
 
 # -- the command ---------------------------------------------------------------------------
