@@ -117,14 +117,16 @@ class Metrics:
         )
         self.ttft = Histogram(
             "specroute_ttft_seconds",
-            "Time from request arrival to the first streamed event, per pool (streaming, ok requests).",
+            "Time from the routing decision (request body read) to the first streamed event, per pool "
+            "(streaming, ok requests).",
             ["pool"],
             buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.duration = Histogram(
             "specroute_request_duration_seconds",
-            "Time from request arrival to the end of the answer, per pool (ok requests).",
+            "Time from the routing decision (request body read) to the end of the answer, per pool "
+            "(ok requests).",
             ["pool"],
             buckets=DURATION_BUCKETS,
             registry=r,

@@ -155,6 +155,9 @@ async def test_metrics_under_traffic_pass_promtool_and_parse(fake_backend, proxy
     # buckets fit LLM serving
     assert bounds("specroute_ttft_seconds")[0] == 0.01 and bounds("specroute_ttft_seconds")[-1] == 60
     assert bounds("specroute_request_duration_seconds")[-1] == 600
+    # the help says what is measured: from the decision, as Outcome.ttft_s/duration_s (not arrival)
+    for name in ("specroute_ttft_seconds", "specroute_request_duration_seconds"):
+        assert found[name].documentation.startswith("Time from the routing decision"), name
     rate = bounds("specroute_decode_tokens_per_second")
     assert rate[0] == 1 and rate[-1] == 1000
 
