@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policies.base import BackendLoad, LoadView, NoHealthyBackend, Policy, PoolLoad, RequestInfo
-from policies.registry import PolicyError, default_registry
+from policies.registry import PolicyContext, PolicyError, default_registry
 
 REQ = RequestInfo(max_tokens=100)
 
@@ -135,3 +135,47 @@ def test_threshold_bad_params_are_clear(params: dict[str, object], message: str)
     with pytest.raises(PolicyError, match="policy 'threshold': invalid parameter") as info:
         threshold(**params)
     assert message in str(info.value)
+
+
+def _pool_view(*backends: tuple[str, int, bool], running: dict[str, int] | None = None) -> LoadView:
+    """A baseline pool of (name, in_flight, healthy) backends; `running`: scraped counts by name."""
+    scraped = running or {}
+    loads = tuple(
+        BackendLoad(
+            name,
+            "baseline",
+            healthy=ok,
+            in_flight=n,
+            running=scraped.get(name),
+            queued=0 if name in scraped else None,
+        )
+        for name, n, ok in backends
+    )
+    return LoadView(PoolLoad("baseline", loads), PoolLoad("eagle", (BackendLoad("e0", "eagle"),)))
+
+
+def test_within_a_pool_the_least_loaded_healthy_backend_wins_ties_by_seeded_rng() -> None:
+    reg = default_registry(entry_points=False)
+    fixed = reg.create("fixed", {"pool": "baseline"})
+    assert (
+        fixed.choose(REQ, _pool_view(("b0", 3, True), ("b1", 1, True), ("b2", 2, True)), 0.0).backend == "b1"
+    )
+    # an unhealthy backend is skipped however idle it is
+    assert (
+        fixed.choose(REQ, _pool_view(("b0", 3, True), ("b1", 0, False), ("b2", 2, True)), 0.0).backend == "b2"
+    )
+    # the load is the larger of local in-flight and scraped running + queued
+    busy = _pool_view(("b0", 0, True), ("b1", 1, True), running={"b0": 5})
+    assert fixed.choose(REQ, busy, 0.0).backend == "b1"
+
+    tied = _pool_view(("b0", 2, True), ("b1", 2, True), ("b2", 2, True), ("b3", 9, True))
+
+    def picks(seed: int) -> list[str]:
+        policy = reg.create("fixed", {"pool": "baseline"}, PolicyContext(seed=seed))
+        return [policy.choose(REQ, tied, 0.0).backend for _ in range(300)]
+
+    first = picks(1)
+    assert first == picks(1)  # reproducible for a seed
+    assert first != picks(2)
+    counts = {name: first.count(name) for name in ("b0", "b1", "b2", "b3")}
+    assert counts["b3"] == 0 and all(counts[n] > 60 for n in ("b0", "b1", "b2")), counts
