@@ -92,7 +92,13 @@ def _fail(message: str) -> int:
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="Run the routing proxy in front of the two pools.")
     _add_settings_flags(p)
-    p.add_argument("--log-level", default="INFO", help="Logging level (DEBUG, INFO, WARNING).")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="Logging level (DEBUG, INFO, WARNING, ERROR; default INFO).",
+    )
     p.set_defaults(func=run_serve)
 
     p = subparsers.add_parser("policies", help="List the routing policies and their parameters.")

@@ -86,3 +86,12 @@ async def test_serve_rejects_bad_settings_with_exit_2(args, env, needle):
     assert code == 2
     assert text.startswith("specroute: error: ") and needle in text, text
     assert "Traceback" not in text
+
+
+async def test_serve_rejects_an_unknown_log_level():
+    """A typo in --log-level is an error at start-up, not a silent INFO (the server would run)."""
+    code, _, err = await run_specroute(
+        "serve", "--baseline", "http://127.0.0.1:1", "--port", "0", "--log-level", "LOUD", timeout_s=30
+    )
+    assert code == 2
+    assert "--log-level: invalid choice: 'LOUD'" in err and "Traceback" not in err
