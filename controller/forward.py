@@ -232,6 +232,45 @@ def _first_event_is_error(head: bytes) -> bool:
         return True
 
 
+USAGE_SUFFIX = b', "stream_options": {"include_usage": true}}'
+"""What specroute appends to a streaming request body that has no `stream_options`."""
+
+
+def ask_for_usage(raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]] | None:
+    """(raw, body) of a stream whose client did not ask for the usage chunk, with
+    `stream_options.include_usage` switched on; None when there is nothing to change. Without it
+    SGLang reports no token count, so the outcome (decode rate, `online`'s learning, metrics, the
+    decision log) would lack it. The client's bytes are kept: the option is appended."""
+    if body.get("stream") is not True:
+        return None
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or options.get("include_usage") is True):
+        return None  # asked for already, or malformed (the backend answers that)
+    asked = {**body, "stream_options": {**(options or {}), "include_usage": True}}
+    head = raw.rstrip()
+    if "stream_options" not in body and head.startswith(b"{") and head.endswith(b"}"):
+        return head[:-1] + USAGE_SUFFIX, asked  # UTF-8 (or ASCII) JSON: append, keep every byte
+    return json.dumps(asked).encode(), asked
+
+
+def drop_usage_events(data: bytes) -> bytes:
+    """`data` (whole SSE events) without the usage event (`choices: []` and a usage object) that
+    specroute asked for on the client's behalf; every other byte unchanged."""
+    if b'"choices":[]' not in data and b'"choices": []' not in data:
+        return data
+    kept = []
+    for event in data.split(b"\n\n"):
+        if event.startswith(b"data:") and b'"usage"' in event:
+            try:
+                obj = json.loads(event[5:])
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict):
+                continue
+        kept.append(event)
+    return b"\n\n".join(kept)
+
+
 def completion_tokens(data: bytes) -> int | None:
     found = _USAGE_RE.findall(data)
     return int(found[-1]) if found else None
@@ -483,6 +522,12 @@ class _Run:
         self.info = info
         self.body = body
         self.raw = raw
+        self.strip_usage = False
+        """specroute asked for the usage chunk on the client's behalf: it is not relayed."""
+        asked = ask_for_usage(raw, body)
+        if asked is not None:
+            self.raw, self.body = asked
+            self.strip_usage = True
         self.path = path
         self.decision = decision
         self.reservation: Reservation  # set by the caller right after the decision, before any await
@@ -590,6 +635,8 @@ class _Run:
                             if end == 1:  # not one event in it is complete yet
                                 end = 0
                             chunk, pending = chunk[:end], chunk[end:]
+                        if self.strip_usage:
+                            chunk = drop_usage_events(chunk)
                         if chunk:
                             await sr.write(chunk)
                         chunk = await content.readany()
@@ -611,7 +658,8 @@ class _Run:
             clean = True
             self.status = "ok" if resp.status < 400 and not up.retryable else "error"
             self.tokens = completion_tokens(b"".join(tail))
-            await sr.write_eof(pending + chunk)
+            last_piece = pending + chunk
+            await sr.write_eof(drop_usage_events(last_piece) if self.strip_usage else last_piece)
             return sr
         except ConnectionResetError:
             self.status = "client_closed"

@@ -202,7 +202,11 @@ class FakeBackend:
                 raise asyncio.CancelledError
             if self.first_byte_delay_s:
                 await asyncio.sleep(self.first_byte_delay_s)
-            rid = str(body.get("rid") or "fake" + hashlib.sha1(raw).hexdigest()[:24])
+            # specroute appends USAGE_SUFFIX to ask for the usage chunk a client did not ask for:
+            # the id stays that of the client's own bytes, so direct and proxied answers compare
+            suffix = b', "stream_options": {"include_usage": true}}'
+            own = raw[: -len(suffix)] + b"}" if raw.endswith(suffix) else raw
+            rid = str(body.get("rid") or "fake" + hashlib.sha1(own).hexdigest()[:24])
             model = str(body.get("model", self.model))
             tokens = self._tokens(body)
             if body.get("stream"):

@@ -66,6 +66,40 @@ async def test_raw_sse_bytes_pass_through_unchanged(fake_backend, proxy):
     assert p.records[-1].outcome.status == "ok"
 
 
+async def test_streams_without_include_usage_still_count_tokens(fake_backend, proxy):
+    """Most clients do not set `stream_options.include_usage`; specroute asks the backend for the
+    usage chunk anyway (token counts for the outcome, the policy, metrics and the decision log)
+    and does not relay it: the client gets exactly the bytes the backend would have sent it."""
+    fb = await fake_backend(chunks=5)
+    p = await proxy(eagle=[fb.url], policy="fixed", policy_params={"pool": "eagle"})
+    for path, body in [
+        ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": True, "ignore_eos": True}),
+        ("/v1/completions", {"model": "m", "prompt": "The capital of France is", "stream": True}),
+    ]:
+        direct = await _raw(fb.url, path, body)
+        proxied = await _raw(p.url, path, body)
+        assert proxied == direct
+        assert b'"usage":{' not in proxied and proxied.endswith(b"data: [DONE]\n\n")
+        assert fb.requests[-1] == {**body, "stream_options": {"include_usage": True}}
+        await p.wait_idle()
+        assert p.records[-1].outcome.completion_tokens == 5
+        assert p.records[-1].outcome.decode_tok_s is not None
+    assert p.sample("specroute_output_tokens_total", pool="eagle") == 10
+    # other stream_options are kept; a client that asked for usage still gets it
+    for options, relayed in (
+        ({"continuous_usage_stats": False}, False),
+        ({"include_usage": True}, True),
+        (None, False),
+    ):
+        body = {"model": "m", "messages": CHAT, "stream": True, "stream_options": options}
+        proxied = await _raw(p.url, "/v1/chat/completions", body)
+        assert (b'"usage":{' in proxied) is relayed
+        assert fb.requests[-1]["stream_options"] == {**(options or {}), "include_usage": True}
+        await p.wait_idle()
+        assert p.records[-1].outcome.completion_tokens == 5
+    assert p.sample("specroute_output_tokens_total", pool="eagle") == 25
+
+
 async def test_sync_client_all_shapes_identical_to_direct(fake_backend, proxy):
     fb = await fake_backend(chunks=4)
     p = await proxy(baseline=[fb.url], policy="fixed")
