@@ -255,20 +255,28 @@ def ask_for_usage(raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str, An
 
 def drop_usage_events(data: bytes) -> bytes:
     """`data` (whole SSE events) without the usage event (`choices: []` and a usage object) that
-    specroute asked for on the client's behalf; every other byte unchanged."""
-    if b'"choices":[]' not in data and b'"choices": []' not in data:
-        return data
-    kept = []
-    for event in data.split(b"\n\n"):
-        if event.startswith(b"data:") and b'"usage"' in event:
-            try:
-                obj = json.loads(event[5:])
-            except ValueError:
-                obj = None
+    specroute asked for on the client's behalf; every other byte unchanged. Only the events around
+    a `"choices":[]` are looked at (one per stream), so the usual chunk costs two scans."""
+    for marker in (b'"choices":[]', b'"choices": []'):
+        at = data.find(marker)
+        while at >= 0:
+            begin = data.rfind(b"\n\n", 0, at)
+            begin = 0 if begin < 0 else begin + 2
+            stop = data.find(b"\n\n", at)
+            stop = len(data) if stop < 0 else stop + 2
+            event = data[begin:stop].strip()
+            obj = None
+            if event.startswith(b"data:") and b'"usage"' in event:
+                try:
+                    obj = json.loads(event[5:])
+                except ValueError:
+                    pass
             if isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict):
-                continue
-        kept.append(event)
-    return b"\n\n".join(kept)
+                data = data[:begin] + data[stop:]
+                at = data.find(marker, begin)
+            else:
+                at = data.find(marker, stop)
+    return data
 
 
 def completion_tokens(data: bytes) -> int | None:
