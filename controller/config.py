@@ -109,7 +109,11 @@ class Settings(BaseModel):
         gt=0,
         description="Time allowed until the first body byte (non-streaming: the whole answer).",
     )
-    idle_timeout_s: float = Field(default=120.0, gt=0, description="Longest silence between two chunks.")
+    idle_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Longest silence between two chunks; a stream is cut at most 1/8 of this later.",
+    )
     health_check_path: str = Field(default="/health", description="Path probed by active health checks.")
     health_check_interval_s: float = Field(default=5.0, gt=0, description="Seconds between health probes.")
     health_check_timeout_s: float = Field(default=5.0, gt=0, description="Timeout of one health probe.")
