@@ -9,6 +9,7 @@ and the proxy process's CPU milliseconds per request (utime+stime from /proc/PID
 sample sizes and the spread over rounds; then the specroute/minimal CPU ratio.
 
     python benchmarks/proxy_overhead.py [--concurrency 1 64 256] [--requests 2000] [--rounds 3]
+        [--config extra.yaml]   # e.g. decision_log + shadow_policies, to measure their cost
 
 Note: on a small machine the load generator, the backend and the proxy share the cores, so
 requests/s and TTFT are those of the whole setup; the CPU per request is the proxy's alone.
@@ -256,6 +257,11 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--requests", type=int, default=2000, help="Requests per target, level and round.")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--config",
+        help="Extra settings for specroute (a YAML file), e.g. decision_log and shadow_policies, to measure "
+        "their cost; the backends and policy stay as set here.",
+    )
     ap.add_argument("--role", choices=["backend", "passthrough"], help=argparse.SUPPRESS)
     ap.add_argument("--upstream", help=argparse.SUPPRESS)
     ap.add_argument("--ports", type=int, default=2, help=argparse.SUPPRESS)
@@ -279,7 +285,8 @@ def main() -> int:
         minimal_url = f"http://127.0.0.1:{port}"
         serve = ["serve", "--port", "0", "--baseline", base, "--eagle", eagle, "--log-level", "WARNING"]
         policy = ["--policy", "threshold", "--policy-param", "threshold=32"]
-        sr, line = _spawn([sys.executable, "-m", "controller.cli", *serve, *policy])
+        extra = ["--config", args.config] if args.config else []
+        sr, line = _spawn([sys.executable, "-m", "controller.cli", *serve, *policy, *extra])
         procs.append(sr)
         sr_url = line.removeprefix("specroute listening on ")
         targets: dict[str, tuple[str, int | None]] = {
