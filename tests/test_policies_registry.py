@@ -103,10 +103,10 @@ def test_bad_plugins_fail_clearly(reg: PolicyRegistry, name: str, message: str) 
         assert "known policies: cost_model, fixed, online, threshold" in str(info.value)
 
 
-def test_entry_point_plugins_are_listed_and_a_broken_one_is_isolated(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # a real (if tiny) installed distribution on sys.path, as pip would leave it
+@pytest.fixture
+def plugin_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real (if tiny) installed distribution on sys.path, as pip would leave it, with one
+    working and one broken entry point in the `specroute.policies` group."""
     dist = tmp_path / "specroute_fake_plugin-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text(
@@ -119,6 +119,9 @@ def test_entry_point_plugins_are_listed_and_a_broken_one_is_isolated(
         encoding="utf-8",
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_entry_point_plugins_are_listed_and_a_broken_one_is_isolated(plugin_dist: None) -> None:
     reg = default_registry()
     assert "alternating" in reg.names() and "broken" not in reg.names()
     assert reg.create("alternating", {"first": "eagle"}).choose(RequestInfo(), VIEW, 0.0).pool == "eagle"
@@ -154,22 +157,10 @@ def test_custom_spec_registration() -> None:
 
 
 def test_policies_command_lists_entry_point_plugins_and_broken_ones(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    plugin_dist: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from controller.cli import main
 
-    dist = tmp_path / "specroute_fake_plugin-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: specroute-fake-plugin\nVersion: 1.0\n", encoding="utf-8"
-    )
-    (dist / "entry_points.txt").write_text(
-        "[specroute.policies]\n"
-        "alternating = plugin_policy_example:AlternatingPolicy\n"
-        "broken = no_such_module_xyz:Policy\n",
-        encoding="utf-8",
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
     assert "alternating" in out.splitlines() and "--policy-param first=" in out  # listed with its parameters
