@@ -110,7 +110,7 @@ async def start_emulator(
     mode: str, profile: str, time_scale: float
 ) -> tuple[asyncio.subprocess.Process, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "simulator.emulate_cli", "--mode", mode, "--profile", profile,
+        sys.executable, "-m", "controller.cli.emulate", "--mode", mode, "--profile", profile,
         "--port", "0", "--time-scale", str(time_scale),
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip

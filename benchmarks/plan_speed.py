@@ -23,9 +23,9 @@ from pathlib import Path
 
 from policies.profile import resolve_profile
 from policies.registry import default_registry
-from simulator.plan import PlanResult, PlanSpec, plan
-from simulator.plan_report import format_plan
-from simulator.workloads import WorkloadSpec, generate
+from simulator.engine.workloads import WorkloadSpec, generate
+from simulator.planning.plan import PlanResult, PlanSpec, plan
+from simulator.planning.report import format_plan
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/AzureLLMInferenceTrace_code.csv"
 

@@ -2,7 +2,7 @@
 
 Live: two `specroute emulate` servers (baseline and eagle, from the profile) and
 `specroute serve` in front of them with the policy under test, all as subprocesses; the sweep
-is driven by `specroute bench`'s client (`controller.bench.run_sweep`, streaming chat,
+is driven by `specroute bench`'s client (`controller.bench.runner.run_sweep`, streaming chat,
 `ignore_eos`, so every request produces exactly `--max-tokens` tokens), one level at a time,
 with the proxy's `specroute_requests_total` read between levels for the pool share.
 Simulated: `specroute simulate`'s engine on the same profile, deployment (baseline=1,eagle=1),
@@ -40,13 +40,13 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.bench import run_sweep
+from controller.bench.runner import run_sweep
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
-from simulator.engine import NOT_SENT, simulate
-from simulator.results import samples, summarize
-from simulator.servers import build_deployment, parse_deployment
-from simulator.workloads import LengthSpec, WorkloadSpec, generate
+from simulator.engine.loop import NOT_SENT, simulate
+from simulator.engine.results import samples, summarize
+from simulator.engine.servers import build_deployment, parse_deployment
+from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
 TARGET = 0.10
 

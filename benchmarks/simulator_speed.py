@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
-from simulator.engine import simulate
-from simulator.servers import build_deployment, parse_deployment
-from simulator.workloads import LengthSpec, WorkloadSpec, generate
+from simulator.engine.loop import simulate
+from simulator.engine.servers import build_deployment, parse_deployment
+from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
 TARGET = 200_000.0
 

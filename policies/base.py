@@ -1,4 +1,4 @@
-"""The policy seam: plain data in, a frozen `Decision` out.
+"""The policy seam: plain data in, a `Decision` out. A leaf module: it imports nothing of ours.
 
 How it works: the controller (live proxy) and the simulator both build a `RequestInfo` and a
 `LoadView`, call `policy.choose(request, view, now)`, act on the returned `Decision`, and when
@@ -6,14 +6,18 @@ the request has ended feed an `Outcome` back through `policy.observe`. Nothing i
 (or in any policy) does I/O, reads a clock, or touches asyncio; randomness comes from a
 `random.Random` that the caller seeds. That is what lets the simulator run the very same
 policy objects as the proxy and reproduce a run to the bit.
+
+The types are slotted dataclasses, not frozen ones: a policy is handed one `LoadView` per
+decision (the simulator builds millions), and a frozen dataclass costs four times as much to
+build. They are values all the same: whoever receives one reads it and never changes it (the
+simulator hands the same `BackendLoad` to several decisions while its server is unchanged).
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, cast, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 Pool = Literal["baseline", "eagle"]
 POOLS: tuple[Pool, Pool] = ("baseline", "eagle")
@@ -33,7 +37,7 @@ def parse_pool(value: str) -> Pool:
     raise ValueError(f"unknown pool {value!r}: expected 'baseline' or 'eagle'")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestInfo:
     """What a policy may know about a request (never its text)."""
 
@@ -48,7 +52,7 @@ class RequestInfo:
     """Pool forced by the client (`x-specroute-mode`) when the config allows it."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BackendLoad:
     """Load of one backend as seen at decision time."""
 
@@ -84,7 +88,7 @@ class BackendLoad:
         return scraped if scraped > self.in_flight else self.in_flight
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PoolLoad:
     pool: Pool
     backends: tuple[BackendLoad, ...] = ()
@@ -101,29 +105,8 @@ class PoolLoad:
     def load(self) -> int:
         return sum(b.load for b in self.backends)
 
-    def least_loaded(self, rng: random.Random) -> BackendLoad | None:
-        """The healthy backend with the smallest `load`, ties broken by `rng`."""
-        if len(self.backends) == 1:  # the common deployment: no ties, no rng draw
-            only = self.backends[0]
-            return only if only.healthy else None
-        best: list[BackendLoad] = []
-        best_load = 0
-        for b in self.backends:
-            if not b.healthy:
-                continue
-            load = b.load
-            if not best or load < best_load:
-                best, best_load = [b], load
-            elif load == best_load:
-                best.append(b)
-        if not best:
-            return None
-        if len(best) == 1:
-            return best[0]
-        return best[rng.randrange(len(best))]
 
-
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LoadView:
     """Per pool and per backend load at one instant."""
 
@@ -137,7 +120,7 @@ class LoadView:
         return any(b.healthy for b in self.pool(pool).backends)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """What a policy decided. `reason` is a short, bounded string (a metric label)."""
 
@@ -151,92 +134,14 @@ class Decision:
     policy: str = ""
 
 
-class _DecisionTwin:
-    """Builds a Decision twice as fast as its constructor (one per routed request matters to
-    the simulator): a mutable class with the same slots, filled by plain attribute stores and
-    then re-classed as `Decision` (allowed between classes of the same slot layout). Checked
-    against `Decision(...)` at import; the constructor is used if they ever differ."""
-
-    __slots__ = ("backend", "backend_load", "policy", "pool", "predicted_e2e_s", "predicted_ttft_s", "reason")
-
-    def __init__(
-        self,
-        pool: Pool,
-        backend: str,
-        reason: str,
-        predicted_ttft_s: Mapping[Pool, float],
-        predicted_e2e_s: Mapping[Pool, float],
-        backend_load: int,
-        policy: str,
-    ) -> None:
-        self.pool = pool
-        self.backend = backend
-        self.reason = reason
-        self.predicted_ttft_s = predicted_ttft_s
-        self.predicted_e2e_s = predicted_e2e_s
-        self.backend_load = backend_load
-        self.policy = policy
-        self.__class__ = Decision  # type: ignore[assignment]
-
-
-_DecisionFactory = Callable[[Pool, str, str, Mapping[Pool, float], Mapping[Pool, float], int, str], Decision]
-
-
-def _decision_maker() -> _DecisionFactory:
-    sample = ("eagle", "eagle-0", "reason", {"eagle": 1.0}, {"eagle": 2.0}, 3, "policy")
-    try:
-        made: object = _DecisionTwin(*sample)  # type: ignore[arg-type]
-    except TypeError:  # the slot layouts differ
-        return Decision
-    if type(made) is not Decision or made != Decision(*sample):  # type: ignore[arg-type]
-        return Decision
-    return cast(_DecisionFactory, _DecisionTwin)
-
-
-_new_decision = _decision_maker()
-
-
 class NoHealthyBackend(Exception):
-    """Raised by `route` when neither pool has a healthy backend."""
-
-
-def route(
-    view: LoadView,
-    pool: Pool,
-    reason: str,
-    rng: random.Random,
-    *,
-    policy: str = "",
-    predicted_ttft_s: Mapping[Pool, float] | None = None,
-    predicted_e2e_s: Mapping[Pool, float] | None = None,
-) -> Decision:
-    """Build a Decision for `pool`, on its least-loaded healthy backend.
-
-    When `pool` has no healthy backend the other pool is used and the reason becomes
-    `"<pool>_unavailable"`. Raises `NoHealthyBackend` when neither has one.
-    """
-    backend = view.pool(pool).least_loaded(rng)
-    if backend is None:
-        pool = other_pool(pool)
-        reason = f"{other_pool(pool)}_unavailable"
-        backend = view.pool(pool).least_loaded(rng)
-        if backend is None:
-            raise NoHealthyBackend("no healthy backend in either pool")
-    return _new_decision(
-        pool,
-        backend.name,
-        reason,
-        predicted_ttft_s or {},
-        predicted_e2e_s or {},
-        backend.load,
-        policy,
-    )
+    """Raised (by `policies.routing.route`) when neither pool has a healthy backend."""
 
 
 OutcomeStatus = Literal["ok", "error", "timeout", "client_closed"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outcome:
     """A finished request: the decision plus what actually happened."""
 

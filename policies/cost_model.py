@@ -17,19 +17,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
-from policies.base import (
-    BackendLoad,
-    Decision,
-    LoadView,
-    NoHealthyBackend,
-    Outcome,
-    Pool,
-    PoolLoad,
-    RequestInfo,
-    route,
-)
+from policies.base import BackendLoad, Decision, LoadView, NoHealthyBackend, Outcome, Pool, RequestInfo
 from policies.profile import SpeedModel
-from policies.registry import PolicyContext, PolicyError, PolicySpec
+from policies.routing import backend_counts, first_least_loaded, route
+from policies.spec import PolicyContext, PolicyError, PolicySpec
 
 Objective = Literal["e2e", "ttft"]
 
@@ -65,34 +56,6 @@ class CostModelParams(BaseModel):
         description="Scale the eagle decode rate by the backend-reported accept length over the profile's "
         "accept_length.",
     )
-
-
-def backend_counts(backend: BackendLoad) -> tuple[int, int]:
-    """(running, queued) of a backend: scraped when fresh, else local in-flight as running.
-
-    Requests this replica has in flight are never fewer than the backend holds for it, so a
-    scraped total below the local count is topped up as running.
-    """
-    if backend.running is None:
-        return backend.in_flight, 0
-    running, queued = backend.running, backend.queued or 0
-    missing = backend.in_flight - running - queued
-    return (running + missing, queued) if missing > 0 else (running, queued)
-
-
-def least_loaded(pool: PoolLoad) -> BackendLoad | None:
-    """The healthy backend with the smallest `load` (first one on ties), or None."""
-    if len(pool.backends) == 1:
-        only = pool.backends[0]
-        return only if only.healthy else None
-    best: BackendLoad | None = None
-    best_load = 0
-    for b in pool.backends:
-        if b.healthy:
-            load = b.load
-            if best is None or load < best_load:
-                best, best_load = b, load
-    return best
 
 
 class CostModelPolicy:
@@ -135,13 +98,13 @@ class CostModelPolicy:
         n = request.max_tokens or self._default_n
         ttft: dict[Pool, float] = {}
         e2e: dict[Pool, float] = {}
-        b = least_loaded(view.baseline)
+        b = first_least_loaded(view.baseline)
         if b is not None:
             running, queued = backend_counts(b)
             ttft["baseline"], e2e["baseline"] = self._baseline.predict_e2e_s(
                 n, running, queued, mean_output_tokens=self._mean_n, prompt_tokens=request.prompt_tokens
             )
-        e = least_loaded(view.eagle)
+        e = first_least_loaded(view.eagle)
         if e is not None:
             running, queued = backend_counts(e)
             scale = 1.0

@@ -6,8 +6,9 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.base import Decision, LoadView, Outcome, Pool, RequestInfo, route
-from policies.registry import PolicyContext, PolicySpec
+from policies.base import Decision, LoadView, Outcome, Pool, RequestInfo
+from policies.routing import route
+from policies.spec import PolicyContext, PolicySpec
 
 
 class FixedParams(BaseModel):

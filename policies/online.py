@@ -24,10 +24,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from policies.base import Decision, LoadView, NoHealthyBackend, Outcome, Pool, RequestInfo, route
-from policies.cost_model import least_loaded
+from policies.base import Decision, LoadView, NoHealthyBackend, Outcome, Pool, RequestInfo
 from policies.profile import ProfileError, SpeedModel
-from policies.registry import PolicyContext, PolicySpec
+from policies.routing import first_least_loaded, route
+from policies.spec import PolicyContext, PolicySpec
 
 _POOLS: tuple[Pool, Pool] = ("baseline", "eagle")
 
@@ -175,7 +175,7 @@ class OnlinePolicy:
         e2e: dict[Pool, float] = {}
         seen: dict[Pool, int] = {}
         for pool in _POOLS:
-            backend = least_loaded(view.pool(pool))
+            backend = first_least_loaded(view.pool(pool))
             if backend is not None:
                 ttft[pool], e2e[pool], seen[pool] = self._predict(pool, backend.load, n, request)
         if request.forced_pool is not None:

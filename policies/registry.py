@@ -1,6 +1,7 @@
 """Name -> policy factory registry, with typed (pydantic) parameters per policy.
 
-Built-in policies each expose a module-level `SPEC`; `default_registry()` collects them,
+Built-in policies each expose a module-level `SPEC` (built from `policies.spec`, which they
+import; the registry imports them, never the other way round); `default_registry()` collects them,
 plus any entry points in the group `specroute.policies`. A name of the form
 `module.path:ClassName` loads a user class that satisfies the `Policy` protocol: it may
 declare a pydantic `Params` model and is constructed as `ClassName(params, context)`.
@@ -14,69 +15,28 @@ import importlib.metadata
 import json
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
+from policies import cost_model, fixed, online, threshold
 from policies.base import Policy
-from policies.profile import Profile
+from policies.spec import NoParams, PolicyContext, PolicyError, PolicySpec, type_label
 
 ENTRY_POINT_GROUP = "specroute.policies"
 
-
-class PolicyError(ValueError):
-    """Unknown policy, bad parameters, or a plugin that cannot be loaded."""
-
-
-@dataclass(frozen=True)
-class PolicyContext:
-    """What a policy may be built from besides its parameters."""
-
-    profile: Profile | None = None
-    seed: int = 0
-
-
-class NoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    name: str
-    params: type[BaseModel]
-    factory: Callable[[Any, PolicyContext], Policy]
-    help: str = ""
-    needs_profile: bool = False
-
-    def describe_params(self) -> Iterator[tuple[str, str, str, str]]:
-        """(name, type, default, help) for every parameter, as plain strings for listings."""
-        for key, f in self.params.model_fields.items():
-            if f.is_required():
-                default = "required"
-            else:
-                value = f.get_default(call_default_factory=True)
-                default = value if isinstance(value, str) else json.dumps(value, default=str)
-            yield key, type_label(f.annotation), default, f.description or ""
-
-
-def type_label(annotation: Any) -> str:
-    """A short readable type: `int`, `float | None`, `baseline|eagle`, `dict[str, float]`."""
-    if annotation is None or annotation is type(None):
-        return "None"
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin is typing.Annotated:
-        return type_label(args[0])
-    if origin is typing.Literal:
-        return "|".join(str(a) for a in args)
-    if origin is typing.Union or origin is types.UnionType:
-        return " | ".join(type_label(a) for a in args)
-    if origin is not None:
-        name = getattr(origin, "__name__", str(origin))
-        return f"{name}[{', '.join(type_label(a) for a in args)}]" if args else name
-    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+__all__ = [
+    "BUILTIN_SPECS",
+    "ENTRY_POINT_GROUP",
+    "PolicyContext",
+    "PolicyError",
+    "PolicyRegistry",
+    "PolicySpec",
+    "default_registry",
+    "spec_from_object",
+    "type_label",
+]
 
 
 def _format_validation(name: str, e: ValidationError) -> str:
@@ -207,10 +167,7 @@ def spec_from_object(name: str, obj: Any) -> PolicySpec:
     return PolicySpec(name=name, params=params, factory=factory, help=doc[0] if doc else "")
 
 
-def _builtin_specs() -> list[PolicySpec]:
-    from policies import cost_model, fixed, online, threshold
-
-    return [fixed.SPEC, threshold.SPEC, cost_model.SPEC, online.SPEC]
+BUILTIN_SPECS: tuple[PolicySpec, ...] = (fixed.SPEC, threshold.SPEC, cost_model.SPEC, online.SPEC)
 
 
 def default_registry(*, entry_points: bool = True) -> PolicyRegistry:
@@ -220,7 +177,7 @@ def default_registry(*, entry_points: bool = True) -> PolicyRegistry:
     asking for it by name raises a `PolicyError` with the reason.
     """
     reg = PolicyRegistry()
-    for spec in _builtin_specs():
+    for spec in BUILTIN_SPECS:
         reg.register(spec)
     if entry_points:
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):

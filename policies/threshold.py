@@ -13,8 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from policies.base import Decision, LoadView, Outcome, PoolLoad, RequestInfo, route
-from policies.registry import PolicyContext, PolicySpec
+from policies.base import Decision, LoadView, Outcome, PoolLoad, RequestInfo
+from policies.routing import route
+from policies.spec import PolicyContext, PolicySpec
 
 Signal = Literal["local", "scraped", "max"]
 

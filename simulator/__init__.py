@@ -1,1 +1,9 @@
-"""Offline: backend speed model, workloads and traces, event engine, tuner, reports, emulator."""
+"""The offline side.
+
+- `simulator.engine`: the discrete-event engine, simulated servers, workloads, traces, results
+  and reports (`specroute simulate`).
+- `simulator.emulator`: an HTTP emulator of an SGLang server (live, for the demo and tests).
+- `simulator.planning`: the tuner (`specroute tune`) and the deployment planner (`plan`).
+
+Imports `policies`, never the controller.
+"""

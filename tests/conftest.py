@@ -5,7 +5,7 @@
   app with `create_app` (optionally with a `clock` and `shadows`) and serves it on 127.0.0.1:0;
   returns a `RunningProxy`.
 - `emulator(mode="baseline", profile=KIMI, **config)` starts an in-process SGLang emulator
-  (`simulator.emulator.run_emulator`); its default time scale is the `emulator_time_scale` fixture,
+  (`simulator.emulator.app.run_emulator`); its default time scale is the `emulator_time_scale` fixture,
   which a test module may override.
 - `spawn_serve(*args, env=..., stderr=..., preexec_fn=...)` runs `specroute serve --port 0 ...` as
   a subprocess and returns a `ServeProcess` (its URL read from the "specroute listening on" line).
@@ -29,14 +29,14 @@ from fakes import FakeBackend
 from helpers import start_module, wait_until
 from prometheus_client import CollectorRegistry
 
-from controller.app import FORWARDER, TRACKER, create_app, make_runner, policy_context
-from controller.config import Settings
-from controller.forward import Forwarder, Observer, RequestRecord
-from controller.load import LoadTracker
+from controller.proxy.app import FORWARDER, TRACKER, create_app, make_runner, policy_context
+from controller.proxy.config import Settings
+from controller.proxy.forward import Forwarder, Observer, RequestRecord
+from controller.proxy.load import LoadTracker
 from policies.base import Policy
 from policies.profile import Profile, resolve_profile
 from policies.registry import default_registry
-from simulator.emulator import EmulatorConfig, EmulatorServer, run_emulator
+from simulator.emulator.app import EmulatorConfig, EmulatorServer, run_emulator
 
 KIMI = resolve_profile("kimi-k25-int4-8gpu")
 

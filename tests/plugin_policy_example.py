@@ -10,8 +10,9 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.base import Decision, LoadView, Outcome, Pool, RequestInfo, other_pool, route
+from policies.base import Decision, LoadView, Outcome, Pool, RequestInfo, other_pool
 from policies.registry import PolicyContext
+from policies.routing import route
 
 
 class AlternatingPolicy:

@@ -25,8 +25,8 @@ from aiohttp import web
 from fakes import QUEUE_FULL, SSE_DONE, sglang_error, sse, sse_error, stream_chunk, stream_event
 from helpers import run_specroute
 
-from controller.bench import run_sweep
-from controller.bench_prompts import load_prompts
+from controller.bench.prompts import load_prompts
+from controller.bench.runner import run_sweep
 from policies.profile import load_profile, parse_profile, resolve_profile
 
 pytestmark = pytest.mark.timeout(120)
@@ -380,13 +380,13 @@ async def test_bad_input_gives_clear_errors(tmp_path: Path) -> None:
 
 
 def test_module_imports_without_side_effects() -> None:
-    code = "import controller.bench, controller.bench_cli; print('ok')"
+    code = "import controller.bench.runner, controller.cli.bench; print('ok')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout == "ok\n" and proc.stderr == ""
 
 
 async def test_against_the_emulator_when_present() -> None:
-    emulator = pytest.importorskip("simulator.emulator")
+    emulator = pytest.importorskip("simulator.emulator.app")
     profile = resolve_profile("kimi-k25-int4-8gpu")
     scale = 0.2  # wall seconds per profile second
     config = emulator.EmulatorConfig(mode="eagle", profile=profile, time_scale=scale)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.bench_result import BenchResult, LevelResult, RequestResult, summarize
-from controller.bench_stats import estimate, percentile, t_quantile, verdict
+from controller.bench.result import BenchResult, LevelResult, RequestResult, summarize
 from controller.cli import main
 from policies.profile import load_profile
+from policies.stats import estimate, percentile, t_quantile, verdict
 
 SAMPLE = Path(__file__).parent / "data" / "sglang_bench_sample.jsonl"
 

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from controller.cli import main
-from controller.config import ConfigError, Settings, load_settings
+from controller.proxy.config import ConfigError, Settings, load_settings
 
 
 def _write(tmp_path, text: str):
@@ -117,7 +117,7 @@ def test_check_config_rejects_bad_file_with_exit_2(tmp_path, capsys):
     f = _write(tmp_path, "baseline: [http://x:1]\npolicy: threshold\npolicy_params: {threshold: -1}\n")
     assert main(["check-config", str(f)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("specroute: error: ") and "threshold" in err
+    assert err.startswith("specroute check-config: error: ") and "threshold" in err
     f = _write(tmp_path, "port: 1\n")
     assert main(["check-config", str(f)]) == 2
     assert "no backend configured" in capsys.readouterr().err

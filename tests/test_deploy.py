@@ -36,7 +36,7 @@ from helpers import listening_url
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.cli import build_parser
-from controller.config import Settings, load_settings
+from controller.proxy.config import Settings, load_settings
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
 
@@ -89,7 +89,7 @@ SPECROUTE_METRICS = frozenset(
         "specroute_backend_spec_accept_length",
     }
 )
-# Further metrics the proxy exports (controller/metrics.py), shown but not part of the list above.
+# Further metrics the proxy exports (controller/proxy/metrics.py), shown but not part of the list above.
 SPECROUTE_EXTRA_METRICS = frozenset(
     {"specroute_rejected_requests_total", "specroute_failovers_total", "specroute_backend_sample_age_seconds"}
 )

@@ -25,7 +25,7 @@ from helpers import assert_in_flight_zero, emulator_running, metric_samples, sta
 if TYPE_CHECKING:
     from conftest import RunningProxy
 
-    from simulator.emulator import EmulatorServer
+    from simulator.emulator.app import EmulatorServer
 
 CHAT = [{"role": "user", "content": "hello"}]
 LONG = {"max_tokens": 4000, "extra_body": {"ignore_eos": True}}
@@ -49,7 +49,7 @@ class EmulatorProcess:
 
     async def start(self) -> None:
         proc, line = await start_module(
-            "simulator.emulate_cli", *self.args, "--port", str(self.port), stderr=asyncio.subprocess.DEVNULL
+            "controller.cli.emulate", *self.args, "--port", str(self.port), stderr=asyncio.subprocess.DEVNULL
         )
         assert " listening on http://" in line, line
         self.port = int(line.rsplit(":", 1)[1])

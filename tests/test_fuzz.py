@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from controller.app import TRACKER, create_app, make_runner
-from controller.config import Settings
+from controller.proxy.app import TRACKER, create_app, make_runner
+from controller.proxy.config import Settings
 from policies.registry import PolicyContext, default_registry
 
 

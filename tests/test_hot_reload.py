@@ -12,8 +12,9 @@ import aiohttp
 from helpers import wait_until
 from pydantic import BaseModel, ConfigDict
 
-from policies.base import Decision, LoadView, Outcome, RequestInfo, route
+from policies.base import Decision, LoadView, Outcome, RequestInfo
 from policies.registry import PolicyContext
+from policies.routing import route
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 TOKEN = "admin-secret-token"

@@ -20,10 +20,10 @@ import pytest
 from helpers import run_command, run_specroute, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.app import FORWARDER, SCRAPER, policy_context
-from controller.config import Settings
-from controller.decision_log import DecisionLog
-from controller.load import LoadTracker
+from controller.proxy.app import FORWARDER, SCRAPER, policy_context
+from controller.proxy.config import Settings
+from controller.proxy.decision_log import DecisionLog
+from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.registry import default_registry
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.load import LoadTracker
+from controller.proxy.load import LoadTracker
 
 URLS = ["http://b1:1", "http://b2:1", "http://e1:1"]
 

@@ -84,7 +84,7 @@ async def test_serve_rejects_bad_settings_with_exit_2(args, env, needle):
         env={**{k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")}, **env}, timeout_s=60,
     )  # fmt: skip
     assert code == 2
-    assert text.startswith("specroute: error: ") and needle in text, text
+    assert text.startswith("specroute serve: error: ") and needle in text, text
     assert "Traceback" not in text
 
 

@@ -57,14 +57,14 @@ def test_quick_start_is_two_commands_and_ci_runs_the_test_one() -> None:
 
 
 def test_every_setting_is_named_in_the_readme() -> None:
-    from controller.config import Settings
+    from controller.proxy.config import Settings
 
     missing = [key for key in Settings.model_fields if f"`{key}`" not in README]
     assert not missing, f"README does not mention settings {missing}"
 
 
 def test_every_metric_is_in_the_readme_table() -> None:
-    source = (ROOT / "controller" / "metrics.py").read_text(encoding="utf-8")
+    source = (ROOT / "controller" / "proxy" / "metrics.py").read_text(encoding="utf-8")
     names = set(re.findall(r'"(specroute_[a-z_]+)"', source))
     assert len(names) >= 12
     table = {m for m in re.findall(r"^\| `(specroute_[a-z_]+)`", README, flags=re.M)}

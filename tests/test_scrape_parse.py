@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from controller.decision_log import DecisionLog
-from controller.scrape import merge_samples, parse_sglang_metrics, parse_v1_loads
+from controller.proxy.decision_log import DecisionLog
+from controller.proxy.scrape import merge_samples, parse_sglang_metrics, parse_v1_loads
 
 # Shaped as SGLang 0.5.x prints it: colons in names, one sample per rank.
 SGLANG_METRICS = """\

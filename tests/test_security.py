@@ -15,7 +15,7 @@ import pytest
 from fakes import FakeBackend
 from helpers import run_specroute
 
-from controller.config import Settings, load_settings
+from controller.proxy.config import Settings, load_settings
 
 ADMIN_TOKEN = "adm-7f3c9e1b5d2a4f60"
 CLIENT_KEY = "sk-client-5e8a1c7d9b3f"

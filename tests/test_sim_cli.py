@@ -149,7 +149,7 @@ def test_decision_log_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 
 def test_policy_specs_with_inline_params_and_plugin_paths() -> None:
-    from simulator.cli import parse_policy
+    from controller.cli.simulate import parse_policy
 
     assert parse_policy("threshold", {"threshold": 4}).params == {"threshold": 4}
     inline = parse_policy("threshold:threshold=16,signal=local", {"threshold": 4})
@@ -242,7 +242,7 @@ def test_tune_ranks_and_writes_a_serve_config(tmp_path: Path, capsys: pytest.Cap
     assert isinstance(config["policy_params"]["threshold"], int)
     assert config["profile"] == PROFILE
     # The proxy's own config loader accepts the file unchanged.
-    from controller import config as proxy_config
+    from controller.proxy import config as proxy_config
 
     settings = proxy_config.load_settings(
         {"baseline": ["http://127.0.0.1:1"], "eagle": ["http://127.0.0.1:2"]}, {}, tmp_path / "best.yaml"

@@ -17,10 +17,16 @@ import pytest
 
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.registry import PolicyContext, default_registry
-from simulator.engine import FILLER, MEASURED, NOT_SENT, WARMUP, RequestBatch, SimulationError, simulate
-from simulator.runner import PolicyChoice, run
-from simulator.servers import DeploymentError, build_deployment, build_server, parse_buckets, parse_deployment
-from simulator.workloads import AcceptModel, LengthSpec, WorkloadSpec, generate
+from simulator.engine.loop import FILLER, MEASURED, NOT_SENT, WARMUP, RequestBatch, SimulationError, simulate
+from simulator.engine.runner import PolicyChoice, run
+from simulator.engine.servers import (
+    DeploymentError,
+    build_deployment,
+    build_server,
+    parse_buckets,
+    parse_deployment,
+)
+from simulator.engine.workloads import AcceptModel, LengthSpec, WorkloadSpec, generate
 
 
 def linear_profile(a: float, c: float, *, cap: int | None = None, ttft: float = 0.0) -> Profile:
@@ -282,21 +288,6 @@ def test_unsorted_open_loop_arrivals_are_rejected() -> None:
         simulate(servers, None, _batch([10, 10], [1.0, 0.5]))
 
 
-def test_fast_constructors_build_the_same_objects_as_the_dataclasses() -> None:
-    from policies.base import BackendLoad, Decision, LoadView, Outcome, PoolLoad, RequestInfo
-    from simulator import engine
-
-    b = engine._make_backend_load("eagle-0", "eagle", 3, 600, 2, 1, 2.4)
-    assert b == BackendLoad("eagle-0", "eagle", True, 3, 600, 2, 1, 2.4, 0.0)
-    p = engine._make_pool_load("eagle", (b,))
-    assert p == PoolLoad("eagle", (b,))
-    assert engine._make_view(PoolLoad("baseline"), p) == LoadView(PoolLoad("baseline"), p)
-    info, decision = RequestInfo(), Decision(pool="eagle", backend="eagle-0", reason="x")
-    o = engine._make_outcome(info, decision, 1.0, 0.2, 10, 2.0)
-    assert o == Outcome(info, decision, 1.0, 0.2, 10, 2.0, "ok")
-    assert o.decode_tok_s == pytest.approx(9 / 1.8)
-
-
 def test_prefill_cost_when_the_profile_gives_it() -> None:
     profile = parse_profile(
         {
@@ -317,7 +308,7 @@ def test_prefill_cost_when_the_profile_gives_it() -> None:
 
 
 def test_goodput_counts_requests_meeting_both_slos_per_second() -> None:
-    from simulator.results import Samples, Slo, goodput
+    from simulator.engine.results import Samples, Slo, goodput
 
     def part(ttft: list[float], tpot: list[float | None], makespan: float) -> Samples:
         n = len(ttft)

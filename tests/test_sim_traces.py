@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from simulator.traces import read_trace
+from simulator.engine.traces import read_trace
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 

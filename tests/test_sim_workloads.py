@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from simulator.traces import TraceError, detect_format, read_trace
-from simulator.workloads import LengthSpec, WorkloadError, WorkloadSpec, generate
+from simulator.engine.traces import TraceError, detect_format, read_trace
+from simulator.engine.workloads import LengthSpec, WorkloadError, WorkloadSpec, generate
 
 AZURE_CONV = Path("/work/shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 

@@ -1,0 +1,174 @@
+"""The HTTP side of `specroute bench`: one streaming request measured (TTFT, token times,
+usage counts, errors), model discovery and SGLang's `/server_info`.
+
+A request's TTFT is the first token-bearing chunk: for chat, SGLang's first chunk (role,
+empty content) is sent when the first token exists; for completions, the first non-empty
+text. Token counts come from the usage chunk (`stream_options.include_usage`), because with
+speculative decoding one chunk carries several tokens. Every failure (HTTP status, error
+event in the stream, missing usage or [DONE], connection error, timeout) becomes the
+result's `error`; `one_request` never raises for server or network trouble.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import aiohttp
+
+from controller.bench.prompts import Endpoint
+from controller.bench.result import Phase, RequestResult
+from controller.bench.sglang_import import parse_server_info
+
+
+def base_url(url: str) -> str:
+    u = url.rstrip("/")
+    return u[: -len("/v1")] if u.endswith("/v1") else u
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str) -> Any | None:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            if resp.status != 200:
+                return None
+            return await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+
+
+async def fetch_server_info(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
+    """SGLang's `/server_info` (or `/get_server_info`): acceptance and running-request cap.
+
+    Always returns a dict; fields the server does not have are None."""
+    for path in ("/server_info", "/get_server_info"):
+        info = await _get_json(session, base + path)
+        if isinstance(info, dict):
+            return {"endpoint": path, **parse_server_info(info)}
+    return {"endpoint": None, **parse_server_info(None)}
+
+
+class BenchError(RuntimeError):
+    """The sweep cannot run (server unreachable); the message says why."""
+
+
+async def discover_model(session: aiohttp.ClientSession, base: str) -> str:
+    """First model id of `GET /v1/models` ("default" if the server has no such route).
+
+    Raises BenchError when nothing answers at `base`, so a wrong URL fails at once."""
+    try:
+        async with session.get(base + "/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            data = await resp.json(content_type=None) if resp.status == 200 else None
+    except (aiohttp.ClientConnectionError, TimeoutError) as e:
+        raise BenchError(f"cannot reach {base}: {e.__class__.__name__}: {e}") from None
+    except (aiohttp.ClientError, ValueError):
+        data = None
+    try:
+        return str(data["data"][0]["id"])  # type: ignore[index]
+    except (KeyError, IndexError, TypeError):
+        return "default"
+
+
+def _error_message(obj: Any) -> str | None:
+    """The message of an error event (OpenAI nested or SGLang flat), else None."""
+    if not isinstance(obj, dict):
+        return None
+    err = obj.get("error")
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    if err is not None:
+        return str(err)
+    if obj.get("object") == "error":
+        return str(obj.get("message") or "error")
+    return None
+
+
+def _token_bearing(choice: dict[str, Any], endpoint: Endpoint) -> bool:
+    if endpoint == "completions":
+        return bool(choice.get("text"))
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    # SGLang's first chunk (role, empty content) is sent when the first token exists.
+    return bool(
+        delta.get("role") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+    )
+
+
+async def one_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    endpoint: Endpoint,
+    phase: Phase,
+    t0: float,
+    timeout_s: float,
+) -> RequestResult:
+    """Send one streaming request; never raises for server or network trouble."""
+    start = time.perf_counter()
+    r = RequestResult(phase=phase, start_s=start - t0)
+    done = False
+    events = 0
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.post(url, json=body, timeout=timeout) as resp:
+            r.status = resp.status
+            if resp.status != 200:
+                text = (await resp.text(errors="replace"))[:300]
+                r.error = f"HTTP {resp.status}: {text.strip()}"
+                return r
+            async for raw in resp.content:
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                events += 1
+                if payload == "[DONE]":
+                    done = True
+                    break
+                now = time.perf_counter() - t0
+                try:
+                    obj = json.loads(payload)
+                except json.JSONDecodeError:
+                    obj = None
+                if not isinstance(obj, dict):
+                    r.error = f"malformed event: {payload[:100]}"
+                    return r
+                if (msg := _error_message(obj)) is not None:
+                    r.error = f"error event: {msg}"
+                    return r
+                choices = obj.get("choices")
+                for choice in choices if isinstance(choices, list) else []:
+                    if not isinstance(choice, dict):
+                        continue
+                    if _token_bearing(choice, endpoint):
+                        if r.first_token_s is None:
+                            r.first_token_s = now
+                            r.ttft_s = now - r.start_s
+                        r.last_token_s = now
+                    if choice.get("finish_reason") == "abort":
+                        r.error = "request aborted by the server"
+                        return r
+                usage = obj.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    r.completion_tokens = usage["completion_tokens"]
+                    if isinstance(usage.get("prompt_tokens"), int):
+                        r.prompt_tokens = usage["prompt_tokens"]
+    except TimeoutError:
+        r.error = f"timeout after {timeout_s:g} s"
+    except aiohttp.ClientError as e:
+        r.error = f"connection error: {e.__class__.__name__}: {e}"
+    except ValueError as e:  # aiohttp: an SSE line longer than its read limit
+        r.error = f"stream read error: {e}"
+    finally:
+        r.end_s = time.perf_counter() - t0
+    if r.error is None:
+        if events == 0:
+            r.error = "no SSE events in the response (does the server stream?)"
+        elif not done:
+            r.error = "stream ended before [DONE]"
+        elif r.completion_tokens is None:
+            r.error = "no usage in the stream (stream_options.include_usage ignored?)"
+        elif r.first_token_s is None or r.completion_tokens < 1:
+            r.error = "no tokens generated"
+    return r

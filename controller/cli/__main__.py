@@ -1,0 +1,7 @@
+"""`python -m controller.cli ...` is `specroute ...`."""
+
+import sys
+
+from controller.cli import main
+
+sys.exit(main())

@@ -1,0 +1,344 @@
+"""CLI wiring for `specroute bench`, `specroute compare` and `specroute profile merge`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from controller.bench.compare import MIN_REQUESTS, compare_table, describe_runs, setting_warnings
+from controller.bench.prompts import PromptError, load_prompts
+from controller.bench.result import BenchResult, LevelResult, ResultFileError
+from controller.bench.runner import DEFAULT_LEVELS, BenchConfig, BenchError, BenchRunner
+from controller.bench.sglang_import import SglangImportError, import_sglang
+from controller.cli.args import (
+    CommandError,
+    non_negative_float,
+    non_negative_int,
+    number,
+    positive_int,
+    run_async,
+)
+from policies.profile import Profile, ProfileError, parse_profile, resolve_profile
+from policies.stats import Estimate
+
+
+def _header(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition(":") if ":" in text else text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME:VALUE or NAME=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
+def configure_bench(b: argparse.ArgumentParser) -> None:
+    b.description = (
+        "Closed-loop concurrency sweep against an OpenAI-compatible server "
+        "(SGLang, the emulator, or specroute). Or, with --import-sglang, turn SGLang's "
+        "benchmark results into a profile."
+    )
+    b.add_argument("url", nargs="?", metavar="URL", help="server base URL, e.g. http://127.0.0.1:30000")
+    b.add_argument(
+        "--concurrency",
+        type=positive_int,
+        nargs="+",
+        default=list(DEFAULT_LEVELS),
+        metavar="N",
+        help="concurrency levels (default: %(default)s)",
+    )
+    b.add_argument(
+        "--requests-per-level",
+        type=positive_int,
+        default=30,
+        metavar="N",
+        help="measured requests per level (default: %(default)s)",
+    )
+    b.add_argument(
+        "--warmup-requests",
+        type=non_negative_int,
+        default=5,
+        metavar="N",
+        help="warm-up requests per level, not counted (default: %(default)s)",
+    )
+    b.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=200,
+        metavar="N",
+        help="output tokens per request (default: 200)",
+    )
+    b.add_argument(
+        "--prompts",
+        default="coding",
+        metavar="SET|FILE",
+        help="built-in set 'coding' (default) or 'general', or a JSONL file with "
+        '{"messages": [...]} or {"prompt": "..."} per line',
+    )
+    b.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="/v1/chat/completions (default) or /v1/completions",
+    )
+    b.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
+    b.add_argument("--label", default=None, help="name of this run in results and comparisons")
+    b.add_argument(
+        "--temperature", type=non_negative_float, default=0.0, help="sampling temperature sent (default: 0.0)"
+    )
+    b.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (SGLang extension)")
+    b.add_argument("--timeout", type=number, default=600.0, metavar="S", help="per-request timeout")
+    b.add_argument(
+        "--header",
+        type=_header,
+        action="append",
+        default=[],
+        metavar="NAME:VALUE",
+        help="extra request header, e.g. x-specroute-mode:eagle (repeatable)",
+    )
+    b.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    b.add_argument("--out", metavar="FILE", help="write raw results and summaries (JSON)")
+    b.add_argument("--profile-out", metavar="FILE", help="write a specroute.profile/v1 for --mode")
+    b.add_argument("--mode", choices=("baseline", "eagle"), help="mode of the written profile")
+    b.add_argument("--profile-name", default=None, help="name field of the written profile")
+    b.add_argument(
+        "--import-sglang",
+        metavar="FILE.jsonl",
+        help="instead of measuring: profile points from `python -m sglang.benchmark.serving` results",
+    )
+    b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    b.set_defaults(func=run_bench)
+
+
+def configure_compare(c: argparse.ArgumentParser) -> None:
+    c.add_argument("results", nargs="+", metavar="RESULT", help="files written by `specroute bench --out`")
+    c.set_defaults(func=run_compare)
+
+
+def configure_profile(p: argparse.ArgumentParser) -> None:
+    psub = p.add_subparsers(dest="profile_command", metavar="SUBCOMMAND")
+    m = psub.add_parser("merge", help="merge one-mode profiles (baseline + eagle) into one")
+    m.add_argument("inputs", nargs="+", metavar="PROFILE", help="profile files (or built-in names)")
+    m.add_argument("-o", "--out", required=True, metavar="FILE")
+    m.add_argument("--name", default=None)
+    m.set_defaults(func=run_profile_merge)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _fmt(e: Estimate | None, digits: int) -> str:
+    if e is None:
+        return "-"
+    ci = "?" if e.half_width is None else f"{e.half_width:.{digits}f}"
+    return f"{e.mean:.{digits}f} ± {ci}"
+
+
+def level_line(lv: LevelResult) -> str:
+    s = lv.summary
+    d = s.decode_tok_s
+    pct = "" if d is None else f" (p50 {d.p50:.1f} p90 {d.p90:.1f} p99 {d.p99:.1f})"
+    other = f" (+{s.other_errors} warm-up/filler)" if s.other_errors else ""
+    line = (
+        f"concurrency {s.concurrency:>4}: n={s.n} errors={s.errors}{other}  "
+        f"decode {_fmt(d, 2)} tok/s{pct}  TTFT {_fmt(s.ttft_s, 4)} s  "
+        f"total {_fmt(s.total_tok_s, 1)} tok/s  wall {s.wall_s:.1f} s"
+    )
+    kinds = Counter((r.error or "")[:100] for r in lv.requests if not r.ok)
+    for message, count in kinds.most_common(3):
+        line += f"\n    {count} x {message}"
+    return line
+
+
+def _write_profile(profile: Profile, path: str) -> None:
+    Path(path).write_text(profile.to_json(), encoding="utf-8")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.profile_out and not args.mode:
+        raise CommandError("--profile-out needs --mode baseline|eagle")
+    if args.import_sglang:
+        if args.url:
+            raise CommandError("give either a URL to measure or --import-sglang FILE, not both")
+        if not args.mode:
+            raise CommandError("--import-sglang needs --mode baseline|eagle")
+        try:
+            profile, warnings = import_sglang(args.import_sglang, args.mode, args.profile_name)
+        except (SglangImportError, ProfileError) as e:
+            raise CommandError(str(e)) from None
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if args.profile_out:
+            try:
+                _write_profile(profile, args.profile_out)
+            except OSError as e:
+                raise CommandError(f"cannot write {args.profile_out}: {e.strerror or e}") from None
+            print(f"wrote {args.profile_out}: {len(profile.mode(args.mode).points)} points ({args.mode})")
+        else:
+            sys.stdout.write(profile.to_json())
+        return 0
+    if not args.url:
+        raise CommandError("a server URL is required (or --import-sglang FILE)")
+    for path in (args.out, args.profile_out):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise CommandError(f"cannot write {path}: no such directory")
+    headers = dict(args.header)
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    try:
+        prompts = load_prompts(args.prompts)
+        config = BenchConfig(
+            url=args.url,
+            levels=tuple(args.concurrency),
+            requests_per_level=args.requests_per_level,
+            warmup=args.warmup_requests,
+            max_tokens=args.max_tokens,
+            prompts=prompts,
+            endpoint=args.endpoint,
+            label=args.label,
+            model=args.model,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            timeout_s=args.timeout,
+            headers=headers,
+        )
+    except (PromptError, ValueError) as e:
+        raise CommandError(str(e)) from None
+    if len(prompts) < max(config.levels):
+        print(
+            f"warning: prompt set {prompts.name} has {len(prompts)} prompts, fewer than the "
+            f"largest concurrency {max(config.levels)}: concurrent requests will share prompts",
+            file=sys.stderr,
+        )
+
+    if config.requests_per_level < MIN_REQUESTS:
+        print(
+            f"warning: {config.requests_per_level} requests per level (< {MIN_REQUESTS}) are too few "
+            "to distinguish differences of a few percent",
+            file=sys.stderr,
+        )
+
+    def on_level(lv: LevelResult) -> None:
+        print(level_line(lv), flush=True)
+
+    runner = BenchRunner(config, on_level=on_level, progress=not args.no_progress)
+    print(
+        f"bench {args.url}: levels {' '.join(map(str, config.levels))}, {config.requests_per_level} "
+        f"requests per level after {config.warmup} warm-up, max_tokens {config.max_tokens}, "
+        f"prompts {prompts.name} ({len(prompts)})",
+        flush=True,
+    )
+    interrupted = False
+    try:
+        run_async(runner.run())
+    except KeyboardInterrupt:
+        interrupted = True
+    except BenchError as e:
+        raise CommandError(str(e)) from None
+    result = runner.result
+    if interrupted:
+        result.metadata["interrupted"] = True
+        print(f"interrupted: keeping {len(result.levels)} finished level(s)", file=sys.stderr)
+    info = result.metadata.get("server_info") or {}
+    if info.get("endpoint"):
+        print(
+            f"server info: speculative_algorithm={info.get('speculative_algorithm')} "
+            f"avg_spec_accept_length={info.get('avg_spec_accept_length')} "
+            f"max_running_requests={info.get('max_running_requests')}"
+        )
+        spec = info.get("speculative_algorithm") not in (None, "", "NONE")
+        if args.mode == "eagle" and not spec:
+            print("warning: --mode eagle, but the server reports no speculative algorithm", file=sys.stderr)
+        if args.mode == "baseline" and spec:
+            print(
+                f"warning: --mode baseline, but the server runs {info.get('speculative_algorithm')}",
+                file=sys.stderr,
+            )
+    return _write_outputs(args, result, interrupted)
+
+
+def _write_outputs(args: argparse.Namespace, result: BenchResult, interrupted: bool) -> int:
+    code = 130 if interrupted else 0
+    if args.out:
+        try:
+            result.write(args.out)
+        except OSError as e:
+            print(f"specroute bench: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+            code = code or 1
+        else:
+            print(f"wrote {args.out}")
+    if args.profile_out:
+        try:
+            profile = result.to_profile(args.mode, args.profile_name)
+        except (ResultFileError, ProfileError) as e:
+            print(f"specroute bench: no profile written: {e}", file=sys.stderr)
+            return code or 1
+        try:
+            _write_profile(profile, args.profile_out)
+        except OSError as e:
+            print(f"specroute bench: cannot write {args.profile_out}: {e.strerror or e}", file=sys.stderr)
+            return code or 1
+        print(f"wrote {args.profile_out}: {len(profile.mode(args.mode).points)} points ({args.mode})")
+    return code
+
+
+def _names(runs: Sequence[BenchResult], paths: Sequence[str]) -> list[str]:
+    labels = [r.label for r in runs]
+    if len(set(labels)) == len(labels):
+        return labels
+    return [f"{lab} ({Path(p).name})" for lab, p in zip(labels, paths, strict=True)]
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    try:
+        runs = [BenchResult.read(p) for p in args.results]
+    except ResultFileError as e:
+        raise CommandError(str(e)) from None
+    names = _names(runs, args.results)
+    table, warnings = compare_table(runs, names)
+    print("\n".join(describe_runs(runs, names)))
+    print(
+        "cells: mean ± 95% CI half-width (n); vs [1]: relative difference and verdict "
+        "(intervals overlap = not distinguishable; TTFT: lower is faster)"
+    )
+    print()
+    print(table)
+    for w in [*setting_warnings(runs, names), *warnings]:
+        print(f"warning: {w}")
+    return 0
+
+
+def merge_profiles(profiles: Sequence[tuple[str, Profile]], name: str | None = None) -> Profile:
+    """One profile with the modes of all inputs; a mode present twice is an error."""
+    modes: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for path, prof in profiles:
+        for mode, mode_profile in prof.modes.items():
+            if mode in modes:
+                raise ProfileError(
+                    f"both {origin[mode]} and {path} have a {mode!r} mode: merge needs profiles "
+                    "with different modes (one baseline, one eagle)"
+                )
+            modes[mode] = mode_profile.model_dump(mode="json", exclude_none=True)
+            origin[mode] = path
+    data = {
+        "format": "specroute.profile/v1",
+        "name": name or " + ".join(p.name for _, p in profiles),
+        "source": "merged: " + " | ".join(f"{path}: {p.source}" for path, p in profiles),
+        "modes": modes,
+    }
+    return parse_profile(data, "<merged profile>")
+
+
+def run_profile_merge(args: argparse.Namespace) -> int:
+    if len(args.inputs) < 2:
+        raise CommandError("give at least two profiles to merge")
+    try:
+        merged = merge_profiles([(p, resolve_profile(p)) for p in args.inputs], args.name)
+    except ProfileError as e:
+        raise CommandError(str(e)) from None
+    try:
+        _write_profile(merged, args.out)
+    except OSError as e:
+        raise CommandError(f"cannot write {args.out}: {e.strerror or e}") from None
+    print(f"wrote {args.out}: modes {', '.join(merged.modes)}")
+    return 0

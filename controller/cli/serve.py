@@ -1,0 +1,243 @@
+"""`specroute serve`, `specroute policies` and `specroute check-config`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import os
+import signal
+from typing import Any
+
+import yaml
+
+from controller.cli.args import CommandError, add_model_flags, run_async
+from controller.proxy.config import ConfigError, Settings, load_settings
+from policies.params import parse_assignments
+from policies.profile import ProfileError
+from policies.registry import default_registry
+from policies.spec import PolicyError
+
+log = logging.getLogger("specroute")
+
+# Settings without a generated flag: secrets (environment or file only), the backend lists and
+# the structured ones (their own flags below, or the config file).
+_NO_FLAG = (
+    "policy_params",
+    "shadow_policies",
+    "admin_token",
+    "baseline_api_key",
+    "eagle_api_key",
+    "baseline",
+    "eagle",
+)
+_METAVARS = {"profile": "FILE|NAME", "decision_log": "FILE"}
+
+
+def _help_suffix(name: str, field: Any) -> str:
+    return f" (env SPECROUTE_{name.upper()}; default {field.default!r})"
+
+
+def _add_settings_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML file of settings (keys = setting names).")
+    p.add_argument("--baseline", action="append", metavar="URL[,URL..]", help="Plain SGLang backends.")
+    p.add_argument("--eagle", action="append", metavar="URL[,URL..]", help="EAGLE-3 SGLang backends.")
+    p.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help='Policy parameter; VALUE is JSON when it parses (4, true, {"code": 1.2}), else text.',
+    )
+    # Values reach Settings as text: it validates them and names the flag in its errors.
+    add_model_flags(
+        p,
+        Settings,
+        skip=_NO_FLAG,
+        typed=False,
+        help_suffix=_help_suffix,
+        metavars={name: "SECONDS" for name in Settings.model_fields if name.endswith("_s")} | _METAVARS,
+    )
+
+
+def cli_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags the user actually gave, as raw setting values."""
+    out: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        value = getattr(args, name, None)
+        if value is not None and name not in ("baseline", "eagle"):
+            out[name] = value
+    for pool in ("baseline", "eagle"):
+        urls = getattr(args, pool, None)
+        if urls:
+            out[pool] = ",".join(urls)
+    if args.policy_param:
+        out["policy_params"] = parse_assignments(args.policy_param)
+    return out
+
+
+def configure_serve(p: argparse.ArgumentParser) -> None:
+    _add_settings_flags(p)
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="Logging level (DEBUG, INFO, WARNING, ERROR; default INFO).",
+    )
+    p.set_defaults(func=run_serve)
+
+
+def configure_policies(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(func=run_policies)
+
+
+def configure_check_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="YAML config file.")
+    p.set_defaults(func=run_check_config)
+
+
+def _build(args: argparse.Namespace) -> tuple[Settings, Any, Any, Any]:
+    from controller.proxy.app import policy_context
+
+    settings = load_settings(cli_settings(args), os.environ, args.config)
+    settings.require_backends()
+    registry = default_registry()
+    context = policy_context(settings)
+    policy = registry.create(settings.policy, settings.policy_params, context)
+    _check_observability(settings, registry, context)
+    return settings, registry, context, policy
+
+
+def _check_observability(settings: Settings, registry: Any, context: Any) -> None:
+    """Fail at start-up, with the setting's name, on a bad shadow policy or decision log path."""
+    from controller.proxy.shadow import build_shadows
+
+    build_shadows(settings.shadow_policies, registry, context)
+    if settings.decision_log:
+        path = settings.decision_log
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"decision_log {path}: cannot open for writing: {e.strerror or e}") from None
+
+
+def raise_open_files_limit() -> None:
+    """Raise the soft open-files limit to the hard one: each proxied stream holds two sockets."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as e:
+        log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, e)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        settings, registry, context, policy = _build(args)
+    except (ConfigError, PolicyError, ProfileError) as e:
+        raise CommandError(e) from None
+    raise_open_files_limit()
+    try:
+        run_async(_serve(args, settings, registry, context, policy))
+    except OSError as e:
+        raise CommandError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
+    return 0
+
+
+async def _serve(
+    args: argparse.Namespace, settings: Settings, registry: Any, context: Any, policy: Any
+) -> None:
+    from aiohttp import web
+
+    from controller.proxy.app import ADMIN, create_app, make_runner
+
+    app = create_app(settings, policy, registry=registry, context=context)
+    runner = make_runner(app, shutdown_timeout=settings.drain_timeout_s)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        host = settings.host if ":" not in settings.host else f"[{settings.host}]"
+        # Start-up objects (modules, settings, app) never die: keep them out of every collection,
+        # and collect the young generation less often -- a request allocates a few hundred objects.
+        gc.freeze()
+        gc.set_threshold(20_000, 50, 100)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        # Only now say so: a supervisor may send SIGTERM as soon as it reads this line.
+        print(f"specroute listening on http://{host}:{port}", flush=True)
+        log.info("policy %s, baseline %s, eagle %s", settings.policy, settings.baseline, settings.eagle)
+
+        def reload() -> None:
+            if args.config is None:
+                log.warning("SIGHUP: no --config file to re-read; policy unchanged")
+                return
+            try:
+                fresh = load_settings(cli_settings(args), os.environ, args.config)
+                app[ADMIN].reload(fresh)
+            except (ConfigError, PolicyError, ProfileError) as e:
+                log.error("SIGHUP: reload failed, policy unchanged: %s", e)
+
+        loop.add_signal_handler(signal.SIGHUP, reload)
+        await stop.wait()
+        log.warning(
+            "shutting down: draining %d in-flight request(s) for up to %g s",
+            app[ADMIN].fwd.tracker.total_in_flight,
+            settings.drain_timeout_s,
+        )
+    finally:
+        await runner.cleanup()
+    log.warning("stopped")
+
+
+def run_policies(args: argparse.Namespace) -> int:
+    try:
+        registry = default_registry()
+    except PolicyError as e:
+        raise CommandError(e) from None
+    for spec in registry.specs():
+        print(f"{spec.name}{'  (needs --profile)' if spec.needs_profile else ''}")
+        if spec.help:
+            print(f"    {spec.help}")
+        for key, typ, default, help_ in spec.describe_params():
+            print(f"    --policy-param {key}=<{typ}>  default {default}  {help_}")
+        print()
+    for name, problem in sorted(registry.broken().items()):
+        print(f"{name}  (installed plugin that failed to load: not usable)")
+        print(f"    {problem}")
+        print()
+    return 0
+
+
+def run_check_config(args: argparse.Namespace) -> int:
+    from controller.proxy.app import policy_context
+    from controller.proxy.shadow import build_shadows
+
+    try:
+        settings = load_settings({}, os.environ, args.file)
+        settings.require_backends()
+        registry, context = default_registry(), policy_context(settings)
+        registry.create(settings.policy, settings.policy_params, context)
+        build_shadows(settings.shadow_policies, registry, context)
+    except (ConfigError, PolicyError, ProfileError) as e:
+        raise CommandError(e) from None
+    print(f"# {args.file}: valid (environment SPECROUTE_* applied; secrets masked)")
+    print(yaml.safe_dump(settings.masked(), sort_keys=False), end="")
+    return 0

@@ -1,0 +1,240 @@
+"""`specroute simulate` and `specroute tune`: the offline simulator's command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from controller.cli.args import CommandError, non_negative_int, positive_float, positive_int, require
+from controller.cli.workload_args import (
+    SIMULATION_ERRORS,
+    add_workload_args,
+    buckets_from_args,
+    describe_workload,
+    profile_ref,
+    workload_from_args,
+)
+from policies.params import parse_assignments, parse_policy_ref, split_policy_ref
+from policies.profile import Profile, resolve_profile
+from policies.registry import default_registry
+from simulator.engine.report import align_columns, format_table, write_report
+from simulator.engine.results import RunResult, Slo
+from simulator.engine.runner import PolicyChoice, is_single_pool, run
+from simulator.engine.servers import ServerKind, parse_deployment
+from simulator.engine.workloads import WorkloadSpec, generate
+from simulator.planning.tuner import OBJECTIVES, config_text, parse_grid, tune, valid_points, write_config
+
+
+def parse_policy(text: str, default_params: dict[str, Any]) -> PolicyChoice:
+    """`NAME` or `NAME:KEY=VALUE,...` (the `policies.params` grammar); without inline parameters
+    the policy gets `default_params` (the --policy-param values)."""
+    name, params = parse_policy_ref(text)
+    return PolicyChoice(name, dict(default_params) if params is None else params)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True, help="Speed profile: a JSON file or a built-in name.")
+    p.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Policy parameter (VALUE is JSON when it parses, else text); applies to every --policy "
+        "without inline params.",
+    )
+    add_workload_args(p)
+    d = p.add_argument_group("deployment")
+    d.add_argument(
+        "--deployment",
+        action="append",
+        metavar="KIND=N,...",
+        help="Servers per kind (baseline, eagle, adaptive); default baseline=1,eagle=1. Repeat to compare.",
+    )
+    d.add_argument(
+        "--adaptive-buckets",
+        metavar="LIMIT:DEPTH,...",
+        help="Adaptive server: speculation depth (0..1) below each batch size; 0 beyond the last "
+        "(default 8:1,32:0.667,64:0.333).",
+    )
+    p.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="Random seed of the workload and the run (default 0).",
+    )
+
+
+def configure_simulate(s: argparse.ArgumentParser) -> None:
+    s.description = (
+        "Discrete-event simulation of policies routing between simulated baseline "
+        "and EAGLE servers whose speed follows a profile."
+    )
+    _add_common(s)
+    s.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME[:KEY=VALUE,...]",
+        help="Policy to simulate; repeat to compare side by side (default threshold).",
+    )
+    s.add_argument("--json", action="store_true", help="Print one JSON document.")
+    s.add_argument("--report", metavar="DIR", help="Write a markdown report and PNG plots into DIR.")
+    s.set_defaults(func=_simulate_main)
+
+
+def configure_tune(t: argparse.ArgumentParser) -> None:
+    t.description = "Simulate every grid point, rank them, and write the best as a serve config."
+    _add_common(t)
+    t.add_argument(
+        "--policy", required=True, metavar="NAME", help="Policy to tune (a built-in name or module:Class)."
+    )
+    t.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        required=True,
+        help="Values to try for a policy parameter (repeat for more keys: every combination is run).",
+    )
+    t.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="mean_e2e_s",
+        help="What to optimise: latencies are minimised, goodput (requests/s meeting the SLOs) "
+        "maximised (default mean_e2e_s).",
+    )
+    t.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO in seconds (goodput).")
+    t.add_argument("--slo-tpot", type=positive_float, help="Time-per-output-token SLO in seconds (goodput).")
+    t.add_argument("--out", required=True, metavar="FILE", help="Config file to write (YAML).")
+    t.add_argument(
+        "--jobs", type=positive_int, default=os.cpu_count() or 1, help="Worker processes (default: CPUs)."
+    )
+    t.set_defaults(func=_tune_main)
+
+
+def _deployments(args: argparse.Namespace) -> list[tuple[tuple[ServerKind, int], ...]]:
+    return [parse_deployment(d) for d in (args.deployment or ["baseline=1,eagle=1"])]
+
+
+def _describe(spec: WorkloadSpec, profile: Profile) -> str:
+    levels = " ".join(map(str, spec.levels))
+    sweep = f"sweep, levels {levels}, {spec.requests_per_level} requests/level + {spec.warmup} warm-up"
+    return f"profile {profile.name!r}; {describe_workload(spec, sweep)}"
+
+
+def _simulate_main(args: argparse.Namespace) -> int:
+    try:
+        profile = resolve_profile(args.profile)
+        spec = workload_from_args(args)
+        deployments = _deployments(args)
+        buckets = buckets_from_args(args)
+        if args.report:
+            require("matplotlib", "plot", "--report")
+        base_params = parse_assignments(args.policy_param)
+        choices = [parse_policy(p, base_params) for p in (args.policy or ["threshold"])]
+        registry = default_registry()
+        for c in choices:  # validate every policy before the first simulation
+            registry.parse_params(c.name, c.params)
+        segments = generate(spec, args.seed)
+        runs: list[RunResult] = []
+        for dep in deployments:
+            for c in choices[:1] if is_single_pool(dep) else choices:
+                runs.append(
+                    run(profile, c, dep, segments, seed=args.seed, buckets=buckets, registry=registry)
+                )
+        if args.json:
+            print(json.dumps({"runs": [r.to_json() for r in runs]}, indent=2))
+        else:
+            print(_describe(spec, profile))
+            print(format_table(runs))
+        if args.report:
+            path = write_report(
+                runs, args.report, title="specroute simulation", description=_describe(spec, profile)
+            )
+            print(f"report written to {path}", file=sys.stderr)
+    except SIMULATION_ERRORS as e:
+        raise CommandError(e) from None
+    return 0
+
+
+def _tune_main(args: argparse.Namespace) -> int:
+    try:
+        profile = resolve_profile(args.profile)
+        spec = workload_from_args(args)
+        deployments = _deployments(args)
+        if len(deployments) != 1:
+            raise CommandError("tune takes one --deployment")
+        if args.objective == "goodput" and args.slo_ttft is None and args.slo_tpot is None:
+            raise CommandError("--objective goodput needs --slo-ttft and/or --slo-tpot")
+        if split_policy_ref(args.policy)[1] is not None:
+            raise CommandError("tune: give parameters with --policy-param / --grid, not NAME:KEY=VALUE")
+        base_params = parse_assignments(args.policy_param)
+        grid = parse_grid(args.grid)
+        registry = default_registry()
+        points, _, rejected = valid_points(registry, args.policy, base_params, grid)  # before the bar
+        total = len(points) + len(rejected)
+        skipped: list[tuple[dict[str, Any], str]] = []
+        with tqdm(total=total, desc="grid points", unit="pt", file=sys.stderr) as bar:
+            ranking = tune(
+                profile,
+                args.policy,
+                base_params,
+                grid,
+                deployments[0],
+                spec,
+                args.objective,
+                registry=registry,
+                slo=Slo(args.slo_ttft, args.slo_tpot),
+                seed=args.seed,
+                jobs=args.jobs,
+                buckets=buckets_from_args(args),
+                progress=bar.update,
+                on_skip=lambda point, reason: skipped.append((point, reason)),
+            )
+        for point, reason in skipped:
+            shown = ",".join(f"{k}={point[k]}" for k, _ in grid)
+            print(f"warning: grid point {shown} skipped: {reason}", file=sys.stderr)
+        print(_describe(spec, profile))
+        print(
+            f"objective: {args.objective} "
+            + (
+                "(requests/s meeting every SLO given; higher is better)"
+                if args.objective == "goodput"
+                else "(seconds; lower is better)"
+            )
+        )
+        columns = [c for c in ("mean_e2e_s", "p99_ttft_s", "p99_e2e_s") if c != args.objective]
+        header = ["rank", "params", args.objective, *columns, "eagle %"]
+        rows = []
+        for i, r in enumerate(ranking, 1):
+            s = r.summary
+            rows.append(
+                [
+                    str(i),
+                    ",".join(f"{k}={json.dumps(v)}" for k, v in r.params.items() if k in dict(grid)) or "-",
+                    f"{r.score:.4f}",
+                    *(f"{s[c]:.4f}" if s[c] is not None else "-" for c in columns),
+                    f"{100 * s['pool_share']['eagle']:.0f}",
+                ]
+            )
+        print(align_columns(header, rows, left={1}))
+        best = ranking[0]
+        text = config_text(
+            args.policy,
+            best.params,
+            profile_ref(args.profile),
+            objective=args.objective,
+            best=best,
+            command="specroute " + shlex.join(sys.argv[1:]),
+        )
+        write_config(args.out, text)
+        print(f"best: {args.policy} {json.dumps(best.params)} -> {args.out}")
+    except SIMULATION_ERRORS as e:
+        raise CommandError(e) from None
+    return 0

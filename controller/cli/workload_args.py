@@ -1,0 +1,212 @@
+"""Command-line pieces shared by `specroute simulate`, `tune` and `plan`: the workload flags and
+the values they become."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from controller.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
+from policies.profile import ProfileError
+from policies.spec import PolicyError
+from simulator.engine.loop import SimulationError
+from simulator.engine.report import ReportError
+from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, DeploymentError, parse_buckets
+from simulator.engine.traces import TRACE_FORMATS, TraceError
+from simulator.engine.workloads import (
+    DEFAULT_LEVELS,
+    WORKLOAD_KINDS,
+    AcceptModel,
+    LengthSpec,
+    WorkloadError,
+    WorkloadSpec,
+)
+from simulator.planning.tuner import TuneError
+
+SIMULATION_ERRORS = (
+    ProfileError,
+    PolicyError,
+    WorkloadError,
+    TraceError,
+    DeploymentError,
+    TuneError,
+    ReportError,
+    SimulationError,
+)
+"""What a simulating command reports as `specroute COMMAND: error: ...` (exit 2), not a traceback."""
+
+REQUESTS_PER_LEVEL = 30
+"""Measured requests per sweep level when not given (plan: at least this)."""
+WARMUP_REQUESTS = 5
+"""Unmeasured requests at the start of each sweep level when not given (plan: at least this)."""
+
+
+def add_workload_args(
+    p: argparse.ArgumentParser, *, title: str = "workload", steady_level_defaults: bool = False
+) -> None:
+    """The workload flags. With `steady_level_defaults` (plan), --requests-per-level and
+    --warmup-requests default to None: `workload_from_args` then sizes them to the highest
+    concurrency planned."""
+    w = p.add_argument_group(title)
+    w.add_argument(
+        "--workload",
+        choices=WORKLOAD_KINDS,
+        default="sweep",
+        help="Closed-loop concurrency sweep, open-loop Poisson or bursty arrivals, or a trace replay "
+        "(default sweep).",
+    )
+    w.add_argument(
+        "--concurrency",
+        type=positive_int,
+        nargs="+",
+        action="extend",
+        metavar="N",
+        help=f"Sweep levels (default {' '.join(map(str, DEFAULT_LEVELS))}).",
+    )
+    if steady_level_defaults:
+        w.add_argument(
+            "--requests-per-level",
+            type=positive_int,
+            help="Measured requests per sweep level (default: the highest concurrency planned, at least "
+            f"{REQUESTS_PER_LEVEL}, so every level is measured in a steady state).",
+        )
+        w.add_argument(
+            "--warmup-requests",
+            type=non_negative_int,
+            help="Unmeasured requests per sweep level (default: the highest concurrency planned, at least "
+            f"{WARMUP_REQUESTS}).",
+        )
+    else:
+        w.add_argument(
+            "--requests-per-level",
+            type=positive_int,
+            default=REQUESTS_PER_LEVEL,
+            help="Measured requests per sweep level (at least one per client is always measured).",
+        )
+        w.add_argument(
+            "--warmup-requests",
+            type=non_negative_int,
+            default=WARMUP_REQUESTS,
+            help="Unmeasured requests at the start of each level.",
+        )
+    w.add_argument(
+        "--rate", type=positive_float, default=10.0, help="Mean arrival rate (poisson, bursty), requests/s."
+    )
+    w.add_argument(
+        "--requests",
+        type=positive_int,
+        default=None,
+        help="Requests (poisson/bursty: default 1000; trace: the first N, default all).",
+    )
+    w.add_argument(
+        "--burst-factor", type=positive_float, default=4.0, help="Bursty: high-state rate / low-state rate."
+    )
+    w.add_argument(
+        "--burst-period", type=positive_float, default=10.0, help="Bursty: mean seconds in each state."
+    )
+    w.add_argument("--trace", help="Trace file (Azure LLM inference CSV or specroute decision log JSONL).")
+    w.add_argument("--trace-format", choices=TRACE_FORMATS, help="Trace format (default: detected).")
+    w.add_argument(
+        "--time-scale",
+        type=positive_float,
+        default=1.0,
+        help="Multiply trace timestamps by this (0.5 replays twice as fast).",
+    )
+    w.add_argument(
+        "--output-tokens",
+        help="Output lengths: const:N, exp:MEAN, lognormal:MEAN,SIGMA (default const:200 or the trace's).",
+    )
+    w.add_argument("--prompt-tokens", help="Prompt lengths, same forms (default const:256 or the trace's).")
+    w.add_argument(
+        "--hint-mix", metavar="HINT=W,...", help="Synthetic hints with weights, e.g. code=0.3,prose=0.7."
+    )
+    w.add_argument(
+        "--hint-accept",
+        metavar="HINT=F,...",
+        help="EAGLE speed factor per hint (acceptance), e.g. code=1.2,prose=0.85.",
+    )
+    w.add_argument(
+        "--accept-sigma",
+        type=non_negative_float,
+        default=0.0,
+        help="Spread (lognormal sigma, mean 1) of each request's EAGLE speed factor.",
+    )
+
+
+def parse_weights(text: str | None, what: str) -> dict[str, float]:
+    """`NAME=NUMBER,...` with every number >= 0; empty for None or ""."""
+    if not text:
+        return {}
+    out: dict[str, float] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        try:
+            if not sep or not key.strip():
+                raise ValueError
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise WorkloadError(f"{what} {item!r}: expected NAME=NUMBER[,NAME=NUMBER...]") from None
+        if out[key.strip()] < 0:
+            raise WorkloadError(f"{what} {item!r}: must be >= 0")
+    return out
+
+
+def workload_from_args(args: argparse.Namespace, *, max_load: float = 1.0) -> WorkloadSpec:
+    """The workload the flags of `add_workload_args` describe. A --requests-per-level or
+    --warmup-requests left at None is the highest concurrency times `max_load`, at least
+    REQUESTS_PER_LEVEL / WARMUP_REQUESTS: with fewer measured (or warm-up) requests than clients,
+    a level measures the first requests after warm-up, which a policy keeping one pool nearly
+    empty passes quickly."""
+    levels = tuple(args.concurrency) if args.concurrency else DEFAULT_LEVELS
+    top = max(1, round(max(levels) * max_load))
+    if args.accept_sigma < 0:
+        raise WorkloadError("--accept-sigma must be >= 0")
+    hint_accept = parse_weights(args.hint_accept, "--hint-accept")
+    if any(v <= 0 for v in hint_accept.values()):
+        raise WorkloadError("--hint-accept factors must be > 0")
+    per_level = args.requests_per_level
+    warmup = args.warmup_requests
+    return WorkloadSpec(
+        kind=args.workload,
+        levels=levels,
+        requests_per_level=per_level if per_level is not None else max(REQUESTS_PER_LEVEL, top),
+        warmup=warmup if warmup is not None else max(WARMUP_REQUESTS, top),
+        rate=args.rate,
+        requests=args.requests,
+        burst_factor=args.burst_factor,
+        burst_period_s=args.burst_period,
+        trace=args.trace,
+        trace_format=args.trace_format,
+        time_scale=args.time_scale,
+        output_tokens=LengthSpec.parse(args.output_tokens) if args.output_tokens else None,
+        prompt_tokens=LengthSpec.parse(args.prompt_tokens) if args.prompt_tokens else None,
+        hint_mix=parse_weights(args.hint_mix, "--hint-mix"),
+        accept=AcceptModel(args.accept_sigma, hint_accept),
+    )
+
+
+def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
+    """`workload: WHAT; output tokens LENGTHS` for a command's header line; `sweep` is what a sweep
+    is called (each command words its levels)."""
+    if spec.kind == "sweep":
+        what = sweep
+    elif spec.kind == "trace":
+        what = f"trace {spec.trace} (time scale {spec.time_scale:g})"
+    else:
+        what = f"{spec.kind}, rate {spec.rate:g}/s"
+    if spec.output_tokens:
+        out = str(spec.output_tokens)
+    else:
+        out = "trace" if spec.kind == "trace" else "const:200"
+    return f"workload: {what}; output tokens {out}"
+
+
+def buckets_from_args(args: argparse.Namespace) -> tuple[tuple[int, float], ...]:
+    """--adaptive-buckets, or the default buckets."""
+    return parse_buckets(args.adaptive_buckets) if args.adaptive_buckets else DEFAULT_ADAPTIVE_BUCKETS
+
+
+def profile_ref(arg: str) -> str:
+    """A --profile as written into a config: a file's absolute path, or the built-in name."""
+    p = Path(arg)
+    return str(p.resolve()) if p.is_file() else arg

@@ -1,0 +1,96 @@
+"""Hot reload of the routing policy: `POST /admin/policy` and SIGHUP.
+
+The swap is one attribute assignment on the `Forwarder`: a request captures the policy object
+before it calls `choose` and calls `observe` on that same object, so in-flight requests finish
+under the policy that chose them while new requests use the new one. The admin endpoint needs
+`Authorization: Bearer <admin_token>` (compared in constant time) and answers 404 when no token
+is configured, exactly like an unknown route.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from controller.proxy.config import Settings
+from controller.proxy.errors import BadRequest, NotFound, Unauthorized
+from controller.proxy.forward import Forwarder
+from policies.base import Policy
+from policies.params import parse_policy_ref
+from policies.profile import ProfileError, resolve_profile
+from policies.registry import PolicyRegistry
+from policies.spec import PolicyContext, PolicyError
+
+log = logging.getLogger("specroute.admin")
+_RELOADABLE = frozenset({"policy", "policy_params", "profile", "seed"})
+
+
+class PolicyAdmin:
+    def __init__(self, fwd: Forwarder, registry: PolicyRegistry, context: PolicyContext) -> None:
+        self.fwd = fwd
+        self.registry = registry
+        self.context = context
+        self.name = fwd.settings.policy
+        self.params: dict[str, Any] = dict(fwd.settings.policy_params)
+
+    def swap(self, name: str, params: dict[str, Any], context: PolicyContext | None = None) -> Policy:
+        """Build the new policy (raises PolicyError) and swap it in atomically."""
+        ctx = context or self.context
+        policy = self.registry.create(name, params, ctx)
+        self.fwd.policy = policy
+        self.name, self.params, self.context = name, dict(params), ctx
+        log.warning("routing policy is now %s %s", name, json.dumps(params, default=str))
+        return policy
+
+    def reload(self, settings: Settings) -> None:
+        """Swap to the policy of freshly read settings (SIGHUP). Raises PolicyError/ProfileError."""
+        profile = resolve_profile(settings.profile) if settings.profile else None
+        before, after = self.fwd.settings.masked(), settings.masked()
+        ignored = sorted(k for k in after if k not in _RELOADABLE and after[k] != before.get(k))
+        if ignored:
+            log.warning("reload applies only policy, policy_params, profile, seed; restart for: %s", ignored)
+        self.swap(settings.policy, dict(settings.policy_params), PolicyContext(profile, settings.seed))
+
+    def authorize(self, request: web.Request) -> None:
+        token = self.fwd.settings.admin_token
+        if token is None:
+            raise NotFound(f"unknown route {request.method} {request.path}")
+        given = request.headers.get("Authorization", "")
+        expected = "Bearer " + token.get_secret_value()
+        # surrogateescape: a header with invalid UTF-8 is a wrong token, not an encoding error
+        if not hmac.compare_digest(given.encode(errors="surrogateescape"), expected.encode()):
+            raise Unauthorized("missing or wrong admin token")
+
+    def current(self) -> dict[str, Any]:
+        return {"name": self.name, "params": self.params, "policy": self.fwd.policy.name}
+
+
+def admin_routes(admin: PolicyAdmin) -> list[web.RouteDef]:
+    async def get_policy(request: web.Request) -> web.Response:
+        admin.authorize(request)
+        return web.json_response(admin.current())
+
+    async def post_policy(request: web.Request) -> web.Response:
+        admin.authorize(request)
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            raise BadRequest('expected {"name": "<policy>", "params": {...}}')
+        params = body.get("params") or {}
+        if not isinstance(params, dict):
+            raise BadRequest("'params' must be an object")
+        try:
+            # `name` may carry inline parameters, as on the command line: "threshold:threshold=16"
+            name, inline = parse_policy_ref(body["name"], "name")
+            admin.swap(name, {**(inline or {}), **params})
+        except (PolicyError, ProfileError) as e:
+            raise BadRequest(str(e)) from None
+        return web.json_response(admin.current())
+
+    return [web.get("/admin/policy", get_policy), web.post("/admin/policy", post_policy)]

@@ -1,0 +1,216 @@
+"""The aiohttp application: routes, shared state and lifecycle.
+
+`create_app` takes every collaborator (settings, policy, policy registry, optional client
+session, clock, metrics registry) so tests build the real app around fakes. One `cleanup_ctx`
+opens the shared `ClientSession` (unless one was passed in), runs the health checker and the
+backend scraper (`controller.proxy.scrape.ScrapeLoop`, samples into `app[TRACKER]`), and opens and
+closes the decision log (`settings.decision_log`, written by `controller.proxy.decision_record`).
+
+Shadow policies (`settings.shadow_policies`, or built ones passed as `shadows=`) are asked by
+the `Forwarder` on every request. Further observers: pass `observers=[callable]`, or append to
+`app[FORWARDER].observers`; each gets a `RequestRecord` once a request has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from controller.proxy.admin import PolicyAdmin, admin_routes
+from controller.proxy.config import Settings
+from controller.proxy.decision_record import open_decision_log
+from controller.proxy.errors import NoBackendAvailable, error_middleware, http_log
+from controller.proxy.forward import Forwarder, Observer
+from controller.proxy.health import HealthChecker
+from controller.proxy.load import LoadTracker
+from controller.proxy.metrics import Metrics
+from controller.proxy.scrape import ScrapeLoop
+from controller.proxy.shadow import ShadowPolicies, build_shadows
+from policies.base import Policy
+from policies.profile import resolve_profile
+from policies.registry import PolicyRegistry
+from policies.spec import PolicyContext
+
+SETTINGS = web.AppKey("settings", Settings)
+FORWARDER = web.AppKey("forwarder", Forwarder)
+TRACKER = web.AppKey("tracker", LoadTracker)
+METRICS = web.AppKey("metrics", Metrics)
+ADMIN = web.AppKey("admin", PolicyAdmin)
+HEALTH = web.AppKey("health", HealthChecker)
+SCRAPER = web.AppKey("scraper", ScrapeLoop)
+
+
+def policy_context(settings: Settings) -> PolicyContext:
+    """Profile (resolved from a path or a built-in name) and seed for building policies."""
+    profile = resolve_profile(settings.profile) if settings.profile else None
+    return PolicyContext(profile=profile, seed=settings.seed)
+
+
+def create_app(
+    settings: Settings,
+    policy: Policy,
+    *,
+    registry: PolicyRegistry,
+    session: aiohttp.ClientSession | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    metrics_registry: CollectorRegistry | None = None,
+    context: PolicyContext | None = None,
+    observers: Sequence[Observer] = (),
+    health_checks: bool = True,
+    scrape: bool = True,
+    shadows: Sequence[tuple[str, Policy]] | None = None,
+) -> web.Application:
+    """`shadows`: (label, policy) pairs; None builds `settings.shadow_policies` (PolicyError)."""
+    app = web.Application(client_max_size=settings.body_limit_bytes, middlewares=[error_middleware])
+    tracker = LoadTracker(settings.baseline, settings.eagle, stale_after_s=settings.scrape_stale_after_s)
+    registry_ = metrics_registry if metrics_registry is not None else CollectorRegistry()
+    metrics = Metrics(registry_, tracker, clock=clock)
+    ctx = context if context is not None else policy_context(settings)
+    if shadows is None:
+        shadows = build_shadows(settings.shadow_policies, registry, ctx)
+    fwd = Forwarder(
+        settings,
+        policy,
+        tracker,
+        metrics,
+        clock=clock,
+        observers=list(observers),
+        shadows=ShadowPolicies(shadows, metrics),
+    )
+    app[SETTINGS] = settings
+    app[TRACKER] = tracker
+    app[METRICS] = metrics
+    app[FORWARDER] = fwd
+    app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        own = session is None
+        fwd.session = session or aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+            auto_decompress=False,
+            trust_env=False,
+        )
+        checker = HealthChecker(
+            tracker,
+            fwd.session,
+            path=settings.health_check_path,
+            interval_s=settings.health_check_interval_s,
+            timeout_s=settings.health_check_timeout_s,
+        )
+        app[HEALTH] = checker
+        scraper = ScrapeLoop(
+            tracker,
+            fwd.session,
+            interval_s=settings.scrape_interval_s,
+            timeout_s=min(2.0, settings.scrape_stale_after_s),
+            clock=clock,
+            headers=lambda pool: {"Authorization": auth} if (auth := fwd.auth_header(pool)) else {},
+        )
+        app[SCRAPER] = scraper
+        decisions = open_decision_log(settings.decision_log, clock) if settings.decision_log else None
+        if decisions is not None:
+            fwd.observers.append(decisions)
+        tasks = []
+        if health_checks:
+            tasks.append(asyncio.create_task(checker.run()))
+        if scrape:
+            tasks.append(asyncio.create_task(scraper.run()))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if decisions is not None:
+                fwd.observers.remove(decisions)
+                await asyncio.to_thread(decisions.log.close)
+            if own:
+                await fwd.session.close()
+
+    app.cleanup_ctx.append(lifecycle)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await fwd.handle(request, "chat", "/v1/chat/completions")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await fwd.handle(request, "completions", "/v1/completions")
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        return await list_models(fwd, request)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(request: web.Request) -> web.Response:
+        healthy = [b.name for b in tracker if b.healthy]
+        if not healthy:
+            raise NoBackendAvailable("no healthy backend")
+        return web.json_response({"status": "ready", "healthy_backends": healthy})
+
+    async def metrics_route(request: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_routes(admin_routes(app[ADMIN]))
+    return app
+
+
+async def list_models(fwd: Forwarder, request: web.Request) -> web.StreamResponse:
+    """Relay `GET /v1/models` from the first healthy backend that answers (baseline first)."""
+    assert fwd.session is not None
+    headers = {}
+    if "Authorization" in request.headers:
+        headers["Authorization"] = request.headers["Authorization"]
+    timeout = aiohttp.ClientTimeout(
+        total=fwd.settings.health_check_timeout_s + fwd.settings.connect_timeout_s,
+        sock_connect=fwd.settings.connect_timeout_s,
+    )
+    candidates = sorted((b for b in fwd.tracker if b.healthy), key=lambda b: b.pool != "baseline")
+    for b in candidates:
+        auth = fwd.auth_header(b.pool)
+        hdrs = {**headers, "Authorization": auth} if auth else headers
+        try:
+            async with fwd.session.get(b.name + "/v1/models", headers=hdrs, timeout=timeout) as resp:
+                body = await resp.read()
+                if resp.status >= 500:
+                    continue
+                return web.Response(
+                    status=resp.status,
+                    body=body,
+                    content_type=resp.content_type,
+                    headers={"x-specroute-pool": b.pool, "x-specroute-backend": b.name},
+                )
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            continue
+    raise NoBackendAvailable("no healthy backend answered /v1/models")
+
+
+def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.AppRunner:
+    """An AppRunner that cancels a handler when its client disconnects (so the upstream request
+    is closed at once and SGLang aborts the generation) and closes connections that do not send
+    complete headers within `header_timeout_s`."""
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=shutdown_timeout,
+        access_log=None,
+        # aiohttp arms this timer at connect and after each response, and closes a connection that
+        # has not delivered complete headers by then: the slowloris / idle-connection guard.
+        keepalive_timeout=app[SETTINGS].header_timeout_s,
+        logger=http_log,  # malformed client HTTP is logged without the client's bytes
+    )

@@ -1,0 +1,283 @@
+"""Settings: one frozen, typed object built at start-up.
+
+Precedence: command-line flags > environment (`SPECROUTE_<FIELD>`) > YAML file (`--config`,
+keys equal the field names) > defaults. The sources are merged by hand into one dict, then
+validated once by `Settings.model_validate`; an invalid value raises `ConfigError` naming the
+key and the source it came from. List fields accept comma-separated strings (flags, env);
+dict/list-of-dict fields accept JSON in the environment. `policy_params` merge key by key,
+except that params set for a different policy by a lower-precedence source are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+ENV_PREFIX = "SPECROUTE_"
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the key and where it came from."""
+
+
+class ShadowPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Registered policy name or module.path:ClassName.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Parameters of that policy.")
+    label: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
+        description="Name in metrics and the decision log (default: the policy name); must be "
+        "unique, so set it when the same policy appears twice with different params.",
+    )
+
+
+def _split_list(value: Any) -> Any:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+def _blank_is_unset(value: Any) -> Any:
+    """An empty or blank optional setting (`admin_token: ""`, `SPECROUTE_BASELINE_API_KEY=`) means
+    unset: it must not switch the admin endpoint on or replace the client's key with nothing."""
+    if isinstance(value, str) and not value.strip():
+        return None
+    return value
+
+
+def _normalise_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ValueError(f"{url!r} has an invalid port") from None
+    if parts.query or parts.fragment:
+        raise ValueError(f"{url!r}: query strings and fragments are not allowed")
+    if parts.path not in ("", "/"):
+        raise ValueError(f"{url!r}: give the server's base URL without a path (specroute adds /v1/...)")
+    return url.rstrip("/")
+
+
+class Settings(BaseModel):
+    """Everything `specroute serve` is configured by."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    baseline: list[str] = Field(default_factory=list, description="URLs of the plain SGLang backends.")
+    eagle: list[str] = Field(default_factory=list, description="URLs of the EAGLE-3 SGLang backends.")
+    host: str = Field(default="127.0.0.1", description="Address to listen on.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    policy: str = Field(default="threshold", description="Routing policy name or module.path:ClassName.")
+    policy_params: dict[str, Any] = Field(default_factory=dict, description="Parameters of the policy.")
+    profile: str | None = Field(default=None, description="Speed profile: a JSON path or a built-in name.")
+    seed: int = Field(default=0, description="Seed of the random tie-breaks (policy and proxy).")
+    allow_client_override: bool = Field(
+        default=True, description="Honour the x-specroute-mode request header (force a pool)."
+    )
+    body_limit_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest request body.")
+    header_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Time a client has to send complete request headers after connecting or after its "
+        "previous response (also the idle keep-alive limit); then the connection is closed.",
+    )
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, description="Time a client has to send the whole request body (else 408)."
+    )
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="TCP connect timeout to a backend.")
+    first_byte_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Time allowed until the first body byte (non-streaming: the whole answer).",
+    )
+    idle_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Longest silence between two chunks; a stream is cut at most 1/8 of this later.",
+    )
+    health_check_path: str = Field(default="/health", description="Path probed by active health checks.")
+    health_check_interval_s: float = Field(default=5.0, gt=0, description="Seconds between health probes.")
+    health_check_timeout_s: float = Field(default=5.0, gt=0, description="Timeout of one health probe.")
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish."
+    )
+    admin_token: SecretStr | None = Field(
+        default=None, description="Bearer token of POST /admin/policy (disabled when unset)."
+    )
+    baseline_model: str | None = Field(
+        default=None, description="Rewrite the request's `model` to this name for baseline backends."
+    )
+    eagle_model: str | None = Field(
+        default=None, description="Rewrite the request's `model` to this name for eagle backends."
+    )
+    baseline_api_key: SecretStr | None = Field(
+        default=None, description="API key sent to baseline backends (else the client's is forwarded)."
+    )
+    eagle_api_key: SecretStr | None = Field(
+        default=None, description="API key sent to eagle backends (else the client's is forwarded)."
+    )
+    log_bodies: bool = Field(default=False, description="Log request bodies (debugging only).")
+    decision_log: str | None = Field(default=None, description="Path of the JSONL decision log.")
+    shadow_policies: list[ShadowPolicy] = Field(
+        default_factory=list, description="Policies evaluated on every request without acting."
+    )
+    scrape_interval_s: float = Field(default=1.0, gt=0, description="Seconds between backend scrapes.")
+    scrape_stale_after_s: float = Field(
+        default=5.0, gt=0, description="Scraped samples older than this are ignored."
+    )
+
+    _split = field_validator("baseline", "eagle", mode="before")(_split_list)
+    _blank = field_validator(
+        "profile", "decision_log", "admin_token", "baseline_model", "eagle_model",
+        "baseline_api_key", "eagle_api_key", mode="before",
+    )(_blank_is_unset)  # fmt: skip
+
+    @field_validator("baseline", "eagle")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        return [_normalise_url(u) for u in urls]
+
+    @field_validator("health_check_path")
+    @classmethod
+    def _path(cls, path: str) -> str:
+        if not path.startswith("/"):
+            raise ValueError("must start with '/'")
+        return path
+
+    @model_validator(mode="after")
+    def _backends(self) -> Settings:
+        seen: set[str] = set()
+        for url in [*self.baseline, *self.eagle]:
+            if url in seen:
+                raise ValueError(f"backend {url} is listed twice (each backend belongs to one pool)")
+            seen.add(url)
+        labels = [s.label or s.name for s in self.shadow_policies]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise ValueError(
+                f"shadow_policies: {', '.join(twice)} appear(s) more than once: give each a distinct `label`"
+            )
+        return self
+
+    def require_backends(self) -> None:
+        if not self.baseline and not self.eagle:
+            raise ConfigError("no backend configured: set baseline and/or eagle (--baseline/--eagle)")
+
+    def masked(self) -> dict[str, Any]:
+        """The resolved settings as plain data, secrets replaced by '**********'."""
+        return self.model_dump(mode="json")
+
+
+FIELDS = frozenset(Settings.model_fields)
+_JSON_FIELDS = frozenset({"policy_params", "shadow_policies"})
+_DEFAULT_POLICY = Settings.model_fields["policy"].default
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of settings at the top level")
+    unknown = sorted(str(k) for k in data if k not in FIELDS)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}")
+    return {str(k): v for k, v in data.items()}
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """`SPECROUTE_<FIELD>` variables (unknown SPECROUTE_ names are ignored)."""
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name not in FIELDS:
+            continue
+        if name in _JSON_FIELDS:
+            try:
+                out[name] = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{name} (from environment {key}): not valid JSON: {e}") from None
+        else:
+            out[name] = value
+    return out
+
+
+def _describe_source(source: str, key: str) -> str:
+    if source == "environment":
+        return f"environment {ENV_PREFIX}{key.upper()}"
+    if source == "command line":
+        return "flag --policy-param" if key == "policy_params" else f"flag --{key.replace('_', '-')}"
+    return source
+
+
+def load_settings(
+    cli: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | Path | None = None,
+) -> Settings:
+    """Merge the sources (CLI > env > file > defaults) and validate once.
+
+    `cli` holds only the flags the user actually gave (None values are ignored).
+    """
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if config_file is not None:
+        layers.append((f"config file {config_file}", read_yaml(config_file)))
+    layers.append(("environment", read_env(os.environ if environ is None else environ)))
+    layers.append(("command line", {k: v for k, v in (cli or {}).items() if v is not None}))
+
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    params: dict[str, Any] = {}
+    for source, layer in layers:
+        if "policy" in layer and layer["policy"] != merged.get("policy", _DEFAULT_POLICY):
+            params = {}  # params written for another policy must not leak into this one
+        for key, value in layer.items():
+            if key == "policy_params":
+                if not isinstance(value, dict):
+                    raise ConfigError(f"policy_params (from {source}): expected a mapping")
+                params.update(value)
+            else:
+                merged[key] = value
+            origin[key] = _describe_source(source, key)
+    if params or "policy_params" in origin:
+        merged["policy_params"] = params
+    try:
+        return Settings.model_validate(merged)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = err["loc"]
+            key = str(loc[0]) if loc else ""
+            where = f" (from {origin[key]})" if key in origin else ""
+            path = ".".join(str(x) for x in loc) or "settings"
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{path}{where}: {msg}")
+        raise ConfigError("invalid setting: " + "; ".join(problems)) from None

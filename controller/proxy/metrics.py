@@ -1,0 +1,231 @@
+"""Prometheus metrics of the proxy, on a `CollectorRegistry` passed in (never the global one).
+
+In-flight, health and scraped-backend gauges are not updated on the hot path: a collector reads
+them from the `LoadTracker` at scrape time, so they are exactly the tracker's state (scraped
+values only while their sample is fresh). Counters and histograms cache their labelled children
+so a request costs a dict lookup and an `inc()`/`observe()` per metric. Labels are bounded:
+pools, configured backends, policy names and their short reasons, never a request or a prompt.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from controller.proxy.load import LoadTracker
+from policies.base import Outcome
+
+# Buckets that fit LLM serving: TTFT 10 ms..60 s, whole requests up to 10 min, decode rates
+# 1..1000 tok/s per request, and the proxy's own overhead from 50 us up.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0)
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+DECODE_RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0)
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class _TrackerCollector(Collector):
+    def __init__(self, tracker: LoadTracker, clock: Callable[[], float]) -> None:
+        self._tracker = tracker
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["pool", "backend"]
+        in_flight = GaugeMetricFamily(
+            "specroute_in_flight_requests", "Requests this proxy has in flight, per backend.", labels=labels
+        )
+        healthy = GaugeMetricFamily(
+            "specroute_backend_healthy", "1 when the backend is healthy, else 0.", labels=labels
+        )
+        running = GaugeMetricFamily(
+            "specroute_backend_running_requests",
+            "Running requests the backend reported in its latest fresh sample (all clients).",
+            labels=labels,
+        )
+        queued = GaugeMetricFamily(
+            "specroute_backend_queued_requests",
+            "Waiting requests the backend reported in its latest fresh sample (all clients).",
+            labels=labels,
+        )
+        accept = GaugeMetricFamily(
+            "specroute_backend_spec_accept_length",
+            "Mean accepted tokens per verify step the backend reported (speculative backends).",
+            labels=labels,
+        )
+        age = GaugeMetricFamily(
+            "specroute_backend_sample_age_seconds",
+            "Age of the backend's latest load sample (absent before the first).",
+            labels=labels,
+        )
+        now = self._clock()
+        stale = self._tracker.stale_after_s
+        for b in self._tracker:
+            key = [b.pool, b.name]
+            in_flight.add_metric(key, b.in_flight)
+            healthy.add_metric(key, 1.0 if b.healthy else 0.0)
+            if b.sample_time is None:
+                continue
+            age.add_metric(key, max(0.0, now - b.sample_time))
+            if now - b.sample_time > stale:
+                continue
+            if b.running is not None:
+                running.add_metric(key, b.running)
+                queued.add_metric(key, b.queued or 0)
+            if b.accept_length is not None:
+                accept.add_metric(key, b.accept_length)
+        yield from (in_flight, healthy, running, queued, accept, age)
+
+
+class Metrics:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        tracker: LoadTracker,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.registry = registry
+        r = registry
+        self.requests = Counter(
+            "specroute_requests",
+            "Routed requests by pool, backend and outcome status (ok|error|timeout|client_closed).",
+            ["pool", "backend", "status"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "specroute_decisions",
+            "Routing decisions by policy, pool and reason.",
+            ["policy", "pool", "reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "specroute_rejected_requests",
+            "Requests answered by specroute itself before reaching a backend, by HTTP status.",
+            ["code"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "specroute_failovers",
+            "Requests retried on another backend before their first byte, by the pool that failed.",
+            ["pool"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "specroute_ttft_seconds",
+            "Time from the routing decision (request body read) to the first streamed event, per pool "
+            "(streaming, ok requests).",
+            ["pool"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "specroute_request_duration_seconds",
+            "Time from the routing decision (request body read) to the end of the answer, per pool "
+            "(ok requests).",
+            ["pool"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "specroute_output_tokens",
+            "Completion tokens relayed, per pool (from the usage the backend reported).",
+            ["pool"],
+            registry=r,
+        )
+        self.decode_rate = Histogram(
+            "specroute_decode_tokens_per_second",
+            "Per-request decode rate after the first token, per pool (streaming, ok, >= 2 tokens).",
+            ["pool"],
+            buckets=DECODE_RATE_BUCKETS,
+            registry=r,
+        )
+        self.prediction_ratio = Histogram(
+            "specroute_prediction_ratio",
+            "Actual / predicted end-to-end time of ok requests whose policy predicted the serving pool.",
+            ["policy", "pool"],
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "specroute_proxy_overhead_seconds",
+            "Time from request arrival to handing the request to the upstream connection.",
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.shadow = Counter(
+            "specroute_shadow_decisions",
+            "Choices of the shadow policies, and whether they agree with the live policy's pool.",
+            ["policy", "pool", "agrees"],
+            registry=r,
+        )
+        registry.register(_TrackerCollector(tracker, clock or time.monotonic))
+        self._requests: dict[tuple[str, str, str], Counter] = {}
+        self._decisions: dict[tuple[str, str, str], Counter] = {}
+        self._shadow: dict[tuple[str, str, bool], Counter] = {}
+        self._ratio: dict[tuple[str, str], Histogram] = {}
+        self._pool: dict[str, tuple[Histogram, Histogram, Counter, Histogram]] = {}
+
+    def request_done(self, pool: str, backend: str, status: str) -> None:
+        key = (pool, backend, status)
+        child = self._requests.get(key)
+        if child is None:
+            child = self._requests[key] = self.requests.labels(pool, backend, status)
+        child.inc()
+
+    def decision(self, policy: str, pool: str, reason: str) -> None:
+        key = (policy, pool, reason)
+        child = self._decisions.get(key)
+        if child is None:
+            child = self._decisions[key] = self.decisions.labels(policy, pool, reason)
+        child.inc()
+
+    def shadow_decision(self, policy: str, pool: str, agrees: bool) -> None:
+        key = (policy, pool, agrees)
+        child = self._shadow.get(key)
+        if child is None:
+            child = self._shadow[key] = self.shadow.labels(policy, pool, "true" if agrees else "false")
+        child.inc()
+
+    def outcome(self, policy: str, outcome: Outcome) -> None:
+        """Latency, tokens, decode rate and prediction ratio of a finished request."""
+        if outcome.status != "ok":
+            return
+        pool = outcome.decision.pool
+        children = self._pool.get(pool)
+        if children is None:
+            children = self._pool[pool] = (
+                self.ttft.labels(pool),
+                self.duration.labels(pool),
+                self.output_tokens.labels(pool),
+                self.decode_rate.labels(pool),
+            )
+        ttft, duration, tokens, rate = children
+        duration.observe(outcome.duration_s)
+        if outcome.ttft_s is not None:
+            ttft.observe(outcome.ttft_s)
+        if outcome.completion_tokens:
+            tokens.inc(outcome.completion_tokens)
+            decode = outcome.decode_tok_s
+            if decode is not None:
+                rate.observe(decode)
+        predicted = outcome.decision.predicted_e2e_s.get(pool)
+        if predicted is not None and 0 < predicted < math.inf:
+            key = (policy, pool)
+            ratio = self._ratio.get(key)
+            if ratio is None:
+                ratio = self._ratio[key] = self.prediction_ratio.labels(policy, pool)
+            ratio.observe(outcome.duration_s / predicted)
+
+    def proxy_overhead(self, seconds: float) -> None:
+        self.overhead.observe(seconds)
+
+    def reject(self, code: int) -> None:
+        self.rejected.labels(str(code)).inc()
+
+    def failover(self, pool: str) -> None:
+        self.failovers.labels(pool).inc()

@@ -1,0 +1,88 @@
+"""What an emulated SGLang server is built from: its speed profile, its mode and its fault knobs."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from policies.base import Pool
+from policies.profile import Profile
+
+DEFAULT_MAX_RUNNING = {"baseline": 256, "eagle": 48}
+
+
+class FaultConfig(BaseModel):
+    """Fault knobs; live-tunable (assignments are validated) through `EmulatorServer.faults`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    error_rate: float = Field(
+        default=0.0, ge=0, le=1, description="Fraction of generation requests answered 500."
+    )
+    max_queued_requests: int | None = Field(
+        default=None, ge=0, description="Waiting-queue bound: beyond it 503 (streaming: 200 + error event)."
+    )
+    stall_s: float = Field(
+        default=0.0, ge=0, description="Wall seconds to wait before answering a generation."
+    )
+    die_after_chunks: int | None = Field(
+        default=None, ge=0, description="Drop the connection after this many content chunks (no [DONE])."
+    )
+    refuse_connections: bool = Field(default=False, description="Close every connection without an answer.")
+    unhealthy: bool = Field(default=False, description="/health and /ready answer 503.")
+
+
+class EmulatorConfig(BaseModel):
+    """Everything an emulated server is built from (frozen; faults are copied and live)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Pool = Field(description="baseline (plain decoding) or eagle (EAGLE-3 speculative decoding).")
+    profile: Profile = Field(description="Speed profile; the `mode` entry sets the timing.")
+    model: str = Field(default="specroute-emulated", description="Served model name (/v1/models, metrics).")
+    time_scale: float = Field(default=1.0, gt=0, description="Wall seconds per profile second.")
+    max_running_requests: int | None = Field(default=None, ge=1, description="Override the profile's cap.")
+    accept_length: float | None = Field(
+        default=None, ge=1, description="Override the profile's accept_length."
+    )
+    speculative_num_steps: int = Field(default=3, ge=1, le=16, description="Draft steps per verify (eagle).")
+    hint_factors: dict[str, float] = Field(
+        default_factory=dict, description="Acceptance factor per x-specroute-hint value (eagle)."
+    )
+    output_tokens_mean: float = Field(
+        default=256.0, ge=1, description="Mean natural output length (no max_tokens)."
+    )
+    output_tokens_cv: float = Field(default=0.5, ge=0, description="Coefficient of variation (lognormal).")
+    max_model_len: int = Field(default=262144, ge=16, description="Context length reported and enforced.")
+    eos_token_id: int = Field(default=163586, description="Reported as matched_stop when a request stops.")
+    stats_interval_steps: int = Field(default=40, ge=1, description="Decode steps between gauge refreshes.")
+    api_key: str | None = Field(default=None, description="When set, generation routes need this Bearer key.")
+    seed: int = Field(default=0, description="Seeds output lengths, acceptance draws and error draws.")
+    faults: FaultConfig = Field(default_factory=lambda: FaultConfig())
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> EmulatorConfig:
+        mode = self.profile.mode(self.mode)  # raises ProfileError naming the modes it has
+        if self.mode == "eagle" and self.accept_length is None and mode.accept_length is None:
+            raise ValueError("the profile's eagle mode has no accept_length: set accept_length")
+        accept = self.accept_length or mode.accept_length
+        if self.mode == "eagle" and accept is not None and accept > self.speculative_num_steps + 1:
+            raise ValueError(
+                f"accept_length {accept} is more than a verify step can accept with "
+                f"speculative_num_steps={self.speculative_num_steps} (at most "
+                f"{self.speculative_num_steps + 1}): raise speculative_num_steps"
+            )
+        for hint, factor in self.hint_factors.items():
+            if not factor > 0:
+                raise ValueError(f"hint_factors[{hint!r}] must be > 0, got {factor}")
+        return self
+
+    @property
+    def effective_max_running(self) -> int:
+        mode = self.profile.mode(self.mode)
+        return self.max_running_requests or mode.max_running_requests or DEFAULT_MAX_RUNNING[self.mode]
+
+    @property
+    def effective_accept_length(self) -> float | None:
+        if self.mode != "eagle":
+            return None
+        return self.accept_length or self.profile.mode(self.mode).accept_length

@@ -1,0 +1,90 @@
+"""The runtime state of one emulated server: its batch engine, metrics, live faults and the
+output-length plan of each request."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import uuid
+
+from aiohttp import web
+
+from simulator.emulator.batching import BatchEngine, EngineRequest
+from simulator.emulator.config import EmulatorConfig
+from simulator.emulator.metrics import EmulatorMetrics
+
+
+class Emulator:
+    """Runtime state of one emulated server (held in the app under `EMULATOR_KEY`)."""
+
+    def __init__(self, config: EmulatorConfig) -> None:
+        self.config = config
+        self.faults = config.faults.model_copy()
+        self.rng = random.Random(config.seed)
+        self.metrics = EmulatorMetrics(config.model, speculative=config.mode == "eagle")
+        self.started_at = time.time()
+        self._engine: BatchEngine | None = None
+
+    @property
+    def engine(self) -> BatchEngine:
+        if self._engine is None:
+            raise RuntimeError("the emulator app has not started")
+        return self._engine
+
+    async def start(self) -> None:
+        c = self.config
+        self._engine = BatchEngine(
+            c.profile.speed(c.mode),
+            max_running_requests=c.effective_max_running,
+            time_scale=c.time_scale,
+            accept_length=c.effective_accept_length,
+            speculative_num_steps=c.speculative_num_steps,
+            stats_interval_steps=c.stats_interval_steps,
+            seed=c.seed + 1,
+            observer=self.metrics,
+        )
+        self._engine.start()
+
+    async def stop(self) -> None:
+        if self._engine is not None:
+            await self._engine.stop()
+
+    def plan_output(self, max_tokens: int | None, ignore_eos: bool, prompt_tokens: int) -> tuple[int, str]:
+        """(tokens to generate, finish reason when they are done)."""
+        c = self.config
+        room = max(1, c.max_model_len - prompt_tokens)
+        if ignore_eos and max_tokens is not None:
+            return min(max_tokens, room), "length"
+        natural = self._natural_length()
+        if max_tokens is not None and natural >= max_tokens:
+            return min(max_tokens, room), "length"
+        if natural >= room:
+            return room, "length"
+        return natural, "length" if ignore_eos else "stop"
+
+    def _natural_length(self) -> int:
+        c = self.config
+        if c.output_tokens_cv <= 0:
+            return max(1, round(c.output_tokens_mean))
+        sigma2 = math.log1p(c.output_tokens_cv**2)
+        mu = math.log(c.output_tokens_mean) - sigma2 / 2
+        return max(1, round(self.rng.lognormvariate(mu, math.sqrt(sigma2))))
+
+    def new_request(
+        self, rid: str | None, prompt_tokens: int, max_tokens: int | None, ignore_eos: bool, hint: str | None
+    ) -> EngineRequest:
+        n, reason = self.plan_output(max_tokens, ignore_eos, prompt_tokens)
+        accept = self.config.effective_accept_length or 1.0
+        if hint is not None:
+            accept *= self.config.hint_factors.get(hint, 1.0)
+        return EngineRequest(
+            rid=rid or uuid.uuid4().hex,
+            prompt_tokens=prompt_tokens,
+            output_tokens=n,
+            finish_reason="stop" if reason == "stop" else "length",
+            accept_mean=accept,
+        )
+
+
+EMULATOR_KEY = web.AppKey("emulator", Emulator)

@@ -1,0 +1,448 @@
+"""The discrete-event engine: requests through simulated servers, routed by a policy.
+
+How it works. Each server is continuous batching modelled as processor sharing with a
+load-dependent rate. While `b` requests are running on a server (admitted: in prefill or
+decoding, as in the profile's definition of concurrency), every decoding request advances at
+`rate(b)` tokens per second. Instead of touching every request at every event, a server keeps
+a virtual clock `V` that advances at `rate(b)`; a request that starts decoding at `V0` with
+`w` tokens of work finishes when `V` reaches `V0 + w`. Finishing virtual times sit in a
+per-server heap, so the next completion's wall time is `T + (heap top - V) / rate` and an
+event costs O(log n). EAGLE requests carry their own acceptance factor `a` (mean 1): their
+virtual work is `tokens / a`.
+
+A request is admitted at once while the server runs fewer than `max_running_requests`,
+otherwise it waits in a FIFO queue. Its first token comes `ttft(b)` after admission (plus
+`prompt_tokens / prefill_tok_s` when the profile gives it); the remaining `n - 1` tokens are
+decoded after that.
+
+The global event heap is keyed by `(time, seq)` with a counter owned by the run. A server's
+next completion is rescheduled whenever its rate or heap top changes; the entry whose `seq`
+is the server's `done_seq` is the live one, others are skipped. A completion that moves
+later (the common case: an arrival slows the batch) is not pushed at once: the server's
+earlier entry still in the heap (its carrier) pushes it when it pops, under the `(time,
+seq)` key it was given, so events pop in exactly the order of pushing every reschedule.
+Policies see the same `LoadView`/`RequestInfo` types as in the proxy, and get
+`observe(Outcome)` when a request finishes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import operator
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from policies.base import BackendLoad, Decision, LoadView, Outcome, Policy, PoolLoad, RequestInfo
+from simulator.engine.servers import ServerModel
+
+_ARRIVE = 0
+_FIRST = 1
+_DONE = 2
+_INFO_CACHE_MAX = 1 << 16
+
+
+class SimulationError(RuntimeError):
+    """The simulation cannot proceed (e.g. a policy picked a backend that does not exist)."""
+
+
+@dataclass(frozen=True)
+class RequestBatch:
+    """Requests to simulate, column-wise. `arrivals` is None for a closed loop."""
+
+    prompt_tokens: Sequence[int]
+    output_tokens: Sequence[int]
+    max_tokens: Sequence[int | None]
+    hints: Sequence[str | None]
+    accept: Sequence[float]
+    """Per-request acceptance factor (mean 1), applied on speculative servers."""
+    arrivals: Sequence[float] | None = None
+
+    def __len__(self) -> int:
+        return len(self.output_tokens)
+
+
+WARMUP, MEASURED, FILLER, NOT_SENT = 0, 1, 2, -1
+
+
+@dataclass(frozen=True)
+class RawRun:
+    """Per-request times (seconds from the start of the run) and where each request ran."""
+
+    arrival: list[float]
+    first_token: list[float]
+    finish: list[float]
+    server: list[int]
+    """Index into `servers`; -1 for a request that was never sent."""
+    phase: list[int]
+    """WARMUP, MEASURED, FILLER or NOT_SENT (open loop: all MEASURED)."""
+    output_tokens: Sequence[int]
+    servers: tuple[ServerModel, ...]
+
+
+class _ClosedLoop:
+    """Which request a closed-loop client sends next, by the rule `specroute bench` uses.
+
+    A request that starts while fewer than `warmup` requests have completed is warm-up; the
+    next `measure` starts are measured; after that clients send fillers until every measured
+    request has finished, so each measured request runs with `concurrency` in flight; then
+    they stop. Without `measure` every request is measured and the loop ends with the batch.
+    """
+
+    def __init__(self, n: int, warmup: int, measure: int | None) -> None:
+        self.n = n
+        self.warmup = warmup
+        self.measure = measure
+        self.sent = 0
+        self.completed = 0
+        self.measured_started = 0
+        self.measured_done = 0
+
+    def done(self, phase: int) -> None:
+        self.completed += 1
+        if phase == MEASURED:
+            self.measured_done += 1
+
+    def next_phase(self) -> int:
+        if self.sent >= self.n:
+            return NOT_SENT
+        if self.measure is None:
+            return MEASURED
+        if self.completed < self.warmup:
+            return WARMUP
+        if self.measured_started < self.measure:
+            self.measured_started += 1
+            return MEASURED
+        if self.measured_done < self.measure:
+            return FILLER
+        return NOT_SENT
+
+
+class _Server:
+    __slots__ = (
+        "accept_length",
+        "cap",
+        "carrier_seq",
+        "carrier_t",
+        "dheap",
+        "dirty",
+        "done_seq",
+        "done_t",
+        "model",
+        "name",
+        "pool",
+        "pool_index",
+        "prefill",
+        "queue",
+        "rate",
+        "rate_table",
+        "running",
+        "slot",
+        "speculative",
+        "t_last",
+        "tokens",
+        "ttft_table",
+        "v",
+    )
+
+    def __init__(self, model: ServerModel) -> None:
+        self.model = model
+        self.name = model.name
+        self.pool = model.pool
+        self.pool_index = 0 if model.pool == "baseline" else 1
+        self.slot = 0
+        """Index of this server among its pool's backends (deployment order)."""
+        self.accept_length = model.accept_length if model.speculative else None
+        self.dirty = True
+        """State changed since its `BackendLoad` was last built."""
+        self.cap = model.max_running_requests if model.max_running_requests is not None else 1 << 62
+        self.prefill = model.prefill_tok_s
+        self.rate_table = model.rate
+        self.speculative = model.speculative
+        self.ttft_table = model.ttft
+        self.running = 0
+        self.tokens = 0
+        self.queue: deque[int] = deque()
+        self.dheap: list[tuple[float, int]] = []
+        self.v = 0.0
+        self.t_last = 0.0
+        self.rate = model.rate[0]
+        self.done_t = 0.0
+        self.done_seq = -1
+        """Key of the live completion event (-1: none); it may not be in the heap yet."""
+        self.carrier_t = 0.0
+        self.carrier_seq = -1
+        """Key of this server's earliest entry in the heap (-1: none); it pops no later than
+        the live event and pushes it when it is not in the heap yet."""
+
+
+def simulate(
+    servers: Sequence[ServerModel],
+    policy: Policy | None,
+    batch: RequestBatch,
+    *,
+    concurrency: int | None = None,
+    warmup: int = 0,
+    measure: int | None = None,
+    seed: int = 0,
+) -> RawRun:
+    """Run `batch` through `servers`.
+
+    Open loop when `batch.arrivals` is given; otherwise a closed loop of `concurrency` clients
+    that each send the next request (in batch order) as soon as their previous one finished,
+    with `warmup` and `measure` as in `specroute bench` (see `_ClosedLoop`); a closed loop that
+    runs out of requests in the batch stops sending.
+    With `policy` None (or all servers in one pool) requests go to the least-loaded server,
+    ties broken by a `random.Random(seed)`.
+    """
+    n = len(batch)
+    if not servers:
+        raise SimulationError("no servers to simulate")
+    if batch.arrivals is None and (concurrency is None or concurrency < 1):
+        raise SimulationError("a closed loop needs concurrency >= 1")
+    if batch.arrivals is not None and any(
+        map(operator.gt, batch.arrivals, itertools.islice(batch.arrivals, 1, None))
+    ):
+        raise SimulationError("open-loop arrival times must be sorted")
+    states = [_Server(m) for m in servers]
+    table_size = min(len(m.rate) for m in servers)
+    if any(len(m.ttft) < table_size for m in servers):
+        raise SimulationError("server speed tables must cover the same batch sizes")
+    pools = {m.pool for m in servers}
+    # A single-pool deployment is routed least-loaded, without the policy.
+    choose = policy.choose if policy is not None and len(pools) == 2 else None
+    policy_name = policy.name if policy is not None else ""
+    index = {m.name: i for i, m in enumerate(servers)}
+    rng = random.Random(seed)
+
+    prompt_tokens, output_tokens = batch.prompt_tokens, batch.output_tokens
+    max_tokens, hints, accept = batch.max_tokens, batch.hints, batch.accept
+    budget = [m if m is not None else o for m, o in zip(max_tokens, output_tokens, strict=True)]
+    arrival = [0.0] * n
+    first = [0.0] * n
+    finish = [0.0] * n
+    where = [-1] * n
+    phase = [NOT_SENT] * n
+    infos: list[RequestInfo | None] = [None] * n
+    decisions: list[Decision | None] = [None] * n
+
+    heap: list[tuple[float, int, int, int, int]] = []
+    push, pop = heapq.heappush, heapq.heappop
+    seq = 0
+    arrivals = batch.arrivals
+    loop: _ClosedLoop | None = None
+    if arrivals is not None:
+        phase = [MEASURED] * n
+        if n:
+            push(heap, (arrivals[0], 0, _ARRIVE, 0, 0))
+            seq = 1
+    else:
+        assert concurrency is not None
+        loop = _ClosedLoop(n, warmup, measure)
+        for _ in range(concurrency):
+            ph = loop.next_phase()
+            if ph == NOT_SENT:
+                break
+            phase[loop.sent] = ph
+            push(heap, (0.0, seq, _ARRIVE, loop.sent, 0))
+            seq += 1
+            loop.sent += 1
+
+    # Views are rebuilt only where a server's state changed since the last decision: the
+    # frozen dataclasses are the costliest part of an arrival.
+    baseline_bls: list[BackendLoad] = []
+    eagle_bls: list[BackendLoad] = []
+    for s in states:
+        bls = eagle_bls if s.pool_index else baseline_bls
+        s.slot = len(bls)
+        bls.append(BackendLoad(s.name, s.pool, True, 0, 0, 0, 0, s.accept_length, 0.0))
+    baseline_load, eagle_load = PoolLoad("baseline", tuple(baseline_bls)), PoolLoad("eagle", tuple(eagle_bls))
+    current_view = LoadView(baseline_load, eagle_load)
+    info_cache: dict[tuple[int, int | None, str | None], RequestInfo] = {}
+    observe = policy.observe if policy is not None and choose is not None else None
+
+    def build_view() -> LoadView:
+        nonlocal current_view, baseline_load, eagle_load
+        changed0 = changed1 = False
+        for s in states:
+            if s.dirty:
+                s.dirty = False
+                q = len(s.queue)
+                bl = BackendLoad(
+                    s.name, s.pool, True, s.running + q, s.tokens, s.running, q, s.accept_length, 0.0
+                )
+                if s.pool_index:
+                    eagle_bls[s.slot] = bl
+                    changed1 = True
+                else:
+                    baseline_bls[s.slot] = bl
+                    changed0 = True
+        if changed0 or changed1:
+            if changed0:
+                baseline_load = PoolLoad("baseline", tuple(baseline_bls))
+            if changed1:
+                eagle_load = PoolLoad("eagle", tuple(eagle_bls))
+            current_view = LoadView(baseline_load, eagle_load)
+        return current_view
+
+    def least_loaded() -> int:
+        best: list[int] = []
+        best_load = 0
+        for i, s in enumerate(states):
+            load = s.running + len(s.queue)
+            if not best or load < best_load:
+                best, best_load = [i], load
+            elif load == best_load:
+                best.append(i)
+        return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+
+    while heap:
+        t, _, kind, a, b = pop(heap)
+        if kind == _DONE:
+            s = states[a]
+            if b != s.done_seq:
+                if b == s.carrier_seq:
+                    if s.done_seq >= 0:  # the live event, deferred: it pops no earlier than now
+                        push(heap, (s.done_t, s.done_seq, _DONE, a, s.done_seq))
+                        s.carrier_t, s.carrier_seq = s.done_t, s.done_seq
+                    else:
+                        s.carrier_seq = -1
+                continue
+            s.done_seq = s.carrier_seq = -1
+            dheap = s.dheap
+            fv, r = pop(dheap)
+            s.v = fv
+            s.t_last = t
+            done: list[int] | tuple[int]
+            if dheap and dheap[0][0] <= fv:
+                done = [r]
+                while dheap and dheap[0][0] <= fv:
+                    done.append(pop(dheap)[1])
+            else:
+                done = (r,)
+            for r in done:
+                finish[r] = t
+                s.running -= 1
+                s.tokens -= budget[r]
+            s.dirty = True
+            while s.queue and s.running < s.cap:
+                q = s.queue.popleft()
+                running = s.running = s.running + 1
+                ft = t + (s.ttft_table[running] if running < table_size else s.ttft_table[-1])
+                if s.prefill is not None and prompt_tokens[q] > 0:
+                    ft += prompt_tokens[q] / s.prefill
+                push(heap, (ft, seq, _FIRST, q, a))
+                seq += 1
+            running = s.running
+            rate = s.rate = s.rate_table[running] if running < table_size else s.model.rate_at(running)
+            if dheap:  # no carrier: the live event just popped
+                done_t = s.done_t = s.carrier_t = t + (dheap[0][0] - fv) / rate
+                s.done_seq = s.carrier_seq = seq
+                push(heap, (done_t, seq, _DONE, a, seq))
+                seq += 1
+            if observe is not None:
+                for r in done:
+                    info, decision = infos[r], decisions[r]
+                    if info is not None and decision is not None:
+                        start = arrival[r]
+                        observe(
+                            Outcome(
+                                info, decision, start, first[r] - start, output_tokens[r], t - start, "ok"
+                            )
+                        )
+                        infos[r] = decisions[r] = None
+            if loop is not None:
+                for r in done:
+                    loop.done(phase[r])
+                    ph = loop.next_phase()
+                    if ph != NOT_SENT:
+                        phase[loop.sent] = ph
+                        push(heap, (t, seq, _ARRIVE, loop.sent, 0))
+                        seq += 1
+                        loop.sent += 1
+        elif kind == _FIRST:
+            s = states[b]
+            first[a] = t
+            out = output_tokens[a] - 1
+            if out <= 0:
+                # Nothing to decode: finishes with its first token (a zero-work heap entry).
+                work = 0.0
+            else:
+                work = out / accept[a] if s.speculative else float(out)
+            dheap = s.dheap
+            v = s.v + (t - s.t_last) * s.rate
+            s.v = v
+            s.t_last = t
+            entry = (v + work, a)
+            push(dheap, entry)
+            if dheap[0] is entry:
+                done_t = s.done_t = t + work / s.rate
+                s.done_seq = seq
+                if s.carrier_seq < 0 or done_t < s.carrier_t:
+                    push(heap, (done_t, seq, _DONE, b, seq))
+                    s.carrier_t, s.carrier_seq = done_t, seq
+                seq += 1
+        else:
+            arrival[a] = t
+            if arrivals is not None and a + 1 < n:
+                push(heap, (arrivals[a + 1], seq, _ARRIVE, a + 1, 0))
+                seq += 1
+            if choose is not None:
+                ikey = (prompt_tokens[a], max_tokens[a], hints[a])
+                info = info_cache.get(ikey)
+                if info is None:
+                    if len(info_cache) >= _INFO_CACHE_MAX:
+                        info_cache.clear()
+                    info = RequestInfo(
+                        endpoint="chat", stream=True, prompt_tokens=ikey[0], max_tokens=ikey[1], hint=ikey[2]
+                    )
+                    info_cache[ikey] = info
+                decision = choose(info, build_view(), t)
+                si = index.get(decision.backend)
+                if si is None:
+                    raise SimulationError(
+                        f"policy {policy_name!r} chose backend {decision.backend!r}, "
+                        f"which is not in the deployment ({', '.join(index)})"
+                    )
+                infos[a] = info
+                decisions[a] = decision
+            else:
+                si = least_loaded()
+            where[a] = si
+            s = states[si]
+            s.tokens += budget[a]
+            s.dirty = True
+            if s.running < s.cap:
+                # Advance the virtual clock at the old rate before the batch grows.
+                s.v += (t - s.t_last) * s.rate
+                s.t_last = t
+                running = s.running = s.running + 1
+                rate = s.rate = s.rate_table[running] if running < table_size else s.model.rate_at(running)
+                ft = t + (s.ttft_table[running] if running < table_size else s.ttft_table[-1])
+                if s.prefill is not None and prompt_tokens[a] > 0:
+                    ft += prompt_tokens[a] / s.prefill
+                push(heap, (ft, seq, _FIRST, a, si))
+                seq += 1
+                if s.dheap:
+                    # Float rounding may put V a hair past the top: never schedule in the past.
+                    ahead = s.dheap[0][0] - s.v
+                    done_t = s.done_t = t + ahead / rate if ahead > 0.0 else t
+                    s.done_seq = seq
+                    if s.carrier_seq < 0 or done_t < s.carrier_t:
+                        push(heap, (done_t, seq, _DONE, si, seq))
+                        s.carrier_t, s.carrier_seq = done_t, seq
+                    seq += 1
+            else:
+                s.queue.append(a)
+
+    return RawRun(
+        arrival=arrival,
+        first_token=first,
+        finish=finish,
+        server=where,
+        phase=phase,
+        output_tokens=output_tokens,
+        servers=tuple(servers),
+    )

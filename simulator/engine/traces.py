@@ -1,0 +1,158 @@
+"""Trace files for replay: the Azure LLM inference trace CSV and specroute's decision log.
+
+Azure (Patel et al., "Splitwise", ISCA 2024; CC-BY-4.0): a CSV with the header
+`TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps like `2023-11-16 18:17:03.9799600`.
+
+Decision log (written by the proxy): JSONL, one object per finished request, with `ts` (arrival,
+unix seconds), `prompt_tokens`, `max_tokens`, `completion_tokens` and `hint`. Lines are written
+when requests finish, so they are re-sorted by arrival here.
+
+Times are returned relative to the first arrival. The format is detected from the first
+non-empty line when not given.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from policies.jsonl import read_jsonl
+
+TraceFormat = Literal["azure", "specroute-log"]
+TRACE_FORMATS: tuple[TraceFormat, ...] = ("azure", "specroute-log")
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    t: float
+    """Arrival, seconds after the first request of the trace."""
+    prompt_tokens: int
+    output_tokens: int | None
+    """None when the trace does not say (the caller draws a length)."""
+    max_tokens: int | None
+    hint: str | None
+
+
+def detect_format(path: Path) -> TraceFormat:
+    try:
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                text = line.strip()
+                if not text:
+                    continue
+                if text.startswith("{"):
+                    return "specroute-log"
+                if "TIMESTAMP" in text and "GeneratedTokens" in text:
+                    return "azure"
+                break
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read trace: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not a text file") from None
+    raise TraceError(
+        f"{path}: cannot tell the trace format (expected an Azure CSV header "
+        "'TIMESTAMP,ContextTokens,GeneratedTokens' or JSONL decision-log lines); "
+        "give --trace-format"
+    )
+
+
+_CACHE_SIZE = 4
+_cache: dict[tuple[str, int, int, TraceFormat | None], list[TraceRecord]] = {}
+"""Parsed traces of this process (a tune or plan simulates the same trace in every task), keyed by
+file, modification time, size and format: a changed file is read again."""
+
+
+def read_trace(
+    path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None
+) -> list[TraceRecord]:
+    """Records sorted by arrival (stable), at most `limit` of them."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"{p}: no such trace file")
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise TraceError(f"{p}: cannot read trace: {e.strerror or e}") from None
+    key = (str(p.resolve()), st.st_mtime_ns, st.st_size, fmt)
+    records = _cache.get(key)
+    if records is None:
+        records = _parse(p, fmt)
+        while len(_cache) >= _CACHE_SIZE:
+            del _cache[next(iter(_cache))]
+        _cache[key] = records
+    return records[:limit] if limit is not None else list(records)
+
+
+def _parse(p: Path, fmt: TraceFormat | None) -> list[TraceRecord]:
+    """All records, sorted by arrival (stable), times relative to the first."""
+    fmt = fmt or detect_format(p)
+    records = _read_azure(p) if fmt == "azure" else _read_log(p)
+    if not records:
+        raise TraceError(f"{p}: the trace has no requests")
+    records.sort(key=lambda r: r.t)
+    t0 = records[0].t
+    return [TraceRecord(r.t - t0, r.prompt_tokens, r.output_tokens, r.max_tokens, r.hint) for r in records]
+
+
+def _read_azure(p: Path) -> list[TraceRecord]:
+    out: list[TraceRecord] = []
+    try:
+        with p.open(encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
+            if missing:
+                raise TraceError(f"{p}: not an Azure trace: missing column(s) {', '.join(sorted(missing))}")
+            epoch: datetime | None = None
+            for row in reader:
+                line = reader.line_num
+                try:
+                    ts = datetime.fromisoformat(row["TIMESTAMP"].strip())
+                    prompt = int(row["ContextTokens"])
+                    gen = int(row["GeneratedTokens"])
+                except (ValueError, TypeError, AttributeError):
+                    raise TraceError(f"{p}:{line}: bad row {row!r}") from None
+                if prompt < 0 or gen < 0:
+                    raise TraceError(f"{p}:{line}: negative token count")
+                epoch = epoch or ts
+                t = (ts - epoch).total_seconds()
+                out.append(TraceRecord(t, prompt, max(gen, 1), max(gen, 1), None))
+    except OSError as e:
+        raise TraceError(f"{p}: cannot read trace: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{p}: not a text file") from None
+    return out
+
+
+def _opt_int(obj: dict[str, Any], key: str, where: str) -> int | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise TraceError(f"{where}: {key!r} must be a non-negative integer or null, got {v!r}")
+    return v
+
+
+def _read_log(p: Path) -> list[TraceRecord]:
+    out: list[TraceRecord] = []
+    for where, obj in read_jsonl(p, what="trace", error=TraceError):
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object")
+        ts = obj.get("ts")
+        if isinstance(ts, bool) or not isinstance(ts, int | float):
+            raise TraceError(f"{where}: 'ts' must be a number (arrival unix seconds)")
+        prompt = _opt_int(obj, "prompt_tokens", where) or 0
+        completion = _opt_int(obj, "completion_tokens", where)
+        max_tokens = _opt_int(obj, "max_tokens", where)
+        hint = obj.get("hint")
+        if hint is not None and not isinstance(hint, str):
+            raise TraceError(f"{where}: 'hint' must be a string or null")
+        output = completion if completion else max_tokens
+        out.append(TraceRecord(float(ts), prompt, output or None, max_tokens, hint))
+    return out
