@@ -16,6 +16,7 @@ from helpers import run_specroute, start_module, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from policies.profile import resolve_profile
+from simulator.emulator import synthetic
 from simulator.emulator.app import EmulatorConfig, EmulatorServer, FaultConfig
 
 KIMI = resolve_profile("kimi-k25-int4-8gpu")
@@ -110,7 +111,10 @@ async def test_streaming_chat_chunk_sequence_matches_sglang(emulator: MakeEmu) -
     assert first["object"] == "chat.completion.chunk" and first["model"] == "kimi"
     assert first["choices"][0]["delta"] == {"reasoning_content": None, "role": "assistant", "content": ""}
     assert first["choices"][0]["finish_reason"] is None and first["choices"][0]["matched_stop"] is None
-    assert len(content) == 6  # one token per step on a plain server
+    # One token per step on a plain server; a late read (a loaded machine) takes the tokens of
+    # several steps in one chunk, as SGLang does, so only the total is exact.
+    assert 1 <= len(content) <= 6
+    assert "".join(c["choices"][0]["delta"]["content"] for c in content) == synthetic.text(0, 6)
     assert all(set(c["choices"][0]["delta"]) == {"reasoning_content", "content"} for c in content)
     assert finish["choices"][0]["delta"] == {"reasoning_content": None}
     assert finish["choices"][0]["finish_reason"] == "length"
@@ -153,7 +157,10 @@ async def test_completions_stream_carries_finish_on_last_content_chunk(emulator:
     assert status == 200
     *chunks, done = events
     assert done == "[DONE]"
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    *running, last = chunks
+    assert [c["choices"][0]["finish_reason"] for c in running] == [None] * len(running)
+    assert last["choices"][0]["finish_reason"] == "length" and last["choices"][0]["text"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == synthetic.text(0, 3)
     assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
 
 
@@ -390,7 +397,7 @@ async def test_bad_input_gets_a_clear_400(emulator: MakeEmu) -> None:
         ({"model": "x"}, "messages"),
         ({**CHAT, "max_tokens": 0}, "max_tokens"),
         ({**CHAT, "max_tokens": "ten"}, "max_tokens"),
-        ({**CHAT, "n": 2}, "n=1"),
+        ({**CHAT, "messages": []}, "Messages cannot be empty."),
         ({**CHAT, "model": "base:adapter"}, "LoRA"),
         ([1, 2], "JSON object"),
     ]
@@ -402,8 +409,9 @@ async def test_bad_input_gets_a_clear_400(emulator: MakeEmu) -> None:
                 assert err["object"] == "error" and err["code"] == 400 and needle in err["message"]
         async with s.post(url, data=b"{nope", headers={"Content-Type": "application/json"}) as r:
             assert r.status == 400
-        async with s.post(server.url + "/v1/completions", json={"prompt": ""}) as r:
-            assert r.status == 200  # an empty prompt is still one (BOS) token
+        for empty in ("", [], ["", ""]):  # serving_completions._validate_request
+            async with s.post(server.url + "/v1/completions", json={"prompt": empty}) as r:
+                assert r.status == 400 and (await r.json())["message"] == "Prompt cannot be empty"
         async with s.post(server.url + "/v1/completions", json={"prompt": {"a": 1}}) as r:
             assert r.status == 400
         too_long = {"prompt": list(range(server.emulator.config.max_model_len))}
@@ -502,7 +510,9 @@ async def test_spec_tokens_details_chunk_before_usage(emulator: MakeEmu) -> None
     # the first token comes from prefill; every other token from a verify step
     assert d["spec_num_correct_drafts"] + d["spec_verify_ct"] == 59
     assert d["spec_num_proposed_drafts"] == 3 * d["spec_verify_ct"]
-    assert d["spec_accept_length"] == pytest.approx(59 / d["spec_verify_ct"])
+    # SGLang's formula (tokenizer_manager._calculate_spec_decoding_metrics): completion tokens,
+    # the prefill's one included, per verify step
+    assert d["spec_accept_length"] == pytest.approx(60 / d["spec_verify_ct"])
     async with (
         aiohttp.ClientSession() as s,
         s.post(server.url + "/v1/chat/completions", json={**body, "stream": False}) as r,

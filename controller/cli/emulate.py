@@ -38,9 +38,9 @@ def _hint_factor(text: str) -> tuple[str, float]:
 
 def configure_emulate(p: argparse.ArgumentParser) -> None:
     p.description = (
-        "Run an emulated SGLang server (OpenAI-compatible API, /server_info, /v1/loads, "
-        "/metrics, /abort_request) whose timing follows a speed profile by continuous "
-        "batching. Token text is synthetic; token counts are exact."
+        "Run an emulated SGLang server (OpenAI-compatible API, native /generate, /server_info, "
+        "/model_info, /v1/loads, /metrics, /abort_request) whose timing follows a speed profile "
+        "by continuous batching. Token text is synthetic; token counts are exact."
     )
     p.add_argument(
         "--profile",

@@ -1,11 +1,11 @@
 """An emulated SGLang server whose speed follows a specroute profile.
 
 How it works: `create_emulator_app(config)` builds an aiohttp app that speaks SGLang's HTTP
-API (OpenAI-compatible chat/completions, streaming and not; /v1/models, /health, /ready,
-/server_info, /v1/loads, /abort_request, /metrics). Generation requests go to a
-`BatchEngine` (continuous batching, see `emulator_engine`), which decides when each token
-exists; this module only turns engine events into SGLang-shaped responses. Token text is
-synthetic, token counts are exact. `run_emulator(config)` runs one on 127.0.0.1:0 and yields
+API (OpenAI-compatible chat/completions and native /generate, streaming and not; /v1/models,
+/health, /ready, /server_info, /model_info, /v1/loads, /abort_request, /metrics). Generation
+requests go to a `BatchEngine` (continuous batching, see `batching.py`), which decides when
+each token exists; `http.py` turns engine events into SGLang-shaped responses (`shapes.py`).
+Token text is synthetic, token counts are exact. `run_emulator(config)` runs one on 127.0.0.1:0 and yields
 an `EmulatorServer` with its URL and live fault knobs.
 
 `time_scale` multiplies every modelled duration: wall seconds = profile seconds x

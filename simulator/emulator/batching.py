@@ -10,8 +10,11 @@ the per-request token rate is the profile's `decode_tok_s(b)` on average. Steps 
 scheduled against absolute deadlines, so late timer wake-ups on a loaded machine do not
 accumulate drift. A request's first token arrives `ttft_s(b) * time_scale` after it is
 admitted; requests beyond `max_running_requests` wait in a FIFO queue. Each request gets its
-events (token counts, then a finish) through its own asyncio queue; `abort` removes it and
-frees its slot at once.
+events (token counts, then a finish) through an asyncio queue (shared by the samples of one
+HTTP request, each event tagged with its sample's index); `abort` removes it and frees its slot
+at once. After a late wake-up the loop runs the overdue steps back to back, so a reader may
+find several events queued at once: it must take them all (as SGLang's tokenizer manager
+drains a request's output list), never assume one per step.
 """
 
 from __future__ import annotations
@@ -31,14 +34,16 @@ _MAX_LAG_S = 0.25
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
-    """`n` new output tokens (one chunk: one decode or verify step)."""
+    """`n` new output tokens (one chunk: one decode or verify step) of sample `index`."""
 
     n: int
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Finished:
     reason: FinishReason
+    index: int = 0
 
 
 Event = Tokens | Finished
@@ -59,6 +64,9 @@ class EngineRequest:
     accept_mean: float = 1.0
     """Mean tokens per verify step for this request (1 without speculation)."""
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    """Where its events go; the samples of one HTTP request (n > 1, a batch) share one queue."""
+    index: int = 0
+    """This request's place among the samples sharing `events` (tags every event it gets)."""
     generated: int = 0
     verify_ct: int = 0
     """Verify steps this request took part in (EAGLE)."""
@@ -291,7 +299,7 @@ class BatchEngine:
         req.generated = 1
         self.total_generated += 1
         self._win_tokens += 1
-        req.events.put_nowait(Tokens(1))
+        req.events.put_nowait(Tokens(1, req.index))
         if self.observer is not None:
             self.observer.on_first_token(req, now - req.submitted_at)
         if req.generated >= req.output_tokens:
@@ -310,7 +318,7 @@ class BatchEngine:
             req._timer = None
         self._running.pop(req.rid, None)
         self._decoding.pop(req.rid, None)
-        req.events.put_nowait(Finished(reason))
+        req.events.put_nowait(Finished(reason, req.index))
         if self.observer is not None:
             self.observer.on_finish(req, reason, self._loop.time() - req.submitted_at)
         if not self._running:
@@ -340,7 +348,7 @@ class BatchEngine:
             self._win_tokens += k
             interval = now - (req.last_token_at or now)
             req.last_token_at = now
-            req.events.put_nowait(Tokens(k))
+            req.events.put_nowait(Tokens(k, req.index))
             if self.observer is not None:
                 self.observer.on_chunk(req, k, interval)
             if req.generated >= req.output_tokens:

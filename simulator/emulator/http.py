@@ -1,261 +1,67 @@
-"""HTTP layer of the emulator: SGLang's routes and exact response shapes.
+"""HTTP layer of the emulator: SGLang's routes, its error bodies, and the read loop that turns
+engine events into responses (the bodies themselves are built in `shapes.py`).
 
-Shapes follow SGLang's OpenAI-compatible server (`serving_chat.py`,
-`serving_completions.py`, `v1_loads.py`, `http_server.py`): chat streams send a role chunk
-when the first token exists, one content chunk per engine step (several tokens per chunk on
-an EAGLE server), a separate finish chunk, the `choices: []` usage chunk when
-`stream_options.include_usage`, then `data: [DONE]`. Completion streams carry the finish
-reason on their last content chunk. Errors use SGLang's flat error body. Response headers
-are sent with the first event, as SGLang does.
+How it works: a generation request becomes one engine request per sample (`n` per prompt; a
+batch has several prompts), all sharing one event queue. Every read takes all the events that
+are queued, not just one: after a late wake-up (a loaded machine, a paused process) the engine
+runs the overdue steps back to back, and SGLang's tokenizer manager likewise drains a request's
+whole output list and sends the latest state. So one chunk may carry the tokens of several
+steps, and a completions chunk carries the finish reason when the update that ended the sample
+is the one it reports. Response headers go out with the first event, as SGLang sends them.
 
-Deviations, on purpose: `/v1/loads` reports live running/waiting counts (SGLang's are at most
-a few decode steps old); `/health` answers at once (0.5.23 runs a one-token generation);
-`n > 1`, logprobs, tools and batch prompts are not emulated (400 or ignored).
+Deviations, on purpose (the README lists them for users): `/v1/loads` reports live
+running/waiting counts (SGLang's are at most a few decode steps old); `/health` answers at once
+(0.5.23 runs a one-token generation); token text, ids and logprobs are synthetic; tools and
+tool calls, `echo`, `max_tokens: 0`, per-prompt `sampling_params` lists and prefix caching
+(`cached_tokens` is always 0) are not emulated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
+import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from simulator.emulator.batching import EngineRequest, Finished, FinishReason, QueueFull
+from simulator.emulator import shapes
+from simulator.emulator.batching import Event, FinishReason, QueueFull, Tokens
+from simulator.emulator.requests import (
+    BadRequest,
+    ContractError,
+    GenerateError,
+    GenRequest,
+    Kind,
+    context_error,
+    parse_generate,
+    parse_openai,
+)
+from simulator.emulator.shapes import Sample, Update
 
 if TYPE_CHECKING:
     from simulator.emulator.state import Emulator
 
-Kind = Literal["chat", "completions"]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-_WORDS: tuple[str, ...] = (" The", " emulated", " server", " writes", " these", " synthetic", " tokens")
-_WORDS += (",", " one", " per", " step", " of", " its", " batch", " schedule", ".")
 _HINT_HEADER = "x-specroute-hint"
 _UNAUTHENTICATED = ("/health", "/ready", "/metrics")
 SGLANG_VERSION = "0.5.23"
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
-
-def _text(start: int, n: int) -> str:
-    return "".join(_WORDS[(start + i) % len(_WORDS)] for i in range(n))
-
-
 def error_response(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
     """SGLang's flat error body."""
     body = {"object": "error", "message": message, "type": type_, "param": None, "code": status}
-    return web.Response(status=status, text=_dumps(body), content_type="application/json")
+    return web.Response(status=status, text=shapes.dumps(body), content_type="application/json")
 
 
-class BadRequest(Exception):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class GenRequest:
-    kind: Kind
-    model: str
-    stream: bool
-    include_usage: bool
-    max_tokens: int | None
-    ignore_eos: bool
-    prompt_tokens: int
-    rid: str | None
-    spec_details: bool = False
-
-
-def _tokens_of_text(text: str) -> int:
-    return math.ceil(len(text) / 4)
-
-
-def _chat_prompt_tokens(messages: Any) -> int:
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list")
-    total = 0
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
-        content = m.get("content")
-        if isinstance(content, str):
-            total += _tokens_of_text(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    total += _tokens_of_text(part["text"])
-        elif content is not None:
-            raise BadRequest(f"messages[{i}].content must be a string, a list of parts or null")
-        total += 4  # chat template overhead per message
-    return total
-
-
-def _completion_prompt_tokens(prompt: Any) -> int:
-    if isinstance(prompt, str):
-        return max(1, _tokens_of_text(prompt))
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return len(prompt)
-        if len(prompt) == 1:
-            return _completion_prompt_tokens(prompt[0])
-        raise BadRequest("the emulator serves one prompt per request")
-    raise BadRequest("'prompt' must be a non-empty string or list of token ids")
-
-
-def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise BadRequest(f"'{key}' must be an integer >= {minimum}")
-    return v
-
-
-def parse_generation(body: Any, kind: Kind, default_model: str) -> GenRequest:
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    model = body.get("model", default_model)
-    if not isinstance(model, str):
-        raise BadRequest("'model' must be a string")
-    if ":" in model:
-        base, adapter = model.split(":", 1)
-        raise BadRequest(f"model {model!r} selects LoRA adapter {adapter!r} of {base!r}, but LoRA is off")
-    if kind == "chat":
-        prompt_tokens = _chat_prompt_tokens(body.get("messages"))
-        max_tokens = _opt_int(body, "max_completion_tokens", 1)
-        if max_tokens is None:
-            max_tokens = _opt_int(body, "max_tokens", 1)
-    else:
-        prompt_tokens = _completion_prompt_tokens(body.get("prompt"))
-        max_tokens = _opt_int(body, "max_tokens", 1)
-    n = _opt_int(body, "n", 1)
-    if n not in (None, 1):
-        raise BadRequest("the emulator supports n=1 only")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise BadRequest("'stream_options' must be an object")
-    ignore_eos = body.get("ignore_eos", False)
-    rid = body.get("rid")
-    if rid is not None and not isinstance(rid, str):
-        raise BadRequest("'rid' must be a string")
-    return GenRequest(
-        kind=kind,
-        model=model,
-        stream=stream,
-        include_usage=bool(options.get("include_usage")),
-        max_tokens=max_tokens,
-        ignore_eos=bool(ignore_eos),
-        prompt_tokens=prompt_tokens,
-        rid=rid,
-        spec_details=bool(body.get("return_spec_tokens_details")),
-    )
-
-
-# -- response bodies -----------------------------------------------------------------------
-
-
-def _usage(g: GenRequest, completion: int) -> dict[str, Any]:
-    u: dict[str, Any] = {
-        "prompt_tokens": g.prompt_tokens,
-        "total_tokens": g.prompt_tokens + completion,
-        "completion_tokens": completion,
-        "prompt_tokens_details": None,
-        "reasoning_tokens": 0,
-    }
-    if g.kind == "chat":
-        u["completion_tokens_details"] = None
-    else:
-        del u["prompt_tokens_details"]  # completions' usage chunk is dumped with exclude_none
-    return u
-
-
-class _Stream:
-    """Builds the SSE events of one streaming response."""
-
-    def __init__(self, g: GenRequest, rid: str, eos_token_id: int) -> None:
-        self.g = g
-        self.rid = rid
-        self.eos = eos_token_id
-        self.created = int(time.time())
-        obj = "chat.completion.chunk" if g.kind == "chat" else "text_completion"
-        self._head = {"id": rid, "object": obj, "created": self.created, "model": g.model}
-
-    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return f"data: {_dumps({**self._head, 'choices': choices, **extra})}\n\n".encode()
-
-    def _matched(self, reason: FinishReason | None) -> int | None:
-        return self.eos if reason == "stop" else None
-
-    def role(self) -> bytes:
-        delta = {"reasoning_content": None, "role": "assistant", "content": ""}
-        return self._event([self._chat_choice(delta, None)])
-
-    def _chat_choice(self, delta: dict[str, Any], reason: FinishReason | None) -> dict[str, Any]:
-        return {
-            "index": 0,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": reason,
-            "matched_stop": self._matched(reason),
-        }
-
-    def content(self, text: str, reason: FinishReason | None = None) -> bytes:
-        if self.g.kind == "chat":
-            return self._event([self._chat_choice({"reasoning_content": None, "content": text}, None)])
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": reason,
-            "matched_stop": self._matched(reason),
-        }
-        return self._event([choice], usage=None)
-
-    def finish(self, reason: FinishReason) -> bytes:
-        if self.g.kind == "chat":
-            return self._event([self._chat_choice({"reasoning_content": None}, reason)])
-        return self.content("", reason)
-
-    def usage(self, completion: int) -> bytes:
-        return self._event([], usage=_usage(self.g, completion))
-
-    def spec_details(self, details: dict[str, Any]) -> bytes:
-        return self._event([], sglext={"spec_tokens_details": details})
-
-
-def spec_tokens_details(req: EngineRequest, num_steps: int) -> dict[str, Any]:
-    """SGLang's per-request acceptance summary (`return_spec_tokens_details`)."""
-    verify = req.verify_ct
-    correct = req.accepted_tokens - verify  # drafts accepted, bonus tokens excluded
-    proposed = verify * num_steps
-    return {
-        "spec_accept_rate": correct / proposed if proposed else 0.0,
-        "spec_accept_length": req.accepted_tokens / verify if verify else 0.0,
-        "spec_verify_ct": verify,
-        "spec_num_correct_drafts": correct,
-        "spec_num_proposed_drafts": proposed,
-    }
-
-
-def queue_full_event() -> bytes:
-    err = {
-        "object": "error",
-        "message": "The request queue is full.",
-        "type": "SERVICE_UNAVAILABLE",
-        "param": None,
-        "code": 503,
-    }
-    return f"data: {json.dumps({'error': err})}\n\n".encode()
+def _nested_error(status: int, error: Any) -> web.Response:
+    """`/generate`'s errors: `{"error": "..."}` (contract) or `{"error": {"message": ...}}`."""
+    return web.Response(status=status, text=shapes.dumps({"error": error}), content_type="application/json")
 
 
 def _drop_connection(request: web.Request) -> None:
@@ -266,6 +72,110 @@ def _drop_connection(request: web.Request) -> None:
 
 class _Dropped(Exception):
     pass
+
+
+async def _event_stream(request: web.Request, *events: bytes) -> web.StreamResponse:
+    """HTTP 200 with these SSE events and nothing else (errors SGLang streams)."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(b"".join(events))
+    await resp.write_eof()
+    return resp
+
+
+# -- reading the engine ---------------------------------------------------------------------
+
+
+async def next_updates(queue: asyncio.Queue[Event], samples: list[Sample]) -> list[Update]:
+    """Wait for at least one event, then take every queued one: per sample (in the order they
+    appear) the new tokens and the finish, if it came. Advances each sample's `sent`/`finish`."""
+    events = [await queue.get()]
+    while not queue.empty():
+        events.append(queue.get_nowait())
+    new: dict[int, int] = {}
+    finish: dict[int, FinishReason] = {}
+    for ev in events:
+        new.setdefault(ev.index, 0)
+        if isinstance(ev, Tokens):
+            new[ev.index] += ev.n
+        else:
+            finish[ev.index] = ev.reason
+    updates = []
+    for index, n in new.items():
+        s = samples[index]
+        updates.append(Update(s, s.sent, n, finish.get(index)))
+        s.sent += n
+        if index in finish:
+            s.finish = finish[index]
+    return updates
+
+
+def _sample_rids(g: GenRequest) -> list[str]:
+    """SGLang's ids: the client's `rid` for one sample; `rid_i` per prompt of a batch; fresh
+    ids for parallel samples (n > 1)."""
+    if g.samples == 1:
+        return [g.rid or uuid.uuid4().hex]
+    if g.n == 1 and g.rid is not None:
+        return [f"{g.rid}_{i}" for i in range(g.samples)]
+    return [uuid.uuid4().hex for _ in range(g.samples)]
+
+
+def _submit(e: Emulator, g: GenRequest, hint: str | None) -> list[Sample]:
+    """One engine request per sample, sharing one event queue; QueueFull (nothing left
+    submitted) when the waiting queue is at its bound."""
+    engine = e.engine
+    engine.max_queued_requests = e.faults.max_queued_requests
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    samples: list[Sample] = []
+    try:
+        for i, rid in enumerate(_sample_rids(g)):
+            req = e.new_request(rid, g.prompt_of(i), g.max_tokens, g.ignore_eos, hint, events=queue, index=i)
+            engine.submit(req)
+            samples.append(Sample(i, req))
+    except QueueFull:
+        for s in samples:
+            engine.abort(s.req.rid)
+        raise
+    return samples
+
+
+def _spec(e: Emulator, samples: list[Sample]) -> list[dict[str, Any]]:
+    steps = e.config.speculative_num_steps
+    return [shapes.spec_meta(s.req, steps) if e.config.mode == "eagle" else {} for s in samples]
+
+
+async def _read_all(e: Emulator, request: web.Request, samples: list[Sample]) -> None:
+    """Until every sample has finished (non-streaming answers), with the mid-answer fault."""
+    queue = samples[0].req.events
+    chunks = 0
+    while any(s.finish is None for s in samples):
+        updates = await next_updates(queue, samples)
+        chunks += sum(1 for u in updates if u.new)
+        die = e.faults.die_after_chunks
+        if die is not None and chunks >= die:
+            _drop_connection(request)
+            raise _Dropped
+
+
+async def _stream(
+    request: web.Request, e: Emulator, samples: list[Sample], write: Callable[[list[Update]], bytes]
+) -> web.StreamResponse:
+    """Stream `write(updates)` per read until every sample has finished; the caller writes the
+    tail and ends the response."""
+    queue = samples[0].req.events
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    chunks = 0
+    while any(s.finish is None for s in samples):
+        updates = await next_updates(queue, samples)
+        if not resp.prepared:
+            await resp.prepare(request)
+        await resp.write(write(updates))
+        chunks += sum(1 for u in updates if u.new)
+        die = e.faults.die_after_chunks
+        if die is not None and chunks >= die and any(s.finish is None for s in samples):
+            _drop_connection(request)
+            raise _Dropped
+    return resp
 
 
 # -- handlers ------------------------------------------------------------------------------
@@ -294,69 +204,140 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
 
     app.middlewares.append(gate)
 
-    async def generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    async def faults(e: Emulator, g: GenRequest) -> web.Response | None:
+        """The knobs that act before generation; an answer when one fires."""
+        if e.faults.stall_s > 0:
+            await asyncio.sleep(e.faults.stall_s)
+        if e.faults.error_rate > 0 and e.rng.random() < e.faults.error_rate:
+            return error_response(500, "Internal server error (emulated fault).", "InternalServerError")
+        if g.rid is not None and any(e.engine.is_active(r) for r in _sample_rids(g)):
+            return error_response(400, f"duplicate request id {g.rid!r}")
+        return None
+
+    async def run(
+        request: web.Request,
+        e: Emulator,
+        samples: list[Sample],
+        answer: Callable[[], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        try:
+            return await answer()
+        except (ConnectionResetError, _Dropped):
+            return web.Response(status=499)  # the client is gone; nothing is sent
+        finally:
+            for s in samples:
+                if not s.req.done:
+                    e.engine.abort(s.req.rid)  # client gone or connection dropped: free the slot now
+
+    async def openai_route(request: web.Request, kind: Kind) -> web.StreamResponse:
         e = emu(request)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error_response(400, "the request body is not valid JSON")
         try:
-            g = parse_generation(body, kind, e.config.model)
+            g = parse_openai(body, kind, e.config.model)
         except BadRequest as err:
             return error_response(400, str(err))
-        if g.prompt_tokens >= e.config.max_model_len:
-            return error_response(
-                400,
-                f"The input ({g.prompt_tokens} tokens) is longer than the model's context length "
-                f"({e.config.max_model_len} tokens).",
-            )
-        if g.max_tokens is not None and g.prompt_tokens + g.max_tokens >= e.config.max_model_len:
-            total = g.prompt_tokens + g.max_tokens
-            return error_response(  # SGLang's TokenizerManager._validate_one_request wording
-                400,
-                f"Requested token count exceeds the model's maximum context length of "
-                f"{e.config.max_model_len} tokens. You requested a total of {total} tokens: "
-                f"{g.prompt_tokens} tokens from the input messages and {g.max_tokens} tokens for the "
-                "completion. Please reduce the number of tokens in the input messages or the "
-                "completion to fit within the limit.",
-            )
-        faults = e.faults
-        if faults.stall_s > 0:
-            await asyncio.sleep(faults.stall_s)
-        if faults.error_rate > 0 and e.rng.random() < faults.error_rate:
-            return error_response(500, "Internal server error (emulated fault).", "InternalServerError")
-        engine = e.engine
-        if g.rid is not None and engine.is_active(g.rid):
-            return error_response(400, f"duplicate request id {g.rid!r}")
-        req = e.new_request(
-            g.rid, g.prompt_tokens, g.max_tokens, g.ignore_eos, request.headers.get(_HINT_HEADER)
-        )
-        engine.max_queued_requests = faults.max_queued_requests
+        too_long = context_error(g, e.config.max_model_len)
+        if too_long is not None:
+            return error_response(400, too_long)
+        refused = await faults(e, g)
+        if refused is not None:
+            return refused
         try:
-            engine.submit(req)
+            samples = _submit(e, g, request.headers.get(_HINT_HEADER))
         except QueueFull:
             if not g.stream:
                 return error_response(503, "The request queue is full.", "SERVICE_UNAVAILABLE")
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            await resp.write(queue_full_event() + b"data: [DONE]\n\n")
+            return await _event_stream(request, shapes.queue_full_event(), shapes.DONE)
+        eos = e.config.eos_token_id
+
+        async def streamed() -> web.StreamResponse:
+            events = shapes.OpenAIEvents(g, eos)
+            finished: list[Sample] = []
+
+            def write(updates: list[Update]) -> bytes:
+                finished.extend(u.sample for u in updates if u.finish is not None)
+                return b"".join(events.update(u) for u in updates)
+
+            resp = await _stream(request, e, samples, write)
+            spec = _spec(e, samples) if g.spec_details and e.config.mode == "eagle" else None
+            await resp.write(events.tail(finished, samples, spec))
             await resp.write_eof()
             return resp
-        try:
-            if g.stream:
-                return await _stream(request, e, g, req)
-            return await _complete(e, g, req, request)
-        except (ConnectionResetError, _Dropped):
-            return web.Response(status=499)  # the client is gone; nothing is sent
-        finally:
-            if not req.done:
-                engine.abort(req.rid)  # client gone or connection dropped: free the slot now
+
+        async def whole() -> web.StreamResponse:
+            await _read_all(e, request, samples)
+            spec = _spec(e, samples) if g.spec_details and e.config.mode == "eagle" else None
+            body = shapes.openai_response(g, samples, eos, spec)
+            return web.Response(text=shapes.dumps(body), content_type="application/json")
+
+        return await run(request, e, samples, streamed if g.stream else whole)
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        return await generate(request, "chat")
+        return await openai_route(request, "chat")
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        return await generate(request, "completions")
+        return await openai_route(request, "completions")
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        """SGLang's native `/generate` (GenerateReqInput)."""
+        e = emu(request)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(400, "the request body is not valid JSON", "Bad Request")
+        stream = isinstance(body, dict) and body.get("stream") is True
+
+        async def refuse(message: str) -> web.StreamResponse:
+            # SGLang raises ValueError inside the generator: an error event once streaming
+            if stream:
+                return await _event_stream(request, shapes.native_error_event(message), shapes.DONE)
+            return _nested_error(400, {"message": message})
+
+        try:
+            g = parse_generate(body)
+        except ContractError as err:
+            return _nested_error(400, str(err))
+        except GenerateError as err:
+            return await refuse(str(err))
+        too_long = context_error(g, e.config.max_model_len)
+        if too_long is not None:
+            return await refuse(too_long)
+        refused = await faults(e, g)
+        if refused is not None:
+            return refused
+        try:
+            samples = _submit(e, g, request.headers.get(_HINT_HEADER))
+        except QueueFull:
+            if not g.stream:
+                return error_response(503, "The request queue is full.", "503")
+            event = shapes.native_queue_full_event(g.rid or uuid.uuid4().hex, g.prompt_of(0))
+            return await _event_stream(request, event, shapes.DONE)
+        eos = e.config.eos_token_id
+        loop = asyncio.get_running_loop()
+
+        def output(s: Sample) -> dict[str, Any]:
+            spec = _spec(e, [s])[0] if s.finish is not None else None
+            return shapes.native_output(g, s, eos, spec, loop.time())
+
+        async def streamed() -> web.StreamResponse:
+            def write(updates: list[Update]) -> bytes:
+                return b"".join(shapes.event(output(u.sample)) for u in updates)
+
+            resp = await _stream(request, e, samples, write)
+            await resp.write(shapes.DONE)
+            await resp.write_eof()
+            return resp
+
+        async def whole() -> web.StreamResponse:
+            await _read_all(e, request, samples)
+            outputs = [output(s) for s in samples]
+            body = outputs if g.batch else outputs[0]
+            return web.Response(text=shapes.dumps(body), content_type="application/json")
+
+        return await run(request, e, samples, streamed if g.stream else whole)
 
     async def models(request: web.Request) -> web.Response:
         c = emu(request).config
@@ -416,6 +397,8 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
 
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/generate", generate)
+    app.router.add_put("/generate", generate)
     app.router.add_get("/v1/models", models)
     for path in ("/health", "/health_generate", "/ready"):
         app.router.add_get(path, health)
@@ -426,95 +409,6 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
     app.router.add_get("/v1/loads", loads)
     app.router.add_post("/abort_request", abort)
     app.router.add_get("/metrics", metrics)
-
-
-async def _stream(request: web.Request, e: Emulator, g: GenRequest, req: EngineRequest) -> web.StreamResponse:
-    s = _Stream(g, req.rid, e.config.eos_token_id)
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    sent_role = False
-    chunks = 0
-    reason: FinishReason | None = None
-    while reason is None:
-        ev = await req.events.get()
-        if not resp.prepared:
-            await resp.prepare(request)
-        out = b""
-        if g.kind == "chat" and not sent_role:
-            out += s.role()
-            sent_role = True
-        if isinstance(ev, Finished):
-            reason = ev.reason
-            out += s.finish(reason)
-        else:
-            text = _text(req.generated - ev.n, ev.n)
-            if g.kind == "chat":
-                out += s.content(text)
-            else:
-                nxt = _peek_finish(req)
-                out += s.content(text, nxt)
-                reason = nxt
-            chunks += 1
-        await resp.write(out)
-        die = e.faults.die_after_chunks
-        if die is not None and chunks >= die and reason is None:
-            _drop_connection(request)
-            raise _Dropped
-    tail = b""
-    if g.spec_details and e.config.mode == "eagle":
-        tail += s.spec_details(spec_tokens_details(req, e.config.speculative_num_steps))
-    if g.include_usage:
-        tail += s.usage(req.generated)
-    await resp.write(tail + b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
-
-
-def _peek_finish(req: EngineRequest) -> FinishReason | None:
-    """Completions carry the finish reason on the last content chunk: take it if queued."""
-    if req.events.empty():
-        return None
-    ev = req.events.get_nowait()
-    if isinstance(ev, Finished):
-        return ev.reason
-    raise AssertionError("a token event cannot follow another without a step in between")
-
-
-async def _complete(e: Emulator, g: GenRequest, req: EngineRequest, request: web.Request) -> web.Response:
-    chunks = 0
-    while True:
-        ev = await req.events.get()
-        if isinstance(ev, Finished):
-            reason = ev.reason
-            break
-        chunks += 1
-        die = e.faults.die_after_chunks
-        if die is not None and chunks >= die:
-            _drop_connection(request)
-            raise _Dropped
-    text = _text(0, req.generated)
-    matched = e.config.eos_token_id if reason == "stop" else None
-    if g.kind == "chat":
-        message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
-        choice: dict[str, Any] = {"index": 0, "message": message}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text}
-        obj = "text_completion"
-    choice.update(logprobs=None, finish_reason=reason, matched_stop=matched)
-    usage = _usage(g, req.generated)
-    usage.setdefault("prompt_tokens_details", None)
-    body = {
-        "id": req.rid,
-        "object": obj,
-        "created": int(time.time()),
-        "model": g.model,
-        "choices": [choice],
-        "usage": usage,
-        "metadata": {"weight_version": "default"},
-    }
-    if g.spec_details and e.config.mode == "eagle":
-        body["sglext"] = {"spec_tokens_details": spec_tokens_details(req, e.config.speculative_num_steps)}
-    return web.Response(text=_dumps(body), content_type="application/json")
 
 
 def _spec_section(e: Emulator) -> dict[str, float] | None:

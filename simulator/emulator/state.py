@@ -3,6 +3,7 @@ output-length plan of each request."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import time
@@ -10,7 +11,7 @@ import uuid
 
 from aiohttp import web
 
-from simulator.emulator.batching import BatchEngine, EngineRequest
+from simulator.emulator.batching import BatchEngine, EngineRequest, Event
 from simulator.emulator.config import EmulatorConfig
 from simulator.emulator.metrics import EmulatorMetrics
 
@@ -72,8 +73,18 @@ class Emulator:
         return max(1, round(self.rng.lognormvariate(mu, math.sqrt(sigma2))))
 
     def new_request(
-        self, rid: str | None, prompt_tokens: int, max_tokens: int | None, ignore_eos: bool, hint: str | None
+        self,
+        rid: str | None,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        ignore_eos: bool,
+        hint: str | None,
+        *,
+        events: asyncio.Queue[Event] | None = None,
+        index: int = 0,
     ) -> EngineRequest:
+        """An engine request with its output length drawn; the samples of one HTTP request pass
+        the same `events` queue and their own `index`."""
         n, reason = self.plan_output(max_tokens, ignore_eos, prompt_tokens)
         accept = self.config.effective_accept_length or 1.0
         if hint is not None:
@@ -84,6 +95,8 @@ class Emulator:
             output_tokens=n,
             finish_reason="stop" if reason == "stop" else "length",
             accept_mean=accept,
+            events=events if events is not None else asyncio.Queue(),
+            index=index,
         )
 
 
