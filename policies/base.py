@@ -21,7 +21,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 Pool = Literal["baseline", "eagle"]
 POOLS: tuple[Pool, Pool] = ("baseline", "eagle")
-EndpointKind = Literal["chat", "completions"]
+EndpointKind = Literal["chat", "completions", "generate"]
+"""The OpenAI routes, and SGLang's native `/generate`."""
 
 
 def other_pool(pool: Pool) -> Pool:

@@ -29,6 +29,7 @@ from controller.proxy.decision_record import open_decision_log
 from controller.proxy.errors import NoBackendAvailable, error_middleware, http_log
 from controller.proxy.forward import Forwarder, Observer
 from controller.proxy.health import HealthChecker
+from controller.proxy.info import model_info, server_info
 from controller.proxy.load import LoadTracker
 from controller.proxy.metrics import Metrics
 from controller.proxy.scrape import ScrapeLoop
@@ -144,8 +145,17 @@ def create_app(
     async def completions(request: web.Request) -> web.StreamResponse:
         return await fwd.handle(request, "completions", "/v1/completions")
 
+    async def generate(request: web.Request) -> web.StreamResponse:
+        return await fwd.handle(request, "generate", "/generate")
+
     async def models(request: web.Request) -> web.StreamResponse:
         return await list_models(fwd, request)
+
+    async def model_info_route(request: web.Request) -> web.StreamResponse:
+        return await model_info(fwd, request)
+
+    async def server_info_route(request: web.Request) -> web.StreamResponse:
+        return await server_info(fwd, request)
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -162,7 +172,13 @@ def create_app(
 
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/generate", generate)
+    app.router.add_put("/generate", generate)  # SGLang accepts both
     app.router.add_get("/v1/models", models)
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, model_info_route)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, server_info_route)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_route)

@@ -6,7 +6,7 @@ writer thread. Fields (stable; `simulator/traces.py` replays `ts`, `prompt_token
 `max_tokens`, `completion_tokens` and `hint` as a `specroute-log` trace):
 
     ts                 arrival, unix seconds
-    endpoint, stream   "chat"|"completions", the request's stream flag
+    endpoint, stream   "chat"|"completions"|"generate", the request's stream flag
     prompt_tokens      the proxy's estimate (characters / 4)
     max_tokens, hint   as the client sent them (hint: x-specroute-hint, validated)
     forced_pool        x-specroute-mode when honoured, else null

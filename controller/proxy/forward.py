@@ -15,6 +15,9 @@ How it works:
    reservation, feed `Outcome` to the policy that chose the request (and to the shadow
    policies, which were asked right after the live decision with the same inputs), count
    metrics, notify observers (decision log).
+
+SGLang's native `/generate` takes the same path; what differs in its body, its token count and
+its queue-full answer is read by `controller.proxy.native`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ from controller.proxy.errors import (
 )
 from controller.proxy.load import BackendState, LoadTracker, Reservation
 from controller.proxy.metrics import Metrics
+from controller.proxy.native import (
+    check_generate_body,
+    failed_first_output,
+    generate_completion_tokens,
+    generate_max_tokens,
+    generate_prompt_chars,
+)
 from controller.proxy.shadow import ShadowChoice, ShadowPolicies
 from policies.base import (
     Decision,
@@ -116,7 +126,9 @@ def parse_body(raw: bytes, endpoint: EndpointKind) -> dict[str, Any]:
         raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    if endpoint == "chat":
+    if endpoint == "generate":
+        check_generate_body(body)
+    elif endpoint == "chat":
         if not isinstance(body.get("messages"), list):
             raise BadRequest("'messages' is required and must be a list")
     elif "prompt" not in body:
@@ -155,7 +167,9 @@ def _text_len(value: Any) -> int:
 
 def estimate_prompt_tokens(body: Mapping[str, Any], endpoint: EndpointKind) -> int:
     """Cheap estimate: characters / 4."""
-    if endpoint == "chat":
+    if endpoint == "generate":
+        chars = generate_prompt_chars(body)
+    elif endpoint == "chat":
         chars = sum(_text_len(m.get("content")) for m in body["messages"] if isinstance(m, dict))
     else:
         chars = _text_len(body.get("prompt"))
@@ -165,7 +179,10 @@ def estimate_prompt_tokens(body: Mapping[str, Any], endpoint: EndpointKind) -> i
 def request_info(
     body: Mapping[str, Any], endpoint: EndpointKind, headers: Mapping[str, str], allow_override: bool
 ) -> RequestInfo:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if endpoint == "generate":
+        max_tokens = generate_max_tokens(body)
+    else:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         max_tokens = None
     forced: Pool | None = None
@@ -216,7 +233,7 @@ def _first_event_is_error(head: bytes) -> bool:
     end = head.find(b"\n\n")
     first = head if end < 0 else head[:end]
     if b'"error"' not in first:
-        return False
+        return failed_first_output(first)  # `/generate`: queue full is an abort output
     line = first.strip()
     if not line.startswith(b"data:"):
         return False
@@ -280,7 +297,9 @@ def drop_usage_events(data: bytes) -> bytes:
     return data
 
 
-def completion_tokens(data: bytes) -> int | None:
+def completion_tokens(data: bytes, endpoint: EndpointKind = "chat") -> int | None:
+    if endpoint == "generate":
+        return generate_completion_tokens(data)
     found = _USAGE_RE.findall(data)
     return int(found[-1]) if found else None
 
@@ -533,7 +552,7 @@ class _Run:
         self.raw = raw
         self.strip_usage = False
         """specroute asked for the usage chunk on the client's behalf: it is not relayed."""
-        asked = ask_for_usage(raw, body)
+        asked = ask_for_usage(raw, body) if info.endpoint != "generate" else None  # meta_info counts
         if asked is not None:
             self.raw, self.body = asked
             self.strip_usage = True
@@ -606,7 +625,7 @@ class _Run:
         self.http_status = resp.status
         self.status = "ok" if resp.status < 400 else "error"
         if resp.status == 200:
-            self.tokens = completion_tokens(up.head)
+            self.tokens = completion_tokens(up.head, self.info.endpoint)
         return web.Response(status=resp.status, body=up.head, headers=response_headers(resp, self.decision))
 
     async def _relay(self, up: Upstream) -> web.StreamResponse:
@@ -666,7 +685,7 @@ class _Run:
                 return sr
             clean = True
             self.status = "ok" if resp.status < 400 and not up.retryable else "error"
-            self.tokens = completion_tokens(b"".join(tail))
+            self.tokens = completion_tokens(b"".join(tail), self.info.endpoint)
             last_piece = pending + chunk
             await sr.write_eof(drop_usage_events(last_piece) if self.strip_usage else last_piece)
             return sr
