@@ -107,6 +107,7 @@ async def test_metrics_under_traffic_pass_promtool_and_parse(fake_backend, proxy
     p = await proxy(
         baseline=[base.url], eagle=[eagle.url], policy="cost_model", profile=PROFILE, scrape_interval_s=0.05,
         shadow_policies=[{"name": "threshold", "params": {"threshold": 1}}], health_check_interval_s=60,
+        allow_client_override=True,
     )  # fmt: skip
     assert await wait_until(lambda: all(b.sample_time is not None for b in p.tracker))
     client = p.client()
@@ -293,7 +294,7 @@ async def test_decision_log_fields_no_text_and_simulator_replay(fake_backend, pr
             {"name": "fixed", "params": {"pool": "eagle"}, "label": "always-eagle"},
             {"name": "online", "params": {"epsilon": 0.0}},
         ],
-        health_check_interval_s=60,
+        health_check_interval_s=60, allow_client_override=True,
     )  # fmt: skip
     client = p.client()
     for i in range(8):

@@ -26,7 +26,7 @@ from helpers import assert_openai_error
 )
 async def test_bad_requests(fake_backend, proxy, path, data, headers, status, code):
     fb = await fake_backend()
-    p = await proxy(baseline=[fb.url], policy="fixed", body_limit_bytes=1024)
+    p = await proxy(baseline=[fb.url], policy="fixed", body_limit_bytes=1024, allow_client_override=True)
     async with (
         aiohttp.ClientSession() as s,
         s.post(p.url + path, data=data, headers={"Content-Type": "application/json", **headers}) as r,

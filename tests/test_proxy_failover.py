@@ -190,7 +190,13 @@ async def test_forced_pool_is_kept_on_failover(fake_backend, proxy):
     base = await fake_backend()
     eagle = await fake_backend()
     eagle.mode = "error500"
-    p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="fixed", health_checks=False)
+    p = await proxy(
+        baseline=[base.url],
+        eagle=[eagle.url],
+        policy="fixed",
+        health_checks=False,
+        allow_client_override=True,
+    )
     async with (
         aiohttp.ClientSession() as s,
         s.post(p.url + "/v1/chat/completions", json=BODY, headers={"x-specroute-mode": "eagle"}) as r,

@@ -145,7 +145,13 @@ async def test_async_client_non_streaming_completions(fake_backend, proxy):
 async def test_headers_name_pool_and_client_override(fake_backend, proxy):
     base = await fake_backend()
     eagle = await fake_backend()
-    p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="fixed", policy_params={"pool": "eagle"})
+    p = await proxy(
+        baseline=[base.url],
+        eagle=[eagle.url],
+        policy="fixed",
+        policy_params={"pool": "eagle"},
+        allow_client_override=True,
+    )
     client = openai.AsyncOpenAI(base_url=p.base_url, api_key="k")
     r = await client.chat.completions.with_raw_response.create(model="m", messages=CHAT)
     assert (r.headers["x-specroute-pool"], r.headers["x-specroute-reason"]) == ("eagle", "fixed_eagle")
@@ -168,10 +174,11 @@ async def test_headers_name_pool_and_client_override(fake_backend, proxy):
     )
 
 
-async def test_client_override_disabled_by_config(fake_backend, proxy):
+async def test_client_override_is_off_by_default(fake_backend, proxy):
     base = await fake_backend()
     eagle = await fake_backend()
-    p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="fixed", allow_client_override=False)
+    p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="fixed")
+    assert p.settings.allow_client_override is False
     async with (
         aiohttp.ClientSession() as s,
         s.post(
@@ -209,6 +216,7 @@ async def test_model_rewrite_and_api_key_per_pool(fake_backend, proxy):
         policy_params={"pool": "eagle"},
         eagle_model="served-eagle",
         eagle_api_key="secret-eagle",
+        allow_client_override=True,
     )
     client = openai.AsyncOpenAI(base_url=p.base_url, api_key="client-key")
     out = await client.chat.completions.create(model="m", messages=CHAT, extra_body={"ignore_eos": True})

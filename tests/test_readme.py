@@ -12,8 +12,10 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+import yaml
 from helpers import free_port, listening_url
 
 from controller.cli import build_parser
@@ -99,11 +101,25 @@ def test_offline_examples_run(line: str) -> None:
     assert proc.stdout.strip()
 
 
+def test_emulator_ports_agree_with_the_example_config() -> None:
+    """The README's emulators listen where deploy/specroute.yaml (and the systemd units) expect
+    the two SGLang servers, so `serve --config deploy/specroute.yaml` finds them."""
+    block = next(b for b in _blocks("bash") if "specroute emulate" in b and "127.0.0.1" in b)
+    parser = build_parser()
+    args = [parser.parse_args(shlex.split(c.removesuffix("&").strip())[1:]) for c in _commands(block)]
+    emulated = {a.mode: a.port for a in args if a.func.__module__.endswith("emulate")}
+    serve = next(a for a in args if a.func.__module__.endswith("serve"))
+    config = yaml.safe_load((ROOT / "deploy" / "specroute.yaml").read_text(encoding="utf-8"))
+    for pool in ("baseline", "eagle"):
+        expected = [urlsplit(u).port for u in config[pool]]
+        assert expected == [emulated[pool]] == [urlsplit(u).port for u in getattr(serve, pool)], pool
+
+
 @pytest.fixture
 def readme_stack() -> Iterator[int]:
     """Run the README's emulate/serve block with free ports; yield the proxy port."""
     block = next(b for b in _blocks("bash") if "specroute emulate" in b and "127.0.0.1" in b)
-    ports = {"30001": str(free_port()), "30002": str(free_port()), "8000": str(free_port())}
+    ports = {"30000": str(free_port()), "30001": str(free_port()), "8000": str(free_port())}
     procs: list[subprocess.Popen[str]] = []
     try:
         for cmd in _commands(block):

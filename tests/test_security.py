@@ -157,7 +157,7 @@ async def test_authorization_forwarded_unchanged_or_replaced_per_pool(fake_backe
     eagle = await fake_backend(chunks=2)
     async with aiohttp.ClientSession() as s:
         # default: the client's header goes through byte for byte, on both endpoints and pools
-        p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="fixed")
+        p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="fixed", allow_client_override=True)
         odd = "Bearer  Mixed.Case-key/with=chars "
         for pool, path, payload in (
             ("baseline", "/v1/chat/completions", {"messages": CHAT}),

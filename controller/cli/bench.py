@@ -95,7 +95,8 @@ def configure_bench(b: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME:VALUE",
-        help="extra request header, e.g. x-specroute-mode:eagle (repeatable)",
+        help="extra request header, e.g. x-specroute-mode:eagle (repeatable; specroute honours "
+        "that one only with allow_client_override on)",
     )
     b.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     b.add_argument("--out", metavar="FILE", help="write raw results and summaries (JSON)")

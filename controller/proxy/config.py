@@ -91,7 +91,9 @@ class Settings(BaseModel):
     profile: str | None = Field(default=None, description="Speed profile: a JSON path or a built-in name.")
     seed: int = Field(default=0, description="Seed of the random tie-breaks (policy and proxy).")
     allow_client_override: bool = Field(
-        default=True, description="Honour the x-specroute-mode request header (force a pool)."
+        default=False,
+        description="Honour the x-specroute-mode request header (force a pool); off by default, so "
+        "clients cannot bypass the policy unless the operator allows it.",
     )
     body_limit_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest request body.")
     header_timeout_s: float = Field(
