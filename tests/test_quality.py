@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +16,23 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-def test_ruff_clean() -> None:
-    if shutil.which("ruff") is None:
+FOLDERS = ["controller", "policies", "simulator", "tests", "benchmarks"]
+
+
+def _ruff(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m ruff ...` of this interpreter (no reliance on a `ruff` on the PATH)."""
+    if importlib.util.find_spec("ruff") is None:
         pytest.fail("ruff is not installed (pip install -e '.[dev]')")
-    proc = _run(["ruff", "check", "controller", "policies", "simulator", "tests", "benchmarks"])
+    return _run([sys.executable, "-m", "ruff", *args])
+
+
+def test_ruff_clean() -> None:
+    proc = _ruff("check", *FOLDERS)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ruff_format_clean() -> None:
+    proc = _ruff("format", "--check", *FOLDERS)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
