@@ -185,7 +185,7 @@ class BenchRunner:
         results: list[RequestResult] = []
         bar = tqdm(
             total=n_target,
-            desc=f"concurrency {level}",
+            desc=f"{c.label}: concurrency {level}" if c.label else f"concurrency {level}",
             file=sys.stderr,
             leave=False,
             disable=not self.progress,

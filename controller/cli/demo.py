@@ -1,13 +1,19 @@
 """`specroute demo`: the whole loop on one machine, no GPU and no arguments needed.
 
-How it works: starts an emulated plain SGLang server and an emulated EAGLE-3 server
-(`specroute emulate`, from the kimi profile) and the proxy (`specroute serve` with the
-`cost_model` policy) as child processes, then drives a closed-loop concurrency sweep three
-ways: straight to the plain server, straight to the EAGLE-3 server, and through specroute.
-It prints one table (per concurrency: per-request decode tok/s and total tok/s of each way,
-and how often specroute chose each pool) and writes the same as a PNG when matplotlib is
-installed. Children are stopped on exit, on error and on Ctrl-C (and die with the demo on
-Linux even if it is killed).
+How it works: starts two emulated plain SGLang servers and an emulated EAGLE-3 server
+(`specroute emulate`, from the kimi profile), specroute (`specroute serve` with the
+`cost_model` policy) over one plain and the EAGLE-3 server, and a second specroute that sends
+everything to the two plain servers, least loaded first, as child processes. Then it drives a
+closed-loop concurrency sweep four ways, one after the other: straight to one plain server,
+straight to the EAGLE-3 server, through specroute (plain + EAGLE-3), and through the
+least-loaded router over two plain servers ("2x baseline": the same hardware as specroute,
+without speculation; the comparison an operator faces). It prints one table, a row per
+concurrency: per-request decode tok/s of each way with its 95% interval, total tok/s of the two
+two-server ways, specroute against 2x baseline as `specroute compare` judges it (faster,
+slower, not distinguishable), and how often specroute chose the EAGLE-3 server; while a level
+runs, a progress line on stderr (a terminal). It writes the same as a PNG when matplotlib is
+installed. Children are stopped on exit, on error and on Ctrl-C (and die with the demo on Linux
+even if it is killed).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from controller.bench.compare import METRICS
 from controller.bench.result import LevelSummary
 from controller.bench.runner import run_sweep
 from controller.cli.args import CommandError, bounded, positive_float, positive_int, run_async
@@ -35,11 +42,15 @@ from policies.base import POOLS, Pool
 from policies.profile import ProfileError, resolve_profile
 from policies.registry import default_registry
 from policies.spec import PolicyError
+from policies.stats import verdict
 
 DEFAULT_PROFILE = "kimi-k25-int4-8gpu"
 DEFAULT_LEVELS = (1, 2, 5, 10, 30, 70)
 QUICK_LEVELS = (1, 10)
-WAYS = ("baseline", "eagle", "specroute")
+WAYS = ("baseline", "eagle", "specroute", "2x baseline")
+PAIR = ("specroute", "2x baseline")
+"""The two ways on the same hardware (two servers each): the comparison that decides."""
+DECODE = next(m for m in METRICS if m.title == "decode tok/s")
 NO_MATPLOTLIB = "matplotlib is not installed (pip install 'specroute[plot]'): no plot written"
 
 
@@ -153,44 +164,62 @@ def _requests_for(c: int, quick: bool) -> int:
     return max(4 if quick else 8, c)
 
 
+async def _start_servers(kids: Children, args: argparse.Namespace) -> dict[str, str]:
+    """Start the emulators and the two routers; the URL of each way."""
+    common = ["--profile", args.profile, "--port", "0", "--time-scale", str(args.time_scale)]
+    base, base2, eagle = await asyncio.gather(
+        kids.start("baseline emulator", ["emulate", "--mode", "baseline", *common], "listening"),
+        kids.start("baseline emulator 2", ["emulate", "--mode", "baseline", *common], "listening"),
+        kids.start("eagle emulator", ["emulate", "--mode", "eagle", *common], "listening"),
+    )
+    fast = ["--port", "0", "--health-check-interval-s", "0.5", "--scrape-interval-s", "0.5"]
+    specroute = ["serve", "--baseline", base, "--eagle", eagle, "--policy", args.policy]
+    two_plain = [
+        "serve",
+        "--baseline",
+        f"{base},{base2}",
+        "--policy",
+        "fixed",
+        "--policy-param",
+        "pool=baseline",
+    ]
+    proxy, pair = await asyncio.gather(
+        kids.start("specroute", [*specroute, "--profile", args.profile, *fast], "listening"),
+        kids.start("2x baseline router", [*two_plain, *fast], "listening"),
+    )
+    await asyncio.gather(_wait_ready(proxy), _wait_ready(pair))
+    print(f"emulated SGLang servers (time scale {args.time_scale}):", flush=True)
+    print(f"  plain {base} and {base2}, EAGLE-3 {eagle}", flush=True)
+    print(f"2x baseline: {pair} (both plain servers, least loaded first)", flush=True)
+    print(f"specroute ({args.policy}) on {proxy} (one plain and the EAGLE-3 server)", flush=True)
+    return {"baseline": base, "eagle": eagle, "specroute": proxy, "2x baseline": pair}
+
+
 async def run_demo(args: argparse.Namespace) -> list[Row]:
-    profile_name = args.profile
-    resolve_profile(profile_name)  # a bad name fails here, before anything starts
+    resolve_profile(args.profile)  # a bad name fails here, before anything starts
     scale = args.time_scale
     levels: tuple[int, ...] = (
         tuple(args.levels) if args.levels else QUICK_LEVELS if args.quick else DEFAULT_LEVELS
     )
     max_tokens = args.max_tokens or (32 if args.quick else 64)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
     with tempfile.TemporaryDirectory(prefix="specroute-demo-") as tmp:
         kids = Children(Path(tmp))
         try:
-            common = ["--profile", profile_name, "--port", "0", "--time-scale", str(scale)]
-            base = await kids.start(
-                "baseline emulator", ["emulate", "--mode", "baseline", *common], "listening"
-            )
-            eagle = await kids.start("eagle emulator", ["emulate", "--mode", "eagle", *common], "listening")
-            print(f"emulated SGLang: plain on {base}, EAGLE-3 on {eagle} (time scale {scale})", flush=True)
-            proxy = await kids.start(
-                "specroute",
-                ["serve", "--baseline", base, "--eagle", eagle, "--port", "0", "--policy", args.policy,
-                 "--profile", profile_name, "--health-check-interval-s", "0.5", "--scrape-interval-s", "0.5"],
-                "listening",
-            )  # fmt: skip
-            await _wait_ready(proxy)
-            print(f"specroute ({args.policy}) on {proxy}", flush=True)
+            urls = await _start_servers(kids, args)
             print(header(scale), flush=True)
             rows: list[Row] = []
             for c in levels:
                 row = Row(c)
-                for way, url in zip(WAYS, (base, eagle, proxy), strict=True):
-                    before = await _decisions(proxy) if way == "specroute" else None
+                for way in WAYS:
+                    before = await _decisions(urls[way]) if way == "specroute" else None
                     result = await run_sweep(
-                        url, levels=(c,), requests_per_level=_requests_for(c, args.quick), warmup=0,
-                        max_tokens=max_tokens, ignore_eos=True, label=way, timeout_s=300,
+                        urls[way], levels=(c,), requests_per_level=_requests_for(c, args.quick), warmup=0,
+                        max_tokens=max_tokens, ignore_eos=True, label=way, timeout_s=300, progress=progress,
                     )  # fmt: skip
                     row.summaries[way] = result.levels[0].summary
                     if before is not None:
-                        after = await _decisions(proxy)
+                        after = await _decisions(urls[way])
                         row.chosen = {p: round(after[p] - before[p]) for p in POOLS}
                 rows.append(row)
                 print(format_row(row, scale), flush=True)
@@ -209,27 +238,63 @@ def _fmt_est(s: LevelSummary | None, attr: str, scale: float, ci: bool) -> str:
     mean = est.mean * scale  # wall tok/s x time_scale = profile tok/s
     if ci and est.half_width is not None:
         return f"{mean:.1f}±{est.half_width * scale:.1f}"
-    return f"{mean:.1f}"
+    return f"{mean:.0f}"
+
+
+_DECODE_W, _TOTAL_W, _VERDICT_W = 12, 8, 19
 
 
 def header(scale: float) -> str:
-    note = "" if scale == 1.0 else f"  (emulators at --time-scale {scale}; rates rescaled to profile time)"
-    top = f"{'':>10} | {'per-request decode tok/s (mean±95% CI)':^41} | {'total tok/s':^26} | "
-    top += f"specroute chose{note}"
-    cols = f"{'conc':>5}{'n':>5} | " + "".join(f"{w:>13} " for w in WAYS) + "| "
-    cols += "".join(f"{w:>8} " for w in ("base", "eagle", "sproute")) + "| baseline  eagle"
-    return top + "\n" + cols
+    """Column titles (at most 100 columns wide)."""
+    lines = []
+    if scale != 1.0:
+        lines.append(f"emulators at --time-scale {scale}: tok/s below are rescaled to profile time")
+    lines.append(
+        " " * 8
+        + f"{'per-request decode tok/s (mean ±95% CI)':^{4 * _DECODE_W}} "
+        + f"{'total tok/s':^{2 * _TOTAL_W}} "
+        + f"{'specroute vs':<{_VERDICT_W}} chose"
+    )
+    lines.append(
+        f"{'conc':>4}{'n':>4}"
+        + "".join(f"{w:>{_DECODE_W}}" for w in WAYS)
+        + " "
+        + "".join(f"{w:>{_TOTAL_W}}" for w in ("sproute", "2x base"))
+        + " "
+        + f"{'2x baseline':<{_VERDICT_W}} eagle"
+    )
+    return "\n".join(lines)
+
+
+def specroute_verdict(row: Row) -> str:
+    """specroute against 2x baseline on per-request decode tok/s, as `specroute compare` judges."""
+    base, other = (row.summaries.get(w) for w in ("2x baseline", "specroute"))
+    if base is None or other is None:
+        return "-"
+    return verdict(DECODE.get(base), DECODE.get(other), DECODE.higher_is_better)
 
 
 def format_row(row: Row, scale: float) -> str:
     n = min((s.ok for s in row.summaries.values()), default=0)
-    out = f"{row.concurrency:>5}{n:>5} | "
-    out += "".join(f"{_fmt_est(row.summaries.get(w), 'decode_tok_s', scale, True):>13} " for w in WAYS)
-    out += "| " + "".join(f"{_fmt_est(row.summaries.get(w), 'total_tok_s', scale, False):>8} " for w in WAYS)
+    out = f"{row.concurrency:>4}{n:>4}"
+    out += "".join(
+        f"{_fmt_est(row.summaries.get(w), 'decode_tok_s', scale, True):>{_DECODE_W}}" for w in WAYS
+    )
+    out += " " + "".join(
+        f"{_fmt_est(row.summaries.get(w), 'total_tok_s', scale, False):>{_TOTAL_W}}" for w in PAIR
+    )
+    out += f" {specroute_verdict(row):<{_VERDICT_W}}"
     total = sum(row.chosen.values())
     if total:
-        out += "| " + "  ".join(f"{100 * row.chosen.get(p, 0) / total:>6.0f}%" for p in POOLS)
-    return out
+        out += f" {100 * row.chosen.get('eagle', 0) / total:>4.0f}%"
+    return out.rstrip()
+
+
+def plot_title(args: argparse.Namespace) -> str:
+    return (
+        f"specroute demo on emulated SGLang servers ({resolve_profile(args.profile).name}; "
+        f"policy {args.policy}; emulator time scale {args.time_scale})"
+    )
 
 
 def write_plot(rows: list[Row], scale: float, path: Path, title: str) -> str:
@@ -241,30 +306,41 @@ def write_plot(rows: list[Row], scale: float, path: Path, title: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return NO_MATPLOTLIB
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    xs = [r.concurrency for r in rows]
-    for ax, attr, label in zip(
-        axes, ("decode_tok_s", "total_tok_s"), ("per-request decode tok/s", "total tok/s"), strict=True
-    ):
-        for way in WAYS:
-            ys = []
-            for r in rows:
-                est = getattr(r.summaries.get(way), attr, None)
-                ys.append(est.mean * scale if est is not None else float("nan"))
-            ax.plot(xs, ys, marker="o", label=way)
-        ax.set_xscale("log")
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(label)
-        ax.grid(True, alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig = plot_figure(rows, scale, title)
     try:
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)
     return f"plot written to {path.resolve()}"
+
+
+def plot_figure(rows: list[Row], scale: float, title: str) -> Any:
+    """The figure: per-request decode and total tok/s of every way, with 95% intervals."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    xs = [r.concurrency for r in rows]
+    for ax, attr, label in zip(
+        axes, ("decode_tok_s", "total_tok_s"), ("per-request decode tok/s", "total tok/s"), strict=True
+    ):
+        for way in WAYS:
+            ys, errs = [], []
+            for r in rows:
+                est = getattr(r.summaries.get(way), attr, None)
+                ys.append(est.mean * scale if est is not None else float("nan"))
+                half = est.half_width if est is not None else None
+                errs.append(half * scale if half is not None else 0.0)
+            style = "--" if way == "2x baseline" else "-"
+            ax.errorbar(xs, ys, yerr=errs, marker="o", linestyle=style, capsize=3, label=way)
+        ax.set_xscale("log")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label + " (95% CI)")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def configure_demo(p: argparse.ArgumentParser) -> None:
@@ -290,6 +366,12 @@ def configure_demo(p: argparse.ArgumentParser) -> None:
         help="emulator time scale: wall seconds per profile second (default: 0.5, twice as fast)",
     )
     p.add_argument("--plot", default="specroute-demo.png", help="PNG to write (default: specroute-demo.png)")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress line on stderr while a level runs (default: when stderr is a terminal)",
+    )
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     p.set_defaults(func=run)
 
@@ -345,9 +427,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"specroute demo: error: {e}", file=sys.stderr)
         return 1
     took = time.monotonic() - t0
-    print(f"done in {took:.0f} s; n = measured requests per way and level; decode ± is a 95% t-interval")
+    print(f"done in {took:.0f} s; n = measured requests per way and level; ± is a 95% t-interval;")
+    print("specroute vs 2x baseline: per-request decode tok/s as `specroute compare` judges it")
+    print("(not distinguishable: the intervals overlap); chose eagle: specroute's share of requests")
     if not args.no_plot and rows:
-        title = f"specroute demo ({resolve_profile(args.profile).name}; policy {args.policy})"
+        title = plot_title(args)
         try:
             print(write_plot(rows, args.time_scale, Path(args.plot), title))
         except OSError as e:
