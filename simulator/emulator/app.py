@@ -27,7 +27,8 @@ from aiohttp import web
 
 from simulator.emulator.batching import BatchEngine, Finished, QueueFull, Tokens
 from simulator.emulator.config import EmulatorConfig, FaultConfig
-from simulator.emulator.http import SGLANG_VERSION, add_routes
+from simulator.emulator.http import add_routes
+from simulator.emulator.info import SGLANG_VERSION
 from simulator.emulator.state import EMULATOR_KEY, Emulator
 
 

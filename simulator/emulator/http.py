@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -31,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from simulator.emulator import shapes
 from simulator.emulator.batching import Event, FinishReason, QueueFull, Tokens
+from simulator.emulator.info import loads_body, server_info_body
 from simulator.emulator.requests import (
     BadRequest,
     ContractError,
@@ -50,7 +49,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _HINT_HEADER = "x-specroute-hint"
 _UNAUTHENTICATED = ("/health", "/ready", "/metrics")
-SGLANG_VERSION = "0.5.23"
 
 
 def error_response(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
@@ -214,6 +212,22 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
             return error_response(400, f"duplicate request id {g.rid!r}")
         return None
 
+    async def admit(
+        request: web.Request,
+        e: Emulator,
+        g: GenRequest,
+        queue_full: Callable[[], Awaitable[web.StreamResponse]],
+    ) -> list[Sample] | web.StreamResponse:
+        """The fault knobs, then one engine request per sample; an answer instead when a fault
+        fires or the waiting queue is full (`queue_full` builds that answer)."""
+        refused = await faults(e, g)
+        if refused is not None:
+            return refused
+        try:
+            return _submit(e, g, request.headers.get(_HINT_HEADER))
+        except QueueFull:
+            return await queue_full()
+
     async def run(
         request: web.Request,
         e: Emulator,
@@ -242,16 +256,17 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
         too_long = context_error(g, e.config.max_model_len)
         if too_long is not None:
             return error_response(400, too_long)
-        refused = await faults(e, g)
-        if refused is not None:
-            return refused
-        try:
-            samples = _submit(e, g, request.headers.get(_HINT_HEADER))
-        except QueueFull:
+
+        async def queue_full() -> web.StreamResponse:
             if not g.stream:
                 return error_response(503, "The request queue is full.", "SERVICE_UNAVAILABLE")
             return await _event_stream(request, shapes.queue_full_event(), shapes.DONE)
+
+        samples = await admit(request, e, g, queue_full)
+        if not isinstance(samples, list):
+            return samples
         eos = e.config.eos_token_id
+        details = g.spec_details and e.config.mode == "eagle"
 
         async def streamed() -> web.StreamResponse:
             events = shapes.OpenAIEvents(g, eos)
@@ -262,15 +277,13 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
                 return b"".join(events.update(u) for u in updates)
 
             resp = await _stream(request, e, samples, write)
-            spec = _spec(e, samples) if g.spec_details and e.config.mode == "eagle" else None
-            await resp.write(events.tail(finished, samples, spec))
+            await resp.write(events.tail(finished, samples, _spec(e, samples) if details else None))
             await resp.write_eof()
             return resp
 
         async def whole() -> web.StreamResponse:
             await _read_all(e, request, samples)
-            spec = _spec(e, samples) if g.spec_details and e.config.mode == "eagle" else None
-            body = shapes.openai_response(g, samples, eos, spec)
+            body = shapes.openai_response(g, samples, eos, _spec(e, samples) if details else None)
             return web.Response(text=shapes.dumps(body), content_type="application/json")
 
         return await run(request, e, samples, streamed if g.stream else whole)
@@ -305,16 +318,16 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
         too_long = context_error(g, e.config.max_model_len)
         if too_long is not None:
             return await refuse(too_long)
-        refused = await faults(e, g)
-        if refused is not None:
-            return refused
-        try:
-            samples = _submit(e, g, request.headers.get(_HINT_HEADER))
-        except QueueFull:
+
+        async def queue_full() -> web.StreamResponse:
             if not g.stream:
                 return error_response(503, "The request queue is full.", "503")
             event = shapes.native_queue_full_event(g.rid or uuid.uuid4().hex, g.prompt_of(0))
             return await _event_stream(request, event, shapes.DONE)
+
+        samples = await admit(request, e, g, queue_full)
+        if not isinstance(samples, list):
+            return samples
         eos = e.config.eos_token_id
         loop = asyncio.get_running_loop()
 
@@ -356,7 +369,7 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
         return web.Response(status=503 if emu(request).faults.unhealthy else 200)
 
     async def server_info(request: web.Request) -> web.Response:
-        return web.json_response(_server_info(emu(request), request))
+        return web.json_response(server_info_body(emu(request), request))
 
     async def model_info(request: web.Request) -> web.Response:
         c = emu(request).config
@@ -373,7 +386,7 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
         return web.json_response(info)
 
     async def loads(request: web.Request) -> web.Response:
-        return web.json_response(_loads(emu(request)))
+        return web.json_response(loads_body(emu(request)))
 
     async def abort(request: web.Request) -> web.Response:
         try:
@@ -409,82 +422,3 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
     app.router.add_get("/v1/loads", loads)
     app.router.add_post("/abort_request", abort)
     app.router.add_get("/metrics", metrics)
-
-
-def _spec_section(e: Emulator) -> dict[str, float] | None:
-    if e.config.mode != "eagle":
-        return None
-    st = e.engine.stats
-    return {"accept_length": st.spec_accept_length, "accept_rate": st.spec_accept_rate}
-
-
-def _loads(e: Emulator) -> dict[str, Any]:
-    engine = e.engine
-    cap = engine.max_running_requests
-    used = engine.used_tokens()
-    load: dict[str, Any] = {
-        "dp_rank": 0,
-        "timestamp": time.time(),
-        "num_running_reqs": engine.num_running,
-        "num_waiting_reqs": engine.num_queued,
-        "num_used_tokens": used,
-        "num_total_tokens": used,
-        "max_total_num_tokens": engine.max_total_num_tokens,
-        "token_usage": used / engine.max_total_num_tokens,
-        "gen_throughput": engine.stats.gen_throughput,
-        "cache_hit_rate": 0.0,
-        "utilization": engine.num_running / cap,
-        "max_running_requests": cap,
-        "queues": {"waiting": engine.num_queued, "grammar": 0, "paused": 0, "retracted": 0},
-    }
-    spec = _spec_section(e)
-    if spec is not None:
-        load["speculative"] = spec
-    return {
-        "timestamp": datetime.now(UTC).isoformat(),
-        "version": SGLANG_VERSION,
-        "accelerator": "specroute emulator",
-        "num_accelerators": 0,
-        "loads": [load],
-    }
-
-
-def _server_info(e: Emulator, request: web.Request) -> dict[str, Any]:
-    c = e.config
-    engine = e.engine
-    eagle = c.mode == "eagle"
-    steps = c.speculative_num_steps if eagle else None
-    state: dict[str, Any] = {
-        "effective_max_running_requests_per_dp": engine.max_running_requests,
-        "last_gen_throughput": engine.stats.gen_throughput,
-        "memory_usage": {"weight": 0.0, "kvcache": 0.0, "token_capacity": engine.max_total_num_tokens},
-    }
-    avg = engine.avg_accept_length()
-    if avg is not None:
-        state["avg_spec_accept_length"] = avg
-    host, _, port = (request.host or "").rpartition(":")
-    return {
-        "model_path": c.model,
-        "tokenizer_path": c.model,
-        "served_model_name": c.model,
-        "host": host or None,
-        "port": int(port) if port.isdigit() else None,
-        "context_length": c.max_model_len,
-        "max_running_requests": engine.max_running_requests,
-        "max_queued_requests": e.faults.max_queued_requests,
-        "speculative_algorithm": "EAGLE3" if eagle else None,
-        "speculative_num_steps": steps,
-        "speculative_eagle_topk": 1 if eagle else None,
-        "speculative_num_draft_tokens": steps + 1 if steps is not None else None,
-        "tp_size": 1,
-        "dp_size": 1,
-        "enable_metrics": True,
-        "internal_states": [state],
-        "version": SGLANG_VERSION,
-        "specroute_emulator": {
-            "mode": c.mode,
-            "profile": c.profile.name,
-            "time_scale": c.time_scale,
-            "accept_length": c.effective_accept_length,
-        },
-    }
