@@ -35,6 +35,10 @@ _NO_FLAG = (
 _METAVARS = {"profile": "FILE|NAME", "decision_log": "FILE"}
 
 
+ACCEPT_BACKLOG = 2048
+"""Listen backlog of the proxy's socket (see `_serve`)."""
+
+
 def _help_suffix(name: str, field: Any) -> str:
     return f" (env SPECROUTE_{name.upper()}; default {field.default!r})"
 
@@ -169,7 +173,10 @@ async def _serve(
     runner = make_runner(app, shutdown_timeout=settings.drain_timeout_s)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, settings.host, settings.port)
+        # aiohttp's default accept backlog (128) overflows when hundreds of clients connect at
+        # once on a busy host, and the kernel then resets connections: keep a deeper queue (the
+        # kernel caps it at net.core.somaxconn).
+        site = web.TCPSite(runner, settings.host, settings.port, backlog=ACCEPT_BACKLOG)
         await site.start()
         port = runner.addresses[0][1]
         host = settings.host if ":" not in settings.host else f"[{settings.host}]"

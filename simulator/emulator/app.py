@@ -84,7 +84,7 @@ class EmulatorServer:
             return
         sock = _bind(self.host, self.port)
         self.port = sock.getsockname()[1]
-        self._site = web.SockSite(self._runner, sock)
+        self._site = web.SockSite(self._runner, sock, backlog=2048)  # bursts of connections: see serve
         await self._site.start()
 
     async def stop_listening(self) -> None:
