@@ -336,10 +336,11 @@ async def test_content_encoding_is_decoded_once_or_rejected(fake_backend, proxy,
 
 async def test_client_that_stops_reading_releases_its_slot(fake_backend, proxy):
     """A client that sends a streaming request and then never reads: once the socket buffers are
-    full the proxy cannot deliver anything for idle_timeout_s, so it gives up the stream, closes
-    the upstream request (the backend sees the abort) and releases the slot; others are served."""
+    full the proxy cannot deliver anything for client_write_timeout_s, so it gives up the stream,
+    closes the upstream request (the backend sees the abort) and releases the slot; others are
+    served. (test_hostile_clients.py checks that its connection is closed too.)"""
     fb = await fake_backend(chunks=400_000)  # ~50 MB of events: far more than the socket buffers hold
-    p = await proxy(baseline=[fb.url], policy="fixed", idle_timeout_s=1.0, health_checks=False)
+    p = await proxy(baseline=[fb.url], policy="fixed", client_write_timeout_s=1.0, health_checks=False)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)

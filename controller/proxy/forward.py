@@ -730,9 +730,11 @@ class _Run:
                         if strip_usage:
                             chunk = drop_usage_events(chunk)
                         if chunk:
-                            dog.writing(loop.time())
+                            began = loop.time()
+                            dog.writing(began)
                             await sr.write(chunk)
-                        dog.reading(loop.time())
+                            now = loop.time()
+                            dog.reading(now, now - began)
                         chunk = await content.readany()
             except Stalled as e:
                 if e.side == "client":

@@ -37,9 +37,10 @@ class JsonBudget:
     and raises `PayloadTooLarge` once it exceeds `max_values` items or `max_containers` objects
     and arrays. It does not validate: `json.loads` does that afterwards."""
 
-    def __init__(self, max_values: int, max_containers: int) -> None:
+    def __init__(self, max_values: int, max_containers: int, *, slice_bytes: int = SLICE) -> None:
         self.max_values = max_values
         self.max_containers = max_containers
+        self.slice_bytes = slice_bytes
         self.values = 0
         self.containers = 0
         self.scanned = 0
@@ -53,8 +54,9 @@ class JsonBudget:
         if final and not self.scanned and len(text) <= min(self.max_values, self.max_containers):
             self.scanned = len(text)  # too short to exceed the budget
             return
-        while len(text) - self.scanned >= SLICE or (final and self.scanned < len(text)):
-            end = min(len(text), self.scanned + SLICE)
+        step = self.slice_bytes
+        while len(text) - self.scanned >= step or (final and self.scanned < len(text)):
+            end = min(len(text), self.scanned + step)
             self._scan(bytes(text[self.scanned : end]), last=final and end == len(text))
             self.scanned = end
 

@@ -9,6 +9,11 @@ that into `Stalled(side)`; not reached, it re-arms for that deadline or the next
 comes first. So a limit is enforced to the tick, time blocked on the client never counts as
 backend silence (and the other way round), and a stream costs one timer callback per tick
 instead of one timer per chunk.
+
+While a write to the client is blocked the relay does not read from the backend, its TCP window
+closes, and the backend's kernel probes it with exponential back-off: once the relay reads again,
+the next bytes can take about as long again to come. So the read that follows a write blocked
+for `b` seconds may wait `idle_s + b`: silence the client caused is not the backend's.
 """
 
 from __future__ import annotations
@@ -36,14 +41,16 @@ class RelayWatchdog:
         self.tick_s = min(idle_s, write_s)
         self.side: Side = "backend"
         self.since = 0.0
+        self.credit = 0.0
         self.expired: Side | None = None
         self._loop = asyncio.get_running_loop()
         self._task: asyncio.Task[object] | None = None
         self._handle: asyncio.TimerHandle | None = None
 
-    def reading(self, now: float) -> None:
-        """From `now` on the relay waits for the backend."""
-        self.side, self.since = "backend", now
+    def reading(self, now: float, credit: float = 0.0) -> None:
+        """From `now` on the relay waits for the backend, which gets `credit` seconds more than
+        `idle_s` (how long the write before this read was blocked)."""
+        self.side, self.since, self.credit = "backend", now, credit
 
     def writing(self, now: float) -> None:
         """From `now` on the relay waits for the client to take a write."""
@@ -57,7 +64,7 @@ class RelayWatchdog:
         return self
 
     def _limit(self) -> float:
-        return self.idle_s if self.side == "backend" else self.write_s
+        return self.idle_s + self.credit if self.side == "backend" else self.write_s
 
     def _fire(self) -> None:
         now = self._loop.time()
