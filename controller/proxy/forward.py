@@ -531,6 +531,7 @@ class Forwarder:
         # Same synchronous step as the decision: no await between choose() and reserve().
         run = _Run(self, request, info, body, raw, path, chosen, headers)
         run.reservation = self.tracker.reserve(chosen.backend, info.max_tokens or 0)
+        del body, raw  # `run` holds them until the answer is committed, then lets them go
         try:
             self.metrics.decision(policy.name, chosen.pool, chosen.reason)
             if self.shadows is not None:
@@ -612,6 +613,9 @@ class _Run:
     async def execute(self) -> web.StreamResponse:
         try:
             up = await self._connect()
+            # Committed: nothing is sent upstream again, so the body (a long prompt, twice: bytes
+            # and parsed) need not live as long as the stream.
+            self.raw, self.body = b"", {}
             self.first_byte_at = up.first_byte_at if up.streaming else None
             if not up.streaming:
                 return await self._whole(up)
