@@ -60,43 +60,23 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
 # --- child processes ----------------------------------------------------------------------
 
 
-def run_sink() -> None:
+def run_server(max_body_bytes: int) -> None:
+    """POST /v1/chat/completions reads the body (aiohttp answers 413 past `max_body_bytes`) and
+    answers a fixed completion; GET /health and /ready answer 200. Prints its URL, serves forever.
+    The sink behind specroute (a large limit) and the minimal reference server (1 MiB)."""
+
     async def answer(request: web.Request) -> web.Response:
         await request.read()
         return web.json_response(COMPLETION)
 
     async def ok(request: web.Request) -> web.Response:
-        return web.json_response({})
-
-    async def main() -> None:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", answer)
-        app.router.add_get("/ready", ok)
-        app.router.add_get("/health", ok)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        print(runner.addresses[0][1], flush=True)
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-
-
-def run_refuser() -> None:
-    """The reference: /health, and a POST route whose body read fails past 1 MiB (413)."""
-
-    async def post(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response(COMPLETION)
-
-    async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def main() -> None:
-        app = web.Application(client_max_size=1024 * 1024)
-        app.router.add_post("/v1/chat/completions", post)
-        app.router.add_get("/health", health)
+        app = web.Application(client_max_size=max_body_bytes)
+        app.router.add_post("/v1/chat/completions", answer)
+        app.router.add_get("/ready", ok)
+        app.router.add_get("/health", ok)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -198,13 +178,13 @@ def main() -> int:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "sink":
-        run_sink()
+        run_server(256 * 1024 * 1024)
         return 0
     if args.role == "probe":
         run_probe(args.url, args.pid, args.out)
         return 0
     if args.role == "refuser":
-        run_refuser()
+        run_server(1024 * 1024)
         return 0
     for kind in SCENARIOS[1:]:
         BODIES[kind] = body(kind, args.mb * 1024 * 1024)
@@ -229,10 +209,10 @@ def measure(args: argparse.Namespace) -> None:
     rss_before: dict[tuple[str, str], int] = {}
     pids = {}
     try:
-        _, port = spawn([*me, "--role", "sink"])
+        _, sink = spawn([*me, "--role", "sink"])
         serve, line = spawn(
             [sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--baseline",
-             f"http://127.0.0.1:{port}", "--policy", "fixed", "--log-level", "ERROR"]
+             sink.split("listening on ", 1)[1], "--policy", "fixed", "--log-level", "ERROR"]
         )  # fmt: skip
         refuser, line2 = spawn([*me, "--role", "refuser"])
         urls = {

@@ -14,34 +14,10 @@ import time
 import aiohttp
 import openai
 import pytest
-from helpers import assert_openai_error, wait_until
+from helpers import assert_openai_error, port_of, raw_exchange, raw_post, wait_until
 
 CHAT = [{"role": "user", "content": "hello"}]
 BODY = {"model": "m", "messages": CHAT, "stream": True}
-
-
-def _port(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
-
-
-def _request(path: str, body: bytes, extra: bytes = b"") -> bytes:
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n".encode()
-        + extra
-        + b"\r\n"
-        + body
-    )
-
-
-async def _raw(port: int, data: bytes, timeout_s: float = 10.0) -> bytes:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(data)
-        await writer.drain()
-        return await asyncio.wait_for(reader.read(), timeout_s)
-    finally:
-        writer.close()
 
 
 async def _health_ms(url: str) -> float:
@@ -116,7 +92,7 @@ async def test_a_declared_length_over_the_limit_is_refused_unread(fake_backend, 
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: 1000000000\r\n\r\n"
     )
-    answer = await _raw(_port(p.url), head + b"{", timeout_s=15)
+    answer = await raw_exchange(port_of(p.url), head + b"{", timeout_s=15)
     assert answer.startswith(b"HTTP/1.1 413")
     assert_openai_error(json.loads(answer.partition(b"\r\n\r\n")[2]), "payload_too_large")
 
@@ -131,13 +107,15 @@ async def test_a_header_that_is_not_utf8_is_refused_not_altered(fake_backend, pr
     p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False)
     body = json.dumps({**BODY, "stream": False}).encode()
     for header in (b"Authorization: Bearer k\xff\xfeey\r\n", b"X-Note: caf\xe9\r\n"):
-        answer = await _raw(_port(p.url), _request("/v1/chat/completions", body, header))
+        answer = await raw_exchange(port_of(p.url), raw_post("/v1/chat/completions", body, header))
         assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
         error = json.loads(answer.partition(b"\r\n\r\n")[2])
         assert_openai_error(error, "invalid_request")
         assert "not valid UTF-8" in error["error"]["message"]
     assert fb.requests == []
-    ok = await _raw(_port(p.url), _request("/v1/chat/completions", body, "X-Note: café\r\n".encode()))
+    ok = await raw_exchange(
+        port_of(p.url), raw_post("/v1/chat/completions", body, "X-Note: café\r\n".encode())
+    )
     assert ok.startswith(b"HTTP/1.1 200")
     assert fb.request_headers[-1]["X-Note"] == "café"  # valid UTF-8 goes through unchanged
 
@@ -161,11 +139,11 @@ async def test_a_slow_reader_is_not_blamed_on_the_backend(fake_backend, proxy, c
     p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False, idle_timeout_s=3.0)
     sock = _slow_socket()
     loop = asyncio.get_running_loop()
-    await loop.sock_connect(sock, ("127.0.0.1", _port(p.url)))
+    await loop.sock_connect(sock, ("127.0.0.1", port_of(p.url)))
     data = b""
     try:
         body = json.dumps({**BODY, "max_tokens": 24_000}).encode()
-        await loop.sock_sendall(sock, _request("/v1/chat/completions", body))
+        await loop.sock_sendall(sock, raw_post("/v1/chat/completions", body))
         await asyncio.sleep(6.0)
         async with asyncio.timeout(60):
             while not data.endswith(b"0\r\n\r\n"):
@@ -192,10 +170,10 @@ async def test_a_client_that_stops_reading_is_given_up_and_its_connection_closed
     )
     sock = _slow_socket()
     loop = asyncio.get_running_loop()
-    await loop.sock_connect(sock, ("127.0.0.1", _port(p.url)))
+    await loop.sock_connect(sock, ("127.0.0.1", port_of(p.url)))
     try:
         body = json.dumps({**BODY, "max_tokens": 400_000}).encode()
-        await loop.sock_sendall(sock, _request("/v1/chat/completions", body))
+        await loop.sock_sendall(sock, raw_post("/v1/chat/completions", body))
         assert await wait_until(lambda: fb.active == 1, 5)
         assert await wait_until(lambda: p.tracker.total_in_flight == 0, 15)
         assert await wait_until(lambda: fb.aborted == 1 and fb.active == 0, 5)
