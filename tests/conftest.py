@@ -1,6 +1,7 @@
 """Shared fixtures: fake SGLang-like backends and the real proxy app, all on 127.0.0.1:0.
 
 - `fake_backend(**kw)` starts a `tests.fakes.FakeBackend` and returns it (stopped at teardown).
+- `raw_backend(answer)` starts a `tests.fakes.RawBackend` (raw bytes) and returns it.
 - `proxy(baseline=[...], eagle=[...], policy=..., policy_params=..., **settings)` builds the real
   app with `create_app` (optionally with a `clock` and `shadows`) and serves it on 127.0.0.1:0;
   returns a `RunningProxy`.
@@ -25,7 +26,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from fakes import FakeBackend
+from fakes import FakeBackend, RawAnswer, RawBackend
 from helpers import start_module, wait_until
 from prometheus_client import CollectorRegistry
 
@@ -105,6 +106,21 @@ async def fake_backend() -> AsyncIterator[Callable[..., Awaitable[FakeBackend]]]
     yield make
     for fb in started:
         await fb.stop()
+
+
+@pytest.fixture
+async def raw_backend() -> AsyncIterator[Callable[[RawAnswer], Awaitable[RawBackend]]]:
+    started: list[RawBackend] = []
+
+    async def make(answer: RawAnswer) -> RawBackend:
+        rb = RawBackend(answer)
+        await rb.start()
+        started.append(rb)
+        return rb
+
+    yield make
+    for rb in started:
+        await rb.stop()
 
 
 @pytest.fixture

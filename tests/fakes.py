@@ -17,6 +17,9 @@ which the proxy passes through like any unknown field):
   stall_mid   stream `fail_after` content chunks, then go silent
   drop        read the request, then drop the connection without answering
 A stopped backend (`await fake.stop()`) refuses connections.
+
+`RawBackend(answer)` answers with raw bytes instead, for misbehaviour no HTTP server framework
+lets you produce (101, close-delimited streams torn mid-event, `Connection`-named headers).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -99,8 +104,13 @@ class FakeBackend:
         chunks: int = 8,
         delay_s: float = 0.0,
         first_byte_delay_s: float = 0.0,
+        ready_route: bool = True,
     ) -> None:
         self.name = name
+        self.ready_route = ready_route
+        """Serve GET /ready (SGLang releases before it had only /health)."""
+        self.probes: list[str] = []
+        """Paths of the health probes received."""
         self.model = model
         self.chunks = chunks
         self.delay_s = delay_s
@@ -139,16 +149,18 @@ class FakeBackend:
     # -- answers --
 
     def _build_app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # whatever the proxy lets through
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/ready", self._health)
+        if self.ready_route:
+            app.router.add_get("/ready", self._health)
         app.router.add_get("/metrics", self._metrics)
         return app
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.probes.append(request.path)
         return web.json_response({}, status=self.health_status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -304,3 +316,65 @@ class FakeBackend:
         await resp.write(SSE_DONE)
         await resp.write_eof()
         return resp
+
+
+@dataclass
+class RawRequest:
+    method: str
+    path: str
+    headers: list[tuple[str, bytes]]
+    """(lower-case name, raw value) in the order sent."""
+    body: bytes
+
+    def header(self, name: str) -> bytes | None:
+        return next((v for k, v in self.headers if k == name.lower()), None)
+
+
+RawAnswer = Callable[[RawRequest, asyncio.StreamWriter], Awaitable[None]]
+
+
+class RawBackend:
+    """A backend that answers with raw bytes, for what a well-behaved HTTP server cannot send: a
+    101, a close-delimited stream torn mid-event, `Connection`-named headers, redirects, a body
+    without end. `answer(request, writer)` writes the response; the connection is closed after
+    it returns. Every request is kept in `requests`."""
+
+    def __init__(self, answer: RawAnswer) -> None:
+        self.answer = answer
+        self.requests: list[RawRequest] = []
+        self.url = ""
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for w in self._writers:
+                w.transport.abort()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            line, *lines = head[:-4].split(b"\r\n")
+            method, path, _ = line.decode().split(" ", 2)
+            headers = [
+                (k.strip().lower().decode(), v.strip()) for k, _, v in (x.partition(b":") for x in lines)
+            ]
+            length = int(next((v for k, v in headers if k == "content-length"), b"0"))
+            request = RawRequest(method, path, headers, await reader.readexactly(length))
+            self.requests.append(request)
+            await self.answer(request, writer)
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()

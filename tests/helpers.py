@@ -10,6 +10,8 @@
   server's "listening on URL").
 - `listening_url(popen)`: the URL a synchronously started server prints when it listens.
 - `free_port()`, `raise_open_files_limit(n)`.
+- `port_of(url)`, `raw_post(path, body)` (a POST's bytes) and `raw_exchange(port, data)`: raw HTTP
+  for the tests that speak it broken.
 """
 
 from __future__ import annotations
@@ -180,3 +182,30 @@ def raise_open_files_limit(needed: int) -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
         pytest.skip(f"open-files limit {soft} < {needed} and the hard limit does not allow more")
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def raw_post(path: str, body: bytes, extra: bytes = b"", content_length: int | None = None) -> bytes:
+    """The bytes of `POST path` with a JSON `body`, `Connection: close` and `extra` header lines."""
+    length = len(body) if content_length is None else content_length
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\nConnection: close\r\n".encode()
+        + extra
+        + b"\r\n"
+        + body
+    )
+
+
+async def raw_exchange(port: int, data: bytes, timeout_s: float = 10.0) -> bytes:
+    """Send raw bytes to 127.0.0.1:`port`, read until the server closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), timeout_s)
+    finally:
+        writer.close()

@@ -19,6 +19,9 @@ import aiohttp
 import openai
 import pytest
 from helpers import assert_openai_error, raise_open_files_limit, wait_until
+from helpers import port_of as _port
+from helpers import raw_exchange as _raw
+from helpers import raw_post as _request
 
 CHAT = [{"role": "user", "content": "hello"}]
 BODY = {"model": "m", "messages": CHAT, "stream": True}
@@ -33,21 +36,6 @@ async def _normal_request(base_url: str) -> None:
     finally:
         await client.close()
     assert chunks[1].choices[0].delta.content == "tok0 "
-
-
-def _port(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
-
-
-async def _raw(port: int, data: bytes, timeout_s: float = 10.0) -> bytes:
-    """Send raw bytes, read until the server closes the connection."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(data)
-        await writer.drain()
-        return await asyncio.wait_for(reader.read(), timeout_s)
-    finally:
-        writer.close()
 
 
 def _split_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
@@ -65,17 +53,6 @@ def _split_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
             out, body = out + body[:size], body[size + 2 :]
         body = out
     return status, headers, body
-
-
-def _request(path: str, body: bytes, extra: bytes = b"", content_length: int | None = None) -> bytes:
-    length = len(body) if content_length is None else content_length
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {length}\r\nConnection: close\r\n".encode()
-        + extra
-        + b"\r\n"
-        + body
-    )
 
 
 @pytest.mark.parametrize(
@@ -336,10 +313,11 @@ async def test_content_encoding_is_decoded_once_or_rejected(fake_backend, proxy,
 
 async def test_client_that_stops_reading_releases_its_slot(fake_backend, proxy):
     """A client that sends a streaming request and then never reads: once the socket buffers are
-    full the proxy cannot deliver anything for idle_timeout_s, so it gives up the stream, closes
-    the upstream request (the backend sees the abort) and releases the slot; others are served."""
+    full the proxy cannot deliver anything for client_write_timeout_s, so it gives up the stream,
+    closes the upstream request (the backend sees the abort) and releases the slot; others are
+    served. (test_hostile_clients.py checks that its connection is closed too.)"""
     fb = await fake_backend(chunks=400_000)  # ~50 MB of events: far more than the socket buffers hold
-    p = await proxy(baseline=[fb.url], policy="fixed", idle_timeout_s=1.0, health_checks=False)
+    p = await proxy(baseline=[fb.url], policy="fixed", client_write_timeout_s=1.0, health_checks=False)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)

@@ -21,7 +21,7 @@ def test_defaults():
     s = load_settings({}, {}, None)
     assert (s.host, s.port, s.policy, s.allow_client_override) == ("127.0.0.1", 8000, "threshold", False)
     assert s.body_limit_bytes == 32 * 1024 * 1024
-    assert s.health_check_path == "/health"
+    assert s.health_check_path == "/ready"
     assert s.admin_token is None and s.decision_log is None and s.shadow_policies == []
 
 

@@ -532,8 +532,9 @@ def test_systemd_sglang_units_use_real_flags() -> None:
         assert _arg_value(commands["baseline"], flag) == _arg_value(commands["eagle"], flag)
     # the example config points at the ports the units listen on
     settings = _example_settings()
-    assert settings.baseline == [f"http://127.0.0.1:{_arg_value(commands['baseline'], '--port')}"]
-    assert settings.eagle == [f"http://127.0.0.1:{_arg_value(commands['eagle'], '--port')}"]
+    for pool in ("baseline", "eagle"):
+        urls = [b.url for b in settings.backends(pool)]  # type: ignore[arg-type]
+        assert urls == [f"http://127.0.0.1:{_arg_value(commands[pool], '--port')}"]
 
 
 def test_systemd_units_structure() -> None:

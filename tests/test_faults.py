@@ -168,8 +168,9 @@ async def _eagle_process_first(
 
 async def test_backend_killed_while_traffic_runs(emulator_process, emulator, proxy):
     eagle, base, p = await _eagle_process_first(
-        emulator_process, emulator, proxy, health_check_timeout_s=1.0, idle_timeout_s=10.0
-    )
+        emulator_process, emulator, proxy, health_check_timeout_s=1.0, idle_timeout_s=10.0,
+        outlier_base_ejection_s=1.0,
+    )  # fmt: skip
     c = p.client()
     # streams in progress on eagle: their first chunk has arrived
     streams = [
@@ -203,6 +204,11 @@ async def test_backend_killed_while_traffic_runs(emulator_process, emulator, pro
 
     await eagle.start()  # comes back on the same port
     assert await wait_until(lambda: _healthy(p.url, eagle.url, True), 10)  # readmitted
+    # the broken streams ejected it (4 failures in a row) for outlier_base_ejection_s
+    assert (await metric_samples(p.url, "specroute_backend_ejections_total"))[
+        (("backend", eagle.url), ("pool", "eagle"))
+    ] == 1.0
+    assert await wait_until(lambda: _ejected(p.url, eagle.url, False), 10)
     pool, _ = await complete(c, stream=True)
     assert pool == "eagle"
     await c.close()
@@ -213,6 +219,11 @@ async def test_backend_killed_while_traffic_runs(emulator_process, emulator, pro
 
 async def _healthy(proxy_url: str, backend: str, want: bool) -> bool:
     samples = await metric_samples(proxy_url, "specroute_backend_healthy")
+    return samples[(("backend", backend), ("pool", "eagle"))] == (1.0 if want else 0.0)
+
+
+async def _ejected(proxy_url: str, backend: str, want: bool) -> bool:
+    samples = await metric_samples(proxy_url, "specroute_backend_ejected")
     return samples[(("backend", backend), ("pool", "eagle"))] == (1.0 if want else 0.0)
 
 
@@ -256,7 +267,10 @@ async def _running_is(url: str, n: int) -> bool:
 async def test_5xx_and_queue_full_are_retried_once_on_the_other_pool(emulator, proxy):
     base = await emulator("baseline")
     eagle = await emulator("eagle", max_running_requests=1)
-    p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="fixed", policy_params={"pool": "eagle"})
+    p = await proxy(
+        baseline=[base.url], eagle=[eagle.url], policy="fixed", policy_params={"pool": "eagle"},
+        outlier_consecutive_failures=100,  # every request meets eagle first: what this test is about
+    )  # fmt: skip
     c = p.client()
 
     def requests_total(pool: str, status: str) -> Awaitable[float]:
@@ -415,6 +429,7 @@ async def test_unreachable_backend_fails_over_within_the_connect_timeout(unreach
         connect_timeout_s=0.5,
         health_check_interval_s=60,
         health_check_timeout_s=60,  # the first probe never ends: only the request can eject eagle
+        outlier_consecutive_failures=1,
     )
     c = p.client()
     loop = asyncio.get_running_loop()
@@ -424,8 +439,7 @@ async def test_unreachable_backend_fails_over_within_the_connect_timeout(unreach
         assert pool == "baseline" and text
         # the first request waits out the connect timeout once; the next one skips eagle
         assert loop.time() - t0 < (0.5 + 3.0 if stream else 3.0)
-    samples = await metric_samples(p.url, "specroute_backend_healthy")
-    assert samples[(("backend", eagle), ("pool", "eagle"))] == 0.0
+    assert await _ejected(p.url, eagle, True)
     assert (await metric_samples(p.url, "specroute_failovers_total"))[(("pool", "eagle"),)] == 1.0
     await c.close()
     await assert_in_flight_zero(p.url)
@@ -440,6 +454,7 @@ async def test_both_backends_unreachable_give_503(unreachable, proxy):
         connect_timeout_s=0.5,
         health_check_interval_s=60,
         health_check_timeout_s=60,
+        outlier_consecutive_failures=2,  # each request tries both: the second one ejects them
     )
     c = p.client()
     loop = asyncio.get_running_loop()

@@ -88,7 +88,12 @@ async def test_swap_under_live_traffic_loses_nothing(fake_backend, proxy):
     base = await fake_backend(chunks=8, delay_s=0.003)
     eagle = await fake_backend(chunks=8, delay_s=0.003)
     p = await proxy(
-        baseline=[base.url], eagle=[eagle.url], policy=PLUGIN, policy_params={"tag": "t0"}, admin_token=TOKEN
+        baseline=[base.url],
+        eagle=[eagle.url],
+        policy=PLUGIN,
+        policy_params={"tag": "t0"},
+        admin_token=TOKEN,
+        admin_policy_modules=[__name__],
     )
     instances = [p.forwarder.policy]
     results: list[tuple[int, bytes]] = []

@@ -73,8 +73,14 @@ async def test_openai_client_sees_502_503_504(fake_backend, proxy):
             503,
             "no_healthy_backend",
         ),
-        (
-            dict(baseline=[stalled.url], first_byte_timeout_s=0.2, health_checks=False),
+        (  # one failure ejects (and no panic routing): the next request finds no backend
+            dict(
+                baseline=[stalled.url],
+                first_byte_timeout_s=0.2,
+                health_checks=False,
+                outlier_consecutive_failures=1,
+                panic_routing=False,
+            ),
             openai.InternalServerError,
             504,
             "backend_timeout",
@@ -89,7 +95,7 @@ async def test_openai_client_sees_502_503_504(fake_backend, proxy):
         assert info.value.status_code == status
         assert_openai_error(info.value.response.json(), code)
         assert p.tracker.total_in_flight == 0
-    # now every backend is marked unhealthy: 503
+    # now every backend is ejected: 503
     client = openai.AsyncOpenAI(base_url=p.base_url, api_key="k", max_retries=0)
     with pytest.raises(openai.InternalServerError) as info:
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])

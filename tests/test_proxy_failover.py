@@ -18,7 +18,10 @@ BODY = {"model": "m", "messages": CHAT, "stream": True}
 async def test_dead_backend_is_skipped_without_client_visible_error(fake_backend, proxy):
     live = await fake_backend(chunks=3)
     dead = closed_port_url()
-    p = await proxy(baseline=[dead, live.url], eagle=[], policy="fixed", health_checks=False, seed=1)
+    p = await proxy(
+        baseline=[dead, live.url], eagle=[], policy="fixed", health_checks=False, seed=1,
+        outlier_consecutive_failures=1,
+    )  # fmt: skip
     client = openai.AsyncOpenAI(base_url=p.base_url, api_key="k", max_retries=0)
     for i in range(6):
         stream = i % 2 == 0
@@ -32,8 +35,9 @@ async def test_dead_backend_is_skipped_without_client_visible_error(fake_backend
             assert out.choices[0].message.content == "tok0 tok1 tok2 "
     await client.close()
     assert len(live.requests) == 6
-    assert p.tracker.get(dead).healthy is False  # passively marked after the refused connection
-    assert p.sample("specroute_backend_healthy", pool="baseline", backend=dead) == 0.0
+    # ejected after the refused connection (outlier_consecutive_failures=1); no probe ran
+    assert p.sample("specroute_backend_ejected", pool="baseline", backend=dead) == 1.0
+    assert p.sample("specroute_backend_ejections_total", pool="baseline", backend=dead) == 1.0
     assert p.sample("specroute_failovers_total", pool="baseline") in (None, 1.0)
     assert p.tracker.total_in_flight == 0
 
@@ -49,6 +53,7 @@ async def test_failover_goes_to_other_pool_and_headers_say_so(fake_backend, prox
         policy="fixed",
         policy_params={"pool": "eagle"},
         health_checks=False,
+        outlier_consecutive_failures=1,
     )
     async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
         body = await r.read()
@@ -99,14 +104,15 @@ async def test_first_byte_timeout_retries_then_504(fake_backend, proxy):
     slow.mode = "stall"
     fast = await fake_backend()
     p = await proxy(
-        baseline=[slow.url], eagle=[fast.url], policy="fixed", first_byte_timeout_s=0.3, health_checks=False
-    )
+        baseline=[slow.url], eagle=[fast.url], policy="fixed", first_byte_timeout_s=0.3, health_checks=False,
+        outlier_consecutive_failures=1,
+    )  # fmt: skip
     async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
         await r.read()
     assert r.status == 200 and r.headers["x-specroute-pool"] == "eagle"
-    assert not p.tracker.get(slow.url).healthy
+    assert p.tracker.get(slow.url).ejected_until is not None
     fast.mode = "stall"
-    p.tracker.set_healthy(slow.url, True)
+    p.tracker.get(slow.url).ejected_until = None  # back in service
     async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
         err = await r.json()
     assert r.status == 504 and err["error"]["code"] == "backend_timeout"
@@ -159,6 +165,7 @@ async def test_no_healthy_backend_answers_503_quickly(fake_backend, proxy):
         eagle=[closed_port_url()],
         policy="threshold",
         health_check_interval_s=60,
+        panic_routing=False,  # else requests are tried on the backends anyway (see test_panic_*)
     )
     await wait_until(lambda: not p.tracker.any_healthy(), 2.0)
     loop = asyncio.get_running_loop()

@@ -1,10 +1,15 @@
 """`specroute serve` as a real subprocess: start-up line, SIGTERM drains running streams, the drain
-timeout is honoured, bad settings exit 2 with a message naming the key."""
+timeout is honoured (the whole shutdown within drain + 2 s, whatever clients do), SIGHUP during
+start-up is remembered, bad settings exit 2 with a message naming the key."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
+import socket
+import sys
 
 import aiohttp
 import pytest
@@ -95,3 +100,89 @@ async def test_serve_rejects_an_unknown_log_level():
     )
     assert code == 2
     assert "--log-level: invalid choice: 'LOUD'" in err and "Traceback" not in err
+
+
+async def test_shutdown_ends_within_drain_plus_two_seconds_whatever_clients_do(fake_backend, spawn_serve):
+    """Streaming clients that stopped reading: aiohttp's own shutdown waited drain_timeout_s for
+    them, then as long again for the cancelled handlers, so a 3 s drain took over 6 s (the
+    shipped 30 s took 62 s, past systemd's TimeoutStopSec=45). Now: drain, cut, exit."""
+    fb = await fake_backend(chunks=400_000)  # far more than the socket buffers hold
+    drain = 3.0
+    sp = await spawn_serve(
+        "--baseline", fb.url, "--policy", "fixed", "--drain-timeout-s", str(drain), "--log-level", "WARNING",
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    port = int(sp.url.rsplit(":", 1)[1])
+    body = json.dumps({**BODY, "max_tokens": 400_000}).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
+    loop = asyncio.get_running_loop()
+    stuck = []
+    for _ in range(3):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(sock, request)
+        stuck.append(sock)
+    try:
+        assert await wait_until(lambda: fb.active == 3, 10)
+        await asyncio.sleep(1.0)  # the socket buffers fill up; the proxy's writes block
+        t0 = loop.time()
+        sp.signal(signal.SIGTERM)
+        assert await sp.wait(timeout_s=30) == 0
+        assert loop.time() - t0 < drain + 2.0
+    finally:
+        for sock in stuck:
+            sock.close()
+    assert await wait_until(lambda: fb.active == 0, 5)
+
+
+async def test_sighup_during_start_up_is_remembered_not_fatal(fake_backend, tmp_path):
+    """SIGHUP's default action ends a process; serve's reload handler exists only once it
+    listens, so a `systemctl reload` racing a start killed it (exit 129). The config is read from
+    a FIFO here: serve blocks opening it, which is well inside start-up, and gets SIGHUP then."""
+    fb = await fake_backend()
+    fifo = tmp_path / "specroute.yaml"
+    os.mkfifo(fifo)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--config", str(fifo),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        # opening the FIFO for writing succeeds once serve has it open for reading
+        async def writer_fd() -> int:
+            while True:
+                try:
+                    return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:
+                    assert proc.returncode is None
+                    await asyncio.sleep(0.02)
+
+        config = f"baseline: [{fb.url}]\npolicy: fixed\n".encode()
+        fd = await asyncio.wait_for(writer_fd(), 30)
+        proc.send_signal(signal.SIGHUP)
+        await asyncio.sleep(0.2)
+        os.write(fd, config)
+        os.close(fd)
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line.startswith(b"specroute listening on "), (line, proc.returncode)
+        url = line.decode().split("listening on ", 1)[1].strip()
+        fd = await asyncio.wait_for(writer_fd(), 30)  # the remembered reload reads the config again
+        os.write(fd, config)
+        os.close(fd)
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=BODY) as r:
+            assert r.status == 200
+            await r.read()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert proc.stderr is not None
+        err = (await proc.stderr.read()).decode()
+        assert "SIGHUP during start-up" in err  # acted on once serve could
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -17,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controller.cli.args import USAGE_ERROR, CommandError, Parser
+# controller.cli.args (it imports pydantic) is imported in the functions: `main` must first
+# install serve's early SIGHUP handler, which it can do within tens of milliseconds of exec.
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ def configure(command: Command, parser: argparse.ArgumentParser) -> None:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole parser; with `only`, just that command's options are configured (the others
     keep their name and help line for `specroute --help`)."""
+    from controller.cli.args import Parser
+
     parser = Parser(
         prog="specroute",
         description="Adaptive speculation controller for twin SGLang pools (plain and EAGLE-3).",
@@ -73,7 +76,13 @@ def _command_name(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = _command_name(argv)
+    if name == "serve":
+        from controller.cli.sighup import EarlyReload
+
+        EarlyReload.install()
     try:
+        from controller.cli.args import USAGE_ERROR, CommandError
+
         known = {c.name for c in COMMANDS}
         parser = build_parser(name if name in known else "")
         try:
@@ -85,11 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return USAGE_ERROR
         return int(func(args) or 0)
-    except CommandError as e:
-        print(f"specroute {name}: error: {e}", file=sys.stderr, flush=True)
-        return USAGE_ERROR
     except KeyboardInterrupt:  # Ctrl-C while a command module is still importing, or in a command
         return 130
+    except CommandError as e:  # (bound: the import above is what can raise before it is)
+        print(f"specroute {name}: error: {e}", file=sys.stderr, flush=True)
+        return USAGE_ERROR
     except BrokenPipeError:
         # The reader went away (`specroute policies | head`): exit quietly, as Unix tools do.
         devnull = os.open(os.devnull, os.O_WRONLY)

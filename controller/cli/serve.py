@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from controller.cli.args import CommandError, add_model_flags, run_async
+from controller.cli.sighup import EarlyReload
 from controller.proxy.config import ConfigError, Settings, load_settings
 from policies.params import parse_assignments
 from policies.profile import ProfileError
@@ -146,6 +147,7 @@ def raise_open_files_limit() -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    early_reload = EarlyReload.install()  # `main` installed it already when it ran `serve`
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -156,21 +158,27 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CommandError(e) from None
     raise_open_files_limit()
     try:
-        run_async(_serve(args, settings, registry, context, policy))
+        run_async(_serve(args, settings, registry, context, policy, early_reload))
     except OSError as e:
         raise CommandError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
     return 0
 
 
 async def _serve(
-    args: argparse.Namespace, settings: Settings, registry: Any, context: Any, policy: Any
+    args: argparse.Namespace,
+    settings: Settings,
+    registry: Any,
+    context: Any,
+    policy: Any,
+    early_reload: EarlyReload,
 ) -> None:
     from aiohttp import web
 
-    from controller.proxy.app import ADMIN, create_app, make_runner
+    from controller.proxy.app import ADMIN, create_app, drain, make_runner
 
     app = create_app(settings, policy, registry=registry, context=context)
-    runner = make_runner(app, shutdown_timeout=settings.drain_timeout_s)
+    # `drain` below does the waiting; aiohttp's own shutdown then has only idle connections left.
+    runner = make_runner(app, shutdown_timeout=0.5)
     await runner.setup()
     try:
         # aiohttp's default accept backlog (128) overflows when hundreds of clients connect at
@@ -203,12 +211,16 @@ async def _serve(
                 log.error("SIGHUP: reload failed, policy unchanged: %s", e)
 
         loop.add_signal_handler(signal.SIGHUP, reload)
+        if early_reload.pending:
+            log.warning("SIGHUP during start-up: re-reading the config now")
+            reload()
         await stop.wait()
         log.warning(
             "shutting down: draining %d in-flight request(s) for up to %g s",
             app[ADMIN].fwd.tracker.total_in_flight,
             settings.drain_timeout_s,
         )
+        await drain(runner, settings.drain_timeout_s)
     finally:
         await runner.cleanup()
     log.warning("stopped")

@@ -4,7 +4,11 @@ The swap is one attribute assignment on the `Forwarder`: a request captures the 
 before it calls `choose` and calls `observe` on that same object, so in-flight requests finish
 under the policy that chose them while new requests use the new one. The admin endpoint needs
 `Authorization: Bearer <admin_token>` (compared in constant time) and answers 404 when no token
-is configured, exactly like an unknown route.
+is configured, exactly like an unknown route. Its body is read within the same limits as a
+completion's. A policy named `module.path:ClassName` is imported only from a module listed in
+`admin_policy_modules` (or inside a listed package): an admin request must not import arbitrary
+installed code. Built-in and entry-point policies are always allowed, and SIGHUP reads the
+policy from the config file, which is trusted like the command line.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from aiohttp import web
 from controller.proxy.config import Settings
 from controller.proxy.errors import BadRequest, NotFound, Unauthorized
 from controller.proxy.forward import Forwarder
+from controller.proxy.limits import load_json
 from policies.base import Policy
 from policies.params import parse_policy_ref
 from policies.profile import ProfileError, resolve_profile
@@ -65,6 +70,18 @@ class PolicyAdmin:
         if not hmac.compare_digest(given.encode(errors="surrogateescape"), expected.encode()):
             raise Unauthorized("missing or wrong admin token")
 
+    def check_allowed(self, name: str) -> None:
+        """BadRequest unless `name` is registered or its module is in `admin_policy_modules`."""
+        if ":" not in name or name in self.registry.names():
+            return
+        module = name.partition(":")[0]
+        allowed = self.fwd.settings.admin_policy_modules
+        if not any(module == m or module.startswith(m + ".") for m in allowed):
+            raise BadRequest(
+                f"policy {name[:200]!r}: module {module[:120]!r} is not in admin_policy_modules; the admin "
+                f"endpoint loads only built-in and entry-point policies and classes of listed modules"
+            )
+
     def current(self) -> dict[str, Any]:
         return {"name": self.name, "params": self.params, "policy": self.fwd.policy.name}
 
@@ -76,10 +93,7 @@ def admin_routes(admin: PolicyAdmin) -> list[web.RouteDef]:
 
     async def post_policy(request: web.Request) -> web.Response:
         admin.authorize(request)
-        try:
-            body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"request body is not valid JSON: {e}") from None
+        body = load_json(await admin.fwd.read_body(request))
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             raise BadRequest('expected {"name": "<policy>", "params": {...}}')
         params = body.get("params") or {}
@@ -88,6 +102,7 @@ def admin_routes(admin: PolicyAdmin) -> list[web.RouteDef]:
         try:
             # `name` may carry inline parameters, as on the command line: "threshold:threshold=16"
             name, inline = parse_policy_ref(body["name"], "name")
+            admin.check_allowed(name)
             admin.swap(name, {**(inline or {}), **params})
         except (PolicyError, ProfileError) as e:
             raise BadRequest(str(e)) from None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -24,20 +25,26 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.proxy.admin import PolicyAdmin, admin_routes
+from controller.proxy.admission import Admission, AdmissionMetrics, in_flight_bounds
 from controller.proxy.config import Settings
 from controller.proxy.decision_record import open_decision_log
 from controller.proxy.errors import NoBackendAvailable, error_middleware, http_log
 from controller.proxy.forward import Forwarder, Observer
+from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
 from controller.proxy.health import HealthChecker
 from controller.proxy.info import model_info, server_info
+from controller.proxy.limits import read_bounded
 from controller.proxy.load import LoadTracker
 from controller.proxy.metrics import Metrics
+from controller.proxy.outlier import OutlierDetector
 from controller.proxy.scrape import ScrapeLoop
 from controller.proxy.shadow import ShadowPolicies, build_shadows
 from policies.base import Policy
 from policies.profile import resolve_profile
 from policies.registry import PolicyRegistry
 from policies.spec import PolicyContext
+
+log = logging.getLogger("specroute")
 
 SETTINGS = web.AppKey("settings", Settings)
 FORWARDER = web.AppKey("forwarder", Forwarder)
@@ -70,10 +77,16 @@ def create_app(
 ) -> web.Application:
     """`shadows`: (label, policy) pairs; None builds `settings.shadow_policies` (PolicyError)."""
     app = web.Application(client_max_size=settings.body_limit_bytes, middlewares=[error_middleware])
-    tracker = LoadTracker(settings.baseline, settings.eagle, stale_after_s=settings.scrape_stale_after_s)
+    ctx = context if context is not None else policy_context(settings)
+    tracker = LoadTracker(
+        settings.baseline,
+        settings.eagle,
+        stale_after_s=settings.scrape_stale_after_s,
+        panic=settings.panic_routing,
+    )
+    tracker.set_bounds(*in_flight_bounds(settings, ctx.profile))
     registry_ = metrics_registry if metrics_registry is not None else CollectorRegistry()
     metrics = Metrics(registry_, tracker, clock=clock)
-    ctx = context if context is not None else policy_context(settings)
     if shadows is None:
         shadows = build_shadows(settings.shadow_policies, registry, ctx)
     fwd = Forwarder(
@@ -84,6 +97,20 @@ def create_app(
         clock=clock,
         observers=list(observers),
         shadows=ShadowPolicies(shadows, metrics),
+        outlier=OutlierDetector(
+            tracker,
+            consecutive_failures=settings.outlier_consecutive_failures,
+            base_s=settings.outlier_base_ejection_s,
+            max_s=settings.outlier_max_ejection_s,
+            max_ejected_percent=settings.outlier_max_ejected_percent,
+        ),
+        admission=Admission(
+            tracker,
+            AdmissionMetrics(registry_),
+            wait_s=settings.admission_wait_s,
+            max_waiting=settings.admission_max_waiting,
+            clock=clock,
+        ),
     )
     app[SETTINGS] = settings
     app[TRACKER] = tracker
@@ -93,10 +120,13 @@ def create_app(
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         own = session is None
+        # No connection limit here: the admission bounds cap requests per backend, and a limit
+        # in the connector would queue requests out of sight of the accounting and the timeouts.
         fwd.session = session or aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
             auto_decompress=False,
             trust_env=False,
+            headers={"Accept-Encoding": "identity"},
         )
         checker = HealthChecker(
             tracker,
@@ -104,6 +134,8 @@ def create_app(
             path=settings.health_check_path,
             interval_s=settings.health_check_interval_s,
             timeout_s=settings.health_check_timeout_s,
+            unhealthy_threshold=settings.health_check_unhealthy_threshold,
+            healthy_threshold=settings.health_check_healthy_threshold,
         )
         app[HEALTH] = checker
         scraper = ScrapeLoop(
@@ -161,7 +193,8 @@ def create_app(
         return web.json_response({"status": "ok"})
 
     async def ready(request: web.Request) -> web.Response:
-        healthy = [b.name for b in tracker if b.healthy]
+        now = clock()
+        healthy = [b.name for b in tracker if b.healthy and not b.ejected(now)]
         if not healthy:
             raise NoBackendAvailable("no healthy backend")
         return web.json_response({"status": "ready", "healthy_backends": healthy})
@@ -191,25 +224,27 @@ async def list_models(fwd: Forwarder, request: web.Request) -> web.StreamRespons
     assert fwd.session is not None
     headers = {}
     if "Authorization" in request.headers:
-        headers["Authorization"] = request.headers["Authorization"]
+        headers["Authorization"] = forwardable("Authorization", request.headers["Authorization"])
     timeout = aiohttp.ClientTimeout(
         total=fwd.settings.health_check_timeout_s + fwd.settings.connect_timeout_s,
         sock_connect=fwd.settings.connect_timeout_s,
     )
-    candidates = sorted((b for b in fwd.tracker if b.healthy), key=lambda b: b.pool != "baseline")
+    candidates = sorted(fwd.tracker.usable(fwd.clock()), key=lambda b: b.pool != "baseline")
     for b in candidates:
         auth = fwd.auth_header(b.pool)
         hdrs = {**headers, "Authorization": auth} if auth else headers
         try:
-            async with fwd.session.get(b.name + "/v1/models", headers=hdrs, timeout=timeout) as resp:
-                body = await resp.read()
-                if resp.status >= 500:
+            async with fwd.session.get(
+                b.url + "/v1/models", headers=hdrs, timeout=timeout, allow_redirects=False
+            ) as resp:
+                body = await read_bounded(resp, fwd.settings.response_limit_bytes)
+                if resp.status >= 500 or 300 <= resp.status < 400:
                     continue
+                shown = {POOL_HEADER: b.pool}
+                if fwd.settings.backend_header:
+                    shown[BACKEND_HEADER] = b.name
                 return web.Response(
-                    status=resp.status,
-                    body=body,
-                    content_type=resp.content_type,
-                    headers={"x-specroute-pool": b.pool, "x-specroute-backend": b.name},
+                    status=resp.status, body=body, content_type=resp.content_type, headers=shown
                 )
         except (aiohttp.ClientError, TimeoutError, OSError):
             continue
@@ -230,3 +265,24 @@ def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.
         keepalive_timeout=app[SETTINGS].header_timeout_s,
         logger=http_log,  # malformed client HTTP is logged without the client's bytes
     )
+
+
+async def drain(runner: web.AppRunner, timeout_s: float, *, cut_grace_s: float = 0.5) -> None:
+    """Stop taking requests and let those in progress finish for up to `timeout_s`; then cancel
+    the rest, which closes their upstream requests (SGLang aborts them) and aborts their client
+    connections (a client that stopped reading must not hold the process). Then
+    `runner.cleanup()` has nothing left to wait for, so a shutdown takes `timeout_s` plus about a
+    second, whatever clients do."""
+    for site in list(runner.sites):
+        await site.stop()
+    if runner.server is not None:
+        runner.server.pre_shutdown()  # idle keep-alive connections close; busy ones after this answer
+    fwd = runner.app[FORWARDER]
+    if not fwd.active:
+        return
+    _, pending = await asyncio.wait(set(fwd.active), timeout=timeout_s)
+    if pending:
+        log.warning("drain timeout: cutting %d request(s) still in progress", len(pending))
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=cut_grace_s)

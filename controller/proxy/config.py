@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,6 +29,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from policies.base import POOLS, Pool
 
 ENV_PREFIX = "SPECROUTE_"
 
@@ -62,8 +66,20 @@ def _blank_is_unset(value: Any) -> Any:
     return value
 
 
+_BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
 def _normalise_url(url: str) -> str:
     parts = urlsplit(url)
+    if "@" in parts.netloc:
+        # Never echo the URL: it holds a password. aiohttp would send it as Basic auth and then
+        # refuse every client Authorization header; and the URL would reach headers and logs.
+        host = parts.netloc.rpartition("@")[2]
+        raise ValueError(
+            f"the URL of backend {parts.scheme}://***@{host} carries credentials (user:password@): "
+            "remove them; set baseline_api_key / eagle_api_key (environment or file) for a key the "
+            "backend expects"
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
     try:
@@ -77,13 +93,52 @@ def _normalise_url(url: str) -> str:
     return url.rstrip("/")
 
 
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One configured backend: the name clients, metrics and logs see, and the URL it is reached at."""
+
+    name: str
+    url: str
+
+
+def parse_backend(entry: str) -> BackendSpec:
+    """`NAME=URL` or a bare `URL` (whose name is then the URL itself)."""
+    head, sep, rest = entry.partition("=")
+    if sep and "://" not in head:
+        name = head.strip()
+        if not _BACKEND_NAME.fullmatch(name):
+            raise ValueError(
+                f"backend name {name[:70]!r}: use 1-64 letters, digits, '_', '.', '-' "
+                "(the first a letter or digit)"
+            )
+        return BackendSpec(name, _normalise_url(rest.strip()))
+    url = _normalise_url(entry.strip())
+    return BackendSpec(url, url)
+
+
+def _backend_entry(entry: str) -> str:
+    spec = parse_backend(entry)
+    return spec.url if spec.name == spec.url else f"{spec.name}={spec.url}"
+
+
 class Settings(BaseModel):
     """Everything `specroute serve` is configured by."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    baseline: list[str] = Field(default_factory=list, description="URLs of the plain SGLang backends.")
-    eagle: list[str] = Field(default_factory=list, description="URLs of the EAGLE-3 SGLang backends.")
+    baseline: list[str] = Field(
+        default_factory=list,
+        description="The plain SGLang backends: URL, or NAME=URL to show NAME instead of the URL in "
+        "headers, errors, metrics and logs.",
+    )
+    eagle: list[str] = Field(
+        default_factory=list, description="The EAGLE-3 SGLang backends: URL or NAME=URL, as `baseline`."
+    )
+    backend_header: bool = Field(
+        default=True,
+        description="Send x-specroute-backend (the serving backend's name) in responses; off: clients "
+        "learn nothing about the backends but the pool.",
+    )
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
     policy: str = Field(default="threshold", description="Routing policy name or module.path:ClassName.")
@@ -96,6 +151,30 @@ class Settings(BaseModel):
         "clients cannot bypass the policy unless the operator allows it.",
     )
     body_limit_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest request body.")
+    body_max_json_values: int = Field(
+        default=500_000,
+        gt=0,
+        description="Most JSON values (strings, numbers, objects, arrays...) in a request body (else "
+        "413): bounds the memory and CPU of parsing one body, whatever its byte size.",
+    )
+    body_max_json_containers: int = Field(
+        default=100_000,
+        gt=0,
+        description="Most JSON objects and arrays in a request body (else 413); each costs far more to "
+        "parse than a scalar.",
+    )
+    response_limit_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        gt=0,
+        description="Largest backend answer specroute holds in memory: a non-streaming body, or the "
+        "first event of a stream (both are read whole before committing); larger gets 502.",
+    )
+    client_write_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Time a write to a client may stay blocked (the client stopped reading) before its "
+        "answer is given up and its connection closed.",
+    )
     header_timeout_s: float = Field(
         default=60.0,
         gt=0,
@@ -116,14 +195,85 @@ class Settings(BaseModel):
         gt=0,
         description="Longest silence between two chunks; a stream is cut at most 1/8 of this later.",
     )
-    health_check_path: str = Field(default="/health", description="Path probed by active health checks.")
+    health_check_path: str = Field(
+        default="/ready",
+        description="Path probed by active health checks (200 = healthy). SGLang's /ready answers without "
+        "generating; a backend that answers it with 404 (older SGLang) is probed on /health instead.",
+    )
     health_check_interval_s: float = Field(default=5.0, gt=0, description="Seconds between health probes.")
     health_check_timeout_s: float = Field(default=5.0, gt=0, description="Timeout of one health probe.")
+    health_check_unhealthy_threshold: int = Field(
+        default=2, ge=1, description="Consecutive failed probes before a backend counts as unhealthy."
+    )
+    health_check_healthy_threshold: int = Field(
+        default=1, ge=1, description="Consecutive passed probes before an unhealthy backend is healthy again."
+    )
+    outlier_consecutive_failures: int = Field(
+        default=3,
+        ge=1,
+        description="Consecutive failed requests (refused or timed-out connection, 5xx, queue full, broken "
+        "stream) before a backend is ejected from routing.",
+    )
+    outlier_base_ejection_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Ejection time of a first ejection; the n-th ejection in a row lasts n times as long.",
+    )
+    outlier_max_ejection_s: float = Field(
+        default=300.0, gt=0, description="Upper bound of one ejection's time."
+    )
+    outlier_max_ejected_percent: float = Field(
+        default=50.0,
+        ge=0,
+        le=100,
+        description="Most backends of a pool ejected at once, in percent (one may always be ejected).",
+    )
+    panic_routing: bool = Field(
+        default=True,
+        description="When no backend of either pool is available (all unhealthy or ejected), route to all "
+        "of them as if healthy rather than answer 503 (Envoy's panic mode).",
+    )
+    baseline_backend_max_in_flight: int | None = Field(
+        default=None,
+        ge=0,
+        description="Requests this proxy sends to one baseline backend at once (null: the profile's "
+        "max_running_requests plus admission_margin; unbounded without a profile; 0: unbounded).",
+    )
+    eagle_backend_max_in_flight: int | None = Field(
+        default=None, ge=0, description="The same for one eagle backend."
+    )
+    baseline_max_in_flight: int | None = Field(
+        default=None,
+        ge=0,
+        description="Requests this proxy sends to the baseline pool at once (null: the sum over its "
+        "backends; 0: unbounded).",
+    )
+    eagle_max_in_flight: int | None = Field(default=None, ge=0, description="The same for the eagle pool.")
+    admission_margin: float = Field(
+        default=0.25,
+        ge=0,
+        description="Default backend bound = max_running_requests x (1 + this): the backend's queue "
+        "holds this share more, so its batch stays full.",
+    )
+    admission_wait_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="How long a request may wait in specroute for a free slot when every backend it may "
+        "use is at its bound; then 429 with Retry-After.",
+    )
+    admission_max_waiting: int = Field(
+        default=1024, ge=0, description="Most requests waiting for a slot at once; beyond it, 429 at once."
+    )
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish."
     )
     admin_token: SecretStr | None = Field(
         default=None, description="Bearer token of POST /admin/policy (disabled when unset)."
+    )
+    admin_policy_modules: list[str] = Field(
+        default_factory=list,
+        description="Modules (or packages) whose classes POST /admin/policy may load as "
+        "module.path:ClassName; built-in and entry-point policies are always allowed.",
     )
     baseline_model: str | None = Field(
         default=None, description="Rewrite the request's `model` to this name for baseline backends."
@@ -147,7 +297,7 @@ class Settings(BaseModel):
         default=5.0, gt=0, description="Scraped samples older than this are ignored."
     )
 
-    _split = field_validator("baseline", "eagle", mode="before")(_split_list)
+    _split = field_validator("baseline", "eagle", "admin_policy_modules", mode="before")(_split_list)
     _blank = field_validator(
         "profile", "decision_log", "admin_token", "baseline_model", "eagle_model",
         "baseline_api_key", "eagle_api_key", mode="before",
@@ -155,8 +305,8 @@ class Settings(BaseModel):
 
     @field_validator("baseline", "eagle")
     @classmethod
-    def _urls(cls, urls: list[str]) -> list[str]:
-        return [_normalise_url(u) for u in urls]
+    def _urls(cls, entries: list[str]) -> list[str]:
+        return [_backend_entry(e) for e in entries]
 
     @field_validator("health_check_path")
     @classmethod
@@ -167,11 +317,15 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _backends(self) -> Settings:
-        seen: set[str] = set()
-        for url in [*self.baseline, *self.eagle]:
-            if url in seen:
-                raise ValueError(f"backend {url} is listed twice (each backend belongs to one pool)")
-            seen.add(url)
+        names: set[str] = set()
+        urls: set[str] = set()
+        for b in self.backends():
+            if b.url in urls:
+                raise ValueError(f"backend {b.url} is listed twice (each backend belongs to one pool)")
+            if b.name in names:
+                raise ValueError(f"backend name {b.name!r} is used twice: give each backend its own")
+            names.add(b.name)
+            urls.add(b.url)
         labels = [s.label or s.name for s in self.shadow_policies]
         twice = sorted({x for x in labels if labels.count(x) > 1})
         if twice:
@@ -179,6 +333,12 @@ class Settings(BaseModel):
                 f"shadow_policies: {', '.join(twice)} appear(s) more than once: give each a distinct `label`"
             )
         return self
+
+    def backends(self, pool: Pool | None = None) -> list[BackendSpec]:
+        """The configured backends (of one pool, or of both: baseline first)."""
+        entries = {"baseline": self.baseline, "eagle": self.eagle}
+        pools: tuple[Pool, ...] = POOLS if pool is None else (pool,)
+        return [parse_backend(e) for p in pools for e in entries[p]]
 
     def require_backends(self) -> None:
         if not self.baseline and not self.eagle:

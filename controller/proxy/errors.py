@@ -106,6 +106,17 @@ class PayloadTooLarge(SpecrouteError):
     code = "payload_too_large"
 
 
+class Overloaded(SpecrouteError):
+    """Every backend the request may use is at its in-flight bound, and it waited long enough."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
 class BackendFailed(SpecrouteError):
     """The backend failed before the first byte (refused, reset, broken answer)."""
 

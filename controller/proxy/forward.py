@@ -16,6 +16,15 @@ How it works:
    policies, which were asked right after the live decision with the same inputs), count
    metrics, notify observers (decision log).
 
+Bounds (see `limits.py`, `watchdog.py`, `admission.py`, `outlier.py`): the body is read within
+byte and JSON-structure budgets; when every backend the request may use is at its in-flight
+bound it waits (bounded) for a slot, then 429; a backend's first event and non-streaming body
+are read up to `response_limit_bytes` (else 502); redirects and 1xx answers are not followed
+but answered 502; a stream is cut when the backend is silent for `idle_timeout_s` or a write to
+the client blocks for `client_write_timeout_s`, and a stream given up aborts the client's
+connection (its unsent buffer would otherwise live on); every attempt's fate goes to the
+outlier detector.
+
 SGLang's native `/generate` takes the same path; what differs in its body, its token count and
 its queue-full answer is read by `controller.proxy.native`.
 """
@@ -25,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import re
 from collections.abc import Callable, Mapping
@@ -35,15 +45,24 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from controller.proxy.admission import Admission
 from controller.proxy.config import Settings
 from controller.proxy.errors import (
     BackendFailed,
     BackendTimeout,
     BadRequest,
     NoBackendAvailable,
-    RequestTimeout,
     SpecrouteError,
     StreamBroken,
+)
+from controller.proxy.headers import HINT_HEADER, MODE_HEADER, client_headers, upstream_headers
+from controller.proxy.limits import (
+    JsonBudget,
+    ResponseTooLarge,
+    load_json,
+    read_body,
+    read_bounded,
+    read_first_event,
 )
 from controller.proxy.load import BackendState, LoadTracker, Reservation
 from controller.proxy.metrics import Metrics
@@ -54,7 +73,9 @@ from controller.proxy.native import (
     generate_max_tokens,
     generate_prompt_chars,
 )
+from controller.proxy.outlier import OutlierDetector
 from controller.proxy.shadow import ShadowChoice, ShadowPolicies
+from controller.proxy.watchdog import RelayWatchdog, Stalled
 from policies.base import (
     Decision,
     EndpointKind,
@@ -72,24 +93,10 @@ from policies.routing import least_loaded
 
 log = logging.getLogger("specroute.forward")
 
-MODE_HEADER = "x-specroute-mode"
-HINT_HEADER = "x-specroute-hint"
 _HINT_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _USAGE_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _MAX_HELD_BACK = 1 << 16  # bytes of an unfinished SSE event held back before relaying anyway
-_REQUEST_DROP = frozenset(
-    {
-        "host", "content-length", "connection", "keep-alive", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "transfer-encoding", "upgrade", "accept-encoding", "expect", "content-encoding",
-        MODE_HEADER, HINT_HEADER,
-    }
-)  # fmt: skip
-_RESPONSE_DROP = frozenset(
-    {
-        "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade", "trailer",
-        "date", "server", "content-encoding",
-    }
-)  # fmt: skip
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +125,7 @@ Observer = Callable[[RequestRecord], None]
 
 
 def parse_body(raw: bytes, endpoint: EndpointKind) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
+    body = load_json(raw)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     if endpoint == "generate":
@@ -211,10 +213,11 @@ def request_info(
 class UpstreamFailure(Exception):
     """The backend failed before anything was committed to the client."""
 
-    def __init__(self, error: SpecrouteError, *, mark_unhealthy: bool, timeout: bool) -> None:
+    def __init__(self, error: SpecrouteError, *, unreachable: bool, timeout: bool) -> None:
         super().__init__(error.message)
         self.error = error
-        self.mark_unhealthy = mark_unhealthy
+        self.unreachable = unreachable
+        """No connection could be made (refused, or no handshake within connect_timeout_s)."""
         self.timeout = timeout
 
 
@@ -226,6 +229,8 @@ class Upstream:
     streaming: bool
     retryable: bool
     first_byte_at: float | None
+    opaque: bool = False
+    """A compressed stream: relayed byte for byte, its events not looked at."""
 
 
 def _first_event_is_error(head: bytes) -> bool:
@@ -304,15 +309,20 @@ def completion_tokens(data: bytes, endpoint: EndpointKind = "chat") -> int | Non
     return int(found[-1]) if found else None
 
 
-def response_headers(resp: aiohttp.ClientResponse, decision: Decision) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in resp.headers.items():
-        if key.lower() not in _RESPONSE_DROP:
-            out.add(key, value)
-    out["x-specroute-pool"] = decision.pool
-    out["x-specroute-backend"] = decision.backend
-    out["x-specroute-reason"] = decision.reason
-    return out
+def _os_reason(e: OSError) -> str:
+    """Why a connect failed, without the address (the backend's name is shown instead)."""
+    return os.strerror(e.errno) if e.errno else type(e).__name__
+
+
+def _ends_an_event(data: bytes) -> bool:
+    return data.endswith(_EVENT_ENDS)
+
+
+def _abort(request: web.Request) -> None:
+    """Drop the client's connection now: `close()` would wait to flush what it does not read."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
 
 
 class Forwarder:
@@ -329,12 +339,18 @@ class Forwarder:
         clock: Callable[[], float],
         observers: list[Observer] | None = None,
         shadows: ShadowPolicies | None = None,
+        outlier: OutlierDetector | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.settings = settings
         self.policy = policy
         self.tracker = tracker
         self.metrics = metrics
         self.clock = clock
+        self.outlier = outlier
+        self.admission = admission
+        self.active: set[asyncio.Task[Any]] = set()
+        """The handler tasks of requests in progress (a shutdown cancels those left after draining)."""
         self.observers: list[Observer] = observers if observers is not None else []
         self.shadows = shadows if shadows else None
         self.session: aiohttp.ClientSession | None = None
@@ -355,6 +371,23 @@ class Forwarder:
         """The Authorization header configured for `pool` (None: forward the client's)."""
         return self._auth[pool]
 
+    def response_headers(self, resp: aiohttp.ClientResponse, decision: Decision) -> CIMultiDict[str]:
+        return client_headers(resp.headers, decision, show_backend=self.settings.backend_header)
+
+    def attempt_failed(self, backend: BackendState, why: str) -> None:
+        if self.outlier is not None and self.outlier.failure(backend, self.clock(), why):
+            self.metrics.ejection(backend.pool, backend.name)
+
+    def attempt_succeeded(self, backend: BackendState) -> None:
+        if self.outlier is not None:
+            self.outlier.success(backend)
+
+    def release(self, reservation: Reservation) -> None:
+        """Release a slot and let a request waiting for one have it."""
+        self.tracker.release(reservation)
+        if self.admission is not None:
+            self.admission.released(reservation.backend.pool)
+
     # -- deciding --
 
     def decide(self, policy: Policy, info: RequestInfo, view: LoadView, now: float) -> Decision:
@@ -369,7 +402,7 @@ class Forwarder:
                 backend_load=b.load,
                 policy=policy.name,
             )
-        if not self.tracker.any_healthy():
+        if not (view.has_healthy("baseline") or view.has_healthy("eagle")):
             raise NoBackendAvailable("no healthy backend in either pool")
         try:
             decision = policy.choose(info, view, now)
@@ -384,8 +417,9 @@ class Forwarder:
 
     def failover_target(self, failed: BackendState, tried: set[str], forced: bool) -> BackendState | None:
         pools = (failed.pool,) if forced else (failed.pool, other_pool(failed.pool))
+        takers = self.tracker.takers(self.clock())  # usable, with room
         for pool in pools:
-            cands = [b for b in self.tracker.pool_backends(pool) if b.healthy and b.name not in tried]
+            cands = [b for b in takers if b.pool == pool and b.name not in tried]
             if cands:
                 low = min(b.in_flight for b in cands)
                 best = [b for b in cands if b.in_flight == low]
@@ -395,11 +429,7 @@ class Forwarder:
     # -- forwarding --
 
     def _upstream_headers(self, headers: Mapping[str, str]) -> CIMultiDict[str]:
-        out: CIMultiDict[str] = CIMultiDict()
-        for key, value in headers.items():
-            if key.lower() not in _REQUEST_DROP:
-                out.add(key, value)
-        return out
+        return upstream_headers(headers)
 
     def _for_pool(
         self, pool: Pool, raw: bytes, body: dict[str, Any], headers: CIMultiDict[str]
@@ -413,72 +443,103 @@ class Forwarder:
             headers["Authorization"] = auth
         return raw, headers
 
-    async def open(self, url: str, data: bytes, headers: CIMultiDict[str], stream: bool) -> Upstream:
+    async def open(
+        self, backend: BackendState, path: str, data: bytes, headers: CIMultiDict[str], stream: bool
+    ) -> Upstream:
         assert self.session is not None, "the app's cleanup_ctx has not started"
+        name = backend.name
+        limit = self.settings.response_limit_bytes
         resp: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(self.settings.first_byte_timeout_s):
-                resp = await self.session.post(url, data=data, headers=headers, timeout=self.client_timeout)
-                if stream and resp.status == 200:
-                    head = b""
-                    while b"\n\n" not in head and b"\r\n\r\n" not in head:
-                        chunk = await resp.content.readany()
-                        if not chunk:
-                            break
-                        head += chunk
-                    first_byte_at = self.clock()
-                    if not resp.content.at_eof():
-                        head += resp.content.read_nowait()  # what is already buffered: one write, not two
-                    return Upstream(resp, head, True, _first_event_is_error(head), first_byte_at)
-                body = await resp.read()
+                resp = await self.session.post(
+                    backend.url + path, data=data, headers=headers, timeout=self.client_timeout,
+                    allow_redirects=False,
+                )  # fmt: skip
+                if resp.status < 200 or 300 <= resp.status < 400:
+                    # A 101 cannot be relayed over this proxy's HTTP/1.1 exchange, and a redirect would
+                    # send the prompt (or, as a GET, lose it) where the backend says: both are
+                    # backend errors, retried once elsewhere like a 5xx.
+                    where = resp.headers.get("Location", "")
+                    raise UpstreamFailure(
+                        BackendFailed(
+                            f"backend {name} answered HTTP {resp.status}"
+                            + (" (a redirect, not followed: check the backend URL)" if where else "")
+                        ),
+                        unreachable=False,
+                        timeout=False,
+                    )
+                encoded = resp.headers.get("Content-Encoding", "identity").lower() not in ("", "identity")
+                if stream and resp.status == 200 and not encoded:
+                    head = await read_first_event(resp, limit)
+                    return Upstream(resp, head, True, _first_event_is_error(head), self.clock())
+                if stream and resp.status == 200:  # compressed despite identity: relayed as it is
+                    head = await resp.content.readany()
+                    return Upstream(resp, head, True, False, self.clock(), opaque=True)
+                body = await read_bounded(resp, limit)
                 return Upstream(resp, body, False, resp.status >= 500, self.clock())
         except BaseException as e:
             if resp is not None:
                 resp.close()
+            if isinstance(e, UpstreamFailure):
+                raise
             if isinstance(e, aiohttp.ConnectionTimeoutError):
                 # The host never completed the TCP handshake: unreachable, like a refusal.
                 raise UpstreamFailure(
-                    BackendFailed(f"backend {url} did not accept the connection in time"),
-                    mark_unhealthy=True,
+                    BackendFailed(f"backend {name} did not accept the connection in time"),
+                    unreachable=True,
                     timeout=False,
                 ) from None
             if isinstance(e, TimeoutError):
                 raise UpstreamFailure(
-                    BackendTimeout(f"backend {url} timed out before the first byte"),
-                    mark_unhealthy=True,
+                    BackendTimeout(f"backend {name} timed out before the first byte"),
+                    unreachable=False,
                     timeout=True,
                 ) from None
             if isinstance(e, aiohttp.ClientConnectorError):
                 raise UpstreamFailure(
-                    BackendFailed(f"backend {url} refused the connection: {e.os_error}"),
-                    mark_unhealthy=True,
+                    BackendFailed(f"backend {name} refused the connection: {_os_reason(e.os_error)}"),
+                    unreachable=True,
                     timeout=False,
+                ) from None
+            if isinstance(e, ResponseTooLarge):
+                raise UpstreamFailure(
+                    BackendFailed(f"backend {name} sent an {e}"), unreachable=False, timeout=False
                 ) from None
             if isinstance(e, aiohttp.ClientError | OSError):
                 raise UpstreamFailure(
-                    BackendFailed(f"backend {url} failed before the first byte: {type(e).__name__}"),
-                    mark_unhealthy=False,
+                    BackendFailed(f"backend {name} failed before the first byte: {type(e).__name__}"),
+                    unreachable=False,
                     timeout=False,
                 ) from None
             raise
 
+    async def read_body(self, request: web.Request) -> bytes:
+        """The request body within `body_limit_bytes`, the JSON budget and `body_timeout_s`."""
+        s = self.settings
+        budget = JsonBudget(s.body_max_json_values, s.body_max_json_containers)
+        return await read_body(request, limit=s.body_limit_bytes, budget=budget, timeout_s=s.body_timeout_s)
+
     async def handle(self, request: web.Request, endpoint: EndpointKind, path: str) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self.active.add(task)
+        try:
+            return await self._handle(request, endpoint, path)
+        finally:
+            self.active.discard(task)
+
+    async def _handle(self, request: web.Request, endpoint: EndpointKind, path: str) -> web.StreamResponse:
         arrived = self.clock()
         try:
-            if request.content.is_eof():  # the usual case: the body came with the headers
-                raw = await request.read()
-            else:
-                try:
-                    async with asyncio.timeout(self.settings.body_timeout_s):
-                        raw = await request.read()
-                except TimeoutError:
-                    raise RequestTimeout(
-                        f"request body not received within {self.settings.body_timeout_s:g} s"
-                    ) from None
+            raw = await self.read_body(request)
             body = parse_body(raw, endpoint)
             info = request_info(body, endpoint, request.headers, self.settings.allow_client_override)
+            headers = self._upstream_headers(request.headers)
             if self.settings.log_bodies:
                 log.info("request %s %s", path, raw[:65536].decode(errors="replace"))
+            if self.admission is not None:
+                await self.admission.admit(info.forced_pool, self.clock())
             policy = self.policy
             started = self.clock()
             view = self.tracker.view(started)
@@ -486,19 +547,17 @@ class Forwarder:
         except SpecrouteError as e:
             self.metrics.reject(e.status)
             raise
-        except web.HTTPRequestEntityTooLarge:
-            self.metrics.reject(413)
-            raise
         # Same synchronous step as the decision: no await between choose() and reserve().
-        run = _Run(self, request, info, body, raw, path, chosen)
+        run = _Run(self, request, info, body, raw, path, chosen, headers)
         run.reservation = self.tracker.reserve(chosen.backend, info.max_tokens or 0)
+        del body, raw  # `run` holds them until the answer is committed, then lets them go
         try:
             self.metrics.decision(policy.name, chosen.pool, chosen.reason)
             if self.shadows is not None:
                 run.shadow = self.shadows.decide(info, view, started, chosen)
             return await run.execute()
         finally:
-            self.tracker.release(run.reservation)
+            self.release(run.reservation)
             ended = self.clock()
             ttft = None if run.first_byte_at is None else max(0.0, run.first_byte_at - started)
             outcome = Outcome(
@@ -544,8 +603,11 @@ class _Run:
         raw: bytes,
         path: str,
         decision: Decision,
+        headers: CIMultiDict[str],
     ) -> None:
         self.fwd = fwd
+        self.headers = headers
+        """The client's headers as they go upstream."""
         self.request = request
         self.info = info
         self.body = body
@@ -570,17 +632,23 @@ class _Run:
     async def execute(self) -> web.StreamResponse:
         try:
             up = await self._connect()
+            # Committed: nothing is sent upstream again, so the body (a long prompt, twice: bytes
+            # and parsed) need not live as long as the stream.
+            self.raw, self.body = b"", {}
             self.first_byte_at = up.first_byte_at if up.streaming else None
             if not up.streaming:
-                return self._whole(up)
+                return await self._whole(up)
             return await self._relay(up)
         except asyncio.CancelledError:
+            # The client went away, or a shutdown cut the request: whatever it did not read
+            # must not keep its connection (and buffer) alive.
             self.status = "client_closed"
+            _abort(self.request)
             raise
 
     async def _connect(self) -> Upstream:
         fwd = self.fwd
-        headers = fwd._upstream_headers(self.request.headers)
+        headers = self.headers
         tried: set[str] = set()
         failure: UpstreamFailure | None = None
         while True:
@@ -591,14 +659,18 @@ class _Run:
             if self.sent_at is None:
                 self.sent_at = fwd.clock()
             try:
-                up = await fwd.open(backend.name + self.path, data, hdrs, self.info.stream)
+                up = await fwd.open(backend, self.path, data, hdrs, self.info.stream)
             except UpstreamFailure as f:
-                if f.mark_unhealthy and fwd.tracker.set_healthy(backend.name, False):
-                    log.warning("backend %s marked unhealthy: %s", backend.name, f.error.message)
+                fwd.attempt_failed(backend, f.error.message)
                 failure = f
             else:
                 if not up.retryable:
+                    if not up.streaming:
+                        fwd.attempt_succeeded(backend)  # a stream's fate is known at its end
                     return up
+                fwd.attempt_failed(
+                    backend, f"HTTP {up.resp.status}" + (" queue full" if up.streaming else "")
+                )
             alt = None
             if len(tried) < 2:
                 alt = fwd.failover_target(backend, tried, self.info.forced_pool is not None)
@@ -608,7 +680,7 @@ class _Run:
                 assert failure is not None
                 self.status = "timeout" if failure.timeout else "error"
                 error: SpecrouteError = failure.error
-                if failure.mark_unhealthy and not failure.timeout and not fwd.tracker.any_healthy():
+                if failure.unreachable and all(b.name in tried for b in fwd.tracker.usable(fwd.clock())):
                     # Every backend is down (this request just found the last one refusing):
                     # that is "no healthy backend", the same answer later requests get at once.
                     error = NoBackendAvailable(f"no healthy backend ({failure.error.message})")
@@ -618,76 +690,112 @@ class _Run:
                 up.resp.close()
             fwd.metrics.failover(backend.pool)
             self.reservation = fwd.tracker.move(self.reservation, alt.name)
+            if fwd.admission is not None:
+                fwd.admission.released(backend.pool)
             self.decision = replace(self.decision, pool=alt.pool, backend=alt.name, reason="failover")
 
-    def _whole(self, up: Upstream) -> web.Response:
+    async def _whole(self, up: Upstream) -> web.StreamResponse:
         resp = up.resp
         self.http_status = resp.status
         self.status = "ok" if resp.status < 400 else "error"
         if resp.status == 200:
             self.tokens = completion_tokens(up.head, self.info.endpoint)
-        return web.Response(status=resp.status, body=up.head, headers=response_headers(resp, self.decision))
+        out = web.Response(
+            status=resp.status, body=up.head, headers=self.fwd.response_headers(resp, self.decision)
+        )
+        # Written here, not by aiohttp after the handler returns, so a client that does not read
+        # is given up after client_write_timeout_s instead of holding its connection forever.
+        limit = self.fwd.settings.client_write_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                await out.prepare(self.request)
+                await out.write_eof()
+        except TimeoutError:
+            self._client_stalled(limit)
+        except ConnectionResetError:
+            self.status = "client_closed"
+        return out
+
+    def _client_stalled(self, seconds: float) -> None:
+        log.info(
+            "client of a request to %s took nothing for %g s: answer given up", self.decision.backend, seconds
+        )
+        self.status = "client_closed"
+        self.fwd.metrics.client_stalls.inc()
+        _abort(self.request)
 
     async def _relay(self, up: Upstream) -> web.StreamResponse:
         resp = up.resp
         fwd = self.fwd
+        settings = fwd.settings
         clean = False
-        sr = web.StreamResponse(status=resp.status, headers=response_headers(resp, self.decision))
+        sr = web.StreamResponse(status=resp.status, headers=fwd.response_headers(resp, self.decision))
         self.http_status = resp.status
+        strip_usage = self.strip_usage and not up.opaque
         try:
             await sr.prepare(self.request)
             tail = [b"", b"", b""]
             content = resp.content
             loop = asyncio.get_running_loop()
-            idle = fwd.settings.idle_timeout_s
-            # Re-arming the timer per chunk would cost a timer each: it is re-armed at most every
-            # `slack` seconds, to `idle + slack` ahead, so a silence shorter than `idle` is never cut
-            # (and a longer one is cut at the latest `idle + slack` after the last chunk).
-            slack = idle / 8
-            last = loop.time()
             chunk = up.head
             # Bytes after the last complete SSE event are held back until the event is whole, so
             # an error event sent after a break never lands inside a torn one. SGLang writes whole
             # events, so this is normally empty; it is bounded in case a backend never sends "\n\n".
-            pending = b""
+            held = _Holdback()
             try:
-                async with asyncio.timeout_at(last + idle + slack) as timer:
+                with RelayWatchdog(settings.idle_timeout_s, settings.client_write_timeout_s) as dog:
                     while chunk:
                         tail[0], tail[1], tail[2] = tail[1], tail[2], chunk
                         if content.at_eof():
                             break  # the last piece goes out with the terminating chunk, in one write
-                        if pending:
-                            chunk, pending = pending + chunk, b""
-                        if not chunk.endswith(b"\n\n") and len(chunk) < _MAX_HELD_BACK:
-                            end = chunk.rfind(b"\n\n") + 2
-                            if end == 1:  # not one event in it is complete yet
-                                end = 0
-                            chunk, pending = chunk[:end], chunk[end:]
-                        if self.strip_usage:
+                        if not up.opaque:
+                            chunk = held.push(chunk)
+                        if strip_usage:
                             chunk = drop_usage_events(chunk)
                         if chunk:
+                            began = loop.time()
+                            dog.writing(began)
                             await sr.write(chunk)
+                            now = loop.time()
+                            dog.reading(now, now - began)
                         chunk = await content.readany()
-                        now = loop.time()
-                        if now - last >= slack:
-                            timer.reschedule(now + idle + slack)
-                            last = now
-            except TimeoutError:
+            except Stalled as e:
+                if e.side == "client":
+                    self._client_stalled(e.seconds)
+                    return sr
                 self.status = "timeout"
-                await self._break(sr, f"backend {self.decision.backend} sent nothing for {idle:g} s")
+                fwd.attempt_failed(self.reservation.backend, f"silent for {e.seconds:g} s")
+                await self._break(sr, f"backend {self.decision.backend} sent nothing for {e.seconds:g} s")
                 return sr
             except (aiohttp.ClientError, OSError) as e:
                 transport = self.request.transport
                 if transport is None or transport.is_closing():
                     raise ConnectionResetError from None  # our own client went away (write failed)
                 self.status = "error"
+                fwd.attempt_failed(self.reservation.backend, f"stream broke: {type(e).__name__}")
                 await self._break(sr, f"backend {self.decision.backend} stream broke: {type(e).__name__}")
+                return sr
+            last_piece = held.rest() + chunk
+            if not up.opaque and last_piece and not _ends_an_event(last_piece):
+                # The answer ended inside an event: a close-delimited stream whose connection was
+                # torn (without chunked framing the end of the body looks like its end).
+                end = last_piece.rfind(b"\n\n") + 2
+                head = last_piece[:end] if end > 1 else b""
+                if head:
+                    await self._write_or_give_up(sr, drop_usage_events(head) if strip_usage else head)
+                self.status = "error"
+                fwd.attempt_failed(self.reservation.backend, "stream ended inside an event")
+                await self._break(sr, f"backend {self.decision.backend} stream ended inside an event")
                 return sr
             clean = True
             self.status = "ok" if resp.status < 400 and not up.retryable else "error"
-            self.tokens = completion_tokens(b"".join(tail), self.info.endpoint)
-            last_piece = pending + chunk
-            await sr.write_eof(drop_usage_events(last_piece) if self.strip_usage else last_piece)
+            if not up.retryable:  # a relayed queue-full event was counted as a failure already
+                fwd.attempt_succeeded(self.reservation.backend)
+            if not up.opaque:
+                self.tokens = completion_tokens(b"".join(tail), self.info.endpoint)
+            await self._write_or_give_up(
+                sr, drop_usage_events(last_piece) if strip_usage else last_piece, eof=True
+            )
             return sr
         except ConnectionResetError:
             self.status = "client_closed"
@@ -698,10 +806,57 @@ class _Run:
             else:
                 resp.close()  # the backend sees the disconnect and aborts the generation
 
+    async def _write_or_give_up(self, sr: web.StreamResponse, data: bytes, *, eof: bool = False) -> bool:
+        """Write (and end, with `eof`) within client_write_timeout_s; False when the client was given up."""
+        limit = self.fwd.settings.client_write_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                if eof:
+                    await sr.write_eof(data)
+                elif data:
+                    await sr.write(data)
+        except TimeoutError:
+            self._client_stalled(limit)
+            return False
+        return True
+
     async def _break(self, sr: web.StreamResponse, message: str) -> None:
         log.warning("%s", message)
         try:
-            await sr.write(StreamBroken(message).sse_event())
-            await sr.write_eof()
+            if await self._write_or_give_up(sr, StreamBroken(message).sse_event()):
+                await self._write_or_give_up(sr, b"", eof=True)
         except ConnectionResetError:
             self.status = "client_closed"
+
+
+class _Holdback:
+    """The bytes after the last complete SSE event, held back until their event is whole. Each
+    byte is searched once; past `_MAX_HELD_BACK` bytes without an event's end they go out anyway."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def _take(self, more: bytes = b"") -> bytes:
+        out = b"".join((*self._parts, more)) if self._parts else more
+        self._parts, self._size = [], 0
+        return out
+
+    def push(self, chunk: bytes) -> bytes:
+        """What of the events so far may go out now."""
+        if chunk.endswith(b"\n\n"):
+            return self._take(chunk)
+        cut = chunk.rfind(b"\n\n") + 2
+        if cut == 1 and self._parts and self._parts[-1].endswith(b"\n") and chunk.startswith(b"\n"):
+            cut = 1  # the blank line straddles the previous chunk and this one
+        elif cut == 1:
+            self._parts.append(chunk)
+            self._size += len(chunk)
+            return self._take() if self._size >= _MAX_HELD_BACK else b""
+        out = self._take(chunk[:cut])
+        if cut < len(chunk):
+            self._parts, self._size = [chunk[cut:]], len(chunk) - cut
+        return out
+
+    def rest(self) -> bytes:
+        return self._take()

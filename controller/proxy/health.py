@@ -1,7 +1,16 @@
-"""Active health checks: probe every backend periodically; 200 means healthy.
+"""Active health checks: probe every backend periodically; 200 means the probe passed.
 
-Passive marking (a backend refused a connection or timed out before its first byte) happens in
-`forward.py`; the probes here are what brings such a backend back.
+A backend turns unhealthy after `unhealthy_threshold` failed probes in a row and healthy again
+after `healthy_threshold` passed ones, so one slow probe does not take a backend out. The first
+probe of a backend decides at once: until then its health is an assumption, not an observation. Failed
+requests are a separate signal: the outlier detector (`controller.proxy.outlier`) ejects a
+backend for a while after consecutive failures; routing needs both (`load.py`).
+
+Which endpoint: by default `/ready`. SGLang's `/health` (and `/health_generate`) run a one-token
+generation on an idle server and take at least a second, so probing them every few seconds costs
+GPU work and holds a connection; `/ready` answers from the HTTP server's state, without
+generating (SGLANG.md). A backend that answers the configured path with 404 (an SGLang release
+without `/ready`) is probed on `/health` from then on, logged once. Redirects are not followed.
 """
 
 from __future__ import annotations
@@ -11,9 +20,13 @@ import logging
 
 import aiohttp
 
-from controller.proxy.load import LoadTracker
+from controller.proxy.limits import read_bounded
+from controller.proxy.load import BackendState, LoadTracker
 
 log = logging.getLogger("specroute.health")
+
+FALLBACK_PATH = "/health"
+_PROBE_LIMIT_BYTES = 1 << 20
 
 
 class HealthChecker:
@@ -22,30 +35,62 @@ class HealthChecker:
         tracker: LoadTracker,
         session: aiohttp.ClientSession,
         *,
-        path: str = "/health",
+        path: str = "/ready",
         interval_s: float = 5.0,
         timeout_s: float = 5.0,
+        unhealthy_threshold: int = 2,
+        healthy_threshold: int = 1,
     ) -> None:
         self.tracker = tracker
         self.session = session
         self.path = path
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.unhealthy_threshold = unhealthy_threshold
+        self.healthy_threshold = healthy_threshold
+        self._paths = {b.name: path for b in tracker}
+        self._streak = {b.name: 0 for b in tracker}
+        """Consecutive probe results that disagree with the backend's current health."""
+        self._probed: set[str] = set()
 
-    async def probe(self, name: str) -> bool:
+    async def probe(self, backend: BackendState) -> bool:
+        path = self._paths[backend.name]
         try:
-            async with self.session.get(name + self.path, timeout=self.timeout) as resp:
-                await resp.read()
-                return resp.status == 200
+            async with self.session.get(
+                backend.url + path, timeout=self.timeout, allow_redirects=False
+            ) as resp:
+                await read_bounded(resp, _PROBE_LIMIT_BYTES)
+                status = resp.status
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
+        if status == 404 and path != FALLBACK_PATH:
+            log.warning(
+                "backend %s answers %s with 404 (an SGLang release without it?): probing %s instead",
+                backend.name, path, FALLBACK_PATH,
+            )  # fmt: skip
+            self._paths[backend.name] = FALLBACK_PATH
+            return await self.probe(backend)
+        return status == 200
+
+    def record(self, backend: BackendState, ok: bool) -> None:
+        """Count one probe result; the backend's health flips after enough in a row."""
+        first = backend.name not in self._probed
+        self._probed.add(backend.name)
+        if ok == backend.healthy:
+            self._streak[backend.name] = 0
+            return
+        self._streak[backend.name] += 1
+        needed = self.healthy_threshold if ok else self.unhealthy_threshold
+        if first or self._streak[backend.name] >= needed:
+            self._streak[backend.name] = 0
+            self.tracker.set_healthy(backend.name, ok)
+            log.warning("backend %s is now %s", backend.name, "healthy" if ok else "UNHEALTHY")
 
     async def check_all(self) -> None:
-        names = [b.name for b in self.tracker]
-        results = await asyncio.gather(*(self.probe(n) for n in names))
-        for name, ok in zip(names, results, strict=True):
-            if self.tracker.set_healthy(name, ok):
-                log.warning("backend %s is now %s", name, "healthy" if ok else "UNHEALTHY")
+        backends = list(self.tracker)
+        results = await asyncio.gather(*(self.probe(b) for b in backends))
+        for backend, ok in zip(backends, results, strict=True):
+            self.record(backend, ok)
 
     async def run(self) -> None:
         """Probe forever (until cancelled), starting with one round right away."""

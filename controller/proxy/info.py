@@ -25,6 +25,8 @@ from aiohttp import web
 
 from controller.proxy.errors import NoBackendAvailable
 from controller.proxy.forward import Forwarder
+from controller.proxy.headers import POOL_HEADER, forwardable
+from controller.proxy.limits import ResponseTooLarge, read_bounded
 from controller.proxy.load import BackendState
 from policies.base import Pool
 
@@ -47,7 +49,9 @@ async def _get(fwd: Forwarder, request: web.Request, b: BackendState, path: str)
     """GET `path` from one backend; None when it fails or answers 5xx."""
     assert fwd.session is not None
     headers = {}
-    auth = fwd.auth_header(b.pool) or request.headers.get("Authorization")
+    auth = fwd.auth_header(b.pool)
+    if not auth and "Authorization" in request.headers:
+        auth = forwardable("Authorization", request.headers["Authorization"])
     if auth:
         headers["Authorization"] = auth
     s = fwd.settings
@@ -55,17 +59,19 @@ async def _get(fwd: Forwarder, request: web.Request, b: BackendState, path: str)
         total=s.health_check_timeout_s + s.connect_timeout_s, sock_connect=s.connect_timeout_s
     )
     try:
-        async with fwd.session.get(b.name + path, headers=headers, timeout=timeout) as resp:
-            body = await resp.read()
-            if resp.status >= 500:
+        async with fwd.session.get(
+            b.url + path, headers=headers, timeout=timeout, allow_redirects=False
+        ) as resp:
+            body = await read_bounded(resp, s.response_limit_bytes)
+            if resp.status >= 500 or 300 <= resp.status < 400:
                 return None
             return _Answer(b, resp.status, body, resp.content_type)
-    except (aiohttp.ClientError, TimeoutError, OSError):
+    except (aiohttp.ClientError, TimeoutError, OSError, ResponseTooLarge):
         return None
 
 
 def _healthy(fwd: Forwarder, pool: Pool) -> list[BackendState]:
-    return [b for b in fwd.tracker.pool_backends(pool) if b.healthy]
+    return [b for b in fwd.tracker.usable(fwd.clock()) if b.pool == pool]
 
 
 def _relay(answer: _Answer) -> web.Response:
@@ -73,7 +79,7 @@ def _relay(answer: _Answer) -> web.Response:
         status=answer.status,
         body=answer.body,
         content_type=answer.content_type,
-        headers={"x-specroute-pool": answer.backend.pool},
+        headers={POOL_HEADER: answer.backend.pool},
     )
 
 
@@ -122,4 +128,4 @@ async def server_info(fwd: Forwarder, request: web.Request) -> web.Response:
         "accept_length_backends": len(lengths),
         "healthy_backends": {"baseline": len(_healthy(fwd, "baseline")), "eagle": len(eagle)},
     }
-    return web.json_response(body, headers={"x-specroute-pool": source.backend.pool})
+    return web.json_response(body, headers={POOL_HEADER: source.backend.pool})

@@ -12,22 +12,38 @@ replica's in-flight count when the scrape was sent, so the requests dispatched (
 (-1) since then are exactly `in_flight - sample_in_flight`. `view` reports running + queued
 corrected by that difference (the backend's count already includes the other replicas'
 requests), and drops samples older than `stale_after_s`.
+
+Availability, as policies see it in `BackendLoad.healthy`: a backend is *usable* when its health
+probes pass (`healthy`) and the outlier detector has not ejected it (`ejected_until`); when no
+backend of either pool is usable and `panic` is on, all of them are (Envoy's panic mode: try
+them rather than refuse). A usable backend takes a request only while it and its pool are below
+their in-flight bounds (`max_in_flight`, `pool_max_in_flight`; None = unbounded): a full one
+appears unhealthy in the view, so policies route around it, and when every backend a request
+may use is full the request waits in `controller.proxy.admission`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from policies.base import BackendLoad, LoadView, Pool, PoolLoad
+from controller.proxy.config import parse_backend
+from policies.base import POOLS, BackendLoad, LoadView, Pool, PoolLoad
 
 
 @dataclass(slots=True)
 class BackendState:
     name: str
-    """The backend's base URL; also its name in decisions, headers and metric labels."""
+    """The backend's configured name (its URL unless named): in decisions, headers, metric labels."""
     pool: Pool
+    url: str = ""
+    """The base URL requests, probes and scrapes go to (never shown to clients unless it is the name)."""
     healthy: bool = True
+    """What the active health probes say (see `controller.proxy.health`)."""
+    ejected_until: float | None = None
+    """Set by the outlier detector: no requests until then (the proxy's clock)."""
+    max_in_flight: int | None = None
+    """Admission bound of this backend; None: unbounded."""
     in_flight: int = 0
     in_flight_tokens: int = 0
     running: int | None = None
@@ -40,13 +56,22 @@ class BackendState:
     sample_in_flight: int | None = None
     """`in_flight` when the latest sample was taken; None: the sample already counts ours."""
 
-    def load(self, now: float, stale_after_s: float) -> BackendLoad:
+    def ejected(self, now: float) -> bool:
+        until = self.ejected_until
+        return until is not None and now < until
+
+    def has_room(self) -> bool:
+        bound = self.max_in_flight
+        return bound is None or self.in_flight < bound
+
+    def load(self, now: float, stale_after_s: float, available: bool = True) -> BackendLoad:
+        """This backend's load at `now`; `available` becomes the view's `healthy`."""
         t = self.sample_time
         if t is None or now - t > stale_after_s or self.running is None:
             return BackendLoad(
                 name=self.name,
                 pool=self.pool,
-                healthy=self.healthy,
+                healthy=available,
                 in_flight=self.in_flight,
                 in_flight_tokens=self.in_flight_tokens,
             )
@@ -56,7 +81,7 @@ class BackendState:
         return BackendLoad(
             name=self.name,
             pool=self.pool,
-            healthy=self.healthy,
+            healthy=available,
             in_flight=self.in_flight,
             in_flight_tokens=self.in_flight_tokens,
             running=running,
@@ -87,14 +112,25 @@ class Reservation:
 class LoadTracker:
     """The backends of both pools with their health and proxy-local load."""
 
-    def __init__(self, baseline: Iterable[str], eagle: Iterable[str], *, stale_after_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        baseline: Iterable[str],
+        eagle: Iterable[str],
+        *,
+        stale_after_s: float = 5.0,
+        panic: bool = True,
+    ) -> None:
+        """`baseline`, `eagle`: backends as `URL` or `NAME=URL`."""
         self.backends: dict[str, BackendState] = {}
-        for pool, urls in (("baseline", baseline), ("eagle", eagle)):
-            for url in urls:
-                if url in self.backends:
-                    raise ValueError(f"backend {url} listed twice")
-                self.backends[url] = BackendState(name=url, pool=pool)  # type: ignore[arg-type]
+        for pool, entries in (("baseline", baseline), ("eagle", eagle)):
+            for entry in entries:
+                spec = parse_backend(entry)
+                if spec.name in self.backends:
+                    raise ValueError(f"backend {spec.name} listed twice")
+                self.backends[spec.name] = BackendState(name=spec.name, pool=pool, url=spec.url)  # type: ignore[arg-type]
         self.stale_after_s = stale_after_s
+        self.panic = panic
+        self.pool_max_in_flight: dict[Pool, int | None] = {"baseline": None, "eagle": None}
 
     def __iter__(self) -> Iterator[BackendState]:
         return iter(self.backends.values())
@@ -105,12 +141,37 @@ class LoadTracker:
     def pool_backends(self, pool: Pool) -> list[BackendState]:
         return [b for b in self.backends.values() if b.pool == pool]
 
+    def set_bounds(self, backend: Mapping[str, int | None], pool: Mapping[Pool, int | None]) -> None:
+        """Admission bounds: per backend name and per pool (None: unbounded)."""
+        for name, bound in backend.items():
+            self.backends[name].max_in_flight = bound
+        self.pool_max_in_flight = {p: pool.get(p) for p in POOLS}
+
+    def usable(self, now: float) -> list[BackendState]:
+        """Backends that may get requests health-wise: probes pass and not ejected; in panic (none
+        such, `panic` on) every backend."""
+        up = [b for b in self.backends.values() if b.healthy and not b.ejected(now)]
+        if not up and self.panic:
+            return list(self.backends.values())
+        return up
+
+    def pool_has_room(self, pool: Pool) -> bool:
+        bound = self.pool_max_in_flight[pool]
+        return bound is None or sum(b.in_flight for b in self.backends.values() if b.pool == pool) < bound
+
+    def takers(self, now: float) -> list[BackendState]:
+        """Usable backends with room for one more request (theirs and their pool's)."""
+        room = {p: self.pool_has_room(p) for p in POOLS}
+        return [b for b in self.usable(now) if room[b.pool] and b.has_room()]
+
     def view(self, now: float) -> LoadView:
+        """Every backend's load; `healthy` in the view means "may take this request now"."""
         base: list[BackendLoad] = []
         eagle: list[BackendLoad] = []
         stale = self.stale_after_s
+        takers = {b.name for b in self.takers(now)}
         for b in self.backends.values():
-            (base if b.pool == "baseline" else eagle).append(b.load(now, stale))
+            (base if b.pool == "baseline" else eagle).append(b.load(now, stale, b.name in takers))
         return LoadView(baseline=PoolLoad("baseline", tuple(base)), eagle=PoolLoad("eagle", tuple(eagle)))
 
     def reserve(self, name: str, tokens: int = 0) -> Reservation:
@@ -164,4 +225,5 @@ class LoadTracker:
         return sum(b.in_flight for b in self.backends.values())
 
     def any_healthy(self) -> bool:
+        """Whether any backend passes its health probes (what `/ready` reports)."""
         return any(b.healthy for b in self.backends.values())

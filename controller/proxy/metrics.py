@@ -62,12 +62,25 @@ class _TrackerCollector(Collector):
             "Age of the backend's latest load sample (absent before the first).",
             labels=labels,
         )
+        ejected = GaugeMetricFamily(
+            "specroute_backend_ejected",
+            "1 while the outlier detector keeps the backend out of routing, else 0.",
+            labels=labels,
+        )
+        bound = GaugeMetricFamily(
+            "specroute_backend_max_in_flight",
+            "Admission bound: requests this proxy sends to the backend at once (absent: unbounded).",
+            labels=labels,
+        )
         now = self._clock()
         stale = self._tracker.stale_after_s
         for b in self._tracker:
             key = [b.pool, b.name]
             in_flight.add_metric(key, b.in_flight)
             healthy.add_metric(key, 1.0 if b.healthy else 0.0)
+            ejected.add_metric(key, 1.0 if b.ejected(now) else 0.0)
+            if b.max_in_flight is not None:
+                bound.add_metric(key, b.max_in_flight)
             if b.sample_time is None:
                 continue
             age.add_metric(key, max(0.0, now - b.sample_time))
@@ -78,7 +91,7 @@ class _TrackerCollector(Collector):
                 queued.add_metric(key, b.queued or 0)
             if b.accept_length is not None:
                 accept.add_metric(key, b.accept_length)
-        yield from (in_flight, healthy, running, queued, accept, age)
+        yield from (in_flight, healthy, running, queued, accept, age, ejected, bound)
 
 
 class Metrics:
@@ -157,6 +170,17 @@ class Metrics:
             buckets=OVERHEAD_BUCKETS,
             registry=r,
         )
+        self.ejections = Counter(
+            "specroute_backend_ejections",
+            "Times the outlier detector ejected a backend after consecutive failures.",
+            ["pool", "backend"],
+            registry=r,
+        )
+        self.client_stalls = Counter(
+            "specroute_client_write_timeouts",
+            "Answers given up because a write to the client stayed blocked for client_write_timeout_s.",
+            registry=r,
+        )
         self.shadow = Counter(
             "specroute_shadow_decisions",
             "Choices of the shadow policies, and whether they agree with the live policy's pool.",
@@ -229,3 +253,6 @@ class Metrics:
 
     def failover(self, pool: str) -> None:
         self.failovers.labels(pool).inc()
+
+    def ejection(self, pool: str, backend: str) -> None:
+        self.ejections.labels(pool, backend).inc()

@@ -24,10 +24,14 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from controller.proxy.limits import read_bounded
 from controller.proxy.load import LoadTracker
 from policies.base import Pool
 
 log = logging.getLogger("specroute.scrape")
+
+SCRAPE_LIMIT_BYTES = 8 * 1024 * 1024
+"""Largest /metrics or /v1/loads answer read (SGLang's are tens of kB)."""
 
 RUNNING = "sglang:num_running_reqs"
 QUEUED = "sglang:num_queue_reqs"
@@ -171,8 +175,10 @@ class BackendScraper:
         self._scrapes = 0
 
     async def _get(self, session: aiohttp.ClientSession, path: str) -> tuple[int, str]:
-        async with session.get(self.url + path, timeout=self._timeout, headers=self._headers) as resp:
-            return resp.status, await resp.text(errors="replace")
+        async with session.get(
+            self.url + path, timeout=self._timeout, headers=self._headers, allow_redirects=False
+        ) as resp:
+            return resp.status, (await read_bounded(resp, SCRAPE_LIMIT_BYTES)).decode(errors="replace")
 
     def _ask(self, known: bool | None) -> bool:
         return known is not False or self._scrapes % self.recheck_every == 0
@@ -216,7 +222,7 @@ class ScrapeLoop:
         self.interval_s = interval_s
         self.clock = clock
         self.scrapers = {
-            b.name: BackendScraper(b.name, timeout_s=timeout_s, headers=headers(b.pool) if headers else None)
+            b.name: BackendScraper(b.url, timeout_s=timeout_s, headers=headers(b.pool) if headers else None)
             for b in tracker
         }
         self.samples = 0

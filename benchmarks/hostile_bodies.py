@@ -1,0 +1,280 @@
+"""/health latency and proxy memory while hostile request bodies are in flight.
+
+Runs as separate processes: a sink backend (reads a request, answers a fixed completion), a
+`specroute serve` in front of it, and a prober that GETs specroute's /health every 5 ms and
+samples its resident memory (/proc/PID/status). For reference the same is run against a minimal
+aiohttp server that refuses every body over 1 MiB with 413 (aiohttp's own limit) and does
+nothing else: what it measures is the machine (the senders, the kernel, other load), not
+specroute. This process sends the bodies, six at once, in rounds, per scenario:
+
+  idle         nothing in flight (the reference)
+  lists        30 MB bodies of tiny JSON arrays `[],[],...` (the issue's attack: ~0.8 GB each to
+               parse before the JSON budget)
+  numbers      30 MB bodies of tiny numbers `0,0,...`
+  prose        30 MB bodies holding one long string each (legitimate, within the budget: parsed
+               and forwarded by specroute)
+
+Six senders post bodies back to back for a few seconds per run; targets alternate run by run.
+Printed per target and scenario, side by side: probes n, /health p50 / p99 / max (ms), p99 over
+idle p99, the statuses the senders got, RSS at the start and at peak (MiB); then the p99 ratio
+specroute / minimal per scenario and each process's VmHWM (peak since start).
+
+    python benchmarks/hostile_bodies.py [--rounds 3] [--seconds 5] [--mb 30] [--parallel 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import TextIO
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPLETION = {
+    "id": "x",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
+
+
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+# --- child processes ----------------------------------------------------------------------
+
+
+def run_server(max_body_bytes: int) -> None:
+    """POST /v1/chat/completions reads the body (aiohttp answers 413 past `max_body_bytes`) and
+    answers a fixed completion; GET /health and /ready answer 200. Prints its URL, serves forever.
+    The sink behind specroute (a large limit) and the minimal reference server (1 MiB)."""
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(COMPLETION)
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def main() -> None:
+        app = web.Application(client_max_size=max_body_bytes)
+        app.router.add_post("/v1/chat/completions", answer)
+        app.router.add_get("/ready", ok)
+        app.router.add_get("/health", ok)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        print(f"listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+        await asyncio.Event().wait()
+
+    import uvloop
+
+    uvloop.run(main())
+
+
+def run_probe(url: str, pid: int, out: str) -> None:
+    """GET /health every 5 ms (one connection, as a load balancer would) and sample RSS; append
+    `time latency_ms rss_kib` lines to `out` until killed."""
+
+    async def main(f: TextIO) -> None:
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(connector=connector) as s:
+            print("ready", flush=True)
+            while True:
+                t0 = time.monotonic()
+                try:
+                    async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                        await r.read()
+                    latency = (time.monotonic() - t0) * 1000
+                except (aiohttp.ClientError, TimeoutError):
+                    latency = float("inf")
+                f.write(f"{t0:.6f} {latency:.3f} {rss_kib(pid)}\n")
+                await asyncio.sleep(max(0.0, 0.005 - (time.monotonic() - t0)))
+
+    with open(out, "w", buffering=1) as f:
+        asyncio.run(main(f))
+
+
+# --- the bodies ---------------------------------------------------------------------------
+
+
+def body(kind: str, size: int) -> bytes:
+    head = b'{"model": "m", "max_tokens": 1, "messages": '
+    if kind == "lists":
+        n = (size - 100) // 3
+        return head + b'[], "x": [' + b"[]," * n + b"[]]}"
+    if kind == "numbers":
+        n = (size - 100) // 2
+        return head + b'[], "x": [' + b"0," * n + b"0]}"
+    text = "lorem ipsum dolor sit amet, " * (size // 28)
+    return head + json.dumps([{"role": "user", "content": text}]).encode() + b"}"
+
+
+async def send(session: aiohttp.ClientSession, url: str, data: bytes) -> str:
+    try:
+        async with session.post(
+            url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
+        ) as r:
+            await r.read()
+            return str(r.status)
+    except aiohttp.ClientError as e:
+        return type(e).__name__
+
+
+async def scenario(url: str, kind: str, args: argparse.Namespace) -> tuple[float, float, Counter[str]]:
+    """`args.parallel` senders, each posting bodies back to back for `args.seconds`."""
+    start = time.monotonic()
+    statuses: Counter[str] = Counter()
+    if kind == "idle":
+        await asyncio.sleep(args.seconds)
+        return start, time.monotonic(), statuses
+    data = BODIES[kind]
+    end = start + args.seconds
+
+    async def sender(s: aiohttp.ClientSession) -> None:
+        while time.monotonic() < end:
+            statuses[await send(s, url, data)] += 1
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        await asyncio.gather(*(sender(s) for _ in range(args.parallel)))
+    return start, time.monotonic(), statuses
+
+
+SCENARIOS = ("idle", "lists", "numbers", "prose")
+BODIES: dict[str, bytes] = {}
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3, help="Rounds; each runs every scenario on both targets.")
+    ap.add_argument("--seconds", type=float, default=5.0, help="Length of one scenario run.")
+    ap.add_argument("--mb", type=int, default=30, help="Body size in MiB.")
+    ap.add_argument("--parallel", type=int, default=6, help="Bodies in flight at once.")
+    ap.add_argument("--role", choices=["sink", "probe", "refuser"], help=argparse.SUPPRESS)
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--pid", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "sink":
+        run_server(256 * 1024 * 1024)
+        return 0
+    if args.role == "probe":
+        run_probe(args.url, args.pid, args.out)
+        return 0
+    if args.role == "refuser":
+        run_server(1024 * 1024)
+        return 0
+    for kind in SCENARIOS[1:]:
+        BODIES[kind] = body(kind, args.mb * 1024 * 1024)
+    measure(args)
+    return 0
+
+
+def measure(args: argparse.Namespace) -> None:
+    me = [sys.executable, str(Path(__file__).resolve())]
+    procs: list[subprocess.Popen[str]] = []
+
+    def spawn(cmd: list[str]) -> tuple[subprocess.Popen[str], str]:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        procs.append(proc)
+        assert proc.stdout is not None
+        return proc, proc.stdout.readline().strip()
+
+    targets = ("aiohttp minimal", "specroute")
+    outs = {t: f"/tmp/specroute-hostile-{os.getpid()}-{i}.txt" for i, t in enumerate(targets)}
+    windows: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    statuses: dict[tuple[str, str], Counter[str]] = {}
+    rss_before: dict[tuple[str, str], int] = {}
+    pids = {}
+    try:
+        _, sink = spawn([*me, "--role", "sink"])
+        serve, line = spawn(
+            [sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--baseline",
+             sink.split("listening on ", 1)[1], "--policy", "fixed", "--log-level", "ERROR"]
+        )  # fmt: skip
+        refuser, line2 = spawn([*me, "--role", "refuser"])
+        urls = {
+            "specroute": line.split("listening on ", 1)[1],
+            "aiohttp minimal": line2.split("listening on ", 1)[1],
+        }
+        pids = {"specroute": serve.pid, "aiohttp minimal": refuser.pid}
+        for t in targets:
+            spawn([*me, "--role", "probe", "--url", urls[t], "--pid", str(pids[t]), "--out", outs[t]])
+        time.sleep(1.0)
+        for r in range(args.rounds):
+            for kind in SCENARIOS:
+                for t in targets if r % 2 == 0 else reversed(targets):  # alternate the order
+                    key = (t, kind)
+                    rss_before.setdefault(key, rss_kib(pids[t]))
+                    start, end, got = asyncio.run(scenario(urls[t], kind, args))
+                    windows.setdefault(key, []).append((start, end))
+                    statuses.setdefault(key, Counter()).update(got)
+                    time.sleep(0.5)
+        hwm = {t: rss_kib(pids[t], "VmHWM") for t in targets}
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+    samples = {}
+    for t, out in outs.items():
+        samples[t] = [
+            tuple(float(x) for x in row.split()) for row in Path(out).read_text().splitlines() if row
+        ]
+        os.unlink(out)
+
+    print(
+        f"\n{args.parallel} senders posting {args.mb} MiB bodies back to back, {args.seconds:g} s per run, "
+        f"{args.rounds} runs per scenario and target (targets alternate); /health probed every 5 ms on one "
+        f"connection. 'aiohttp minimal' refuses every body over 1 MiB and does nothing else: it shows what "
+        f"the machine (senders, kernel, other load) costs."
+    )
+    print(
+        f"{'target':16} {'scenario':8} {'n':>5} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} "
+        f"{'p99/idle':>8} {'RSS MiB start/peak':>18}  statuses"
+    )
+    p99s: dict[tuple[str, str], float] = {}
+    for kind in SCENARIOS:
+        for t in targets:
+            key = (t, kind)
+            inside = [s for s in samples[t] if any(a <= s[0] <= b for a, b in windows[key])]
+            lat = [s[1] for s in inside]
+            peak = max((s[2] for s in inside), default=0)
+            p99s[key] = pct(lat, 0.99)
+            shown = ", ".join(f"{k}: {v}" for k, v in sorted(statuses[key].items())) or "-"
+            p50, p99, worst = statistics.median(lat), p99s[key], max(lat)
+            ratio = p99 / p99s[(t, "idle")]
+            print(
+                f"{t:16} {kind:8} {len(lat):5d} {p50:7.1f} {p99:7.1f} {worst:7.1f} {ratio:8.1f} "
+                f"{rss_before[key] / 1024:8.0f} / {peak / 1024:6.0f}  {shown}"
+            )
+    for kind in SCENARIOS:
+        ratio = p99s[("specroute", kind)] / p99s[("aiohttp minimal", kind)]
+        print(f"p99 specroute / aiohttp minimal, {kind}: {ratio:.2f}")
+    print("VmHWM (peak RSS since start): " + ", ".join(f"{t} {hwm[t] / 1024:.0f} MiB" for t in targets))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Admission control: a bounded wait in specroute when every backend a request may use is full.
+
+How it works: each backend has an in-flight bound (by default its pool's `max_running_requests`
+from the profile plus `admission_margin`), and so has each pool (by default the sum). A full
+backend appears unhealthy in the `LoadView` (`LoadTracker.takers`), so policies route around it
+to backends that still have room, in the same pool or the other. Only when none of the backends a
+request may use has room (all of them, or those of the pool the client forced) does the request
+wait here, in arrival order, before anything is decided. Each released slot wakes the oldest
+waiter that may use its pool; the waiter then asks the policy with the load as it is at that
+moment (and waits on if another request took the slot first). Past `wait_s` -- or at once when
+`max_waiting` requests wait already -- it gets 429 with `Retry-After` in OpenAI's error shape.
+Nothing waits on a backend that is down: a request whose backends are all unusable goes on to
+the routing decision (panic mode or 503), not into this queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from controller.proxy.config import Settings
+from controller.proxy.errors import Overloaded
+from controller.proxy.load import LoadTracker
+from policies.base import POOLS, Pool
+from policies.profile import Profile
+
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RECHECK_S = 1.0
+"""A waiter also looks again this often (a backend may come back without any slot freeing)."""
+RETRY_AFTER_S = 1
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    pools: frozenset[Pool]
+    wake: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class AdmissionMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.waits = Counter(
+            "specroute_admission_waits",
+            "Requests that waited in specroute because every backend they may use was at its bound.",
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "specroute_admission_rejections",
+            "Requests answered 429 after waiting admission_wait_s, or at once with admission_max_waiting "
+            "requests waiting.",
+            registry=registry,
+        )
+        self.wait_seconds = Histogram(
+            "specroute_admission_wait_seconds",
+            "Time requests waited for a free slot (requests that waited), by how the wait ended.",
+            ["outcome"],
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.waiting = Gauge(
+            "specroute_admission_waiting_requests", "Requests waiting for a free slot now.", registry=registry
+        )
+
+
+class Admission:
+    def __init__(
+        self,
+        tracker: LoadTracker,
+        metrics: AdmissionMetrics,
+        *,
+        wait_s: float,
+        max_waiting: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.tracker = tracker
+        self.clock = clock
+        self.metrics = metrics
+        self.wait_s = wait_s
+        self.max_waiting = max_waiting
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def blocked(self, forced: Pool | None, now: float) -> bool:
+        """Whether a request (forced to a pool, or not) must wait: some backend it may use is
+        usable, and every such backend is full."""
+        usable = [b for b in self.tracker.usable(now) if forced is None or b.pool == forced]
+        if not usable:
+            return False
+        room = {p: self.tracker.pool_has_room(p) for p in POOLS}
+        return not any(room[b.pool] and b.has_room() for b in usable)
+
+    async def admit(self, forced: Pool | None, now: float) -> float:
+        """Return once the request may be routed (at once in the usual case, without suspending);
+        the seconds it waited. Raises `Overloaded` when it may not."""
+        if not self.blocked(forced, now):
+            return 0.0
+        if len(self._waiters) >= self.max_waiting or self.wait_s <= 0:
+            self.metrics.rejections.inc()
+            raise Overloaded(
+                f"all backends are at their in-flight bound and {len(self._waiters)} request(s) wait already",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self.wait_s
+        waiter = _Waiter(frozenset(POOLS if forced is None else (forced,)))
+        self._waiters.append(waiter)
+        self.metrics.waits.inc()
+        self.metrics.waiting.inc()
+        outcome = "client_closed"
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    outcome = "rejected"
+                    self.metrics.rejections.inc()
+                    raise Overloaded(
+                        f"all backends are at their in-flight bound; waited {self.wait_s:g} s for a slot",
+                        retry_after_s=RETRY_AFTER_S,
+                    )
+                try:
+                    async with asyncio.timeout(min(remaining, RECHECK_S)):
+                        await waiter.wake
+                except TimeoutError:
+                    pass
+                if not self.blocked(forced, self.clock()):
+                    outcome = "admitted"
+                    return loop.time() - started
+                if waiter.wake.done():
+                    waiter.wake = loop.create_future()  # another request took the slot: wait on, in place
+        finally:
+            self._waiters.remove(waiter)
+            self.metrics.waiting.dec()
+            self.metrics.wait_seconds.labels(outcome).observe(loop.time() - started)
+
+    def released(self, pool: Pool) -> None:
+        """A slot of `pool` freed: wake the oldest waiter that may use it."""
+        for waiter in self._waiters:
+            if pool in waiter.pools and not waiter.wake.done():
+                waiter.wake.set_result(None)
+                return
+
+
+def in_flight_bounds(
+    settings: Settings, profile: Profile | None
+) -> tuple[dict[str, int | None], dict[Pool, int | None]]:
+    """(bound per backend name, bound per pool) from the settings; None is unbounded. A backend's
+    default is its pool's `max_running_requests` in the profile times `1 + admission_margin`."""
+    backends: dict[str, int | None] = {}
+    pools: dict[Pool, int | None] = {}
+    for pool in POOLS:
+        explicit: int | None = getattr(settings, f"{pool}_backend_max_in_flight")
+        bound: int | None
+        if explicit is not None:
+            bound = explicit or None
+        else:
+            mode = profile.modes.get(pool) if profile is not None else None
+            cap = mode.max_running_requests if mode is not None else None
+            bound = math.ceil(cap * (1 + settings.admission_margin)) if cap else None
+        for b in settings.backends(pool):
+            backends[b.name] = bound
+        pool_bound: int | None = getattr(settings, f"{pool}_max_in_flight")
+        pools[pool] = pool_bound or None
+    return backends, pools

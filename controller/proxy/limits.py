@@ -1,0 +1,162 @@
+"""Bounded work per request: request bodies read and parsed within limits, backend answers read
+within a byte bound.
+
+How it works: what a JSON body costs to parse is set by how many values it holds, not by its
+size -- 30 MB of one string parse in ~40 ms, 30 MB of `[],[],...` take ~1 s and ~0.8 GB. So
+before `json.loads` runs, `JsonBudget` counts the body's structure as it arrives, in slices of
+`SLICE` bytes: escaped backslashes and quotes are dropped, string contents cut out (one regex
+pass), and the separators (`,` `:`) and brackets left outside strings are counted. Each slice
+costs a few C-level passes (linear, no per-character Python) and the reader awaits the network
+between slices, so a hostile body never holds the event loop for long; a body over the budget
+is refused with 413 as soon as the excess is seen, usually long before its last byte. A body
+small enough that it cannot exceed the budget (every value is at least a byte) is not scanned.
+Then `json.loads` runs on the event loop on a body whose cost is bounded by the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from controller.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
+
+SLICE = 128 * 1024
+"""Bytes scanned per step (a few ms at worst)."""
+_STRING = re.compile(rb'"[^"]*+"')
+"""A string once its escapes are gone."""
+_BACKSLASH = 0x5C
+
+
+class JsonBudget:
+    """Counts the items (separators and brackets outside strings) of a JSON text fed piecewise,
+    and raises `PayloadTooLarge` once it exceeds `max_values` items or `max_containers` objects
+    and arrays. It does not validate: `json.loads` does that afterwards."""
+
+    def __init__(self, max_values: int, max_containers: int, *, slice_bytes: int = SLICE) -> None:
+        self.max_values = max_values
+        self.max_containers = max_containers
+        self.slice_bytes = slice_bytes
+        self.values = 0
+        self.containers = 0
+        self.scanned = 0
+        """Bytes of the fed text scanned so far."""
+        self._inside = False  # the next byte is inside a string
+        self._carry = b""  # an escaping backslash that ended the previous slice
+
+    def feed(self, text: bytes | bytearray, *, final: bool) -> None:
+        """Scan what `text` (the whole text so far) holds beyond `scanned`: whole slices only,
+        unless `final`."""
+        if final and not self.scanned and len(text) <= min(self.max_values, self.max_containers):
+            self.scanned = len(text)  # too short to exceed the budget
+            return
+        step = self.slice_bytes
+        while len(text) - self.scanned >= step or (final and self.scanned < len(text)):
+            end = min(len(text), self.scanned + step)
+            self._scan(bytes(text[self.scanned : end]), last=final and end == len(text))
+            self.scanned = end
+
+    def _scan(self, piece: bytes, *, last: bool) -> None:
+        piece = self._carry + piece
+        self._carry = b""
+        if not last and piece and piece[-1] == _BACKSLASH:
+            # A run of backslashes at the end: its pairs are escaped backslashes (dropped below
+            # anyway); an odd one escapes the next slice's first byte, so it goes with that slice.
+            run = len(piece) - len(piece.rstrip(b"\\"))
+            self._carry = b"\\" if run % 2 else b""
+            piece = piece[: len(piece) - run]
+        # Valid JSON has backslashes only inside strings, each starting a two-byte escape: with
+        # escaped backslashes (paired left to right) and escaped quotes gone, the quotes left
+        # delimit the strings.
+        piece = piece.replace(b"\\\\", b"").replace(b'\\"', b"")
+        if self._inside:
+            piece = b'"' + piece
+        outside = _STRING.sub(b"", piece)
+        open_quote = outside.find(b'"')  # a string that goes on in the next slice
+        self._inside = open_quote >= 0
+        if self._inside:
+            outside = outside[:open_quote]
+        containers = outside.count(b"[") + outside.count(b"{")
+        self.containers += containers
+        self.values += containers + outside.count(b",") + outside.count(b":")
+        if self.containers > self.max_containers:
+            raise PayloadTooLarge(f"request body has more than {self.max_containers} JSON objects and arrays")
+        if self.values > self.max_values:
+            raise PayloadTooLarge(f"request body has more than {self.max_values} JSON values")
+
+
+async def read_body(request: web.Request, *, limit: int, budget: JsonBudget, timeout_s: float) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (decoded, so a compressed bomb is
+    cut early) or past `budget`, with 408 when not complete within `timeout_s`."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(f"request body too large: {declared} bytes declared, the limit is {limit}")
+    buf = bytearray()
+    content = request.content
+    try:
+        async with asyncio.timeout(None if content.is_eof() else timeout_s):
+            while chunk := await content.readany():
+                buf += chunk
+                if len(buf) > limit:
+                    raise PayloadTooLarge(f"request body too large: more than {limit} bytes")
+                budget.feed(buf, final=False)
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout_s:g} s") from None
+    budget.feed(buf, final=True)
+    return bytes(buf)
+
+
+def load_json(raw: bytes) -> Any:
+    """`json.loads` with every failure as a 400."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+
+
+class ResponseTooLarge(aiohttp.ClientPayloadError):
+    """A backend's answer exceeded the bound specroute reads into memory."""
+
+
+async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """A backend's whole body, or `ResponseTooLarge` as soon as it exceeds `limit` bytes."""
+    declared = resp.content_length
+    if declared is not None and declared > limit:
+        raise ResponseTooLarge(f"answer of {declared} bytes declared, the limit is {limit}")
+    buf = bytearray()
+    while chunk := await resp.content.readany():
+        buf += chunk
+        if len(buf) > limit:
+            raise ResponseTooLarge(f"answer larger than {limit} bytes")
+    return bytes(buf)
+
+
+async def read_first_event(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """A stream's bytes up to the end of its first SSE event (a blank line), plus whatever else is
+    buffered already; fewer at the end of the stream. Each byte is searched once, and past `limit`
+    bytes without a blank line `ResponseTooLarge` is raised."""
+    buf = bytearray()
+    searched = 0
+    while True:
+        chunk = await resp.content.readany()
+        if not chunk:
+            return bytes(buf)
+        buf += chunk
+        start = max(0, searched - 3)  # a separator may straddle two chunks
+        if (
+            buf.find(b"\n\n", start) >= 0
+            or buf.find(b"\r\n\r\n", start) >= 0
+            or buf.find(b"\r\r", start) >= 0
+        ):
+            if not resp.content.at_eof():
+                buf += resp.content.read_nowait()  # what is already buffered: one write, not two
+            return bytes(buf)
+        searched = len(buf)
+        if searched > limit:
+            raise ResponseTooLarge(f"first event larger than {limit} bytes")

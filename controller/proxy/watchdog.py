@@ -1,0 +1,87 @@
+"""One timer per relayed stream for two limits: the backend's silence and a blocked client write.
+
+How it works: the relay says which side it waits on and since when -- `reading` (the backend:
+nothing arrived since `since`) or `writing` (the client: a write blocked since `since`) -- two
+attribute stores per chunk, no timer work. A single `call_at` timer ticks at most every
+`min(idle_s, write_s)` seconds; when it fires it compares the current phase's deadline with the
+clock: reached, it cancels the relaying task (as `asyncio.timeout` does) and `__exit__` turns
+that into `Stalled(side)`; not reached, it re-arms for that deadline or the next tick, whichever
+comes first. So a limit is enforced to the tick, time blocked on the client never counts as
+backend silence (and the other way round), and a stream costs one timer callback per tick
+instead of one timer per chunk.
+
+While a write to the client is blocked the relay does not read from the backend, its TCP window
+closes, and the backend's kernel probes it with exponential back-off: once the relay reads again,
+the next bytes can take about as long again to come. So the read that follows a write blocked
+for `b` seconds may wait `idle_s + b`: silence the client caused is not the backend's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+from typing import Literal
+
+Side = Literal["backend", "client"]
+
+
+class Stalled(Exception):
+    """The backend sent nothing for `idle_s`, or a write to the client blocked for `write_s`."""
+
+    def __init__(self, side: Side, seconds: float) -> None:
+        super().__init__(f"{side} stalled for {seconds:g} s")
+        self.side = side
+        self.seconds = seconds
+
+
+class RelayWatchdog:
+    def __init__(self, idle_s: float, write_s: float) -> None:
+        self.idle_s = idle_s
+        self.write_s = write_s
+        self.tick_s = min(idle_s, write_s)
+        self.side: Side = "backend"
+        self.since = 0.0
+        self.credit = 0.0
+        self.expired: Side | None = None
+        self._loop = asyncio.get_running_loop()
+        self._task: asyncio.Task[object] | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    def reading(self, now: float, credit: float = 0.0) -> None:
+        """From `now` on the relay waits for the backend, which gets `credit` seconds more than
+        `idle_s` (how long the write before this read was blocked)."""
+        self.side, self.since, self.credit = "backend", now, credit
+
+    def writing(self, now: float) -> None:
+        """From `now` on the relay waits for the client to take a write."""
+        self.side, self.since = "client", now
+
+    def __enter__(self) -> RelayWatchdog:
+        self._task = asyncio.current_task()
+        now = self._loop.time()
+        self.reading(now)
+        self._handle = self._loop.call_at(now + self.tick_s, self._fire)
+        return self
+
+    def _limit(self) -> float:
+        return self.idle_s + self.credit if self.side == "backend" else self.write_s
+
+    def _fire(self) -> None:
+        now = self._loop.time()
+        due = self.since + self._limit()
+        if now >= due:
+            self.expired = self.side
+            assert self._task is not None
+            self._task.cancel()
+            return
+        self._handle = self._loop.call_at(min(due, now + self.tick_s), self._fire)
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        side = self.expired
+        if side is not None and kind is asyncio.CancelledError and self._task is not None:
+            if self._task.uncancel() == 0:  # our cancellation, not the client's or a shutdown's
+                raise Stalled(side, self.idle_s if side == "backend" else self.write_s) from None

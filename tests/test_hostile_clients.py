@@ -1,0 +1,234 @@
+"""Hostile clients, second round (issue 16): bodies that are cheap to send and costly to parse,
+header bytes that cannot be forwarded unchanged, clients that read slowly or not at all, and the
+admin endpoint's body and plugin loading. Each gets a clear error or bounded treatment, and what
+a slow client costs is never blamed on the backend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+
+import aiohttp
+import openai
+import pytest
+from helpers import assert_openai_error, port_of, raw_exchange, raw_post, wait_until
+
+CHAT = [{"role": "user", "content": "hello"}]
+BODY = {"model": "m", "messages": CHAT, "stream": True}
+
+
+async def _health_ms(url: str) -> float:
+    async with aiohttp.ClientSession() as s:
+        t0 = time.perf_counter()
+        async with s.get(url + "/health") as r:
+            await r.read()
+            assert r.status == 200
+        return (time.perf_counter() - t0) * 1000
+
+
+# --- bodies -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("hostile", "needle"),
+    [
+        (b'{"messages": [], "x": [' + b"[]," * 1_000_000 + b"[]]}", "JSON objects and arrays"),
+        (b'{"messages": [], "x": [' + b"{}," * 1_000_000 + b"{}]}", "JSON objects and arrays"),
+        (b'{"messages": [], "x": [' + b"0," * 1_000_000 + b"0]}", "JSON values"),
+        (b'{"messages": [], "x": {' + b'"":0,' * 500_000 + b'"":0}}', "JSON values"),
+    ],
+    ids=["lists", "objects", "numbers", "keys"],
+)
+async def test_a_body_of_many_tiny_values_gets_413_before_it_is_parsed(fake_backend, proxy, hostile, needle):
+    """A few MB of tiny containers used to be parsed whole (~0.8 GB per 31 MB, on the event loop);
+    now the structure is counted as it arrives and the body refused past the budget, while
+    /health keeps answering."""
+    fb = await fake_backend()
+    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False)
+
+    async def post() -> tuple[int, dict]:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                p.url + "/v1/chat/completions", data=hostile, headers={"Content-Type": "application/json"}
+            ) as r,
+        ):
+            return r.status, await r.json()
+
+    posts = [asyncio.create_task(post()) for _ in range(3)]
+    health = []
+    while not all(t.done() for t in posts):
+        health.append(await _health_ms(p.url))
+        await asyncio.sleep(0.01)
+    for status, body in await asyncio.gather(*posts):
+        assert status == 413
+        assert_openai_error(body, "payload_too_large")
+        assert needle in body["error"]["message"]
+    assert fb.requests == []
+    assert max(health) < 2000, health  # generous: benchmarks/hostile_bodies.py has the figures
+    assert p.sample("specroute_rejected_requests_total", code="413") == 3.0
+
+
+async def test_a_large_prompt_full_of_punctuation_is_served(fake_backend, proxy):
+    """The budget counts structure outside strings: a prompt with 900k commas, colons and
+    brackets in its text is within a budget of 500k values. (Under the fake backend's 1 MB.)"""
+    fb = await fake_backend(chunks=2)
+    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False)
+    code = "[{,:}]" * 130_000
+    c = openai.AsyncOpenAI(base_url=p.base_url, api_key="k", max_retries=0)
+    out = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": code}])
+    await c.close()
+    assert out.choices[0].message.content == "tok0 tok1 "
+    assert fb.requests[-1]["messages"][0]["content"] == code
+
+
+async def test_a_declared_length_over_the_limit_is_refused_unread(fake_backend, proxy):
+    fb = await fake_backend()
+    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False, body_limit_bytes=1024)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000000000\r\n\r\n"
+    )
+    answer = await raw_exchange(port_of(p.url), head + b"{", timeout_s=15)
+    assert answer.startswith(b"HTTP/1.1 413")
+    assert_openai_error(json.loads(answer.partition(b"\r\n\r\n")[2]), "payload_too_large")
+
+
+# --- headers ------------------------------------------------------------------------------
+
+
+async def test_a_header_that_is_not_utf8_is_refused_not_altered(fake_backend, proxy):
+    """aiohttp's client re-encodes header values and silently drops bytes that are not UTF-8:
+    the backend would have checked an Authorization the client never sent."""
+    fb = await fake_backend()
+    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False)
+    body = json.dumps({**BODY, "stream": False}).encode()
+    for header in (b"Authorization: Bearer k\xff\xfeey\r\n", b"X-Note: caf\xe9\r\n"):
+        answer = await raw_exchange(port_of(p.url), raw_post("/v1/chat/completions", body, header))
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+        error = json.loads(answer.partition(b"\r\n\r\n")[2])
+        assert_openai_error(error, "invalid_request")
+        assert "not valid UTF-8" in error["error"]["message"]
+    assert fb.requests == []
+    ok = await raw_exchange(
+        port_of(p.url), raw_post("/v1/chat/completions", body, "X-Note: café\r\n".encode())
+    )
+    assert ok.startswith(b"HTTP/1.1 200")
+    assert fb.request_headers[-1]["X-Note"] == "café"  # valid UTF-8 goes through unchanged
+
+
+# --- slow and stuck readers ---------------------------------------------------------------
+
+
+def _slow_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    return sock
+
+
+async def test_a_slow_reader_is_not_blamed_on_the_backend(fake_backend, proxy, caplog):
+    """The backend sends ~6 MB at once; the client reads nothing for 6 s, then everything. Once the
+    socket buffers are full the proxy's write to the client blocks for seconds, far longer than
+    idle_timeout_s: that time is not backend silence, so the stream completes and nothing is
+    logged against the backend (it used to be cut with "sent nothing for 3 s")."""
+    fb = await fake_backend(chunks=24_000)  # ~250 B per event
+    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False, idle_timeout_s=3.0)
+    sock = _slow_socket()
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port_of(p.url)))
+    data = b""
+    try:
+        body = json.dumps({**BODY, "max_tokens": 24_000}).encode()
+        await loop.sock_sendall(sock, raw_post("/v1/chat/completions", body))
+        await asyncio.sleep(6.0)
+        async with asyncio.timeout(60):
+            while not data.endswith(b"0\r\n\r\n"):
+                chunk = await loop.sock_recv(sock, 1 << 20)
+                if not chunk:
+                    break
+                data += chunk
+    finally:
+        sock.close()
+    assert b"sent nothing" not in data and b"stream_broken" not in data
+    assert data.count(b'"content":"tok') == 24_000
+    await p.wait_idle()
+    assert p.records[-1].outcome.status == "ok"
+    assert "sent nothing" not in caplog.text
+
+
+async def test_a_client_that_stops_reading_is_given_up_and_its_connection_closed(fake_backend, proxy):
+    """After client_write_timeout_s of a blocked write the stream is given up: the upstream request
+    is closed (the backend aborts) and the client's connection is aborted, so neither its socket
+    nor its unsent buffer outlives the request."""
+    fb = await fake_backend(chunks=400_000)  # far more than the socket buffers hold
+    p = await proxy(
+        baseline=[fb.url], policy="fixed", health_checks=False, client_write_timeout_s=0.5, idle_timeout_s=60
+    )
+    sock = _slow_socket()
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port_of(p.url)))
+    try:
+        body = json.dumps({**BODY, "max_tokens": 400_000}).encode()
+        await loop.sock_sendall(sock, raw_post("/v1/chat/completions", body))
+        assert await wait_until(lambda: fb.active == 1, 5)
+        assert await wait_until(lambda: p.tracker.total_in_flight == 0, 15)
+        assert await wait_until(lambda: fb.aborted == 1 and fb.active == 0, 5)
+        # the proxy dropped the connection: reading drains what was buffered, then it ends
+        async with asyncio.timeout(10):
+            while True:
+                try:
+                    if not await loop.sock_recv(sock, 1 << 20):
+                        break
+                except ConnectionResetError:
+                    break
+    finally:
+        sock.close()
+    assert p.sample("specroute_client_write_timeouts_total") == 1.0
+    assert p.records[-1].outcome.status == "client_closed"
+
+
+# --- admin --------------------------------------------------------------------------------
+
+TOKEN = "adm-3e9b0c"
+
+
+async def _admin(url: str, data: bytes) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as s, s.post(url + "/admin/policy", data=data, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def test_admin_body_is_parsed_within_the_same_limits(fake_backend, proxy):
+    fb = await fake_backend()
+    p = await proxy(baseline=[fb.url], policy="fixed", admin_token=TOKEN, health_checks=False)
+    status, body = await _admin(p.url, b"[" * 50_000 + b"]" * 50_000)
+    assert status == 400 and "nested too deeply" in body["error"]["message"]  # was 500 + traceback
+    status, body = await _admin(p.url, b"[" + b"[]," * 200_000 + b"[]]")
+    assert status == 413
+    assert_openai_error(body, "payload_too_large")
+
+
+async def test_admin_loads_module_classes_only_from_the_allow_list(fake_backend, proxy):
+    fb = await fake_backend()
+    probe = "plugin_import_probe"
+    assert probe not in sys.modules
+    p = await proxy(baseline=[fb.url], policy="fixed", admin_token=TOKEN, health_checks=False)
+    status, body = await _admin(p.url, json.dumps({"name": f"{probe}:ProbePolicy"}).encode())
+    assert status == 400 and "admin_policy_modules" in body["error"]["message"]
+    assert probe not in sys.modules  # refused before anything was imported
+    status, body = await _admin(p.url, json.dumps({"name": "threshold"}).encode())
+    assert status == 200  # built-ins are always allowed
+    allowed = await proxy(
+        baseline=[fb.url],
+        policy="fixed",
+        admin_token=TOKEN,
+        health_checks=False,
+        admin_policy_modules=[probe],
+    )
+    status, body = await _admin(allowed.url, json.dumps({"name": f"{probe}:ProbePolicy"}).encode())
+    assert status == 200, body
+    assert probe in sys.modules
