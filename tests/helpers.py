@@ -10,6 +10,8 @@
   server's "listening on URL").
 - `listening_url(popen)`: the URL a synchronously started server prints when it listens.
 - `free_port()`, `raise_open_files_limit(n)`.
+- `Routed(policy, seed)`: a policy as the proxy and the simulator use it, every `choose` going
+  through the routing core (`policies.routing.Router`); other attributes are the policy's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from typing import Any
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
+from policies.routing import Router
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -180,3 +185,21 @@ def raise_open_files_limit(needed: int) -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
         pytest.skip(f"open-files limit {soft} < {needed} and the hard limit does not allow more")
+
+
+class Routed:
+    """`policy` behind the routing core: `choose` is `Router(seed).decide(policy, ...)`."""
+
+    def __init__(self, policy: Policy, seed: int = 0) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self.router = Router(seed)
+
+    def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
+        return self.router.decide(self.policy, request, view, now)
+
+    def observe(self, outcome: Outcome) -> None:
+        self.policy.observe(outcome)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)

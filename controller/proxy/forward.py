@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -45,9 +44,11 @@ from controller.proxy.errors import (
 from controller.proxy.load import BackendState, LoadTracker, Reservation
 from controller.proxy.metrics import Metrics
 from controller.proxy.shadow import ShadowChoice, ShadowPolicies
+from controller.proxy.spec_details import SpecEvents, accept_length, ask_for_spec_details, drop_sglext_member
 from policies.base import (
     Decision,
     EndpointKind,
+    InvalidDecision,
     LoadView,
     NoHealthyBackend,
     Outcome,
@@ -55,10 +56,9 @@ from policies.base import (
     Policy,
     Pool,
     RequestInfo,
-    other_pool,
     parse_pool,
 )
-from policies.routing import least_loaded
+from policies.routing import Router
 
 log = logging.getLogger("specroute.forward")
 
@@ -319,7 +319,8 @@ class Forwarder:
         self.observers: list[Observer] = observers if observers is not None else []
         self.shadows = shadows if shadows else None
         self.session: aiohttp.ClientSession | None = None
-        self.rng = random.Random(settings.seed)
+        self.router = Router(settings.seed)
+        """The routing core (`policies.routing`): override, fallback, backend choice, failover."""
         self.client_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout_s, connect=None, sock_read=None
         )
@@ -339,39 +340,20 @@ class Forwarder:
     # -- deciding --
 
     def decide(self, policy: Policy, info: RequestInfo, view: LoadView, now: float) -> Decision:
-        if info.forced_pool is not None:
-            b = least_loaded(view.pool(info.forced_pool), self.rng)
-            if b is None:
-                raise NoBackendAvailable(f"pool {info.forced_pool!r} has no healthy backend")
-            return Decision(
-                pool=info.forced_pool,
-                backend=b.name,
-                reason="client_override",
-                backend_load=b.load,
-                policy=policy.name,
-            )
-        if not self.tracker.any_healthy():
-            raise NoBackendAvailable("no healthy backend in either pool")
+        """The routing core's decision, its errors translated into HTTP ones."""
         try:
-            decision = policy.choose(info, view, now)
-        except NoHealthyBackend:
-            raise NoBackendAvailable("no healthy backend in either pool") from None
+            return self.router.decide(policy, info, view, now)
+        except NoHealthyBackend as e:
+            raise NoBackendAvailable(str(e)) from None
+        except InvalidDecision as e:
+            raise SpecrouteError(f"routing policy {policy.name!r} {e}") from None
         except Exception:
             log.exception("policy %r failed in choose()", policy.name)
             raise SpecrouteError(f"routing policy {policy.name!r} failed") from None
-        if decision.backend not in self.tracker.backends:
-            raise SpecrouteError(f"routing policy {policy.name!r} chose unknown backend {decision.backend!r}")
-        return decision
 
     def failover_target(self, failed: BackendState, tried: set[str], forced: bool) -> BackendState | None:
-        pools = (failed.pool,) if forced else (failed.pool, other_pool(failed.pool))
-        for pool in pools:
-            cands = [b for b in self.tracker.pool_backends(pool) if b.healthy and b.name not in tried]
-            if cands:
-                low = min(b.in_flight for b in cands)
-                best = [b for b in cands if b.in_flight == low]
-                return best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
-        return None
+        alt = self.router.failover(self.tracker.view(self.clock()), failed.name, tried, forced)
+        return None if alt is None else self.tracker.get(alt.name)
 
     # -- forwarding --
 
@@ -490,6 +472,7 @@ class Forwarder:
                 completion_tokens=run.tokens,
                 duration_s=max(0.0, ended - started),
                 status=run.status,
+                accept_length=run.accept_length,
             )
             try:
                 policy.observe(outcome)
@@ -547,6 +530,9 @@ class _Run:
         self.http_status = 0
         self.tokens: int | None = None
         self.first_byte_at: float | None = None
+        self.spec: SpecEvents | None = None
+        """Set while the backend is an eagle one and `spec_details` is on (see spec_details.py)."""
+        self.accept_length: float | None = None
 
     async def execute(self) -> web.StreamResponse:
         try:
@@ -568,6 +554,11 @@ class _Run:
             backend = self.reservation.backend
             tried.add(backend.name)
             data, hdrs = fwd._for_pool(backend.pool, self.raw, self.body, headers)
+            self.spec = None
+            if fwd.settings.spec_details and backend.pool == "eagle":
+                asked = ask_for_spec_details(data, self.body)
+                self.spec = SpecEvents(strip=asked is not None)
+                data = asked or data
             up: Upstream | None = None
             if self.sent_at is None:
                 self.sent_at = fwd.clock()
@@ -605,9 +596,15 @@ class _Run:
         resp = up.resp
         self.http_status = resp.status
         self.status = "ok" if resp.status < 400 else "error"
+        body = up.head
         if resp.status == 200:
-            self.tokens = completion_tokens(up.head)
-        return web.Response(status=resp.status, body=up.head, headers=response_headers(resp, self.decision))
+            self.tokens = completion_tokens(body)
+            if self.spec is not None:
+                stripped, details = drop_sglext_member(body)
+                self.accept_length = accept_length(details, self.tokens)
+                if self.spec.strip_event:
+                    body = stripped
+        return web.Response(status=resp.status, body=body, headers=response_headers(resp, self.decision))
 
     async def _relay(self, up: Upstream) -> web.StreamResponse:
         resp = up.resp
@@ -646,6 +643,8 @@ class _Run:
                             chunk, pending = chunk[:end], chunk[end:]
                         if self.strip_usage:
                             chunk = drop_usage_events(chunk)
+                        if self.spec is not None:
+                            chunk = self.spec.strip(chunk)
                         if chunk:
                             await sr.write(chunk)
                         chunk = await content.readany()
@@ -668,7 +667,12 @@ class _Run:
             self.status = "ok" if resp.status < 400 and not up.retryable else "error"
             self.tokens = completion_tokens(b"".join(tail))
             last_piece = pending + chunk
-            await sr.write_eof(drop_usage_events(last_piece) if self.strip_usage else last_piece)
+            if self.strip_usage:
+                last_piece = drop_usage_events(last_piece)
+            if self.spec is not None:
+                last_piece = self.spec.strip(last_piece)
+                self.accept_length = accept_length(self.spec.details, self.tokens)
+            await sr.write_eof(last_piece)
             return sr
         except ConnectionResetError:
             self.status = "client_closed"

@@ -234,13 +234,15 @@ class _Stream:
 
 
 def spec_tokens_details(req: EngineRequest, num_steps: int) -> dict[str, Any]:
-    """SGLang's per-request acceptance summary (`return_spec_tokens_details`)."""
+    """SGLang's per-request acceptance summary (`return_spec_tokens_details`). As in SGLang's
+    TokenizerManager, `spec_accept_length` is completion tokens / verify passes (the first token,
+    from prefill, included) and the proposed drafts are verify passes x (draft tokens - 1)."""
     verify = req.verify_ct
     correct = req.accepted_tokens - verify  # drafts accepted, bonus tokens excluded
     proposed = verify * num_steps
     return {
         "spec_accept_rate": correct / proposed if proposed else 0.0,
-        "spec_accept_length": req.accepted_tokens / verify if verify else 0.0,
+        "spec_accept_length": req.generated / verify if verify else 0.0,
         "spec_verify_ct": verify,
         "spec_num_correct_drafts": correct,
         "spec_num_proposed_drafts": proposed,
