@@ -6,9 +6,11 @@ figure is the mean over `--seeds` seeds with its range (min..max), `n` says how 
 each run measured. Sections:
 
 1. Closed loop: sweeps at 1 2 5 10 30 70 100 250 clients (each level measures
-   max(300, 10 x clients) requests after max(5, clients) warm-up); each policy's throughput
-   over the best static split's (`--oracle`: k clients on eagle, the rest on baseline, from the
-   servers' profile). Target: system-scope cost_model >= 0.99 at every level of every profile.
+   max(300, 10 x clients) requests of 200 tokens after max(5, clients) warm-up; an EAGLE
+   request's speed varies around the profile's, lognormal with sigma 0.2, here and in sections
+   2 and 3); each policy's throughput over the best static split's (`--oracle`: k clients on
+   eagle, the rest on baseline, from the servers' profile). Target: system-scope cost_model
+   >= 0.99 at every level of every profile.
 2. Mismatch: the servers run `eagle x0.8`, `eagle x1.2` or `baseline x0.8` against the profile
    the policies are given; every level warms up with 500 requests first. Oracle ratios on the
    true servers. Target (calibrated cost_model): mean over levels >= 0.97, worst level >= 0.93.
@@ -25,7 +27,7 @@ each run measured. Sections:
    CC-BY-4.0), replayed at 60% of capacity, each seed its own window of the trace: mean and
    p99 end-to-end, same policies.
 6. Calibration: requests until cost_model's learned eagle (or baseline) speed scale is within
-   2% of the truth and stays there (closed loop at 10 clients, from a cold start).
+   2% of the truth and stays there (closed loop at 10 clients, from a cold start, no spread).
 
     python benchmarks/decision_quality.py            # the full run (~15 min on 2 shared cores)
     python benchmarks/decision_quality.py --quick    # a smoke check (~1 min): 1 seed, fewer levels
@@ -71,6 +73,8 @@ MISMATCHES: tuple[tuple[str, dict[Pool, float]], ...] = (
     ("eagle x1.2", {"eagle": 1.2}),
     ("baseline x0.8", {"baseline": 0.8}),
 )
+ACCEPT_SIGMA = 0.2
+"""Spread of a request's EAGLE speed (acceptance) around its mean in the closed-loop sections."""
 EXTRA: list[str] = []
 HINT_MIX = {"code": 0.3, "chat": 0.7}
 HINT_FACTORS = {"code": 1.2, "chat": 0.75}
@@ -210,7 +214,16 @@ class Report:
 # -- sections -------------------------------------------------------------------------------
 
 
-def sweep_spec(levels: Sequence[int], per_level: int, warmup: int | None, **kw: Any) -> WorkloadSpec:
+def sweep_spec(
+    levels: Sequence[int],
+    per_level: int,
+    warmup: int | None,
+    *,
+    sigma: float = ACCEPT_SIGMA,
+    hint_mix: Mapping[str, float] | None = None,
+) -> WorkloadSpec:
+    """A closed-loop sweep of 200-token requests whose EAGLE speed varies per request
+    (lognormal, mean 1, `sigma`), with a hint mix (and its factors) when given."""
     return WorkloadSpec(
         kind="sweep",
         levels=tuple(levels),
@@ -219,7 +232,8 @@ def sweep_spec(levels: Sequence[int], per_level: int, warmup: int | None, **kw: 
         measure_per_client=10,
         warmup_per_client=1,
         output_tokens=LengthSpec("const", 200),
-        **kw,
+        hint_mix=dict(hint_mix or {}),
+        accept=AcceptModel(sigma, HINT_FACTORS if hint_mix else {}),
     )
 
 
@@ -305,13 +319,7 @@ def mismatch(args: argparse.Namespace, rep: Report, names: Sequence[str]) -> Non
 def hint_mix(args: argparse.Namespace, rep: Report, names: Sequence[str]) -> None:
     told = "cost_model:hint_speedup=" + json.dumps(HINT_FACTORS, separators=(",", ":"))
     policies = [NEW, told, "online", OLD]
-    spec = sweep_spec(
-        args.levels,
-        args.per_level,
-        args.mismatch_warmup,
-        hint_mix=HINT_MIX,
-        accept=AcceptModel(0.0, HINT_FACTORS),
-    )
+    spec = sweep_spec(args.levels, args.per_level, args.mismatch_warmup, hint_mix=HINT_MIX)
     jobs = [Job("hint", p, pol, s, spec, oracle=True) for p in names for pol in policies for s in args.seeds]
     results = Results(jobs, args.jobs)
     print(
@@ -537,7 +545,7 @@ def convergence(args: argparse.Namespace, rep: Report, names: Sequence[str]) -> 
                 belief = profiles()[p]
                 servers = build_deployment(server_profile(belief, (), dict(speed)), DEPLOYMENT)
                 probe = _Probe(registry.create("cost_model", {}, PolicyContext(belief, s)), pool)  # type: ignore[arg-type]
-                batch = generate(sweep_spec((10,), 3000, 0), s)[0].batch
+                batch = generate(sweep_spec((10,), 3000, 0, sigma=0.0), s)[0].batch
                 simulate(servers, probe, batch, concurrency=10, warmup=0, measure=None, seed=s)
                 scales = [x for x in probe.trace if not math.isnan(x)]
                 last_bad = max((i for i, x in enumerate(scales) if abs(x / factor - 1) > 0.02), default=-1)
@@ -572,7 +580,7 @@ def main() -> int:
     args.per_level = 100 if args.quick else 300
     args.mismatch_warmup = 500
     args.loads = (0.3, 0.9) if args.quick else (0.3, 0.6, 0.9)
-    args.open_requests = 1500 if args.quick else 6000
+    args.open_requests = 1500 if args.quick else 10000
     args.trace_requests = 1500 if args.quick else 6000
     names = list(profiles())
     wanted = {s.strip() for s in args.sections.split(",")}

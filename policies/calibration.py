@@ -41,6 +41,7 @@ from policies.base import Pool
 T = TypeVar("T")
 
 _MAX_LOG_SCALE = math.log(4.0)
+_MAX_SCALE, _MIN_SCALE = 4.0, 0.25
 
 
 class ShrunkMean:
@@ -142,6 +143,14 @@ class SpeedCalibration:
         self.buckets: dict[Pool, list[ShrunkMean]] = {
             p: [ShrunkMean() for _ in range(len(bounds) + 1)] for p in ("baseline", "eagle")
         }
+        # a bucket's blend is own_part + pool_weight * pool mean: kept per bucket so a lookup is
+        # two list reads (an outcome changes its own bucket's pair only)
+        self._own_part: dict[Pool, list[float]] = {
+            p: [0.0] * (len(bounds) + 1) for p in ("baseline", "eagle")
+        }
+        self._pool_weight: dict[Pool, list[float]] = {
+            p: [1.0] * (len(bounds) + 1) for p in ("baseline", "eagle")
+        }
         self._accept_ref = math.log(accept_length) if accept_length else None
         self._accept_mean = ShrunkMean()
         self.accept_reported = False
@@ -163,15 +172,20 @@ class SpeedCalibration:
         return table[batch] if batch < len(table) else self._last_bucket
 
     def _blend(self, pool: Pool, batch: int) -> float:
-        own = self.buckets[pool][self.bucket(batch)]
-        g = self.pool[pool].value
-        if not own.n:
-            return g
-        return (own.n * own.value + self._bucket_prior * g) / (own.n + self._bucket_prior)
+        table = self._bucket_of
+        k = table[batch] if batch < len(table) else self._last_bucket
+        return self._own_part[pool][k] + self._pool_weight[pool][k] * self.pool[pool].value
 
     def log_speed(self, pool: Pool, batch: int) -> float:
         """log of the speed scale of `pool` (for untagged requests) with `batch` running."""
         return _clipped(self._blend(pool, batch), _MAX_LOG_SCALE)
+
+    def speed(self, pool: Pool, batch: int) -> float:
+        """The speed scale of `pool` (for untagged requests) with `batch` running."""
+        table = self._bucket_of
+        k = table[batch] if batch < len(table) else self._last_bucket
+        x = self._own_part[pool][k] + self._pool_weight[pool][k] * self.pool[pool].value
+        return _MAX_SCALE if x > _MAX_LOG_SCALE else _MIN_SCALE if x < -_MAX_LOG_SCALE else math.exp(x)
 
     def log_hint(self, hint: str | None) -> float:
         """log of a request's own eagle speed factor on top of `log_speed("eagle", ...)`: its
@@ -192,10 +206,14 @@ class SpeedCalibration:
     ) -> None:
         """Learn from one outcome: its decode rate over the profile's at `batch` (without any
         acceptance factor), and the acceptance the backend reported (eagle), if any."""
-        if not rate_ratio > 0.0 or not math.isfinite(rate_ratio):
+        if not 0.0 < rate_ratio < math.inf:
             return
         prior, window, clip = self._prior, self._window, self._clip
         x = math.log(rate_ratio)
+        table = self._bucket_of
+        k = table[batch] if batch < len(table) else self._last_bucket
+        g = self.pool[pool]
+        own_part, pool_weight = self._own_part[pool], self._pool_weight[pool]
         if pool == "eagle" and accept_length is not None and accept_length > 0.0:
             self.accept_reported = True
             a = math.log(accept_length)
@@ -212,12 +230,23 @@ class SpeedCalibration:
         elif pool == "eagle" and hint is not None:
             state = self.hints.teach(hint)
             if state is not None:  # the tag's own mean, at the load bucket's deviation
-                x -= self._blend(pool, batch) - self.pool[pool].value
+                x -= own_part[k] + (pool_weight[k] - 1.0) * g.value
                 state.add(_near(x, state.value, clip), prior, window)
                 return
-        x = _near(x, self._blend(pool, batch), clip)
-        self.pool[pool].add(x, prior, window)
-        self.buckets[pool][self.bucket(batch)].add(x, 0.0, window)
+        # the untagged case, inlined (the hot path): clip near the estimate, then both means
+        estimate = own_part[k] + pool_weight[k] * g.value
+        if x > estimate + clip:
+            x = estimate + clip
+        elif x < estimate - clip:
+            x = estimate - clip
+        g.add(x, prior, window)
+        own = self.buckets[pool][k]
+        n = own.n = own.n + 1
+        w = 1.0 / n
+        own.value += (w if w > 1.0 / window else 1.0 / window) * (x - own.value)
+        weight = n + self._bucket_prior
+        own_part[k] = n * own.value / weight
+        pool_weight[k] = self._bucket_prior / weight
 
 
 def _near(x: float, estimate: float, bound: float) -> float:

@@ -30,7 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
 
-from policies.base import POOLS, BackendLoad, Decision, LoadView, NoHealthyBackend, Outcome, Pool, RequestInfo
+from policies.base import BackendLoad, Decision, LoadView, NoHealthyBackend, Outcome, Pool, RequestInfo
 from policies.calibration import SpeedCalibration, check_bounds
 from policies.profile import SpeedModel
 from policies.routing import backend_counts, first_least_loaded, pool_decision
@@ -142,11 +142,9 @@ class CostModelPolicy:
         if missing:
             raise PolicyError(f"policy 'cost_model': the profile has no {' or '.join(missing)} mode")
         self.params = params
-        self._speed: dict[Pool, SpeedModel] = {
-            "baseline": context.profile.speed("baseline"),
-            "eagle": context.profile.speed("eagle"),
-        }
-        self._profile_accept = self._speed["eagle"].accept_length
+        self._baseline: SpeedModel = context.profile.speed("baseline")
+        self._eagle: SpeedModel = context.profile.speed("eagle")
+        self._profile_accept = self._eagle.accept_length
         self._mean_n = (
             params.mean_output_tokens
             if params.mean_output_tokens is not None
@@ -172,89 +170,97 @@ class CostModelPolicy:
                 accept_length=self._profile_accept,
             )
 
-    def _cap(self, pool: Pool, batch: int) -> int:
-        cap = self._speed[pool].max_running_requests
-        return batch if cap is None or batch <= cap else cap
-
-    def _scales(
-        self, pool: Pool, request: RequestInfo, backend: BackendLoad, batch: int
-    ) -> tuple[float, float]:
-        """(this request's own decode-rate factor, the server's speed scale) at `batch`."""
+    def _predict(
+        self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int
+    ) -> tuple[float, float, float, bool, float]:
+        """(TTFT, end-to-end, marginal cost, would queue, time per output token) on `backend`."""
+        running, queued = backend_counts(backend)
+        model = self._baseline if pool == "baseline" else self._eagle
+        cap = model.max_running_requests
+        occupied = running + queued
+        batch = occupied + 1 if cap is None or occupied < cap else cap
         cal = self.calibration
-        speed = 1.0 if cal is None else math.exp(cal.log_speed(pool, self._cap(pool, batch)))
-        if pool == "baseline":
-            return 1.0, speed
+        speed = 1.0 if cal is None else cal.speed(pool, batch)
         own = 1.0
-        if cal is not None:
-            if request.hint is not None or cal.accept_reported:
-                own = math.exp(cal.log_hint(request.hint))
-        elif request.hint is not None:
-            own = self.params.hint_speedup.get(request.hint, 1.0)
-        if self._scraped_accept and backend.accept_length is not None and self._profile_accept is not None:
-            own *= backend.accept_length / self._profile_accept
-        return own, speed
+        if pool == "eagle":
+            hint = request.hint
+            if cal is not None:
+                if hint is not None or cal.accept_reported:
+                    own = math.exp(cal.log_hint(hint))
+            elif hint is not None:
+                own = self.params.hint_speedup.get(hint, 1.0)
+            if (
+                self._scraped_accept
+                and backend.accept_length is not None
+                and self._profile_accept is not None
+            ):
+                own *= backend.accept_length / self._profile_accept
+        ttft, e2e, cost = model.predict_system_s(
+            n, running, queued, self._mean_n, request.prompt_tokens, own, speed, self._queue_weight
+        )
+        tpot = model.step_time(batch) / (own * speed) if self._slo else 0.0
+        return ttft, e2e, cost, cap is not None and occupied >= cap, tpot
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
-        ttft: dict[Pool, float] = {}
-        e2e: dict[Pool, float] = {}
-        cost: dict[Pool, float] = {}
-        tpot: dict[Pool, float] = {}
-        for pool in POOLS:
-            backend = first_least_loaded(view.baseline if pool == "baseline" else view.eagle)
-            if backend is None:
-                continue
-            running, queued = backend_counts(backend)
-            own, speed = 1.0, 1.0
-            if self.calibration is not None or (pool == "eagle" and (request.hint or self._scraped_accept)):
-                own, speed = self._scales(pool, request, backend, running + queued + 1)
-            model = self._speed[pool]
-            ttft[pool], e2e[pool], cost[pool] = model.predict_system_s(
-                n,
-                running,
-                queued,
-                mean_output_tokens=self._mean_n,
-                prompt_tokens=request.prompt_tokens,
-                rate_scale=own,
-                speed_scale=speed,
-                queue_weight=self._queue_weight,
-            )
-            if self._slo:
-                tpot[pool] = model.step_time(self._cap(pool, running + queued + 1)) / (own * speed)
-        if len(e2e) < 2:
-            if not e2e:
-                raise NoHealthyBackend("no healthy backend in either pool")
-            pool = "baseline" if "baseline" in e2e else "eagle"
-            reason = f"{'eagle' if pool == 'baseline' else 'baseline'}_unavailable"
-        else:
-            pool = self._pick(ttft, e2e, cost)
-            reason = "faster_eagle" if pool == "eagle" else "faster_baseline"
-            if self._slo:
-                met = self._meets_slo(ttft, tpot)
-                if met is not None and met != pool:
-                    pool, reason = met, "slo_eagle" if met == "eagle" else "slo_baseline"
-        return pool_decision(pool, reason, policy=self.name, predicted_ttft_s=ttft, predicted_e2e_s=e2e)
-
-    def _pick(self, ttft: dict[Pool, float], e2e: dict[Pool, float], cost: dict[Pool, float]) -> Pool:
-        own = ttft if self._ttft else e2e
+        b = first_least_loaded(view.baseline)
+        e = first_least_loaded(view.eagle)
+        if b is None or e is None:
+            ttft: dict[Pool, float] = {}
+            e2e: dict[Pool, float] = {}
+            if b is not None:
+                ttft["baseline"], e2e["baseline"] = self._predict("baseline", b, request, n)[:2]
+                return pool_decision(
+                    "baseline",
+                    "eagle_unavailable",
+                    policy=self.name,
+                    predicted_ttft_s=ttft,
+                    predicted_e2e_s=e2e,
+                )
+            if e is not None:
+                ttft["eagle"], e2e["eagle"] = self._predict("eagle", e, request, n)[:2]
+                return pool_decision(
+                    "eagle",
+                    "baseline_unavailable",
+                    policy=self.name,
+                    predicted_ttft_s=ttft,
+                    predicted_e2e_s=e2e,
+                )
+            raise NoHealthyBackend("no healthy backend in either pool")
+        tb, eb, cb, qb, pb = self._predict("baseline", b, request, n)
+        te, ee, ce, qe, pe = self._predict("eagle", e, request, n)
+        # the smaller cost wins: system scope compares marginal costs (e2e) or, for TTFT, avoids
+        # a queue while the other pool has a free slot; request scope the request's own time.
+        # Where both marginal costs are infinite (neither pool gains from one more request),
+        # the request's own time decides.
+        xe, xb = (te, tb) if self._ttft else (ee, eb)
         if self._system:
-            ce, cb = cost["eagle"], cost["baseline"]
-            if ce != cb:  # at most one of them is infinite: the one where it would queue
-                if self._ttft and math.isfinite(ce) and math.isfinite(cb):
-                    ce, cb = own["eagle"], own["baseline"]
-                return "eagle" if ce < cb * self._eagle_factor else "baseline"
-        return "eagle" if own["eagle"] < own["baseline"] * self._eagle_factor else "baseline"
-
-    def _meets_slo(self, ttft: dict[Pool, float], tpot: dict[Pool, float]) -> Pool | None:
-        """The one pool predicted to meet every SLO while the other misses one; else None."""
-        p = self.params
-        meets: list[Pool] = [
-            pool
-            for pool in POOLS
-            if (p.slo_ttft_s is None or ttft[pool] <= p.slo_ttft_s)
-            and (p.slo_tpot_s is None or tpot[pool] <= p.slo_tpot_s)
-        ]
-        return meets[0] if len(meets) == 1 else None
+            if self._ttft:
+                if qe != qb:
+                    xe, xb = (math.inf, 0.0) if qe else (0.0, math.inf)
+            elif ce != cb:
+                xe, xb = ce, cb
+        pool: Pool = "eagle" if xe < xb * self._eagle_factor else "baseline"
+        reason = "faster_eagle" if pool == "eagle" else "faster_baseline"
+        if self._slo:
+            p = self.params
+            meets_b = (p.slo_ttft_s is None or tb <= p.slo_ttft_s) and (
+                p.slo_tpot_s is None or pb <= p.slo_tpot_s
+            )
+            meets_e = (p.slo_ttft_s is None or te <= p.slo_ttft_s) and (
+                p.slo_tpot_s is None or pe <= p.slo_tpot_s
+            )
+            if meets_b != meets_e:  # one pool is predicted to meet every SLO, the other to miss one
+                met: Pool = "baseline" if meets_b else "eagle"
+                if met != pool:
+                    pool, reason = met, "slo_eagle" if met == "eagle" else "slo_baseline"
+        return pool_decision(
+            pool,
+            reason,
+            policy=self.name,
+            predicted_ttft_s={"baseline": tb, "eagle": te},
+            predicted_e2e_s={"baseline": eb, "eagle": ee},
+        )
 
     def observe(self, outcome: Outcome) -> None:
         cal = self.calibration
@@ -267,14 +273,12 @@ class CostModelPolicy:
         if rate is None:
             return
         pool = decision.pool
-        batch = self._cap(pool, decision.backend_load + 1)
-        cal.observe(
-            pool,
-            batch,
-            outcome.request.hint,
-            rate / self._speed[pool].decode_tok_s(batch),
-            outcome.accept_length,
-        )
+        model = self._baseline if pool == "baseline" else self._eagle
+        batch = decision.backend_load + 1
+        cap = model.max_running_requests
+        if cap is not None and batch > cap:
+            batch = cap
+        cal.observe(pool, batch, outcome.request.hint, rate * model.step_time(batch), outcome.accept_length)
 
 
 SPEC = PolicySpec(

@@ -257,7 +257,6 @@ class SpeedModel:
         output_tokens: int,
         running: int,
         queued: int = 0,
-        *,
         mean_output_tokens: float | None = None,
         prompt_tokens: int = 0,
         rate_scale: float = 1.0,

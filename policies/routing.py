@@ -45,13 +45,8 @@ def least_loaded_index(loads: Sequence[int], rng: random.Random) -> int:
     """Index of the smallest load (rule 3 on plain numbers); ties broken by `rng`.
 
     `loads` must not be empty. Draws from `rng` only when there is a tie."""
-    best: list[int] = []
-    best_load = 0
-    for i, load in enumerate(loads):
-        if not best or load < best_load:
-            best, best_load = [i], load
-        elif load == best_load:
-            best.append(i)
+    low = min(loads)
+    best = [i for i, load in enumerate(loads) if load == low]
     return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
 
 
@@ -138,6 +133,12 @@ def _complete(decision: Decision, view: LoadView, rng: random.Random) -> Decisio
     else:
         raise InvalidDecision(f"chose pool {pool!r} (expected one of {', '.join(POOLS)})")
     name = decision.backend
+    backends = members.backends
+    if not name and len(backends) == 1 and backends[0].healthy:  # the common case, inlined
+        only = backends[0]
+        decision.backend = only.name
+        decision.backend_load = only.load
+        return decision
     if name:
         for b in members.backends:
             if b.name == name:

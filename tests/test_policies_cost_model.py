@@ -169,6 +169,29 @@ def test_slo_keeps_a_request_off_the_pool_predicted_to_miss_it() -> None:
 def test_ttft_objective() -> None:
     d = cost_model(objective="ttft").choose(RequestInfo(max_tokens=256), loaded(0, 0), 0.0)
     assert (d.pool, d.reason) == ("baseline", "faster_baseline")  # 0.20 s < 0.22 s
+    # eagle full with nobody waiting: its first token comes sooner than on a crowded baseline ...
+    profile = parse_profile(
+        {
+            "format": "specroute.profile/v1",
+            "modes": {
+                "baseline": {
+                    "points": [{"concurrency": b, "decode_tok_s": 100, "ttft_s": 0.01 * b} for b in (1, 2)]
+                },
+                "eagle": {"max_running_requests": 4, "points": [{"concurrency": 1, "decode_tok_s": 50}]},
+            },
+        }
+    )
+    req = RequestInfo(max_tokens=11)
+    d = cost_model(profile, objective="ttft", scope="request", mean_output_tokens=11).choose(
+        req, loaded(20, 4), 0.0
+    )
+    assert d.predicted_ttft_s == pytest.approx({"baseline": 0.21, "eagle": 11 * 0.02 / 4})
+    assert d.pool == "eagle"
+    # ... but at system scope a request does not queue while the other pool has a free slot
+    assert (
+        cost_model(profile, objective="ttft", mean_output_tokens=11).choose(req, loaded(20, 4), 0.0).pool
+        == "baseline"
+    )
 
 
 def test_least_loaded_backend_and_local_counts_without_a_sample() -> None:

@@ -2,7 +2,8 @@
 
 How it works:
 1. Parse the body once (bad input -> 400), build a `RequestInfo`, take a `LoadView`, ask the
-   policy (or honour `x-specroute-mode`) and `reserve` the backend -- one synchronous step.
+   routing core (`policies.routing.Router`: `x-specroute-mode`, the policy, the backend within
+   the pool, the fallback) and `reserve` the backend -- one synchronous step.
 2. Open the upstream request. Before committing to it, read the first SSE event of a stream
    (or the whole body of a non-streaming answer): connection refused, a timeout, a 5xx, or
    SGLang's queue-full event (HTTP 200, first event `{"error": {... "code": 503}}`) is retried

@@ -72,6 +72,18 @@ class RequestBatch:
     def __len__(self) -> int:
         return len(self.output_tokens)
 
+    def head(self, n: int) -> RequestBatch:
+        """The first `n` requests."""
+        arrivals = None if self.arrivals is None else self.arrivals[:n]
+        return RequestBatch(
+            self.prompt_tokens[:n],
+            self.output_tokens[:n],
+            self.max_tokens[:n],
+            self.hints[:n],
+            self.accept[:n],
+            arrivals,
+        )
+
 
 WARMUP, MEASURED, FILLER, NOT_SENT = 0, 1, 2, -1
 

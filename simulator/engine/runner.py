@@ -105,7 +105,11 @@ def run(
             levels = levels if levels is not None else []
             level = {**summarize([part]), "concurrency": seg.concurrency}
             if oracle:
-                level.update(oracle_fields(servers, seg.concurrency, seg.batch, level["throughput_tok_s"]))
+                # the oracle's expectations over the requests the level sends (not its spare tail)
+                sent = seg.warmup + (seg.measure or len(seg.batch)) + seg.concurrency
+                level.update(
+                    oracle_fields(servers, seg.concurrency, seg.batch.head(sent), level["throughput_tok_s"])
+                )
             levels.append(level)
     return RunResult(
         policy=name,
