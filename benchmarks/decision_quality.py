@@ -246,6 +246,24 @@ def ratios(results: list[dict[str, Any]]) -> dict[int, list[float]]:
     return out
 
 
+def add_levels(
+    rep: Report,
+    rows: list[list[str]],
+    section: dict[str, Any],
+    label: str,
+    per: Mapping[int, list[float]],
+    levels: Sequence[int],
+    target: tuple[str, float] | None,
+) -> None:
+    """One policy's row of per-level figures (mean and range over the seeds), its JSON, and the
+    check of `target` (what, the floor every level must reach)."""
+    rows.append([label, *(spread(per[c]) for c in levels)])
+    section[label] = {str(c): per[c] for c in levels}
+    if target is not None:
+        worst = min(min(v) for v in per.values())
+        rep.target(target[0], worst >= target[1], f"worst {worst:.3f}")
+
+
 def closed_loop(args: argparse.Namespace, rep: Report, names: Sequence[str]) -> None:
     policies = [NEW, SELFISH, OLD, "online"]
     spec = sweep_spec(args.levels, args.per_level, None)
@@ -261,15 +279,10 @@ def closed_loop(args: argparse.Namespace, rep: Report, names: Sequence[str]) -> 
         rows = []
         for pol in policies:
             per = ratios(results.get(profile=p, policy=pol))
-            rows.append([pol, *(spread(per[c]) for c in args.levels)])
-            section.setdefault(p, {})[pol] = {str(c): per[c] for c in args.levels}
-            if pol == NEW:
-                worst = min(min(v) for v in per.values())
-                rep.target(
-                    f"closed loop {p}: cost_model >= 0.99 of oracle at every level",
-                    worst >= 0.99,
-                    f"worst {worst:.3f}",
-                )
+            target = (f"closed loop {p}: cost_model >= 0.99 of oracle at every level", 0.99)
+            add_levels(
+                rep, rows, section.setdefault(p, {}), pol, per, args.levels, target if pol == NEW else None
+            )
         print(f"\n{p}:")
         print(table(["policy", *map(str, args.levels)], rows))
     rep.data["closed_loop"] = section
@@ -339,15 +352,10 @@ def hint_mix(args: argparse.Namespace, rep: Report, names: Sequence[str]) -> Non
                         lv["throughput_tok_s"] / ref["throughput_tok_s"]
                     )
             label = "cost_model told" if pol == told else pol
-            rows.append([label, *(spread(per[c]) for c in args.levels)])
-            section.setdefault(p, {})[label] = {str(c): per[c] for c in args.levels}
-            if pol == NEW:
-                worst = min(min(v) for v in per.values())
-                rep.target(
-                    f"hint mix {p}: untold >= 0.97 of told at every level",
-                    worst >= 0.97,
-                    f"worst {worst:.3f}",
-                )
+            target = (f"hint mix {p}: untold >= 0.97 of told at every level", 0.97)
+            add_levels(
+                rep, rows, section.setdefault(p, {}), label, per, args.levels, target if pol == NEW else None
+            )
         print(f"\n{p}:")
         print(table(["policy", *map(str, args.levels)], rows))
     rep.data["hint_mix"] = section

@@ -45,7 +45,13 @@ from controller.proxy.errors import (
 from controller.proxy.load import BackendState, LoadTracker, Reservation
 from controller.proxy.metrics import Metrics
 from controller.proxy.shadow import ShadowChoice, ShadowPolicies
-from controller.proxy.spec_details import SpecEvents, accept_length, ask_for_spec_details, drop_sglext_member
+from controller.proxy.spec_details import (
+    SpecEvents,
+    accept_length,
+    ask_for_spec_details,
+    drop_sglext_member,
+    event_span,
+)
 from policies.base import (
     Decision,
     EndpointKind,
@@ -262,10 +268,7 @@ def drop_usage_events(data: bytes) -> bytes:
     for marker in (b'"choices":[]', b'"choices": []'):
         at = data.find(marker)
         while at >= 0:
-            begin = data.rfind(b"\n\n", 0, at)
-            begin = 0 if begin < 0 else begin + 2
-            stop = data.find(b"\n\n", at)
-            stop = len(data) if stop < 0 else stop + 2
+            begin, stop = event_span(data, at)
             event = data[begin:stop].strip()
             obj = None
             if event.startswith(b"data:") and b'"usage"' in event:

@@ -45,6 +45,13 @@ def accept_length(details: Any, completion_tokens: int | None) -> float | None:
     return None
 
 
+def event_span(data: bytes, at: int) -> tuple[int, int]:
+    """(start, end) of the SSE event (ending in a blank line) of `data` that holds offset `at`."""
+    begin = data.rfind(b"\n\n", 0, at)
+    stop = data.find(b"\n\n", at)
+    return 0 if begin < 0 else begin + 2, len(data) if stop < 0 else stop + 2
+
+
 def _only_spec(obj: Any) -> dict[str, Any] | None:
     """The details of an object whose `sglext` holds nothing but them, else None."""
     if not isinstance(obj, dict):
@@ -70,10 +77,7 @@ class SpecEvents:
     def strip(self, data: bytes) -> bytes:
         at = data.find(b'"sglext"')
         while at >= 0:
-            begin = data.rfind(b"\n\n", 0, at)
-            begin = 0 if begin < 0 else begin + 2
-            stop = data.find(b"\n\n", at)
-            stop = len(data) if stop < 0 else stop + 2
+            begin, stop = event_span(data, at)
             event = data[begin:stop].strip()
             details = None
             if event.startswith(b"data:"):
