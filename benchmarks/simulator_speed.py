@@ -25,8 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
+from policies.params import parse_policy_ref
 from policies.profile import resolve_profile
-from policies.registry import PolicyContext, default_registry
+from policies.registry import PolicyContext, PolicyRegistry, default_registry
 from simulator.engine.loop import simulate
 from simulator.engine.servers import build_deployment, parse_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
@@ -54,6 +55,12 @@ class Timed:
         self.seconds += time.perf_counter() - t
 
 
+def create(registry: PolicyRegistry, ref: str, context: PolicyContext) -> Policy:
+    """A policy from `NAME` or `NAME:KEY=VALUE,...`."""
+    name, params = parse_policy_ref(ref)
+    return registry.create(name, params or {}, context)
+
+
 def pin_one_core() -> str:
     if not hasattr(os, "sched_setaffinity"):
         return "not pinned (no sched_setaffinity)"
@@ -68,7 +75,10 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=4.0, help="Arrivals per second (default 4: ~40%% eagle).")
     ap.add_argument("--output-tokens", default="exp:200")
     ap.add_argument(
-        "--policies", nargs="+", default=["cost_model"], help="Policies to time (default cost_model)."
+        "--policies",
+        nargs="+",
+        default=["cost_model"],
+        help="Policies to time, NAME or NAME:KEY=VALUE,... (default cost_model).",
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", default="kimi-k25-int4-8gpu")
@@ -103,7 +113,7 @@ def main() -> int:
         share = 0.0
         for rep in range(args.repeats):
             policy = (
-                None if name.startswith("(") else registry.create(name, {}, PolicyContext(profile, args.seed))
+                None if name.startswith("(") else create(registry, name, PolicyContext(profile, args.seed))
             )
             gc.collect()
             t, c = time.perf_counter(), time.process_time()
@@ -115,7 +125,7 @@ def main() -> int:
             share = sum(1 for s in raw.server if servers[s].pool == "eagle") / args.requests
         rows.append((name, rates, cpu_rates, sim_ratio, share))
         if not name.startswith("("):
-            timed = Timed(registry.create(name, {}, PolicyContext(profile, args.seed)))
+            timed = Timed(create(registry, name, PolicyContext(profile, args.seed)))
             t = time.perf_counter()
             simulate(servers, timed, batch, seed=args.seed)
             wall = time.perf_counter() - t
@@ -126,14 +136,15 @@ def main() -> int:
                 f"{(wall - timed.seconds) * per:.2f} us in the engine (events, load views, outcomes)"
             )
 
+    width = max(16, *(len(r[0]) for r in rows))
     print(
-        f"\n{'policy':<16} {'n':>3} {'median req/s':>13} {'min':>10} {'max':>10} {'cpu req/s':>10} "
+        f"\n{'policy':<{width}} {'n':>3} {'median req/s':>13} {'min':>10} {'max':>10} {'cpu req/s':>10} "
         f"{'x real time':>12} {'eagle %':>8} {'vs target':>10}"
     )
     for name, rates, cpu_rates, ratio, share in rows:
         med, cpu_med = statistics.median(rates), statistics.median(cpu_rates)
         print(
-            f"{name:<16} {len(rates):>3} {med:>13,.0f} {min(rates):>10,.0f} {max(rates):>10,.0f} "
+            f"{name:<{width}} {len(rates):>3} {med:>13,.0f} {min(rates):>10,.0f} {max(rates):>10,.0f} "
             f"{cpu_med:>10,.0f} {ratio:>12,.0f} {100 * share:>8.1f} {med / TARGET:>9.2f}x"
         )
     print("\nwhere the time goes (one extra timed run each):")

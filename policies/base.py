@@ -123,7 +123,12 @@ class LoadView:
 
 @dataclass(slots=True)
 class Decision:
-    """What a policy decided. `reason` is a short, bounded string (a metric label)."""
+    """What a policy decided. `reason` is a short, bounded string (a metric label).
+
+    A policy picks the pool; it may leave `backend` empty ("") and the routing core
+    (`policies.routing.Router`) picks the backend within the pool and fills in `backend` and
+    `backend_load` (and moves the decision to the other pool when its pool has no healthy
+    backend). A policy that names a healthy backend of its pool keeps it."""
 
     pool: Pool
     backend: str
@@ -136,7 +141,12 @@ class Decision:
 
 
 class NoHealthyBackend(Exception):
-    """Raised (by `policies.routing.route`) when neither pool has a healthy backend."""
+    """Raised by the routing core (`policies.routing`) when a request has nowhere to go: neither
+    pool has a healthy backend, or the pool the client forced has none."""
+
+
+class InvalidDecision(Exception):
+    """A policy returned a decision the routing core cannot act on (an unknown pool or backend)."""
 
 
 OutcomeStatus = Literal["ok", "error", "timeout", "client_closed"]
@@ -154,6 +164,9 @@ class Outcome:
     completion_tokens: int | None
     duration_s: float
     status: OutcomeStatus
+    accept_length: float | None = None
+    """Tokens per verify step the eagle backend reported for this request (SGLang's
+    `spec_tokens_details`, when asked for), or None."""
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -178,7 +191,10 @@ class Policy(Protocol):
     name: str
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
-        """Pick a pool and backend for `request`. Raises NoHealthyBackend when none."""
+        """Pick a pool for `request` (the routing core picks the backend when `backend` is "").
+
+        Called through `policies.routing.Router.decide`, which handles requests with a
+        `forced_pool` itself: a policy never sees those. May raise NoHealthyBackend."""
         ...
 
     def observe(self, outcome: Outcome) -> None:

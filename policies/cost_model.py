@@ -1,35 +1,74 @@
-"""`cost_model`: send each request to the pool predicted to finish it sooner.
+"""`cost_model`: send each request where it costs the whole system least, by the speed profile.
 
 How it works: for each pool take its least-loaded healthy backend (backend-reported running
 and queued requests when a fresh sample exists, else this proxy's in-flight count as running)
-and ask the speed profile for the request's (TTFT, end-to-end) time if it joined that backend
-now (`SpeedModel.predict_e2e_s`: batch slowdown, plus the queue wait past
-`max_running_requests`). The pool with the smaller prediction (end-to-end by default, or
-TTFT) wins. Both pools are capacity: under heavy load work still goes to eagle while eagle
-is faster than queueing on baseline. The predictions for both pools go into the `Decision`
-so predicted-vs-actual can be measured.
+and ask the speed profile what the request would cost there (`SpeedModel.predict_system_s`):
+
+- `scope=system` (the default) compares marginal costs: the request's own end-to-end time
+  plus the time it adds to the requests it slows down -- exactly, the seconds per request at
+  the margin of the pool's completion rate, so the pool chosen is the one whose total rate
+  grows most. A request that would wait in a full pool's queue adds nothing there (a queued
+  request produces nothing): its cost is infinite while the other pool still gains from one
+  more request. When neither gains, the request goes where it finishes sooner.
+- `scope=request` is the selfish rule: the pool that finishes this request sooner.
+
+`objective=ttft` compares times to first token instead (system scope: never a queue while the
+other pool has a free slot). With `slo_ttft_s` / `slo_tpot_s`, a pool predicted to miss an SLO
+is not chosen while the other is predicted to meet it.
+
+Calibration (`calibrate`, on by default): the profile is a prior. Every outcome of a request
+this policy routed teaches `policies.calibration.SpeedCalibration` how far the pool's real
+decode rate is from the profile's at that load, and (eagle) how a hint's acceptance differs;
+predictions use the corrected speeds. `hint_speedup` factors are priors for the hints named.
+The predictions for both pools go into the `Decision`, so predicted-vs-actual can be measured.
 """
 
 from __future__ import annotations
 
-import random
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
 
 from policies.base import BackendLoad, Decision, LoadView, NoHealthyBackend, Outcome, Pool, RequestInfo
+from policies.calibration import SpeedCalibration, check_bounds
 from policies.profile import SpeedModel
-from policies.routing import backend_counts, first_least_loaded, route
+from policies.routing import backend_counts, first_least_loaded, pool_decision
 from policies.spec import PolicyContext, PolicyError, PolicySpec
 
 Objective = Literal["e2e", "ttft"]
+Scope = Literal["system", "request"]
+DEFAULT_BUCKETS = [1, 2, 4, 8, 16, 32, 48, 64, 128, 256]
 
 
 class CostModelParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
+    scope: Scope = Field(
+        default="system",
+        description="system: least total cost to every request (own time plus the slowdown imposed on "
+        "the others; a queued request produces nothing); request: finish this request soonest (selfish).",
+    )
+    queue_weight: float | None = Field(
+        default=100.0,
+        ge=0.0,
+        description="System scope: a request joining a full pool's queue costs its own time plus this many "
+        "times its wait (the wait it passes on to those queueing behind it); null: never queue while the "
+        "other pool has room.",
+    )
     objective: Objective = Field(
         default="e2e", description="What to minimise: end-to-end time (e2e) or time to first token (ttft)."
+    )
+    slo_ttft_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="TTFT SLO: a pool predicted to miss it is not chosen while the other meets it.",
+    )
+    slo_tpot_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Time-per-output-token SLO: a pool predicted to miss it is not chosen while the other "
+        "meets it.",
     )
     default_output_tokens: int = Field(
         default=256, ge=1, description="Output tokens assumed for a request that sets no max_tokens."
@@ -44,18 +83,53 @@ class CostModelParams(BaseModel):
         default=0.0,
         ge=0.0,
         lt=1.0,
-        description="Eagle is chosen only when predicted at least this fraction faster than baseline.",
+        description="Eagle is chosen only when its cost is at least this fraction below baseline's.",
     )
     hint_speedup: dict[str, PositiveFloat] = Field(
         default_factory=dict,
         description="Factor on the eagle decode rate per x-specroute-hint, e.g. "
-        '{"code": 1.2, "prose": 0.8} (the drafter\'s acceptance depends on the domain).',
+        '{"code": 1.2, "prose": 0.8} (the drafter\'s acceptance depends on the domain); with '
+        "calibrate, the starting point for those hints.",
     )
     scraped_accept_length: bool = Field(
         default=False,
         description="Scale the eagle decode rate by the backend-reported accept length over the profile's "
         "accept_length.",
     )
+    calibrate: bool = Field(
+        default=True,
+        description="Correct the profile from outcomes: speed per (pool, load bucket), eagle acceptance per "
+        "hint.",
+    )
+    calibration_window: int = Field(
+        default=200, ge=1, description="Samples a calibration estimate remembers (it follows drift)."
+    )
+    calibration_prior: float = Field(
+        default=10.0,
+        ge=0.0,
+        description="Weight of the profile (in samples) against the first observations; load buckets "
+        "use 4x this.",
+    )
+    calibration_clip: float = Field(
+        default=1.5,
+        gt=1.0,
+        description="One observation is clipped to within this factor of the current estimate (bounds what "
+        "an outlier can do; a larger drift is still followed, over several observations).",
+    )
+    calibration_buckets: list[int] = Field(
+        default=DEFAULT_BUCKETS,
+        min_length=1,
+        description="Upper bounds of the load buckets (requests on the backend including this one); one "
+        "more bucket holds everything above the last bound.",
+    )
+    max_hints: int = Field(default=32, ge=0, description="Distinct hints calibrated (0: none).")
+    hint_idle: int = Field(
+        default=1000,
+        ge=1,
+        description="A new hint may take the slot of a hint not seen in this many hinted outcomes.",
+    )
+
+    _buckets = field_validator("calibration_buckets")(check_bounds)
 
 
 class CostModelPolicy:
@@ -68,7 +142,6 @@ class CostModelPolicy:
         if missing:
             raise PolicyError(f"policy 'cost_model': the profile has no {' or '.join(missing)} mode")
         self.params = params
-        self._rng = random.Random(context.seed)
         self._baseline: SpeedModel = context.profile.speed("baseline")
         self._eagle: SpeedModel = context.profile.speed("eagle")
         self._profile_accept = self._eagle.accept_length
@@ -78,73 +151,142 @@ class CostModelPolicy:
             else float(params.default_output_tokens)
         )
         self._ttft = params.objective == "ttft"
+        self._system = params.scope == "system"
+        self._queue_weight = math.inf if params.queue_weight is None else params.queue_weight
+        self._slo = params.slo_ttft_s is not None or params.slo_tpot_s is not None
         self._eagle_factor = 1.0 - params.eagle_margin
         self._default_n = params.default_output_tokens
         self._scraped_accept = params.scraped_accept_length
+        self.calibration: SpeedCalibration | None = None
+        if params.calibrate:
+            self.calibration = SpeedCalibration(
+                params.calibration_buckets,
+                window=params.calibration_window,
+                prior_weight=params.calibration_prior,
+                clip=params.calibration_clip,
+                max_hints=params.max_hints,
+                hint_idle=params.hint_idle,
+                hint_priors=params.hint_speedup,
+                accept_length=self._profile_accept,
+            )
 
-    def _eagle_scale(self, request: RequestInfo, backend: BackendLoad) -> float:
-        scale = 1.0
-        if request.hint is not None:
-            scale = self.params.hint_speedup.get(request.hint, 1.0)
-        if (
-            self.params.scraped_accept_length
-            and backend.accept_length is not None
-            and self._profile_accept is not None
-        ):
-            scale *= backend.accept_length / self._profile_accept
-        return scale
+    def _predict(
+        self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int
+    ) -> tuple[float, float, float, bool, float]:
+        """(TTFT, end-to-end, marginal cost, would queue, time per output token) on `backend`."""
+        running, queued = backend_counts(backend)
+        model = self._baseline if pool == "baseline" else self._eagle
+        cap = model.max_running_requests
+        occupied = running + queued
+        batch = occupied + 1 if cap is None or occupied < cap else cap
+        cal = self.calibration
+        speed = 1.0 if cal is None else cal.speed(pool, batch)
+        own = 1.0
+        if pool == "eagle":
+            hint = request.hint
+            if cal is not None:
+                if hint is not None or cal.accept_reported:
+                    own = math.exp(cal.log_hint(hint))
+            elif hint is not None:
+                own = self.params.hint_speedup.get(hint, 1.0)
+            if (
+                self._scraped_accept
+                and backend.accept_length is not None
+                and self._profile_accept is not None
+            ):
+                own *= backend.accept_length / self._profile_accept
+        ttft, e2e, cost = model.predict_system_s(
+            n, running, queued, self._mean_n, request.prompt_tokens, own, speed, self._queue_weight
+        )
+        tpot = model.step_time(batch) / (own * speed) if self._slo else 0.0
+        return ttft, e2e, cost, cap is not None and occupied >= cap, tpot
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
-        ttft: dict[Pool, float] = {}
-        e2e: dict[Pool, float] = {}
         b = first_least_loaded(view.baseline)
-        if b is not None:
-            running, queued = backend_counts(b)
-            ttft["baseline"], e2e["baseline"] = self._baseline.predict_e2e_s(
-                n, running, queued, mean_output_tokens=self._mean_n, prompt_tokens=request.prompt_tokens
-            )
         e = first_least_loaded(view.eagle)
-        if e is not None:
-            running, queued = backend_counts(e)
-            scale = 1.0
-            if request.hint is not None or self._scraped_accept:
-                scale = self._eagle_scale(request, e)
-            ttft["eagle"], e2e["eagle"] = self._eagle.predict_e2e_s(
-                n,
-                running,
-                queued,
-                mean_output_tokens=self._mean_n,
-                prompt_tokens=request.prompt_tokens,
-                rate_scale=scale,
+        if b is None or e is None:
+            ttft: dict[Pool, float] = {}
+            e2e: dict[Pool, float] = {}
+            if b is not None:
+                ttft["baseline"], e2e["baseline"] = self._predict("baseline", b, request, n)[:2]
+                return pool_decision(
+                    "baseline",
+                    "eagle_unavailable",
+                    policy=self.name,
+                    predicted_ttft_s=ttft,
+                    predicted_e2e_s=e2e,
+                )
+            if e is not None:
+                ttft["eagle"], e2e["eagle"] = self._predict("eagle", e, request, n)[:2]
+                return pool_decision(
+                    "eagle",
+                    "baseline_unavailable",
+                    policy=self.name,
+                    predicted_ttft_s=ttft,
+                    predicted_e2e_s=e2e,
+                )
+            raise NoHealthyBackend("no healthy backend in either pool")
+        tb, eb, cb, qb, pb = self._predict("baseline", b, request, n)
+        te, ee, ce, qe, pe = self._predict("eagle", e, request, n)
+        # the smaller cost wins: system scope compares marginal costs (e2e) or, for TTFT, avoids
+        # a queue while the other pool has a free slot; request scope the request's own time.
+        # Where both marginal costs are infinite (neither pool gains from one more request),
+        # the request's own time decides.
+        xe, xb = (te, tb) if self._ttft else (ee, eb)
+        if self._system:
+            if self._ttft:
+                if qe != qb:
+                    xe, xb = (math.inf, 0.0) if qe else (0.0, math.inf)
+            elif ce != cb:
+                xe, xb = ce, cb
+        pool: Pool = "eagle" if xe < xb * self._eagle_factor else "baseline"
+        reason = "faster_eagle" if pool == "eagle" else "faster_baseline"
+        if self._slo:
+            p = self.params
+            meets_b = (p.slo_ttft_s is None or tb <= p.slo_ttft_s) and (
+                p.slo_tpot_s is None or pb <= p.slo_tpot_s
             )
-        if request.forced_pool is not None:
-            pool, reason = request.forced_pool, "client_override"
-        elif e is None:
-            if b is None:
-                raise NoHealthyBackend("no healthy backend in either pool")
-            pool, reason = "baseline", "eagle_unavailable"
-        elif b is None:
-            pool, reason = "eagle", "baseline_unavailable"
-        else:
-            cost = ttft if self._ttft else e2e
-            if cost["eagle"] < cost["baseline"] * self._eagle_factor:
-                pool, reason = "eagle", "faster_eagle"
-            else:
-                pool, reason = "baseline", "faster_baseline"
-        return route(
-            view, pool, reason, self._rng, policy=self.name, predicted_ttft_s=ttft, predicted_e2e_s=e2e
+            meets_e = (p.slo_ttft_s is None or te <= p.slo_ttft_s) and (
+                p.slo_tpot_s is None or pe <= p.slo_tpot_s
+            )
+            if meets_b != meets_e:  # one pool is predicted to meet every SLO, the other to miss one
+                met: Pool = "baseline" if meets_b else "eagle"
+                if met != pool:
+                    pool, reason = met, "slo_eagle" if met == "eagle" else "slo_baseline"
+        return pool_decision(
+            pool,
+            reason,
+            policy=self.name,
+            predicted_ttft_s={"baseline": tb, "eagle": te},
+            predicted_e2e_s={"baseline": eb, "eagle": ee},
         )
 
     def observe(self, outcome: Outcome) -> None:
-        pass
+        cal = self.calibration
+        if cal is None or outcome.status != "ok" or outcome.request.forced_pool is not None:
+            return  # only requests this policy routed teach it (a client cannot steer it)
+        decision = outcome.decision
+        if decision.reason == "failover":
+            return  # its load at decision time was another backend's
+        rate = outcome.decode_tok_s
+        if rate is None:
+            return
+        pool = decision.pool
+        model = self._baseline if pool == "baseline" else self._eagle
+        batch = decision.backend_load + 1
+        cap = model.max_running_requests
+        if cap is not None and batch > cap:
+            batch = cap
+        cal.observe(pool, batch, outcome.request.hint, rate * model.step_time(batch), outcome.accept_length)
 
 
 SPEC = PolicySpec(
     name="cost_model",
     params=CostModelParams,
     factory=CostModelPolicy,
-    help="Predict each pool's end-to-end time (or TTFT) from the speed profile and its current load; "
-    "pick the faster.",
+    help="Predict each pool's cost from the speed profile and its current load (system scope: the "
+    "request's own time plus the slowdown it imposes; a queued request produces nothing); pick the "
+    "cheaper. Calibrates the profile from outcomes.",
     needs_profile=True,
 )

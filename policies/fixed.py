@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import random
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.base import Decision, LoadView, Outcome, Pool, RequestInfo
-from policies.routing import route
+from policies.routing import pool_decision
 from policies.spec import PolicyContext, PolicySpec
 
 
@@ -22,13 +20,10 @@ class FixedPolicy:
 
     def __init__(self, params: FixedParams, context: PolicyContext) -> None:
         self.params = params
-        self._rng = random.Random(context.seed)
         self._reason = f"fixed_{params.pool}"
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
-        if request.forced_pool is not None:
-            return route(view, request.forced_pool, "client_override", self._rng, policy=self.name)
-        return route(view, self.params.pool, self._reason, self._rng, policy=self.name)
+        return pool_decision(self.params.pool, self._reason, policy=self.name)
 
     def observe(self, outcome: Outcome) -> None:
         pass

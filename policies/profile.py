@@ -13,6 +13,7 @@ bulk queries.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -220,6 +221,7 @@ class SpeedModel:
         mean_output_tokens: float | None = None,
         prompt_tokens: int = 0,
         rate_scale: float = 1.0,
+        speed_scale: float = 1.0,
     ) -> tuple[float, float]:
         """Predicted (TTFT, end-to-end) seconds of a request that joins the server now.
 
@@ -235,23 +237,69 @@ class SpeedModel:
         the mean length of the requests ahead; it defaults to `output_tokens`.
 
         `rate_scale` multiplies this request's own decode rate (e.g. an EAGLE acceptance
-        factor for its prompt domain); it does not change the queue wait.
+        factor for its prompt domain); it does not change the queue wait. `speed_scale`
+        multiplies the whole server's speed (every time above is divided by it): a
+        calibration of the profile against what the server really does.
+        """
+        ttft, e2e, _ = self.predict_system_s(
+            output_tokens,
+            running,
+            queued,
+            mean_output_tokens=mean_output_tokens,
+            prompt_tokens=prompt_tokens,
+            rate_scale=rate_scale,
+            speed_scale=speed_scale,
+        )
+        return ttft, e2e
+
+    def predict_system_s(
+        self,
+        output_tokens: int,
+        running: int,
+        queued: int = 0,
+        mean_output_tokens: float | None = None,
+        prompt_tokens: int = 0,
+        rate_scale: float = 1.0,
+        speed_scale: float = 1.0,
+        queue_weight: float = math.inf,
+    ) -> tuple[float, float, float]:
+        """(TTFT, end-to-end, marginal cost) seconds of a request that joins the server now.
+
+        TTFT and end-to-end are `predict_e2e_s`'s. The marginal cost is what the request costs
+        everyone: the seconds per request at the margin, `1 / (X(b+1) - X(b))`, where
+        `X(k) = k / T(k)` is the server's completion rate (requests/s) with `k` requests
+        running and `T(k)` the end-to-end time of a request like this one in a batch of `k`.
+        It is this request's own time plus the time it adds to the `b` requests it slows
+        down (to first order `T(b+1) + b * (T(b+1) - T(b))`), and picking the pool with the
+        smaller one maximises the total completion rate. Where one more request would lower the
+        rate the cost is infinite. At the cap the request waits in the queue and adds nothing to
+        the rate (a queued request produces nothing): its cost is its own end-to-end time plus
+        `queue_weight` times its wait -- the wait it passes on to the requests that will queue
+        behind it -- which is infinite by default (never queue while the other pool has room).
         """
         n = output_tokens if output_tokens > 1 else 1
+        m = n - 1
         cap = self.max_running_requests
         occupied = (running if running > 0 else 0) + (queued if queued > 0 else 0)
-        if cap is None or occupied < cap:
-            batch = occupied + 1
-            wait = 0.0
-        else:
-            batch = cap
+        prefill = prompt_tokens / self.prefill_tok_s if prompt_tokens > 0 and self.prefill_tok_s else 0.0
+        decode_scale = rate_scale * speed_scale
+        if cap is not None and occupied >= cap:
             mean_n = float(n) if mean_output_tokens is None else max(mean_output_tokens, 1.0)
             # (ahead + 1) completions at cap * rate(cap) / mean_n per second
-            wait = (occupied - cap + 1) * mean_n * self.step_time(cap) / cap
-        if batch < _TABLE_SIZE:  # step_time / ttft_s inlined (hot path)
-            step, ttft = self._step_table[batch], wait + self._ttft_table[batch]
+            step = self.step_time(cap)
+            wait = (occupied - cap + 1) * mean_n * step / cap
+            ttft = (wait + self.ttft_s(cap) + prefill) / speed_scale
+            e2e = ttft + m * step / decode_scale
+            cost = e2e + queue_weight * wait / speed_scale if queue_weight != math.inf else math.inf
+            return ttft, e2e, cost
+        b = occupied
+        if b + 1 < _TABLE_SIZE:  # step_time / ttft_s inlined (hot path)
+            steps, ttfts = self._step_table, self._ttft_table
+            t0, t1, f0, f1 = steps[b], steps[b + 1], ttfts[b], ttfts[b + 1]
         else:
-            step, ttft = self.step_time(batch), wait + self.ttft_s(batch)
-        if prompt_tokens > 0 and self.prefill_tok_s is not None:
-            ttft += prompt_tokens / self.prefill_tok_s
-        return ttft, ttft + (n - 1) * step / rate_scale
+            t0, t1, f0, f1 = self.step_time(b), self.step_time(b + 1), self.ttft_s(b), self.ttft_s(b + 1)
+        ttft = (f1 + prefill) / speed_scale
+        e2e = ttft + m * t1 / decode_scale
+        before = (f0 + prefill) / speed_scale + m * t0 / decode_scale
+        rate_gain = (b + 1) * before - b * e2e  # (X(b+1) - X(b)) * T(b) * T(b+1)
+        return ttft, e2e, before * e2e / rate_gain if rate_gain > 0.0 else math.inf

@@ -1,45 +1,78 @@
-"""The routing core: which backend of a pool serves a request, and what happens when a pool
-has none. Pure code, shared by every policy, the proxy and the simulator.
+"""The routing core: where a request goes, decided in one place for the proxy and the simulator.
+
+Pure code: the proxy does I/O around it, the simulator virtual time; given the same policy
+state, request, `LoadView` and seed, both get the same `Decision`. The rules:
+
+1. **Client override.** A request with a `forced_pool` (`x-specroute-mode`, when the config
+   allows it) goes to that pool without asking the policy (reason `client_override`). When the
+   forced pool has no healthy backend the request fails with `NoHealthyBackend` (the proxy
+   answers 503): whoever forces a pool -- a benchmark of one mode, someone debugging one
+   server -- expects that pool's answer or an error, never a silent answer from the other one.
+2. **The policy picks the pool** (`policy.choose`), with its predictions; it may name a
+   backend, or leave `backend` empty for rule 3.
+3. **Backend within a pool:** the healthy backend with the smallest `BackendLoad.load` (the
+   larger of this replica's in-flight count and the scraped running + queued); ties are
+   broken uniformly by the router's seeded RNG. A policy that names a healthy backend of its
+   pool keeps it; a backend that is not in the view is an `InvalidDecision`.
+4. **Fallback:** when the chosen pool has no healthy backend, rule 3 in the other pool, with
+   reason `<pool>_unavailable`; when neither has one, `NoHealthyBackend`.
+5. **Failover** (the proxy, before the first byte reached the client): rule 3 among the
+   healthy backends not tried yet, in the same pool first, then -- unless the pool was
+   forced -- in the other pool.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 
-from policies.base import BackendLoad, Decision, LoadView, NoHealthyBackend, Pool, PoolLoad, other_pool
+from policies.base import (
+    POOLS,
+    BackendLoad,
+    Decision,
+    InvalidDecision,
+    LoadView,
+    NoHealthyBackend,
+    Policy,
+    Pool,
+    PoolLoad,
+    RequestInfo,
+    other_pool,
+)
 
 
-def least_loaded(pool: PoolLoad, rng: random.Random) -> BackendLoad | None:
-    """The healthy backend with the smallest `load`, ties broken by `rng`; None when none is healthy."""
-    if len(pool.backends) == 1:  # the common deployment: no ties, no rng draw
-        only = pool.backends[0]
-        return only if only.healthy else None
-    best: list[BackendLoad] = []
-    best_load = 0
-    for b in pool.backends:
-        if not b.healthy:
-            continue
-        load = b.load
-        if not best or load < best_load:
-            best, best_load = [b], load
-        elif load == best_load:
-            best.append(b)
-    if not best:
+def least_loaded_index(loads: Sequence[int], rng: random.Random) -> int:
+    """Index of the smallest load (rule 3 on plain numbers); ties broken by `rng`.
+
+    `loads` must not be empty. Draws from `rng` only when there is a tie."""
+    low = min(loads)
+    best = [i for i, load in enumerate(loads) if load == low]
+    return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+
+
+def pick_backend(pool: PoolLoad, rng: random.Random, exclude: Collection[str] = ()) -> BackendLoad | None:
+    """Rule 3: the least-loaded healthy backend of `pool` not in `exclude`; None when none."""
+    backends = pool.backends
+    if len(backends) == 1:  # the common deployment: no ties, no rng draw
+        only = backends[0]
+        return only if only.healthy and only.name not in exclude else None
+    candidates = [b for b in backends if b.healthy and b.name not in exclude]
+    if not candidates:
         return None
-    if len(best) == 1:
-        return best[0]
-    return best[rng.randrange(len(best))]
+    return candidates[least_loaded_index([b.load for b in candidates], rng)]
 
 
 def first_least_loaded(pool: PoolLoad) -> BackendLoad | None:
-    """The healthy backend with the smallest `load` (first one on ties), or None."""
-    if len(pool.backends) == 1:
-        only = pool.backends[0]
+    """The healthy backend with the smallest `load`, the first one on ties, or None.
+
+    What policies predict for: its load is the load of whichever backend rule 3 picks."""
+    backends = pool.backends
+    if len(backends) == 1:
+        only = backends[0]
         return only if only.healthy else None
     best: BackendLoad | None = None
     best_load = 0
-    for b in pool.backends:
+    for b in backends:
         if b.healthy:
             load = b.load
             if best is None or load < best_load:
@@ -60,6 +93,18 @@ def backend_counts(backend: BackendLoad) -> tuple[int, int]:
     return (running + missing, queued) if missing > 0 else (running, queued)
 
 
+def pool_decision(
+    pool: Pool,
+    reason: str,
+    *,
+    policy: str = "",
+    predicted_ttft_s: Mapping[Pool, float] | None = None,
+    predicted_e2e_s: Mapping[Pool, float] | None = None,
+) -> Decision:
+    """A decision for `pool` whose backend the router picks (rule 3)."""
+    return Decision(pool, "", reason, predicted_ttft_s or {}, predicted_e2e_s or {}, 0, policy)
+
+
 def route(
     view: LoadView,
     pool: Pool,
@@ -70,24 +115,81 @@ def route(
     predicted_ttft_s: Mapping[Pool, float] | None = None,
     predicted_e2e_s: Mapping[Pool, float] | None = None,
 ) -> Decision:
-    """Build a Decision for `pool`, on its least-loaded healthy backend.
+    """A complete decision for `pool` (rules 3 and 4 with `rng`), for policies that want to name
+    the backend themselves. Raises `NoHealthyBackend` when neither pool has a healthy backend."""
+    decision = pool_decision(
+        pool, reason, policy=policy, predicted_ttft_s=predicted_ttft_s, predicted_e2e_s=predicted_e2e_s
+    )
+    return _complete(decision, view, rng)
 
-    When `pool` has no healthy backend the other pool is used and the reason becomes
-    `"<pool>_unavailable"`. Raises `NoHealthyBackend` when neither has one.
-    """
-    backend = least_loaded(view.pool(pool), rng)
+
+def _complete(decision: Decision, view: LoadView, rng: random.Random) -> Decision:
+    """Rules 3 and 4 on a policy's decision, in place."""
+    pool = decision.pool
+    if pool == "baseline":
+        members = view.baseline
+    elif pool == "eagle":
+        members = view.eagle
+    else:
+        raise InvalidDecision(f"chose pool {pool!r} (expected one of {', '.join(POOLS)})")
+    name = decision.backend
+    backends = members.backends
+    if not name and len(backends) == 1 and backends[0].healthy:  # the common case, inlined
+        only = backends[0]
+        decision.backend = only.name
+        decision.backend_load = only.load
+        return decision
+    if name:
+        for b in members.backends:
+            if b.name == name:
+                if b.healthy:
+                    decision.backend_load = b.load
+                    return decision
+                break
+        else:
+            raise InvalidDecision(f"chose backend {name!r}, which is not in the {pool} pool")
+    backend = pick_backend(members, rng)
     if backend is None:
-        pool = other_pool(pool)
-        reason = f"{other_pool(pool)}_unavailable"
-        backend = least_loaded(view.pool(pool), rng)
+        fallback = other_pool(pool)
+        backend = pick_backend(view.pool(fallback), rng)
         if backend is None:
             raise NoHealthyBackend("no healthy backend in either pool")
-    return Decision(
-        pool,
-        backend.name,
-        reason,
-        predicted_ttft_s or {},
-        predicted_e2e_s or {},
-        backend.load,
-        policy,
-    )
+        decision.pool = fallback
+        decision.reason = f"{pool}_unavailable"
+    decision.backend = backend.name
+    decision.backend_load = backend.load
+    return decision
+
+
+class Router:
+    """Rules 1-5 with one seeded RNG for every tie-break. The proxy holds one per replica, the
+    simulator one per simulated segment."""
+
+    __slots__ = ("rng",)
+
+    def __init__(self, seed: int | str = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def decide(self, policy: Policy, request: RequestInfo, view: LoadView, now: float) -> Decision:
+        """Where `request` goes. Raises `NoHealthyBackend` (nowhere to go) or `InvalidDecision`
+        (the policy chose something that does not exist); the policy's own errors propagate."""
+        forced = request.forced_pool
+        if forced is not None:
+            backend = pick_backend(view.pool(forced), self.rng)
+            if backend is None:
+                raise NoHealthyBackend(f"pool {forced!r} has no healthy backend")
+            return Decision(forced, backend.name, "client_override", {}, {}, backend.load, policy.name)
+        return _complete(policy.choose(request, view, now), view, self.rng)
+
+    def failover(
+        self, view: LoadView, failed: str, tried: Collection[str], forced: bool
+    ) -> BackendLoad | None:
+        """Rule 5: where a request goes after backend `failed` did not answer; None when nowhere."""
+        pool = next((p for p in POOLS if any(b.name == failed for b in view.pool(p).backends)), None)
+        if pool is None:
+            raise InvalidDecision(f"backend {failed!r} is not in the view")
+        for candidate_pool in (pool,) if forced else (pool, other_pool(pool)):
+            backend = pick_backend(view.pool(candidate_pool), self.rng, tried)
+            if backend is not None:
+                return backend
+        return None

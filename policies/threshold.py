@@ -8,13 +8,12 @@ backend-reported running+queued requests (`scraped`), or the larger of the two (
 
 from __future__ import annotations
 
-import random
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.base import Decision, LoadView, Outcome, PoolLoad, RequestInfo
-from policies.routing import route
+from policies.routing import pool_decision
 from policies.spec import PolicyContext, PolicySpec
 
 Signal = Literal["local", "scraped", "max"]
@@ -59,12 +58,9 @@ class ThresholdPolicy:
 
     def __init__(self, params: ThresholdParams, context: PolicyContext) -> None:
         self.params = params
-        self._rng = random.Random(context.seed)
         self._on_baseline = False
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
-        if request.forced_pool is not None:  # forced requests leave the hysteresis state alone
-            return route(view, request.forced_pool, "client_override", self._rng, policy=self.name)
         p = self.params
         load = pool_load(view.eagle, p.signal)
         if self._on_baseline:
@@ -73,8 +69,8 @@ class ThresholdPolicy:
         elif load >= p.threshold:
             self._on_baseline = True
         if self._on_baseline:
-            return route(view, "baseline", "above_threshold", self._rng, policy=self.name)
-        return route(view, "eagle", "below_threshold", self._rng, policy=self.name)
+            return pool_decision("baseline", "above_threshold", policy=self.name)
+        return pool_decision("eagle", "below_threshold", policy=self.name)
 
     def observe(self, outcome: Outcome) -> None:
         pass

@@ -1,8 +1,10 @@
 """A fake SGLang-like backend: a small real aiohttp app on 127.0.0.1:0.
 
 It answers `/v1/chat/completions` and `/v1/completions` (streaming and not) with exactly the
-shapes of SGLANG.md: role chunk, content chunks, a finish chunk, the usage chunk (`choices: []`)
-when `stream_options.include_usage`, then `data: [DONE]`. Answers are deterministic (the id is a
+shapes of SGLANG.md: role chunk, content chunks, a finish chunk, the speculative details chunk
+(`choices: []`, `sglext.spec_tokens_details`) when `return_spec_tokens_details` and the backend is
+`speculative`, the usage chunk (`choices: []`) when `stream_options.include_usage`, then
+`data: [DONE]`. Answers are deterministic (the id is a
 hash of the request body, `created` is fixed) so a response fetched directly and one fetched
 through the proxy can be compared byte for byte.
 
@@ -105,10 +107,13 @@ class FakeBackend:
         delay_s: float = 0.0,
         first_byte_delay_s: float = 0.0,
         ready_route: bool = True,
+        speculative: bool = False,
     ) -> None:
         self.name = name
         self.ready_route = ready_route
         """Serve GET /ready (SGLang releases before it had only /health)."""
+        self.speculative = speculative
+        """Answer `return_spec_tokens_details` (2 tokens per verify step after the first)."""
         self.probes: list[str] = []
         """Paths of the health probes received."""
         self.model = model
@@ -214,10 +219,15 @@ class FakeBackend:
                 raise asyncio.CancelledError
             if self.first_byte_delay_s:
                 await asyncio.sleep(self.first_byte_delay_s)
-            # specroute appends USAGE_SUFFIX to ask for the usage chunk a client did not ask for:
-            # the id stays that of the client's own bytes, so direct and proxied answers compare
-            suffix = b', "stream_options": {"include_usage": true}}'
-            own = raw[: -len(suffix)] + b"}" if raw.endswith(suffix) else raw
+            # specroute appends fields to ask for the usage chunk and the speculative details a
+            # client did not ask for: the id stays that of the client's own bytes, so direct and
+            # proxied answers compare
+            own = raw
+            for suffix in (
+                b', "return_spec_tokens_details": true}',
+                b', "stream_options": {"include_usage": true}}',
+            ):
+                own = own[: -len(suffix)] + b"}" if own.endswith(suffix) else own
             rid = str(body.get("rid") or "fake" + hashlib.sha1(own).hexdigest()[:24])
             model = str(body.get("model", self.model))
             tokens = self._tokens(body)
@@ -242,6 +252,19 @@ class FakeBackend:
             "prompt_tokens_details": None,
             "reasoning_tokens": 0,
             "completion_tokens_details": None,
+        }
+
+    def spec_details(self, body: dict[str, Any], n: int) -> dict[str, Any] | None:
+        """SGLang's `spec_tokens_details` for `n` tokens when asked for and speculative, else None."""
+        if not (self.speculative and body.get("return_spec_tokens_details") is True and n > 1):
+            return None
+        verify = n // 2  # the first token from prefill, then 2 per verify step (1 draft + bonus)
+        return {
+            "spec_accept_rate": (n - 1 - verify) / verify,
+            "spec_accept_length": n / verify,
+            "spec_verify_ct": verify,
+            "spec_num_correct_drafts": n - 1 - verify,
+            "spec_num_proposed_drafts": verify,
         }
 
     def _whole(
@@ -274,6 +297,9 @@ class FakeBackend:
             "usage": self._usage(body, len(tokens)),
             "metadata": {"weight_version": "default"},
         }
+        details = self.spec_details(body, len(tokens))
+        if details is not None:
+            out["sglext"] = {"spec_tokens_details": details}
         return web.json_response(out)
 
     async def _stream(
@@ -310,6 +336,9 @@ class FakeBackend:
                 await asyncio.sleep(self.delay_s)
             await resp.write(piece(tok, None))
         await resp.write(piece(None, "length"))
+        details = self.spec_details(body, len(tokens))
+        if details is not None:
+            await resp.write(sse(stream_event(rid, model, chat, [], sglext={"spec_tokens_details": details})))
         options = body.get("stream_options") or {}
         if options.get("include_usage"):
             await resp.write(sse(stream_event(rid, model, chat, [], usage=self._usage(body, len(tokens)))))

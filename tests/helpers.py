@@ -12,6 +12,8 @@
 - `free_port()`, `raise_open_files_limit(n)`.
 - `port_of(url)`, `raw_post(path, body)` (a POST's bytes) and `raw_exchange(port, data)`: raw HTTP
   for the tests that speak it broken.
+- `Routed(policy, seed)`: a policy as the proxy and the simulator use it, every `choose` going
+  through the routing core (`policies.routing.Router`); other attributes are the policy's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from typing import Any
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
+from policies.routing import Router
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -209,3 +214,21 @@ async def raw_exchange(port: int, data: bytes, timeout_s: float = 10.0) -> bytes
         return await asyncio.wait_for(reader.read(), timeout_s)
     finally:
         writer.close()
+
+
+class Routed:
+    """`policy` behind the routing core: `choose` is `Router(seed).decide(policy, ...)`."""
+
+    def __init__(self, policy: Policy, seed: int = 0) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self.router = Router(seed)
+
+    def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
+        return self.router.decide(self.policy, request, view, now)
+
+    def observe(self, outcome: Outcome) -> None:
+        self.policy.observe(outcome)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)

@@ -19,10 +19,26 @@ def _write(tmp_path, text: str):
 
 def test_defaults():
     s = load_settings({}, {}, None)
-    assert (s.host, s.port, s.policy, s.allow_client_override) == ("127.0.0.1", 8000, "threshold", False)
+    assert (s.host, s.port, s.policy, s.allow_client_override) == ("127.0.0.1", 8000, "online", False)
+    assert s.spec_details is False
     assert s.body_limit_bytes == 32 * 1024 * 1024
     assert s.health_check_path == "/ready"
     assert s.admin_token is None and s.decision_log is None and s.shadow_policies == []
+
+
+def test_default_policy_is_cost_model_with_a_profile_else_online(tmp_path):
+    # without a profile nothing can predict a pool's speed: online learns it from outcomes
+    assert load_settings({"profile": "  "}, {}, None).policy == "online"
+    f = _write(tmp_path, "profile: kimi-k25-int4-8gpu\n")
+    assert load_settings({}, {}, f).policy == "cost_model"
+    assert load_settings({}, {"SPECROUTE_PROFILE": "kimi-k25-int4-8gpu"}, None).policy == "cost_model"
+    assert load_settings({"policy": "threshold"}, {}, f).policy == "threshold"  # given beats default
+    # parameters given for the default policy stay with it
+    f = _write(tmp_path, "profile: kimi-k25-int4-8gpu\npolicy_params: {objective: ttft}\n")
+    s = load_settings({"policy": "cost_model"}, {}, f)
+    assert s.policy == "cost_model" and s.policy_params == {"objective": "ttft"}
+    s = load_settings({"policy": "fixed"}, {}, f)
+    assert s.policy == "fixed" and s.policy_params == {}
 
 
 def test_precedence_cli_over_env_over_file(tmp_path):

@@ -513,8 +513,17 @@ async def test_spec_tokens_details_chunk_before_usage(emulator: MakeEmu) -> None
     # SGLang's formula (tokenizer_manager._calculate_spec_decoding_metrics): completion tokens,
     # the prefill's one included, per verify step
     assert d["spec_accept_length"] == pytest.approx(60 / d["spec_verify_ct"])
+    assert d["spec_accept_rate"] == pytest.approx(
+        d["spec_num_correct_drafts"] / d["spec_num_proposed_drafts"]
+    )
     async with (
         aiohttp.ClientSession() as s,
         s.post(server.url + "/v1/chat/completions", json={**body, "stream": False}) as r,
     ):
         assert "spec_tokens_details" in (await r.json())["sglext"]
+    # only when asked, and only from a speculative server (SGLang has no stats to report otherwise)
+    _, events = await sse(server.url + "/v1/chat/completions", {**body, "return_spec_tokens_details": False})
+    assert not any("sglext" in e for e in events if isinstance(e, dict))
+    plain = await emulator("baseline")
+    _, events = await sse(plain.url + "/v1/chat/completions", body)
+    assert not any("sglext" in e for e in events if isinstance(e, dict)) and events[-1] == "[DONE]"

@@ -1,11 +1,15 @@
 """`cost_model`: predictions equal hand-computed values from the profile; eagle for a lone
-request, baseline at high load, both pools used as capacity."""
+request, baseline at high load, both pools used as capacity; the system-scope cost by hand (own
+time plus the slowdown imposed, a queued request producing nothing), SLOs, and calibration
+(bounded, converging, taught only by the policy's own decisions)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
+from helpers import Routed
 
 from policies.base import (
     BackendLoad,
@@ -22,11 +26,16 @@ from policies.registry import PolicyContext, PolicyError, default_registry
 
 KIMI = resolve_profile("kimi-k25-int4-8gpu")
 LLAMA = resolve_profile("llama31-8b-h100-eagle3")
-REASONS = {"faster_eagle", "faster_baseline", "client_override", "eagle_unavailable", "baseline_unavailable"}
+REASONS = {
+    "faster_eagle", "faster_baseline", "slo_eagle", "slo_baseline", "client_override", "eagle_unavailable",
+    "baseline_unavailable",
+}  # fmt: skip
 
 
 def cost_model(profile: Profile = KIMI, seed: int = 0, **params: object) -> Policy:
-    return default_registry(entry_points=False).create("cost_model", params, PolicyContext(profile, seed))
+    return Routed(
+        default_registry(entry_points=False).create("cost_model", params, PolicyContext(profile, seed)), seed
+    )
 
 
 def backend(
@@ -98,13 +107,91 @@ def test_llama_profile_the_decision_is_capacity_not_mode() -> None:
         assert policy.choose(req, loaded(n, n), 0.0).pool == "eagle"
     # ... but not when its queue is long and baseline has room
     assert policy.choose(req, loaded(48, 48, 48), 0.0).pool == "baseline"
-    # and it is used again once baseline is far more crowded than eagle's queue
-    assert policy.choose(req, loaded(250, 48, 5), 0.0).pool == "eagle"
+    # the selfish rule queues on eagle once baseline is far more crowded than eagle's queue;
+    # system scope does not while one more request still adds to baseline's completion rate
+    selfish = cost_model(LLAMA, scope="request")
+    assert selfish.choose(req, loaded(250, 48, 5), 0.0).pool == "eagle"
+    assert cost_model(LLAMA, queue_weight=None).choose(req, loaded(250, 48, 5), 0.0).pool == "baseline"
+
+
+def test_system_cost_is_own_time_plus_the_slowdown_imposed_by_hand() -> None:
+    # t(b) = a + c*b exactly (two points), no TTFT: T(b) = (n - 1) * t(b), X(b) = b / T(b)
+    profile = parse_profile(
+        {
+            "format": "specroute.profile/v1",
+            "modes": {
+                "baseline": {
+                    "points": [{"concurrency": b, "decode_tok_s": 1 / (0.010 + 0.001 * b)} for b in (1, 2)]
+                },
+                "eagle": {
+                    "max_running_requests": 4,
+                    "points": [{"concurrency": b, "decode_tok_s": 1 / (0.002 + 0.004 * b)} for b in (1, 2)],
+                },
+            },
+        }
+    )
+    model = profile.speed("eagle")
+    n = 101
+    # eagle, 2 running: T(2) = 100 * 0.010, T(3) = 100 * 0.014; marginal cost 1 / (X(3) - X(2))
+    ttft, e2e, cost = model.predict_system_s(n, 2, 0)
+    assert (ttft, e2e) == pytest.approx((0.0, 1.4))
+    assert cost == pytest.approx(1 / (3 / 1.4 - 2 / 1.0))  # 7.0 s: own 1.4 s + what it costs the others
+    # a lone request costs just its own time
+    assert model.predict_system_s(n, 0, 0)[2] == pytest.approx(0.6)
+    # at the cap of 4 a request waits: it adds nothing to the completion rate
+    ttft, e2e, cost = model.predict_system_s(n, 4, 1, queue_weight=math.inf)
+    wait = 2 * 101 * 0.018 / 4  # 2 completions ahead, each 1/4 of a 101-token request at t(4) = 0.018
+    assert (ttft, e2e, cost) == pytest.approx((wait, wait + 1.8, math.inf))
+    assert model.predict_system_s(n, 4, 1, queue_weight=10.0)[2] == pytest.approx(wait + 1.8 + 10 * wait)
+    # the policy compares those costs: eagle at 2 running (7.0 s) vs baseline idle (1.1 s)
+    d = cost_model(profile).choose(RequestInfo(max_tokens=n), loaded(0, 2), 0.0)
+    assert (d.pool, d.reason) == ("baseline", "faster_baseline")
+    # baseline at 4 running: its own time 1.5 s, eagle's 1.4 s, so the selfish rule takes eagle; but
+    # there it costs 7.0 s, on baseline 1.4 * 1.5 / (5 * 1.4 - 4 * 1.5) = 2.1 s
+    req = RequestInfo(max_tokens=n)
+    assert cost_model(profile, scope="request").choose(req, loaded(4, 2), 0.0).pool == "eagle"
+    assert profile.speed("baseline").predict_system_s(n, 4, 0)[2] == pytest.approx(2.1)
+    assert cost_model(profile).choose(req, loaded(4, 2), 0.0).pool == "baseline"
+
+
+def test_slo_keeps_a_request_off_the_pool_predicted_to_miss_it() -> None:
+    req = RequestInfo(max_tokens=256)
+    assert cost_model().choose(req, loaded(0, 0), 0.0).pool == "eagle"  # 2.87 s vs 2.95 s
+    d = cost_model(slo_ttft_s=0.21).choose(req, loaded(0, 0), 0.0)  # eagle's TTFT is 0.22 s
+    assert (d.pool, d.reason) == ("baseline", "slo_baseline")
+    d = cost_model(slo_tpot_s=1 / 95).choose(req, loaded(0, 0), 0.0)  # only eagle decodes faster than 95/s
+    assert (d.pool, d.reason) == ("eagle", "faster_eagle")
+    d = cost_model(slo_tpot_s=1 / 95).choose(req, loaded(0, 1), 0.0)  # eagle at 2: 76.5 tok/s
+    assert d.pool == "baseline"  # neither meets it: the cost decides
+    assert cost_model(slo_ttft_s=0.1).choose(req, loaded(0, 0), 0.0).reason == "faster_eagle"  # neither meets
 
 
 def test_ttft_objective() -> None:
     d = cost_model(objective="ttft").choose(RequestInfo(max_tokens=256), loaded(0, 0), 0.0)
     assert (d.pool, d.reason) == ("baseline", "faster_baseline")  # 0.20 s < 0.22 s
+    # eagle full with nobody waiting: its first token comes sooner than on a crowded baseline ...
+    profile = parse_profile(
+        {
+            "format": "specroute.profile/v1",
+            "modes": {
+                "baseline": {
+                    "points": [{"concurrency": b, "decode_tok_s": 100, "ttft_s": 0.01 * b} for b in (1, 2)]
+                },
+                "eagle": {"max_running_requests": 4, "points": [{"concurrency": 1, "decode_tok_s": 50}]},
+            },
+        }
+    )
+    req = RequestInfo(max_tokens=11)
+    d = cost_model(profile, objective="ttft", scope="request", mean_output_tokens=11).choose(
+        req, loaded(20, 4), 0.0
+    )
+    assert d.predicted_ttft_s == pytest.approx({"baseline": 0.21, "eagle": 11 * 0.02 / 4})
+    assert d.pool == "eagle"
+    # ... but at system scope a request does not queue while the other pool has a free slot
+    assert (
+        cost_model(profile, objective="ttft", mean_output_tokens=11).choose(req, loaded(20, 4), 0.0).pool
+        == "baseline"
+    )
 
 
 def test_least_loaded_backend_and_local_counts_without_a_sample() -> None:
@@ -131,9 +218,9 @@ def test_scraped_sample_below_local_count_is_topped_up() -> None:
 def test_hint_speedup_and_margin() -> None:
     # at 1 running each, eagle loses (76.5 vs 83.0 tok/s per request) ...
     req = RequestInfo(max_tokens=256, hint="code")
-    assert cost_model().choose(req, loaded(1, 1), 0.0).pool == "baseline"
+    assert cost_model(scope="request").choose(req, loaded(1, 1), 0.0).pool == "baseline"
     # ... unless its acceptance on code is known to be 20% better (given as JSON text, as on a CLI)
-    d = cost_model(hint_speedup='{"code": 1.2}').choose(req, loaded(1, 1), 0.0)
+    d = cost_model(scope="request", hint_speedup='{"code": 1.2}').choose(req, loaded(1, 1), 0.0)
     assert d.pool == "eagle"
     se = KIMI.speed("eagle")
     assert d.predicted_e2e_s["eagle"] == pytest.approx(se.ttft_s(2) + 255 * se.step_time(2) / 1.2)
@@ -163,10 +250,10 @@ def test_unavailable_pools() -> None:
         cost_model().choose(RequestInfo(), view((), ()), 0.0)
 
 
-def test_forced_pool_still_records_predictions() -> None:
+def test_a_forced_pool_is_the_routing_core_s_decision_not_the_policy_s() -> None:
     d = cost_model().choose(RequestInfo(max_tokens=256, forced_pool="baseline"), loaded(0, 0), 0.0)
-    assert (d.pool, d.reason) == ("baseline", "client_override")
-    assert set(d.predicted_e2e_s) == {"baseline", "eagle"}
+    assert (d.pool, d.reason, d.policy) == ("baseline", "client_override", "cost_model")
+    assert d.predicted_e2e_s == {}
 
 
 def _random_view(rng: random.Random) -> LoadView:

@@ -12,6 +12,7 @@ from policies.base import BackendLoad, LoadView, PoolLoad, RequestInfo
 from policies.fixed import SPEC as FIXED
 from policies.profile import parse_profile, resolve_profile
 from policies.registry import PolicyContext, PolicyError, PolicyRegistry, PolicySpec, default_registry
+from policies.routing import Router
 
 BUILTINS = ["cost_model", "fixed", "online", "threshold"]
 VIEW = LoadView(
@@ -48,7 +49,9 @@ def test_every_builtin_can_be_created_and_routes(reg: PolicyRegistry) -> None:
     for name in BUILTINS:
         policy = reg.create(name, {}, ctx)
         d = policy.choose(RequestInfo(), VIEW, 0.0)
-        assert d.policy == name and d.backend in ("b0", "e0")
+        assert d.policy == name and d.pool in ("baseline", "eagle")
+        d = Router(1).decide(policy, RequestInfo(), VIEW, 0.0)  # the core picks the backend
+        assert d.backend == {"baseline": "b0", "eagle": "e0"}[d.pool]
 
 
 def test_unknown_policy_lists_the_known_ones(reg: PolicyRegistry) -> None:

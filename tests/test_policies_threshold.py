@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from helpers import Routed
 
 from policies.base import BackendLoad, LoadView, NoHealthyBackend, Policy, PoolLoad, RequestInfo
-from policies.registry import PolicyContext, PolicyError, default_registry
+from policies.registry import PolicyError, default_registry
 
 REQ = RequestInfo(max_tokens=100)
 
@@ -37,13 +38,16 @@ def view(
 
 
 def threshold(**params: object) -> Policy:
-    return default_registry(entry_points=False).create("threshold", params)
+    return Routed(default_registry(entry_points=False).create("threshold", params))
+
+
+def fixed(pool: str = "baseline", seed: int = 0) -> Policy:
+    return Routed(default_registry(entry_points=False).create("fixed", {"pool": pool}), seed)
 
 
 def test_fixed_sends_everything_to_its_pool() -> None:
-    reg = default_registry(entry_points=False)
     for pool in ("baseline", "eagle"):
-        policy = reg.create("fixed", {"pool": pool})
+        policy = fixed(pool)
         for load in (0, 10, 1000):
             d = policy.choose(REQ, view(load), 0.0)
             assert (d.pool, d.reason, d.policy) == (pool, f"fixed_{pool}", "fixed")
@@ -51,7 +55,7 @@ def test_fixed_sends_everything_to_its_pool() -> None:
 
 
 def test_fixed_falls_back_when_its_pool_is_down() -> None:
-    policy = default_registry(entry_points=False).create("fixed", {"pool": "eagle"})
+    policy = fixed("eagle")
     d = policy.choose(REQ, view(eagle_healthy=False), 0.0)
     assert (d.pool, d.reason) == ("baseline", "eagle_unavailable")
     with pytest.raises(NoHealthyBackend):
@@ -155,24 +159,24 @@ def _pool_view(*backends: tuple[str, int, bool], running: dict[str, int] | None 
 
 
 def test_within_a_pool_the_least_loaded_healthy_backend_wins_ties_by_seeded_rng() -> None:
-    reg = default_registry(entry_points=False)
-    fixed = reg.create("fixed", {"pool": "baseline"})
+    policy = fixed()
     assert (
-        fixed.choose(REQ, _pool_view(("b0", 3, True), ("b1", 1, True), ("b2", 2, True)), 0.0).backend == "b1"
+        policy.choose(REQ, _pool_view(("b0", 3, True), ("b1", 1, True), ("b2", 2, True)), 0.0).backend == "b1"
     )
     # an unhealthy backend is skipped however idle it is
     assert (
-        fixed.choose(REQ, _pool_view(("b0", 3, True), ("b1", 0, False), ("b2", 2, True)), 0.0).backend == "b2"
+        policy.choose(REQ, _pool_view(("b0", 3, True), ("b1", 0, False), ("b2", 2, True)), 0.0).backend
+        == "b2"
     )
     # the load is the larger of local in-flight and scraped running + queued
     busy = _pool_view(("b0", 0, True), ("b1", 1, True), running={"b0": 5})
-    assert fixed.choose(REQ, busy, 0.0).backend == "b1"
+    assert policy.choose(REQ, busy, 0.0).backend == "b1"
 
     tied = _pool_view(("b0", 2, True), ("b1", 2, True), ("b2", 2, True), ("b3", 9, True))
 
     def picks(seed: int) -> list[str]:
-        policy = reg.create("fixed", {"pool": "baseline"}, PolicyContext(seed=seed))
-        return [policy.choose(REQ, tied, 0.0).backend for _ in range(300)]
+        routed = fixed(seed=seed)
+        return [routed.choose(REQ, tied, 0.0).backend for _ in range(300)]
 
     first = picks(1)
     assert first == picks(1)  # reproducible for a seed

@@ -66,8 +66,8 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
         "--objective",
         choices=OBJECTIVES,
         default="mean_e2e_s",
-        help="What to optimise: latencies are minimised, goodput (requests/s meeting the SLOs) "
-        "maximised (default mean_e2e_s).",
+        help="What to optimise: latencies are minimised, throughput (total tok/s) and goodput "
+        "(requests/s meeting the SLOs) maximised (default mean_e2e_s).",
     )
     p.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO in seconds (goodput).")
     p.add_argument("--slo-tpot", type=positive_float, help="Time-per-output-token SLO in seconds (goodput).")

@@ -18,6 +18,7 @@ from controller.cli.workload_args import (
     buckets_from_args,
     describe_workload,
     profile_ref,
+    transient_warning,
     workload_from_args,
 )
 from policies.params import parse_assignments, parse_policy_ref, split_policy_ref
@@ -26,9 +27,17 @@ from policies.registry import default_registry
 from simulator.engine.report import align_columns, format_table, write_report
 from simulator.engine.results import RunResult, Slo
 from simulator.engine.runner import PolicyChoice, is_single_pool, run
-from simulator.engine.servers import ServerKind, parse_deployment
+from simulator.engine.servers import ServerKind, parse_deployment, parse_speed, server_profile
 from simulator.engine.workloads import WorkloadSpec, generate
-from simulator.planning.tuner import OBJECTIVES, config_text, parse_grid, tune, valid_points, write_config
+from simulator.planning.tuner import (
+    OBJECTIVE_UNITS,
+    OBJECTIVES,
+    config_text,
+    parse_grid,
+    tune,
+    valid_points,
+    write_config,
+)
 
 
 def parse_policy(text: str, default_params: dict[str, Any]) -> PolicyChoice:
@@ -38,8 +47,35 @@ def parse_policy(text: str, default_params: dict[str, Any]) -> PolicyChoice:
     return PolicyChoice(name, dict(default_params) if params is None else params)
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", required=True, help="Speed profile: a JSON file or a built-in name.")
+def _add_common(p: argparse.ArgumentParser, steady_per_client: str) -> None:
+    p.add_argument(
+        "--profile",
+        required=True,
+        help="Speed profile the policies believe: a JSON file or a built-in name (also the servers' "
+        "speed unless --server-profile/--server-speed say otherwise).",
+    )
+    p.add_argument(
+        "--server-profile",
+        action="append",
+        default=[],
+        metavar="FILE|NAME",
+        help="Speed profile the simulated servers run from (the truth), while the policies keep "
+        "--profile: one two-mode profile, or one per mode (repeat); modes it lacks come from --profile.",
+    )
+    p.add_argument(
+        "--server-speed",
+        action="append",
+        default=[],
+        metavar="MODE=FACTOR",
+        help="Make a mode's simulated servers FACTOR times as fast as their profile says (decode and "
+        "prefill rates x FACTOR, TTFT / FACTOR), e.g. eagle=0.8; the policies are not told.",
+    )
+    p.add_argument(
+        "--spec-details",
+        action="store_true",
+        help="Outcomes of eagle requests carry their accept length, as SGLang reports it with "
+        "return_spec_tokens_details (serve's spec_details setting); calibrating policies use it.",
+    )
     p.add_argument(
         "--policy-param",
         action="append",
@@ -48,7 +84,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="Policy parameter (VALUE is JSON when it parses, else text); applies to every --policy "
         "without inline params.",
     )
-    add_workload_args(p)
+    add_workload_args(p, steady_per_client=steady_per_client)
     d = p.add_argument_group("deployment")
     d.add_argument(
         "--deployment",
@@ -75,13 +111,19 @@ def configure_simulate(s: argparse.ArgumentParser) -> None:
         "Discrete-event simulation of policies routing between simulated baseline "
         "and EAGLE servers whose speed follows a profile."
     )
-    _add_common(s)
+    _add_common(s, "with --oracle")
     s.add_argument(
         "--policy",
         action="append",
         default=[],
         metavar="NAME[:KEY=VALUE,...]",
         help="Policy to simulate; repeat to compare side by side (default threshold).",
+    )
+    s.add_argument(
+        "--oracle",
+        action="store_true",
+        help="Sweeps: per level, the best static split (k clients on eagle, the rest on baseline) "
+        "computed from the servers' profile, and each policy's throughput ratio to it.",
     )
     s.add_argument("--json", action="store_true", help="Print one JSON document.")
     s.add_argument("--report", metavar="DIR", help="Write a markdown report and PNG plots into DIR.")
@@ -90,7 +132,7 @@ def configure_simulate(s: argparse.ArgumentParser) -> None:
 
 def configure_tune(t: argparse.ArgumentParser) -> None:
     t.description = "Simulate every grid point, rank them, and write the best as a serve config."
-    _add_common(t)
+    _add_common(t, "always")
     t.add_argument(
         "--policy", required=True, metavar="NAME", help="Policy to tune (a built-in name or module:Class)."
     )
@@ -105,9 +147,8 @@ def configure_tune(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--objective",
         choices=OBJECTIVES,
-        default="mean_e2e_s",
-        help="What to optimise: latencies are minimised, goodput (requests/s meeting the SLOs) "
-        "maximised (default mean_e2e_s).",
+        help="What to optimise: latencies are minimised, throughput (total tok/s) and goodput "
+        "(requests/s meeting the SLOs) maximised (default: throughput_tok_s for a sweep, else mean_e2e_s).",
     )
     t.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO in seconds (goodput).")
     t.add_argument("--slo-tpot", type=positive_float, help="Time-per-output-token SLO in seconds (goodput).")
@@ -122,16 +163,40 @@ def _deployments(args: argparse.Namespace) -> list[tuple[tuple[ServerKind, int],
     return [parse_deployment(d) for d in (args.deployment or ["baseline=1,eagle=1"])]
 
 
-def _describe(spec: WorkloadSpec, profile: Profile) -> str:
+def _describe(spec: WorkloadSpec, profile: Profile, servers: Profile) -> str:
     levels = " ".join(map(str, spec.levels))
-    sweep = f"sweep, levels {levels}, {spec.requests_per_level} requests/level + {spec.warmup} warm-up"
-    return f"profile {profile.name!r}; {describe_workload(spec, sweep)}"
+    if spec.measure_per_client or spec.warmup_per_client:
+        sizes = (
+            f"max({spec.requests_per_level}, {spec.measure_per_client} x clients) requests/level + "
+            f"max({spec.warmup}, {spec.warmup_per_client} x clients) warm-up"
+        )
+    else:
+        sizes = f"{spec.requests_per_level} requests/level + {spec.warmup} warm-up"
+    truth = f"; servers run from {servers.name!r}" if servers is not profile else ""
+    return f"profile {profile.name!r}{truth}; {describe_workload(spec, f'sweep, levels {levels}, {sizes}')}"
+
+
+def _servers(args: argparse.Namespace, profile: Profile) -> Profile:
+    """The profile the simulated servers run from (--server-profile, --server-speed)."""
+    overrides = [resolve_profile(p) for p in args.server_profile]
+    return server_profile(profile, overrides, parse_speed(args.server_speed))
+
+
+def _warn_transient(spec: WorkloadSpec) -> None:
+    warning = transient_warning(spec)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def _simulate_main(args: argparse.Namespace) -> int:
     try:
         profile = resolve_profile(args.profile)
-        spec = workload_from_args(args)
+        servers = _servers(args, profile)
+        spec = workload_from_args(args, steady=args.oracle)
+        if args.oracle:
+            if spec.kind != "sweep":
+                raise CommandError("--oracle needs a closed-loop sweep (--workload sweep)")
+            _warn_transient(spec)
         deployments = _deployments(args)
         buckets = buckets_from_args(args)
         if args.report:
@@ -146,17 +211,30 @@ def _simulate_main(args: argparse.Namespace) -> int:
         for dep in deployments:
             for c in choices[:1] if is_single_pool(dep) else choices:
                 runs.append(
-                    run(profile, c, dep, segments, seed=args.seed, buckets=buckets, registry=registry)
+                    run(
+                        profile,
+                        c,
+                        dep,
+                        segments,
+                        seed=args.seed,
+                        buckets=buckets,
+                        registry=registry,
+                        server_profile=servers,
+                        oracle=args.oracle,
+                        spec_details=args.spec_details,
+                    )
                 )
+        description = _describe(spec, profile, servers)
         if args.json:
-            print(json.dumps({"runs": [r.to_json() for r in runs]}, indent=2))
+            doc: dict[str, Any] = {"runs": [r.to_json() for r in runs]}
+            if servers is not profile:
+                doc["server_profile"] = servers.name
+            print(json.dumps(doc, indent=2))
         else:
-            print(_describe(spec, profile))
+            print(description)
             print(format_table(runs))
         if args.report:
-            path = write_report(
-                runs, args.report, title="specroute simulation", description=_describe(spec, profile)
-            )
+            path = write_report(runs, args.report, title="specroute simulation", description=description)
             print(f"report written to {path}", file=sys.stderr)
     except SIMULATION_ERRORS as e:
         raise CommandError(e) from None
@@ -166,10 +244,14 @@ def _simulate_main(args: argparse.Namespace) -> int:
 def _tune_main(args: argparse.Namespace) -> int:
     try:
         profile = resolve_profile(args.profile)
-        spec = workload_from_args(args)
+        servers = _servers(args, profile)
+        spec = workload_from_args(args, steady=True)
+        _warn_transient(spec)
         deployments = _deployments(args)
         if len(deployments) != 1:
             raise CommandError("tune takes one --deployment")
+        if args.objective is None:
+            args.objective = "throughput_tok_s" if spec.kind == "sweep" else "mean_e2e_s"
         if args.objective == "goodput" and args.slo_ttft is None and args.slo_tpot is None:
             raise CommandError("--objective goodput needs --slo-ttft and/or --slo-tpot")
         if split_policy_ref(args.policy)[1] is not None:
@@ -194,22 +276,19 @@ def _tune_main(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 jobs=args.jobs,
                 buckets=buckets_from_args(args),
+                server_profile=servers,
+                spec_details=args.spec_details,
                 progress=bar.update,
                 on_skip=lambda point, reason: skipped.append((point, reason)),
             )
         for point, reason in skipped:
             shown = ",".join(f"{k}={point[k]}" for k, _ in grid)
             print(f"warning: grid point {shown} skipped: {reason}", file=sys.stderr)
-        print(_describe(spec, profile))
-        print(
-            f"objective: {args.objective} "
-            + (
-                "(requests/s meeting every SLO given; higher is better)"
-                if args.objective == "goodput"
-                else "(seconds; lower is better)"
-            )
-        )
-        columns = [c for c in ("mean_e2e_s", "p99_ttft_s", "p99_e2e_s") if c != args.objective]
+        print(_describe(spec, profile, servers))
+        print(f"objective: {args.objective} ({OBJECTIVE_UNITS[args.objective]})")
+        columns = [
+            c for c in ("throughput_tok_s", "mean_e2e_s", "p99_ttft_s", "p99_e2e_s") if c != args.objective
+        ]
         header = ["rank", "params", args.objective, *columns, "eagle %"]
         rows = []
         for i, r in enumerate(ranking, 1):

@@ -39,14 +39,23 @@ REQUESTS_PER_LEVEL = 30
 """Measured requests per sweep level when not given (plan: at least this)."""
 WARMUP_REQUESTS = 5
 """Unmeasured requests at the start of each sweep level when not given (plan: at least this)."""
+STEADY_MEASURE_PER_CLIENT = 10
+"""A sweep level in its steady state measures at least this many requests per client ..."""
+STEADY_WARMUP_PER_CLIENT = 1
+"""... after a warm-up of at least this many per client (`tune`, `simulate --oracle`)."""
 
 
 def add_workload_args(
-    p: argparse.ArgumentParser, *, title: str = "workload", steady_level_defaults: bool = False
+    p: argparse.ArgumentParser,
+    *,
+    title: str = "workload",
+    steady_level_defaults: bool = False,
+    steady_per_client: str | None = None,
 ) -> None:
     """The workload flags. With `steady_level_defaults` (plan), --requests-per-level and
     --warmup-requests default to None: `workload_from_args` then sizes them to the highest
-    concurrency planned."""
+    concurrency planned. With `steady_per_client` (simulate, tune) they default to None too, and
+    the text says when the per-client steady-state sizing applies (see `workload_from_args`)."""
     w = p.add_argument_group(title)
     w.add_argument(
         "--workload",
@@ -75,6 +84,27 @@ def add_workload_args(
             type=non_negative_int,
             help="Unmeasured requests per sweep level (default: the highest concurrency planned, at least "
             f"{WARMUP_REQUESTS}).",
+        )
+    elif steady_per_client is not None:
+        steady = (
+            f"{STEADY_MEASURE_PER_CLIENT} per client, at least {REQUESTS_PER_LEVEL}",
+            f"{STEADY_WARMUP_PER_CLIENT} per client, at least {WARMUP_REQUESTS}",
+        )
+        if steady_per_client != "always":
+            steady = (
+                f"{REQUESTS_PER_LEVEL}; {steady_per_client}: {steady[0]}",
+                f"{WARMUP_REQUESTS}; {steady_per_client}: {steady[1]}",
+            )
+        w.add_argument(
+            "--requests-per-level",
+            type=positive_int,
+            help=f"Measured requests per sweep level (default {steady[0]}: each level measured in its "
+            "steady state).",
+        )
+        w.add_argument(
+            "--warmup-requests",
+            type=non_negative_int,
+            help=f"Unmeasured requests at the start of each level (default {steady[1]}).",
         )
     else:
         w.add_argument(
@@ -151,12 +181,16 @@ def parse_weights(text: str | None, what: str) -> dict[str, float]:
     return out
 
 
-def workload_from_args(args: argparse.Namespace, *, max_load: float = 1.0) -> WorkloadSpec:
+def workload_from_args(
+    args: argparse.Namespace, *, max_load: float = 1.0, steady: bool | None = None
+) -> WorkloadSpec:
     """The workload the flags of `add_workload_args` describe. A --requests-per-level or
-    --warmup-requests left at None is the highest concurrency times `max_load`, at least
-    REQUESTS_PER_LEVEL / WARMUP_REQUESTS: with fewer measured (or warm-up) requests than clients,
-    a level measures the first requests after warm-up, which a policy keeping one pool nearly
-    empty passes quickly."""
+    --warmup-requests left at None is, with `steady` None (plan), the highest concurrency times
+    `max_load`, at least REQUESTS_PER_LEVEL / WARMUP_REQUESTS: with fewer measured (or warm-up)
+    requests than clients, a level measures the first requests after warm-up, which a policy
+    keeping one pool nearly empty passes quickly. With `steady` True it is sized per level (10
+    measured and 1 warm-up request per client, at least REQUESTS_PER_LEVEL / WARMUP_REQUESTS);
+    with `steady` False it is REQUESTS_PER_LEVEL / WARMUP_REQUESTS."""
     levels = tuple(args.concurrency) if args.concurrency else DEFAULT_LEVELS
     top = max(1, round(max(levels) * max_load))
     if args.accept_sigma < 0:
@@ -166,11 +200,18 @@ def workload_from_args(args: argparse.Namespace, *, max_load: float = 1.0) -> Wo
         raise WorkloadError("--hint-accept factors must be > 0")
     per_level = args.requests_per_level
     warmup = args.warmup_requests
+    measure_per_client = warmup_per_client = 0
+    if steady is not None:
+        top = 0  # sized per level (steady) or fixed, not by the highest level
+        measure_per_client = STEADY_MEASURE_PER_CLIENT if steady and per_level is None else 0
+        warmup_per_client = STEADY_WARMUP_PER_CLIENT if steady and warmup is None else 0
     return WorkloadSpec(
         kind=args.workload,
         levels=levels,
         requests_per_level=per_level if per_level is not None else max(REQUESTS_PER_LEVEL, top),
         warmup=warmup if warmup is not None else max(WARMUP_REQUESTS, top),
+        measure_per_client=measure_per_client,
+        warmup_per_client=warmup_per_client,
         rate=args.rate,
         requests=args.requests,
         burst_factor=args.burst_factor,
@@ -182,6 +223,28 @@ def workload_from_args(args: argparse.Namespace, *, max_load: float = 1.0) -> Wo
         prompt_tokens=LengthSpec.parse(args.prompt_tokens) if args.prompt_tokens else None,
         hint_mix=parse_weights(args.hint_mix, "--hint-mix"),
         accept=AcceptModel(args.accept_sigma, hint_accept),
+    )
+
+
+def transient_warning(spec: WorkloadSpec) -> str | None:
+    """A warning when a sweep measures a transient: some level measures fewer than 10 requests
+    per client, or warms up with fewer than 1 per client (then its mean e2e is off against
+    Little's law and its throughput is not the level's steady state); None otherwise."""
+    if spec.kind != "sweep":
+        return None
+    short = []
+    for c in spec.levels:
+        measure, warmup = spec.level_sizes(c)
+        if measure < STEADY_MEASURE_PER_CLIENT * c or warmup < STEADY_WARMUP_PER_CLIENT * c:
+            short.append(c)
+    if not short:
+        return None
+    worst = max(short)
+    return (
+        f"concurrency {', '.join(map(str, short))}: fewer than {STEADY_MEASURE_PER_CLIENT} measured requests "
+        f"or {STEADY_WARMUP_PER_CLIENT} warm-up request per client: those levels measure a transient, not a "
+        f"steady state; leave --requests-per-level and --warmup-requests unset, or give at least "
+        f"{STEADY_MEASURE_PER_CLIENT * worst} and {STEADY_WARMUP_PER_CLIENT * worst}"
     )
 
 

@@ -52,6 +52,12 @@ class ShadowPolicy(BaseModel):
     )
 
 
+def default_policy(profile: Any) -> str:
+    """The policy when none is set: `cost_model` when a speed profile is given (it predicts from
+    the profile and calibrates it from outcomes), else `online` (it learns from outcomes alone)."""
+    return "cost_model" if profile is not None and str(profile).strip() else "online"
+
+
 def _split_list(value: Any) -> Any:
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
@@ -141,7 +147,11 @@ class Settings(BaseModel):
     )
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
-    policy: str = Field(default="threshold", description="Routing policy name or module.path:ClassName.")
+    policy: str = Field(
+        default="",
+        description="Routing policy name or module.path:ClassName (default: cost_model when a profile is "
+        "given, else online).",
+    )
     policy_params: dict[str, Any] = Field(default_factory=dict, description="Parameters of the policy.")
     profile: str | None = Field(default=None, description="Speed profile: a JSON path or a built-in name.")
     seed: int = Field(default=0, description="Seed of the random tie-breaks (policy and proxy).")
@@ -296,12 +306,25 @@ class Settings(BaseModel):
     scrape_stale_after_s: float = Field(
         default=5.0, gt=0, description="Scraped samples older than this are ignored."
     )
+    spec_details: bool = Field(
+        default=False,
+        description="Ask eagle backends for per-request speculative stats (SGLang's "
+        "return_spec_tokens_details) on the client's behalf, strip them from the answer, and feed the "
+        "accept length to the policy; older SGLang versions may reject the field.",
+    )
 
     _split = field_validator("baseline", "eagle", "admin_policy_modules", mode="before")(_split_list)
     _blank = field_validator(
         "profile", "decision_log", "admin_token", "baseline_model", "eagle_model",
         "baseline_api_key", "eagle_api_key", mode="before",
     )(_blank_is_unset)  # fmt: skip
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_policy(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not str(data.get("policy") or "").strip():
+            return {**data, "policy": default_policy(data.get("profile"))}
+        return data
 
     @field_validator("baseline", "eagle")
     @classmethod
@@ -351,7 +374,6 @@ class Settings(BaseModel):
 
 FIELDS = frozenset(Settings.model_fields)
 _JSON_FIELDS = frozenset({"policy_params", "shadow_policies"})
-_DEFAULT_POLICY = Settings.model_fields["policy"].default
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -419,7 +441,8 @@ def load_settings(
     origin: dict[str, str] = {}
     params: dict[str, Any] = {}
     for source, layer in layers:
-        if "policy" in layer and layer["policy"] != merged.get("policy", _DEFAULT_POLICY):
+        current = merged.get("policy") or default_policy(merged.get("profile"))
+        if "policy" in layer and layer["policy"] != current:
             params = {}  # params written for another policy must not leak into this one
         for key, value in layer.items():
             if key == "policy_params":

@@ -2,7 +2,8 @@
 
 How it works:
 1. Parse the body once (bad input -> 400), build a `RequestInfo`, take a `LoadView`, ask the
-   policy (or honour `x-specroute-mode`) and `reserve` the backend -- one synchronous step.
+   routing core (`policies.routing.Router`: `x-specroute-mode`, the policy, the backend within
+   the pool, the fallback) and `reserve` the backend -- one synchronous step.
 2. Open the upstream request. Before committing to it, read the first SSE event of a stream
    (or the whole body of a non-streaming answer): connection refused, a timeout, a 5xx, or
    SGLang's queue-full event (HTTP 200, first event `{"error": {... "code": 503}}`) is retried
@@ -35,7 +36,6 @@ import asyncio
 import json
 import logging
 import os
-import random
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -75,10 +75,18 @@ from controller.proxy.native import (
 )
 from controller.proxy.outlier import OutlierDetector
 from controller.proxy.shadow import ShadowChoice, ShadowPolicies
+from controller.proxy.spec_details import (
+    SpecEvents,
+    accept_length,
+    ask_for_spec_details,
+    drop_sglext_member,
+    event_span,
+)
 from controller.proxy.watchdog import RelayWatchdog, Stalled
 from policies.base import (
     Decision,
     EndpointKind,
+    InvalidDecision,
     LoadView,
     NoHealthyBackend,
     Outcome,
@@ -86,10 +94,9 @@ from policies.base import (
     Policy,
     Pool,
     RequestInfo,
-    other_pool,
     parse_pool,
 )
-from policies.routing import least_loaded
+from policies.routing import Router
 
 log = logging.getLogger("specroute.forward")
 
@@ -283,10 +290,7 @@ def drop_usage_events(data: bytes) -> bytes:
     for marker in (b'"choices":[]', b'"choices": []'):
         at = data.find(marker)
         while at >= 0:
-            begin = data.rfind(b"\n\n", 0, at)
-            begin = 0 if begin < 0 else begin + 2
-            stop = data.find(b"\n\n", at)
-            stop = len(data) if stop < 0 else stop + 2
+            begin, stop = event_span(data, at)
             event = data[begin:stop].strip()
             obj = None
             if event.startswith(b"data:") and b'"usage"' in event:
@@ -354,7 +358,8 @@ class Forwarder:
         self.observers: list[Observer] = observers if observers is not None else []
         self.shadows = shadows if shadows else None
         self.session: aiohttp.ClientSession | None = None
-        self.rng = random.Random(settings.seed)
+        self.router = Router(settings.seed)
+        """The routing core (`policies.routing`): override, fallback, backend choice, failover."""
         self.client_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout_s, connect=None, sock_read=None
         )
@@ -391,40 +396,20 @@ class Forwarder:
     # -- deciding --
 
     def decide(self, policy: Policy, info: RequestInfo, view: LoadView, now: float) -> Decision:
-        if info.forced_pool is not None:
-            b = least_loaded(view.pool(info.forced_pool), self.rng)
-            if b is None:
-                raise NoBackendAvailable(f"pool {info.forced_pool!r} has no healthy backend")
-            return Decision(
-                pool=info.forced_pool,
-                backend=b.name,
-                reason="client_override",
-                backend_load=b.load,
-                policy=policy.name,
-            )
-        if not (view.has_healthy("baseline") or view.has_healthy("eagle")):
-            raise NoBackendAvailable("no healthy backend in either pool")
+        """The routing core's decision, its errors translated into HTTP ones."""
         try:
-            decision = policy.choose(info, view, now)
-        except NoHealthyBackend:
-            raise NoBackendAvailable("no healthy backend in either pool") from None
+            return self.router.decide(policy, info, view, now)
+        except NoHealthyBackend as e:
+            raise NoBackendAvailable(str(e)) from None
+        except InvalidDecision as e:
+            raise SpecrouteError(f"routing policy {policy.name!r} {e}") from None
         except Exception:
             log.exception("policy %r failed in choose()", policy.name)
             raise SpecrouteError(f"routing policy {policy.name!r} failed") from None
-        if decision.backend not in self.tracker.backends:
-            raise SpecrouteError(f"routing policy {policy.name!r} chose unknown backend {decision.backend!r}")
-        return decision
 
     def failover_target(self, failed: BackendState, tried: set[str], forced: bool) -> BackendState | None:
-        pools = (failed.pool,) if forced else (failed.pool, other_pool(failed.pool))
-        takers = self.tracker.takers(self.clock())  # usable, with room
-        for pool in pools:
-            cands = [b for b in takers if b.pool == pool and b.name not in tried]
-            if cands:
-                low = min(b.in_flight for b in cands)
-                best = [b for b in cands if b.in_flight == low]
-                return best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
-        return None
+        alt = self.router.failover(self.tracker.view(self.clock()), failed.name, tried, forced)
+        return None if alt is None else self.tracker.get(alt.name)
 
     # -- forwarding --
 
@@ -568,6 +553,7 @@ class Forwarder:
                 completion_tokens=run.tokens,
                 duration_s=max(0.0, ended - started),
                 status=run.status,
+                accept_length=run.accept_length,
             )
             try:
                 policy.observe(outcome)
@@ -628,6 +614,9 @@ class _Run:
         self.http_status = 0
         self.tokens: int | None = None
         self.first_byte_at: float | None = None
+        self.spec: SpecEvents | None = None
+        """Set while the backend is an eagle one and `spec_details` is on (see spec_details.py)."""
+        self.accept_length: float | None = None
 
     async def execute(self) -> web.StreamResponse:
         try:
@@ -655,6 +644,12 @@ class _Run:
             backend = self.reservation.backend
             tried.add(backend.name)
             data, hdrs = fwd._for_pool(backend.pool, self.raw, self.body, headers)
+            self.spec = None
+            # /generate is left alone: its meta_info has no sglext member to ask for and strip.
+            if fwd.settings.spec_details and backend.pool == "eagle" and self.info.endpoint != "generate":
+                asked = ask_for_spec_details(data, self.body)
+                self.spec = SpecEvents(strip=asked is not None)
+                data = asked or data
             up: Upstream | None = None
             if self.sent_at is None:
                 self.sent_at = fwd.clock()
@@ -698,10 +693,16 @@ class _Run:
         resp = up.resp
         self.http_status = resp.status
         self.status = "ok" if resp.status < 400 else "error"
+        body = up.head
         if resp.status == 200:
-            self.tokens = completion_tokens(up.head, self.info.endpoint)
+            self.tokens = completion_tokens(body, self.info.endpoint)
+            if self.spec is not None:
+                stripped, details = drop_sglext_member(body)
+                self.accept_length = accept_length(details, self.tokens)
+                if self.spec.strip_event:
+                    body = stripped
         out = web.Response(
-            status=resp.status, body=up.head, headers=self.fwd.response_headers(resp, self.decision)
+            status=resp.status, body=body, headers=self.fwd.response_headers(resp, self.decision)
         )
         # Written here, not by aiohttp after the handler returns, so a client that does not read
         # is given up after client_write_timeout_s instead of holding its connection forever.
@@ -752,6 +753,8 @@ class _Run:
                             chunk = held.push(chunk)
                         if strip_usage:
                             chunk = drop_usage_events(chunk)
+                        if self.spec is not None:
+                            chunk = self.spec.strip(chunk)
                         if chunk:
                             began = loop.time()
                             dog.writing(began)
@@ -793,9 +796,12 @@ class _Run:
                 fwd.attempt_succeeded(self.reservation.backend)
             if not up.opaque:
                 self.tokens = completion_tokens(b"".join(tail), self.info.endpoint)
-            await self._write_or_give_up(
-                sr, drop_usage_events(last_piece) if strip_usage else last_piece, eof=True
-            )
+            if strip_usage:
+                last_piece = drop_usage_events(last_piece)
+            if self.spec is not None:
+                last_piece = self.spec.strip(last_piece)
+                self.accept_length = accept_length(self.spec.details, self.tokens)
+            await self._write_or_give_up(sr, last_piece, eof=True)
             return sr
         except ConnectionResetError:
             self.status = "client_closed"

@@ -20,6 +20,7 @@ from controller.proxy.config import ShadowPolicy
 from controller.proxy.metrics import Metrics
 from policies.base import Decision, LoadView, NoHealthyBackend, Outcome, Policy, RequestInfo
 from policies.registry import PolicyRegistry
+from policies.routing import Router
 from policies.spec import PolicyContext, PolicyError
 
 log = logging.getLogger("specroute.shadow")
@@ -53,6 +54,8 @@ class ShadowPolicies:
             raise PolicyError("shadow policies need distinct labels (set `label` on repeated policies)")
         self.policies = list(policies)
         self.metrics = metrics
+        self.router = Router(0)
+        """Shadow decisions go through the routing core like live ones (its own tie-break RNG)."""
         self._failed: set[tuple[str, str]] = set()
 
     def __bool__(self) -> bool:
@@ -64,7 +67,7 @@ class ShadowPolicies:
         out = []
         for label, policy in self.policies:
             try:
-                decision = policy.choose(info, view, now)
+                decision = self.router.decide(policy, info, view, now)
             except NoHealthyBackend:
                 continue
             except Exception:

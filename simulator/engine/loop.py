@@ -30,12 +30,21 @@ from __future__ import annotations
 import heapq
 import itertools
 import operator
-import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from policies.base import BackendLoad, Decision, LoadView, Outcome, Policy, PoolLoad, RequestInfo
+from policies.base import (
+    BackendLoad,
+    Decision,
+    InvalidDecision,
+    LoadView,
+    Outcome,
+    Policy,
+    PoolLoad,
+    RequestInfo,
+)
+from policies.routing import Router, least_loaded_index
 from simulator.engine.servers import ServerModel
 
 _ARRIVE = 0
@@ -62,6 +71,18 @@ class RequestBatch:
 
     def __len__(self) -> int:
         return len(self.output_tokens)
+
+    def head(self, n: int) -> RequestBatch:
+        """The first `n` requests."""
+        arrivals = None if self.arrivals is None else self.arrivals[:n]
+        return RequestBatch(
+            self.prompt_tokens[:n],
+            self.output_tokens[:n],
+            self.max_tokens[:n],
+            self.hints[:n],
+            self.accept[:n],
+            arrivals,
+        )
 
 
 WARMUP, MEASURED, FILLER, NOT_SENT = 0, 1, 2, -1
@@ -187,6 +208,7 @@ def simulate(
     warmup: int = 0,
     measure: int | None = None,
     seed: int = 0,
+    spec_details: bool = False,
 ) -> RawRun:
     """Run `batch` through `servers`.
 
@@ -194,8 +216,13 @@ def simulate(
     that each send the next request (in batch order) as soon as their previous one finished,
     with `warmup` and `measure` as in `specroute bench` (see `_ClosedLoop`); a closed loop that
     runs out of requests in the batch stops sending.
-    With `policy` None (or all servers in one pool) requests go to the least-loaded server,
-    ties broken by a `random.Random(seed)`.
+    Every request is routed by the routing core (`policies.routing.Router`, seeded with
+    `seed`), exactly as the proxy routes it; with `policy` None (or all servers in one pool)
+    it goes to the least-loaded server by the core's rule.
+
+    With `spec_details`, the outcome of a request served by a speculative server carries its
+    accept length (its acceptance factor times the server's `accept_length`, when the server's
+    profile gives one), as SGLang reports it with `return_spec_tokens_details`.
     """
     n = len(batch)
     if not servers:
@@ -212,10 +239,11 @@ def simulate(
         raise SimulationError("server speed tables must cover the same batch sizes")
     pools = {m.pool for m in servers}
     # A single-pool deployment is routed least-loaded, without the policy.
-    choose = policy.choose if policy is not None and len(pools) == 2 else None
+    routed = policy if policy is not None and len(pools) == 2 else None
     policy_name = policy.name if policy is not None else ""
     index = {m.name: i for i, m in enumerate(servers)}
-    rng = random.Random(seed)
+    router = Router(seed)
+    decide, rng = router.decide, router.rng
 
     prompt_tokens, output_tokens = batch.prompt_tokens, batch.output_tokens
     max_tokens, hints, accept = batch.max_tokens, batch.hints, batch.accept
@@ -261,7 +289,7 @@ def simulate(
     baseline_load, eagle_load = PoolLoad("baseline", tuple(baseline_bls)), PoolLoad("eagle", tuple(eagle_bls))
     current_view = LoadView(baseline_load, eagle_load)
     info_cache: dict[tuple[int, int | None, str | None], RequestInfo] = {}
-    observe = policy.observe if policy is not None and choose is not None else None
+    observe = routed.observe if routed is not None else None
 
     def build_view() -> LoadView:
         nonlocal current_view, baseline_load, eagle_load
@@ -288,15 +316,7 @@ def simulate(
         return current_view
 
     def least_loaded() -> int:
-        best: list[int] = []
-        best_load = 0
-        for i, s in enumerate(states):
-            load = s.running + len(s.queue)
-            if not best or load < best_load:
-                best, best_load = [i], load
-            elif load == best_load:
-                best.append(i)
-        return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+        return least_loaded_index([s.running + len(s.queue) for s in states], rng)
 
     while heap:
         t, _, kind, a, b = pop(heap)
@@ -347,9 +367,19 @@ def simulate(
                     info, decision = infos[r], decisions[r]
                     if info is not None and decision is not None:
                         start = arrival[r]
+                        accepted = None
+                        if spec_details and s.speculative and s.accept_length is not None:
+                            accepted = accept[r] * s.accept_length
                         observe(
                             Outcome(
-                                info, decision, start, first[r] - start, output_tokens[r], t - start, "ok"
+                                info,
+                                decision,
+                                start,
+                                first[r] - start,
+                                output_tokens[r],
+                                t - start,
+                                "ok",
+                                accepted,
                             )
                         )
                         infos[r] = decisions[r] = None
@@ -389,7 +419,7 @@ def simulate(
             if arrivals is not None and a + 1 < n:
                 push(heap, (arrivals[a + 1], seq, _ARRIVE, a + 1, 0))
                 seq += 1
-            if choose is not None:
+            if routed is not None:
                 ikey = (prompt_tokens[a], max_tokens[a], hints[a])
                 info = info_cache.get(ikey)
                 if info is None:
@@ -399,13 +429,13 @@ def simulate(
                         endpoint="chat", stream=True, prompt_tokens=ikey[0], max_tokens=ikey[1], hint=ikey[2]
                     )
                     info_cache[ikey] = info
-                decision = choose(info, build_view(), t)
-                si = index.get(decision.backend)
-                if si is None:
+                try:
+                    decision = decide(routed, info, build_view(), t)
+                except InvalidDecision as e:
                     raise SimulationError(
-                        f"policy {policy_name!r} chose backend {decision.backend!r}, "
-                        f"which is not in the deployment ({', '.join(index)})"
-                    )
+                        f"policy {policy_name!r} {e} (deployment: {', '.join(index)})"
+                    ) from None
+                si = index[decision.backend]
                 infos[a] = info
                 decisions[a] = decision
             else:

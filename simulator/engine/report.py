@@ -118,14 +118,23 @@ def _row(first: list[str], summary: dict[str, Any]) -> list[str]:
 
 
 def table_rows(runs: Sequence[RunResult]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows: per run its levels (sweep) then its overall summary."""
-    header = ["run", "conc", *(h for _, h, _ in _COLUMNS), "base/eagle %"]
+    """Header and rows: per run its levels (sweep) then its overall summary; with an oracle (a
+    sweep simulated with `--oracle`), the best static split's tok/s and the run's ratio to it."""
+    oracle = any("oracle_ratio" in level for run in runs for level in run.levels or [])
+    extra = ["oracle tok/s", "vs oracle"] if oracle else []
+    header = ["run", "conc", *(h for _, h, _ in _COLUMNS), "base/eagle %", *extra]
     rows: list[list[str]] = []
     for run in runs:
         label = run_label(run)
         for level in run.levels or []:
-            rows.append(_row([label, str(level["concurrency"])], level))
-        rows.append(_row([label, "all"], run.summary))
+            row = _row([label, str(level["concurrency"])], level)
+            if oracle:
+                row += [
+                    _cell(level, "oracle_throughput_tok_s", "{:.1f}"),
+                    _cell(level, "oracle_ratio", "{:.3f}"),
+                ]
+            rows.append(row)
+        rows.append(_row([label, "all"], run.summary) + ["-"] * len(extra))
     return header, rows
 
 

@@ -5,6 +5,11 @@ and lives across all segments of the workload, so a learning policy carries what
 from one sweep level to the next. A single-pool deployment is routed least-loaded within the
 pool, without a policy (the "same hardware, no sidecar" reference), and reported as the
 policy `least_loaded`.
+
+The policy is built from `profile` (what it believes); the servers run from `server_profile`
+when one is given (the truth), so the cost of a wrong profile can be measured. With `oracle`,
+each closed-loop level also gets the best static split's throughput on those servers
+(`simulator.engine.oracle`) and the run's ratio to it.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from typing import Any
 from policies.profile import Profile
 from policies.registry import PolicyRegistry, default_registry
 from policies.spec import PolicyContext
-from simulator.engine.loop import simulate
+from simulator.engine.loop import RequestBatch, simulate
+from simulator.engine.oracle import best_static_split
 from simulator.engine.results import RunResult, samples, summarize
-from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, ServerKind, build_deployment
+from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, ServerKind, ServerModel, build_deployment
 from simulator.engine.workloads import Segment
 
 SINGLE_POOL_POLICY = "least_loaded"
@@ -44,6 +50,21 @@ def typed_params(registry: PolicyRegistry, choice: PolicyChoice) -> dict[str, An
     return {k: dumped[k] for k in choice.params}
 
 
+def oracle_fields(
+    servers: Sequence[ServerModel], concurrency: int, batch: RequestBatch, throughput: float | None
+) -> dict[str, Any]:
+    """A level's `oracle_throughput_tok_s`, `oracle_ratio` (the run's throughput over it) and
+    `oracle_split` (clients per pool in the best split)."""
+    best = best_static_split(servers, concurrency, batch)
+    split = {"baseline": 0, "eagle": 0}
+    for server, k in zip(servers, best.split, strict=True):
+        split[server.pool] += k
+    ratio = (
+        throughput / best.throughput_tok_s if throughput is not None and best.throughput_tok_s > 0 else None
+    )
+    return {"oracle_throughput_tok_s": best.throughput_tok_s, "oracle_ratio": ratio, "oracle_split": split}
+
+
 def run(
     profile: Profile,
     choice: PolicyChoice,
@@ -53,8 +74,11 @@ def run(
     seed: int = 0,
     buckets: Sequence[tuple[int, float]] = DEFAULT_ADAPTIVE_BUCKETS,
     registry: PolicyRegistry | None = None,
+    server_profile: Profile | None = None,
+    oracle: bool = False,
+    spec_details: bool = False,
 ) -> RunResult:
-    servers = build_deployment(profile, deployment, buckets)
+    servers = build_deployment(server_profile or profile, deployment, buckets)
     if is_single_pool(deployment):
         policy = None
         name, params = SINGLE_POOL_POLICY, {}
@@ -73,12 +97,20 @@ def run(
             warmup=seg.warmup,
             measure=seg.measure,
             seed=seed * 1000 + k,
+            spec_details=spec_details,
         )
         part = samples(raw)
         parts.append(part)
         if seg.concurrency is not None:
             levels = levels if levels is not None else []
-            levels.append({**summarize([part]), "concurrency": seg.concurrency})
+            level = {**summarize([part]), "concurrency": seg.concurrency}
+            if oracle:
+                # the oracle's expectations over the requests the level sends (not its spare tail)
+                sent = seg.warmup + (seg.measure or len(seg.batch)) + seg.concurrency
+                level.update(
+                    oracle_fields(servers, seg.concurrency, seg.batch.head(sent), level["throughput_tok_s"])
+                )
+            levels.append(level)
     return RunResult(
         policy=name,
         params=params,

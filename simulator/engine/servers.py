@@ -22,11 +22,12 @@ path: the per-request decode rate (tok/s while `b` requests are running) and the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from policies.base import Pool
+from policies.base import POOLS, Pool
 from policies.profile import Profile, SpeedModel
 
 ServerKind = Literal["baseline", "eagle", "adaptive"]
@@ -141,6 +142,66 @@ def build_server(
         speculative=True,
         accept_length=eagle.accept_length,
     )
+
+
+def server_profile(
+    belief: Profile, overrides: Sequence[Profile] = (), speed: Mapping[Pool, float] | None = None
+) -> Profile:
+    """What the simulated servers run from (the truth), when it is not what the policies believe.
+
+    Each mode comes from the one `overrides` profile that has it, else from `belief`; a mode in
+    two overrides is an error. `speed` then multiplies a mode's speed: decode and prefill rates
+    times the factor, TTFTs divided by it (`eagle=0.8`: the eagle server is 20% slower than
+    its profile says)."""
+    modes = dict(belief.modes)
+    given: dict[str, str] = {}
+    for other in overrides:
+        for mode, spec in other.modes.items():
+            if mode in given:
+                raise DeploymentError(
+                    f"server profiles {given[mode]!r} and {other.name!r} both give the {mode} mode"
+                )
+            given[mode] = other.name
+            modes[mode] = spec
+    for mode, factor in (speed or {}).items():
+        if mode not in modes:
+            raise DeploymentError(f"--server-speed {mode}: the server profile has no {mode} mode")
+        if not factor > 0:
+            raise DeploymentError(f"--server-speed {mode}={factor}: the factor must be > 0")
+        spec = modes[mode]
+        points = [
+            p.model_copy(update={"decode_tok_s": p.decode_tok_s * factor, "ttft_s": p.ttft_s / factor})
+            for p in spec.points
+        ]
+        prefill = None if spec.prefill_tok_s is None else spec.prefill_tok_s * factor
+        modes[mode] = spec.model_copy(update={"points": points, "prefill_tok_s": prefill})
+    if not overrides and not speed:
+        return belief
+    parts = [o.name for o in overrides] or [belief.name]
+    if speed:
+        parts.append(", ".join(f"{m} x{f:g}" for m, f in sorted(speed.items())))
+    return belief.model_copy(update={"modes": modes, "name": "; ".join(parts)})
+
+
+def parse_speed(items: Sequence[str]) -> dict[Pool, float]:
+    """`MODE=FACTOR` items (each may hold several, comma-separated) -> {mode: factor}."""
+    out: dict[Pool, float] = {}
+    for item in items:
+        for part in item.split(","):
+            mode, sep, value = part.strip().partition("=")
+            try:
+                factor = float(value) if sep else math.nan
+            except ValueError:
+                factor = math.nan
+            if mode not in POOLS or not (factor > 0 and math.isfinite(factor)):
+                raise DeploymentError(
+                    f"--server-speed {part.strip()!r}: expected MODE=FACTOR with MODE baseline or eagle "
+                    "and FACTOR > 0 (e.g. eagle=0.8)"
+                )
+            if mode in out:
+                raise DeploymentError(f"--server-speed: {mode} given twice")
+            out["baseline" if mode == "baseline" else "eagle"] = factor
+    return out
 
 
 def parse_deployment(text: str) -> tuple[tuple[ServerKind, int], ...]:

@@ -8,7 +8,9 @@ simulated from an empty deployment: one per concurrency level for `sweep`, one o
 - `sweep`: per level `c`, a closed loop of `c` clients run exactly as `specroute bench` runs
   a level: requests started before `warmup` requests have completed are warm-up, the next
   `requests_per_level` are measured, and clients keep sending fillers until every measured
-  request has finished, so each measured request runs with `c` in flight.
+  request has finished, so each measured request runs with `c` in flight. With
+  `measure_per_client` / `warmup_per_client`, a level measures at least that many requests per
+  client (and warms up with at least that many), so every level reaches its steady state.
 - `poisson`: open loop, exponential inter-arrival times at `rate`.
 - `bursty`: a two-state Markov-modulated Poisson process with mean rate `rate`: the high state
   is `burst_factor` times the low state's rate, each state lasts an exponential time with mean
@@ -116,6 +118,10 @@ class WorkloadSpec:
     levels: tuple[int, ...] = DEFAULT_LEVELS
     requests_per_level: int = 30
     warmup: int = 5
+    measure_per_client: int = 0
+    """Sweep: a level of `c` clients measures at least `measure_per_client * c` requests."""
+    warmup_per_client: int = 0
+    """Sweep: a level of `c` clients warms up with at least `warmup_per_client * c` requests."""
     rate: float = 10.0
     requests: int | None = None
     """Open-loop request count (None: 1000 for poisson/bursty, the whole trace)."""
@@ -132,6 +138,13 @@ class WorkloadSpec:
     """Synthetic workloads: hint tag -> weight (empty: no hints)."""
     accept: AcceptModel = field(default_factory=AcceptModel)
 
+    def level_sizes(self, concurrency: int) -> tuple[int, int]:
+        """(measured, warm-up) requests of the sweep level with `concurrency` clients."""
+        return (
+            max(self.requests_per_level, self.measure_per_client * concurrency),
+            max(self.warmup, self.warmup_per_client * concurrency),
+        )
+
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
             raise WorkloadError(f"unknown workload {self.kind!r}; known: {', '.join(WORKLOAD_KINDS)}")
@@ -139,6 +152,8 @@ class WorkloadSpec:
             raise WorkloadError("concurrency levels must be integers >= 1")
         if self.requests_per_level < 1 or self.warmup < 0:
             raise WorkloadError("requests per level must be >= 1 and warm-up >= 0")
+        if self.measure_per_client < 0 or self.warmup_per_client < 0:
+            raise WorkloadError("requests per client must be >= 0")
         if not (self.rate > 0 and math.isfinite(self.rate)):
             raise WorkloadError("rate must be a positive number of requests per second")
         if self.requests is not None and self.requests < 1:
@@ -243,11 +258,12 @@ def generate(spec: WorkloadSpec, seed: int) -> list[Segment]:
         segments = []
         for level, c in enumerate(spec.levels):
             rng = random.Random(f"{seed}/sweep/{level}/{c}")
+            measure, warmup = spec.level_sizes(c)
             # Enough requests for every phase: warm-up starts (< c + warmup), the measured
             # ones, and fillers (a generous bound; a level that ran out would just drain).
-            n = 2 * c + spec.warmup + spec.requests_per_level + 4 * (c + spec.requests_per_level)
+            n = 2 * c + warmup + measure + 4 * (c + measure)
             batch = _synthetic(spec, rng, n, None)
-            segments.append(Segment(batch, c, spec.warmup, spec.requests_per_level))
+            segments.append(Segment(batch, c, warmup, measure))
         return segments
     rng = random.Random(f"{seed}/{spec.kind}")
     n = spec.requests if spec.requests is not None else 1000

@@ -41,7 +41,7 @@ from simulator.engine.results import Slo
 from simulator.engine.runner import SINGLE_POOL_POLICY, PolicyChoice, is_single_pool, typed_params
 from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, SERVER_KINDS, ServerKind, build_deployment
 from simulator.engine.workloads import WorkloadSpec
-from simulator.planning.tuner import Grid, Objective, Task, evaluate, score_of, valid_points
+from simulator.planning.tuner import MAXIMISED, Grid, Objective, Task, evaluate, score_of, valid_points
 
 Deployment = tuple[tuple[ServerKind, int], ...]
 DEFAULT_POLICIES: tuple[str, ...] = ("cost_model", "threshold", "online")
@@ -127,7 +127,7 @@ class PlanSpec:
 
     @property
     def higher_is_better(self) -> bool:
-        return self.objective == "goodput"
+        return self.objective in MAXIMISED
 
     @property
     def tuning_seeds(self) -> tuple[int, ...]:

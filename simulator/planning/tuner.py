@@ -27,8 +27,16 @@ from simulator.engine.runner import PolicyChoice, is_single_pool, run, typed_par
 from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, ServerKind
 from simulator.engine.workloads import WorkloadSpec, generate
 
-Objective = Literal["mean_e2e_s", "p99_ttft_s", "p99_e2e_s", "goodput"]
-OBJECTIVES: tuple[Objective, ...] = ("mean_e2e_s", "p99_ttft_s", "p99_e2e_s", "goodput")
+Objective = Literal["throughput_tok_s", "mean_e2e_s", "p99_ttft_s", "p99_e2e_s", "goodput"]
+OBJECTIVES: tuple[Objective, ...] = ("throughput_tok_s", "mean_e2e_s", "p99_ttft_s", "p99_e2e_s", "goodput")
+MAXIMISED: frozenset[Objective] = frozenset({"throughput_tok_s", "goodput"})
+OBJECTIVE_UNITS: dict[str, str] = {
+    "throughput_tok_s": "total output tok/s; higher is better",
+    "mean_e2e_s": "seconds; lower is better",
+    "p99_ttft_s": "seconds; lower is better",
+    "p99_e2e_s": "seconds; lower is better",
+    "goodput": "requests/s meeting every SLO given; higher is better",
+}
 
 
 class TuneError(ValueError):
@@ -103,6 +111,8 @@ class Task:
     seed: int
     buckets: tuple[tuple[int, float], ...]
     slo: Slo
+    server_profile: Profile | None = None
+    spec_details: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,7 +128,16 @@ class PointResult:
 def evaluate(task: Task) -> tuple[dict[str, Any], float]:
     """Simulate one grid point (top-level so worker processes can run it)."""
     segments = generate(task.workload, task.seed)
-    result = run(task.profile, task.choice, task.deployment, segments, seed=task.seed, buckets=task.buckets)
+    result = run(
+        task.profile,
+        task.choice,
+        task.deployment,
+        segments,
+        seed=task.seed,
+        buckets=task.buckets,
+        server_profile=task.server_profile,
+        spec_details=task.spec_details,
+    )
     return result.summary, goodput(result.samples, task.slo)
 
 
@@ -128,11 +147,11 @@ def score_of(objective: Objective, summary: Mapping[str, Any], good: float) -> f
 
 
 def rank(results: Sequence[PointResult], objective: Objective) -> list[PointResult]:
-    """Best first; goodput is maximised, latencies minimised; NaN last.
+    """Best first; throughput and goodput are maximised, latencies minimised; NaN last.
 
     Ties (e.g. every point meets the SLOs) go to the lower mean end-to-end time, then to grid order.
     """
-    sign = -1.0 if objective == "goodput" else 1.0
+    sign = -1.0 if objective in MAXIMISED else 1.0
 
     def key(r: PointResult) -> tuple[bool, float, float, int]:
         mean = r.summary.get("mean_e2e_s")
@@ -156,6 +175,8 @@ def tune(
     seed: int = 0,
     jobs: int = 1,
     buckets: Sequence[tuple[int, float]] = DEFAULT_ADAPTIVE_BUCKETS,
+    server_profile: Profile | None = None,
+    spec_details: bool = False,
     progress: Callable[[int], object] | None = None,
     on_skip: Callable[[dict[str, Any], str], object] | None = None,
 ) -> list[PointResult]:
@@ -175,7 +196,15 @@ def tune(
             progress(1)
     tasks = [
         Task(
-            profile, PolicyChoice(policy, p), tuple(deployment), workload, seed, tuple(buckets), slo or Slo()
+            profile,
+            PolicyChoice(policy, p),
+            tuple(deployment),
+            workload,
+            seed,
+            tuple(buckets),
+            slo or Slo(),
+            server_profile,
+            spec_details,
         )
         for p in points
     ]

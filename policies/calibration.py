@@ -1,0 +1,255 @@
+"""Learning from outcomes: bounded estimates that converge, shared by the adaptive policies.
+
+- `ShrunkMean`: the mean of the samples shrunk toward a prior, `(w * prior + sum x) / (w + n)`,
+  until `1 / (w + n)` falls to `1 / window`; from then on an exponentially weighted mean that
+  remembers about `window` samples. The prior weight `w` (in samples) keeps one sample from
+  moving a young estimate far; the window lets an old one follow a drift.
+- `HintSlots`: per-hint state in a bounded number of slots, with an eviction rule so that a
+  client inventing tags cannot take the slots of the hints in regular use (see the class).
+- `SpeedCalibration`: `cost_model`'s correction of its speed profile. It learns, in log space,
+  `log(observed decode rate / profile's)`: per pool a mean over all of the pool's untagged
+  outcomes, per (pool, load bucket) the mean of that bucket's own outcomes, and per eagle hint
+  (`x-specroute-hint`: the drafter's acceptance depends on the domain) the mean of that tag's
+  outcomes (each mean a `ShrunkMean` remembering `window` samples). A bucket's estimate is its
+  own mean blended with the pool's, `(n * bucket + 2w * pool) / (n + 2w)` (n: the samples it
+  has had): a uniform drift is learned from every outcome at once, a load-dependent one bucket
+  by bucket as evidence comes in. A tagged request is predicted by its tag's mean plus the
+  bucket's deviation from the pool's; each tag has its own term, so what one tag teaches never
+  moves another's prediction and traffic of one tag cannot push the other back and forth
+  between the pools. With
+  per-request acceptance from the backend (SGLang's `spec_tokens_details`), the tags (and
+  untagged requests) learn their acceptance from it directly and the pool and bucket means the
+  rate with the acceptance divided out. A sample is clipped to within a factor `clip` of the
+  current estimate, and a pool's mean starts from the profile with a weight of `w` samples, so
+  one outlier moves a prediction by at most `log(clip) * (1/(w+1) + w/((w+1)(2w+1)))` in log
+  space (4% with the defaults clip = 1.5 and w = 10; 6% as a bucket's first sample), while a
+  drift of any size is still followed; a whole estimate is bounded to `[1/4, 4]` times the
+  profile. With the defaults (window 200) a uniform drift of 20% is learned to 2% within about
+  100 outcomes of the pool (see `benchmarks/decision_quality.py`, section 6).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
+from itertools import pairwise
+from typing import Generic, TypeVar
+
+from policies.base import Pool
+
+T = TypeVar("T")
+
+_MAX_LOG_SCALE = math.log(4.0)
+_MAX_SCALE, _MIN_SCALE = 4.0, 0.25
+
+
+class ShrunkMean:
+    """A mean shrunk toward its prior that turns into an EWMA over `window` samples (see the
+    module docstring). `n` counts the samples."""
+
+    __slots__ = ("n", "value")
+
+    def __init__(self, prior: float = 0.0) -> None:
+        self.n = 0
+        self.value = prior
+
+    def add(self, x: float, prior_weight: float, window: float) -> None:
+        self.n += 1
+        w = 1.0 / (self.n + prior_weight)
+        floor = 1.0 / window
+        self.value += (w if w > floor else floor) * (x - self.value)
+
+
+class HintSlots(Generic[T]):
+    """Per-hint state in at most `capacity` slots.
+
+    `teach(hint)` is called once per outcome that teaches the hint and returns its state. A hint
+    without a slot gets a free one, or takes over the slot of the hint seen longest ago if that
+    hint has not been seen in the last `idle_after` teaching outcomes; otherwise it is not
+    tracked (its requests are predicted as untagged ones). A hint in regular use therefore keeps
+    its slot however many new tags clients send, and a slot whose hint went quiet is freed.
+    """
+
+    __slots__ = ("_clock", "_idle_after", "_make", "_slots", "capacity")
+
+    def __init__(self, capacity: int, idle_after: int, make: Callable[[str], T]) -> None:
+        self.capacity = capacity
+        self._idle_after = idle_after
+        self._make = make
+        self._slots: dict[str, tuple[int, T]] = {}
+        self._clock = 0
+
+    def get(self, hint: str) -> T | None:
+        slot = self._slots.get(hint)
+        return None if slot is None else slot[1]
+
+    def teach(self, hint: str) -> T | None:
+        self._clock += 1
+        slot = self._slots.get(hint)
+        if slot is not None:
+            self._slots[hint] = (self._clock, slot[1])
+            return slot[1]
+        if len(self._slots) >= self.capacity:
+            if not self._slots:
+                return None
+            oldest = min(self._slots, key=lambda h: self._slots[h][0])
+            if self._clock - self._slots[oldest][0] <= self._idle_after:
+                return None
+            del self._slots[oldest]
+        state = self._make(hint)
+        self._slots[hint] = (self._clock, state)
+        return state
+
+    def items(self) -> list[tuple[str, T]]:
+        return sorted((hint, slot[1]) for hint, slot in self._slots.items())
+
+
+def check_bounds(bounds: list[int]) -> list[int]:
+    """Load-bucket upper bounds: positive and strictly increasing (a pydantic validator)."""
+    if bounds[0] < 1 or any(b <= a for a, b in pairwise(bounds)):
+        raise ValueError("must be positive and strictly increasing")
+    return bounds
+
+
+def _clipped(x: float, bound: float) -> float:
+    return bound if x > bound else -bound if x < -bound else x
+
+
+class SpeedCalibration:
+    """Speed scale per (pool, load bucket) and per eagle hint; see the module docstring."""
+
+    def __init__(
+        self,
+        bounds: Sequence[int],
+        *,
+        window: int,
+        prior_weight: float,
+        clip: float,
+        max_hints: int,
+        hint_idle: int,
+        hint_priors: Mapping[str, float] | None = None,
+        accept_length: float | None = None,
+    ) -> None:
+        self._bucket_of = [bisect_left(bounds, b) for b in range(bounds[-1] + 1)]
+        self._last_bucket = len(bounds)
+        self._window = float(window)
+        self._prior = prior_weight
+        self._bucket_prior = 2.0 * prior_weight
+        self._clip = math.log(clip)
+        priors = {h: math.log(f) for h, f in (hint_priors or {}).items()}
+        self._hint_priors = priors
+        self.pool: dict[Pool, ShrunkMean] = {"baseline": ShrunkMean(), "eagle": ShrunkMean()}
+        self.buckets: dict[Pool, list[ShrunkMean]] = {
+            p: [ShrunkMean() for _ in range(len(bounds) + 1)] for p in ("baseline", "eagle")
+        }
+        # a bucket's blend is own_part + pool_weight * pool mean: kept per bucket so a lookup is
+        # two list reads (an outcome changes its own bucket's pair only)
+        self._own_part: dict[Pool, list[float]] = {
+            p: [0.0] * (len(bounds) + 1) for p in ("baseline", "eagle")
+        }
+        self._pool_weight: dict[Pool, list[float]] = {
+            p: [1.0] * (len(bounds) + 1) for p in ("baseline", "eagle")
+        }
+        self._accept_ref = math.log(accept_length) if accept_length else None
+        self._accept_mean = ShrunkMean()
+        self.accept_reported = False
+        """Whether outcomes carried the backend's per-request acceptance."""
+        self.untagged = ShrunkMean()
+        """Acceptance of untagged requests, when the backend reports it (log, vs the profile's)."""
+        self.hints: HintSlots[ShrunkMean] = HintSlots(max_hints, hint_idle, self._new_hint)
+
+    def _new_hint(self, hint: str) -> ShrunkMean:
+        """A tag's term starts where the tag is known to be (`hint_speedup`) on top of where
+        untagged requests are."""
+        told = self._hint_priors.get(hint, 0.0)
+        if self.accept_reported:  # the term is the tag's acceptance against the profile's
+            return ShrunkMean(told if hint in self._hint_priors else self.untagged.value)
+        return ShrunkMean(self.pool["eagle"].value + told)
+
+    def bucket(self, batch: int) -> int:
+        table = self._bucket_of
+        return table[batch] if batch < len(table) else self._last_bucket
+
+    def _blend(self, pool: Pool, batch: int) -> float:
+        table = self._bucket_of
+        k = table[batch] if batch < len(table) else self._last_bucket
+        return self._own_part[pool][k] + self._pool_weight[pool][k] * self.pool[pool].value
+
+    def log_speed(self, pool: Pool, batch: int) -> float:
+        """log of the speed scale of `pool` (for untagged requests) with `batch` running."""
+        return _clipped(self._blend(pool, batch), _MAX_LOG_SCALE)
+
+    def speed(self, pool: Pool, batch: int) -> float:
+        """The speed scale of `pool` (for untagged requests) with `batch` running."""
+        table = self._bucket_of
+        k = table[batch] if batch < len(table) else self._last_bucket
+        x = self._own_part[pool][k] + self._pool_weight[pool][k] * self.pool[pool].value
+        return _MAX_SCALE if x > _MAX_LOG_SCALE else _MIN_SCALE if x < -_MAX_LOG_SCALE else math.exp(x)
+
+    def log_hint(self, hint: str | None) -> float:
+        """log of a request's own eagle speed factor on top of `log_speed("eagle", ...)`: its
+        tag's speed relative to untagged requests, or, when the backend reports acceptance, its
+        tag's (or untagged requests') acceptance relative to the profile's."""
+        state = self.hints.get(hint) if hint is not None else None
+        if self.accept_reported:
+            if state is not None:
+                return state.value
+            told = self._hint_priors.get(hint) if hint is not None else None
+            return self.untagged.value if told is None else told
+        if state is not None:
+            return _clipped(state.value - self.pool["eagle"].value, _MAX_LOG_SCALE)
+        return self._hint_priors.get(hint, 0.0) if hint is not None else 0.0
+
+    def observe(
+        self, pool: Pool, batch: int, hint: str | None, rate_ratio: float, accept_length: float | None
+    ) -> None:
+        """Learn from one outcome: its decode rate over the profile's at `batch` (without any
+        acceptance factor), and the acceptance the backend reported (eagle), if any."""
+        if not 0.0 < rate_ratio < math.inf:
+            return
+        prior, window, clip = self._prior, self._window, self._clip
+        x = math.log(rate_ratio)
+        table = self._bucket_of
+        k = table[batch] if batch < len(table) else self._last_bucket
+        g = self.pool[pool]
+        own_part, pool_weight = self._own_part[pool], self._pool_weight[pool]
+        if pool == "eagle" and accept_length is not None and accept_length > 0.0:
+            self.accept_reported = True
+            a = math.log(accept_length)
+            if self._accept_ref is None:
+                self._accept_mean.add(a, 0.0, window)
+                a -= self._accept_mean.value
+            else:
+                a -= self._accept_ref
+            state = self.hints.teach(hint) if hint is not None else None
+            target = state if state is not None else self.untagged
+            a = _near(a, target.value, clip)
+            target.add(a, prior, window)
+            x -= a  # the pool and bucket means learn the rate with the acceptance divided out
+        elif pool == "eagle" and hint is not None:
+            state = self.hints.teach(hint)
+            if state is not None:  # the tag's own mean, at the load bucket's deviation
+                x -= own_part[k] + (pool_weight[k] - 1.0) * g.value
+                state.add(_near(x, state.value, clip), prior, window)
+                return
+        # the untagged case, inlined (the hot path): clip near the estimate, then both means
+        estimate = own_part[k] + pool_weight[k] * g.value
+        if x > estimate + clip:
+            x = estimate + clip
+        elif x < estimate - clip:
+            x = estimate - clip
+        g.add(x, prior, window)
+        own = self.buckets[pool][k]
+        n = own.n = own.n + 1
+        w = 1.0 / n
+        own.value += (w if w > 1.0 / window else 1.0 / window) * (x - own.value)
+        weight = n + self._bucket_prior
+        own_part[k] = n * own.value / weight
+        pool_weight[k] = self._bucket_prior / weight
+
+
+def _near(x: float, estimate: float, bound: float) -> float:
+    """`x` clipped to `estimate +- bound`: an outlier pulls an estimate at most that far, while a
+    real drift of any size is still followed, `bound` per sample at most."""
+    return estimate + _clipped(x - estimate, bound)
