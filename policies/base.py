@@ -71,6 +71,10 @@ class BackendLoad:
     """Backend-reported waiting requests (same combination); None without a fresh sample."""
     accept_length: float | None = None
     sample_age_s: float | None = None
+    cached_tokens: int = 0
+    """Tokens of THIS request's prompt the router believes the backend holds in its prefix cache
+    (the longest prefix of the request's block fingerprint in the backend's prefix index, in
+    tokens); 0 when unknown or when prefix tracking is off. Set per decision."""
 
     @property
     def scraped(self) -> int | None:
@@ -167,6 +171,9 @@ class Outcome:
     accept_length: float | None = None
     """Tokens per verify step the eagle backend reported for this request (SGLang's
     `spec_tokens_details`, when asked for), or None."""
+    cached_tokens: int | None = None
+    """Prompt tokens the backend reported it served from its prefix cache
+    (`usage.prompt_tokens_details.cached_tokens`, SGLang's `--enable-cache-report`), or None."""
 
     @property
     def decode_tok_s(self) -> float | None:

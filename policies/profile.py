@@ -54,6 +54,11 @@ class ModeProfile(BaseModel):
     prefill_tok_s: float | None = Field(
         default=None, gt=0, description="Prompt tokens per second of prefill (optional)."
     )
+    cache_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="Prefix (KV) cache capacity of one server in tokens (optional; None: unknown).",
+    )
     points: list[ProfilePoint] = Field(min_length=1)
 
     @model_validator(mode="after")
