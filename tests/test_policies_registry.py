@@ -104,7 +104,9 @@ def test_bad_plugins_fail_clearly(reg: PolicyRegistry, name: str, message: str) 
     assert message in str(info.value)
     assert name in str(info.value)
     if "import" in message or "attribute" in message:
-        assert "known policies: cache_only, cost_model, fixed, online, round_robin, threshold" in str(info.value)
+        assert "known policies: cache_only, cost_model, fixed, online, round_robin, threshold" in str(
+            info.value
+        )
 
 
 @pytest.fixture
