@@ -29,8 +29,12 @@ prefill, so the cached tokens are credited at `prefill_tok_s` (this policy's par
 10,000 tok/s). When some backend of a pool holds part of the prompt, every healthy backend of
 the pool is predicted and the cheapest named (`policies.routing.cheapest_backend`), so a long
 context goes where it is cached unless the load there costs more than the prefill it saves:
-the balance comes out of the same prediction, no threshold. `prefix_aware=false` ignores
-`cached_tokens` (the cache-blind behaviour: the least-loaded backend of each pool).
+the balance comes out of the same prediction, no threshold. Prefill is compute-bound and a
+server prefills one batch at a time, so a backend's prediction also counts the prefill this
+policy sent there that has not drained yet (its own estimate at the profile's rate, from `now`:
+exact for one proxy replica, a lower bound with several). `prefix_aware=false` ignores
+`cached_tokens` and queued prefill (the cache-blind behaviour: the least-loaded backend of each
+pool).
 """
 
 from __future__ import annotations
@@ -187,6 +191,8 @@ class CostModelPolicy:
         self._scraped_accept = params.scraped_accept_length
         self._prefix_aware = params.prefix_aware
         self._credit_rate = params.prefill_tok_s
+        self._prefill_free: dict[str, float] = {}
+        """Per backend: when the prefill this policy sent there drains (its own estimate)."""
         self.calibration: SpeedCalibration | None = None
         if params.calibrate:
             self.calibration = SpeedCalibration(
@@ -200,7 +206,9 @@ class CostModelPolicy:
                 accept_length=self._profile_accept,
             )
 
-    def _predict(self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int) -> Prediction:
+    def _predict(
+        self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int, now: float = 0.0
+    ) -> Prediction:
         """(TTFT, end-to-end, marginal cost, would queue, time per output token) on `backend`."""
         running, queued = backend_counts(backend)
         model = self._baseline if pool == "baseline" else self._eagle
@@ -223,13 +231,17 @@ class CostModelPolicy:
                 and self._profile_accept is not None
             ):
                 own *= backend.accept_length / self._profile_accept
-        cached = backend.cached_tokens if self._prefix_aware else 0
         prefill_s: float | None = None
-        if cached > 0:
+        wait = 0.0
+        if self._prefix_aware:
+            cached = backend.cached_tokens
             rate = model.prefill_tok_s
             if rate is not None:
                 prefill_s = max(request.prompt_tokens - cached, 0) / rate
-            else:  # the profile's TTFTs include the prefill: credit what the cache saves
+                # the prefill queued ahead: this request's own wait (it slows no one else)
+                free = self._prefill_free.get(backend.name, now)
+                wait = free - now if free > now else 0.0
+            elif cached > 0:  # the profile's TTFTs include the prefill: credit what the cache saves
                 # never below zero TTFT, before (occupied) or after this request joins
                 at = occupied if cap is None or occupied < cap else cap
                 prefill_s = -min(cached / self._credit_rate, model.ttft_s(at))
@@ -237,7 +249,7 @@ class CostModelPolicy:
             n, running, queued, self._mean_n, request.prompt_tokens, own, speed, self._queue_weight, prefill_s
         )
         tpot = model.step_time(batch) / (own * speed) if self._slo else 0.0
-        return ttft, e2e, cost, cap is not None and occupied >= cap, tpot
+        return ttft + wait, e2e + wait, cost + wait, cap is not None and occupied >= cap, tpot
 
     def _rank(self, p: Prediction) -> float:
         """What `cheapest_backend` minimises within a pool: the quantity pools are compared on."""
@@ -247,28 +259,50 @@ class CostModelPolicy:
         return cost if self._system else e2e
 
     def _backend(
-        self, pool: Pool, view: LoadView, request: RequestInfo, n: int
+        self, pool: Pool, view: LoadView, request: RequestInfo, n: int, now: float
     ) -> tuple[str, Prediction] | None:
         """The backend of `pool` this request would go to ("" for the routing core's least-loaded
-        pick) and its prediction; None when the pool has no healthy backend."""
+        pick) and its prediction; None when the pool has no healthy backend. Prefix-aware, every
+        backend is predicted and the cheapest named: always when the profile gives the pool's
+        prefill rate (its queued prefill differs per backend), else when some backend holds part
+        of the prompt."""
         members = view.baseline if pool == "baseline" else view.eagle
         backends = members.backends
-        if self._prefix_aware and len(backends) > 1 and any(b.cached_tokens for b in backends if b.healthy):
+        model = self._baseline if pool == "baseline" else self._eagle
+        if self._prefix_aware and (
+            model.prefill_tok_s is not None
+            or (len(backends) > 1 and any(b.cached_tokens for b in backends if b.healthy))
+        ):
             predictions: dict[str, Prediction] = {}
 
             def rank(b: BackendLoad) -> float:
-                p = predictions[b.name] = self._predict(pool, b, request, n)
+                p = predictions[b.name] = self._predict(pool, b, request, n, now)
                 return self._rank(p)
 
             found = cheapest_backend(members, rank)
             return None if found is None else (found[0].name, predictions[found[0].name])
         least = first_least_loaded(members)
-        return None if least is None else ("", self._predict(pool, least, request, n))
+        return None if least is None else ("", self._predict(pool, least, request, n, now))
+
+    def _sent(self, decision: Decision, request: RequestInfo, view: LoadView, now: float) -> Decision:
+        """Book the prefill of the request on the backend it goes to (prefix-aware, profiled rate)."""
+        model = self._baseline if decision.pool == "baseline" else self._eagle
+        rate = model.prefill_tok_s
+        if self._prefix_aware and rate is not None and decision.backend:
+            for b in view.pool(decision.pool).backends:
+                if b.name == decision.backend:
+                    free = self._prefill_free.get(b.name, now)
+                    start = free if free > now else now
+                    self._prefill_free[b.name] = (
+                        start + max(request.prompt_tokens - b.cached_tokens, 0) / rate
+                    )
+                    break
+        return decision
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
-        on_b = self._backend("baseline", view, request, n)
-        on_e = self._backend("eagle", view, request, n)
+        on_b = self._backend("baseline", view, request, n, now)
+        on_e = self._backend("eagle", view, request, n, now)
         if on_b is None or on_e is None:
             ttft: dict[Pool, float] = {}
             e2e: dict[Pool, float] = {}
@@ -282,7 +316,7 @@ class CostModelPolicy:
                     predicted_e2e_s=e2e,
                 )
                 decision.backend = on_b[0]
-                return decision
+                return self._sent(decision, request, view, now)
             if on_e is not None:
                 ttft["eagle"], e2e["eagle"] = on_e[1][:2]
                 decision = pool_decision(
@@ -293,7 +327,7 @@ class CostModelPolicy:
                     predicted_e2e_s=e2e,
                 )
                 decision.backend = on_e[0]
-                return decision
+                return self._sent(decision, request, view, now)
             raise NoHealthyBackend("no healthy backend in either pool")
         tb, eb, cb, qb, pb = on_b[1]
         te, ee, ce, qe, pe = on_e[1]
@@ -330,7 +364,7 @@ class CostModelPolicy:
             predicted_e2e_s={"baseline": eb, "eagle": ee},
         )
         decision.backend = on_b[0] if pool == "baseline" else on_e[0]
-        return decision
+        return self._sent(decision, request, view, now)
 
     def observe(self, outcome: Outcome) -> None:
         cal = self.calibration
