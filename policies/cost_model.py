@@ -40,6 +40,7 @@ pool).
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
@@ -191,8 +192,10 @@ class CostModelPolicy:
         self._scraped_accept = params.scraped_accept_length
         self._prefix_aware = params.prefix_aware
         self._credit_rate = params.prefill_tok_s
-        self._prefill_free: dict[str, float] = {}
-        """Per backend: when the prefill this policy sent there drains (its own estimate)."""
+        self._prefill_ends: dict[str, deque[float]] = {}
+        """Per backend: when the prefills this policy sent there and that have not ended yet end
+        (its own estimate; one prefill at a time, FIFO, so the times increase)."""
+        self._last_now = -math.inf
         self.calibration: SpeedCalibration | None = None
         if params.calibrate:
             self.calibration = SpeedCalibration(
@@ -232,15 +235,23 @@ class CostModelPolicy:
             ):
                 own *= backend.accept_length / self._profile_accept
         prefill_s: float | None = None
-        wait = 0.0
+        wait = imposed = 0.0
         if self._prefix_aware:
             cached = backend.cached_tokens
             rate = model.prefill_tok_s
             if rate is not None:
                 prefill_s = max(request.prompt_tokens - cached, 0) / rate
-                # the prefill queued ahead: this request's own wait (it slows no one else)
-                free = self._prefill_free.get(backend.name, now)
-                wait = free - now if free > now else 0.0
+                ends = self._prefill_ends.get(backend.name)
+                if ends:
+                    while ends and ends[0] <= now:
+                        ends.popleft()
+                    if ends:
+                        # The prefill queued ahead is this request's own wait. Its own prefill
+                        # delays the requests that will queue behind it: as many, in a steady
+                        # state, as it finds ahead (what an arrival sees is what a departure
+                        # leaves), each by its prefill time.
+                        wait = ends[-1] - now
+                        imposed = len(ends) * prefill_s
             elif cached > 0:  # the profile's TTFTs include the prefill: credit what the cache saves
                 # never below zero TTFT, before (occupied) or after this request joins
                 at = occupied if cap is None or occupied < cap else cap
@@ -249,7 +260,7 @@ class CostModelPolicy:
             n, running, queued, self._mean_n, request.prompt_tokens, own, speed, self._queue_weight, prefill_s
         )
         tpot = model.step_time(batch) / (own * speed) if self._slo else 0.0
-        return ttft + wait, e2e + wait, cost + wait, cap is not None and occupied >= cap, tpot
+        return ttft + wait, e2e + wait, cost + wait + imposed, cap is not None and occupied >= cap, tpot
 
     def _rank(self, p: Prediction) -> float:
         """What `cheapest_backend` minimises within a pool: the quantity pools are compared on."""
@@ -291,16 +302,19 @@ class CostModelPolicy:
         if self._prefix_aware and rate is not None and decision.backend:
             for b in view.pool(decision.pool).backends:
                 if b.name == decision.backend:
-                    free = self._prefill_free.get(b.name, now)
-                    start = free if free > now else now
-                    self._prefill_free[b.name] = (
-                        start + max(request.prompt_tokens - b.cached_tokens, 0) / rate
-                    )
+                    ends = self._prefill_ends.setdefault(b.name, deque())
+                    while ends and ends[0] <= now:
+                        ends.popleft()
+                    start = ends[-1] if ends else now
+                    ends.append(start + max(request.prompt_tokens - b.cached_tokens, 0) / rate)
                     break
         return decision
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
+        if now < self._last_now:  # the clock restarted (a new simulated segment): nothing is queued
+            self._prefill_ends.clear()
+        self._last_now = now
         on_b = self._backend("baseline", view, request, n, now)
         on_e = self._backend("eagle", view, request, n, now)
         if on_b is None or on_e is None:
