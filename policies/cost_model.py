@@ -284,6 +284,9 @@ class CostModelPolicy:
             model.prefill_tok_s is not None
             or (len(backends) > 1 and any(b.cached_tokens for b in backends if b.healthy))
         ):
+            if len(backends) == 1:  # the common deployment: nothing to compare
+                only = backends[0]
+                return (only.name, self._predict(pool, only, request, n, now)) if only.healthy else None
             predictions: dict[str, Prediction] = {}
 
             def rank(b: BackendLoad) -> float:
@@ -300,7 +303,7 @@ class CostModelPolicy:
         model = self._baseline if decision.pool == "baseline" else self._eagle
         rate = model.prefill_tok_s
         if self._prefix_aware and rate is not None and decision.backend:
-            for b in view.pool(decision.pool).backends:
+            for b in view.baseline.backends if decision.pool == "baseline" else view.eagle.backends:
                 if b.name == decision.backend:
                     ends = self._prefill_ends.setdefault(b.name, deque())
                     while ends and ends[0] <= now:
