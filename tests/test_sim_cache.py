@@ -253,3 +253,13 @@ def test_simulate_cli_mooncake_and_multiturn(capsys: pytest.CaptureFixture[str])
     assert main(mt) == 0
     s = json.loads(capsys.readouterr().out)["runs"][0]["summary"]
     assert s["requests"] == 300 and s["cache_hit_ratio"] > 0.3
+
+
+def test_the_router_may_believe_a_bigger_cache_than_the_server_has() -> None:
+    servers = build_deployment(profile(cache_tokens=20), parse_deployment("baseline=1,eagle=1"))
+    policy = Recorder(["baseline-0"] * 3)
+    b = batch([20, 20, 20], [(1, 2), (3, 4), (1, 2)], [0.0, 1.0, 2.0], out=2)
+    raw = simulate(servers, policy, b, index_cache_tokens=[1000, 1000])
+    # the index still holds blocks 1, 2 (it believes 100 blocks fit); the server held 2 and evicted them
+    assert policy.seen[2]["baseline-0"] == 20
+    assert raw.cached_tokens == [0, 0, 0]
