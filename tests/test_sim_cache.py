@@ -263,3 +263,25 @@ def test_the_router_may_believe_a_bigger_cache_than_the_server_has() -> None:
     # the index still holds blocks 1, 2 (it believes 100 blocks fit); the server held 2 and evicted them
     assert policy.seen[2]["baseline-0"] == 20
     assert raw.cached_tokens == [0, 0, 0]
+
+
+def test_tune_takes_the_cache_size() -> None:
+    from simulator.planning.tuner import tune
+
+    prof = profile(prefill=5000.0, cache_tokens=None)
+    spec = WorkloadSpec(kind="multiturn", rate=2.0, requests=200)
+    hit = {}
+    for size in (0, 100_000):
+        ranking = tune(
+            prof,
+            "cost_model",
+            {},
+            [("prefix_aware", [True])],
+            parse_deployment("baseline=1,eagle=1"),
+            spec,
+            "mean_e2e_s",
+            registry=default_registry(entry_points=False),
+            cache_tokens=size,
+        )
+        hit[size] = ranking[0].summary["cache_hit_ratio"]
+    assert hit[0] == 0.0 and hit[100_000] > 0.3

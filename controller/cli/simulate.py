@@ -287,6 +287,7 @@ def _tune_main(args: argparse.Namespace) -> int:
                 buckets=buckets_from_args(args),
                 server_profile=servers,
                 spec_details=args.spec_details,
+                cache_tokens=args.cache_tokens,
                 progress=bar.update,
                 on_skip=lambda point, reason: skipped.append((point, reason)),
             )
