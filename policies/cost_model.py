@@ -24,17 +24,18 @@ The predictions for both pools go into the `Decision`, so predicted-vs-actual ca
 
 Prefix caches (`prefix_aware`, on by default): a backend's prediction counts only the prefill of
 the prompt tokens it does not hold (`BackendLoad.cached_tokens`, from the prefix index), at the
-profile's `prefill_tok_s`; a profile without one has TTFTs that include a typical prompt's
-prefill, so the cached tokens are credited at `prefill_tok_s` (this policy's parameter, default
-10,000 tok/s). When some backend of a pool holds part of the prompt, every healthy backend of
-the pool is predicted and the cheapest named (`policies.routing.cheapest_backend`), so a long
-context goes where it is cached unless the load there costs more than the prefill it saves:
-the balance comes out of the same prediction, no threshold. Prefill is compute-bound and a
-server prefills one batch at a time, so a backend's prediction also counts the prefill this
-policy sent there that has not drained yet (its own estimate at the profile's rate, from `now`:
-exact for one proxy replica, a lower bound with several). `prefix_aware=false` ignores
-`cached_tokens` and queued prefill (the cache-blind behaviour: the least-loaded backend of each
-pool).
+profile's `prefill_tok_s`. Prefill is compute-bound and a server prefills one batch at a time,
+so the prediction also counts the prefill this policy sent there that has not drained yet (its
+own estimate from `now`: exact for one proxy replica, a lower bound with several), as this
+request's wait, and in system scope the time its own prefill adds to the requests that will
+queue behind it (as many as it finds ahead). Every healthy backend of a pool is predicted and
+the cheapest named (`policies.routing.cheapest_backend`), so a long context goes where it is
+cached unless the load there costs more than the prefill it saves: the balance comes out of the
+same prediction, no threshold. A profile without `prefill_tok_s` has TTFTs that include a
+typical prompt's prefill: cached tokens are then credited at this policy's `prefill_tok_s`
+(default 10,000 tok/s), and backends are compared only when one holds part of the prompt.
+`prefix_aware=false` ignores `cached_tokens` and queued prefill (the cache-blind behaviour: the
+least-loaded backend of each pool).
 """
 
 from __future__ import annotations
