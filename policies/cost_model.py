@@ -21,11 +21,27 @@ this policy routed teaches `policies.calibration.SpeedCalibration` how far the p
 decode rate is from the profile's at that load, and (eagle) how a hint's acceptance differs;
 predictions use the corrected speeds. `hint_speedup` factors are priors for the hints named.
 The predictions for both pools go into the `Decision`, so predicted-vs-actual can be measured.
+
+Prefix caches (`prefix_aware`, on by default): a backend's prediction counts only the prefill of
+the prompt tokens it does not hold (`BackendLoad.cached_tokens`, from the prefix index), at the
+profile's `prefill_tok_s`. Prefill is compute-bound and a server prefills one batch at a time,
+so the prediction also counts the prefill this policy sent there that has not drained yet (its
+own estimate from `now`: exact for one proxy replica, a lower bound with several), as this
+request's wait, and in system scope the time its own prefill adds to the requests that will
+queue behind it (as many as it finds ahead). Every healthy backend of a pool is predicted and
+the cheapest named (`policies.routing.cheapest_backend`), so a long context goes where it is
+cached unless the load there costs more than the prefill it saves: the balance comes out of the
+same prediction, no threshold. A profile without `prefill_tok_s` has TTFTs that include a
+typical prompt's prefill: cached tokens are then credited at this policy's `prefill_tok_s`
+(default 10,000 tok/s), and backends are compared only when one holds part of the prompt.
+`prefix_aware=false` ignores `cached_tokens` and queued prefill (the cache-blind behaviour: the
+least-loaded backend of each pool).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
@@ -33,12 +49,18 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validato
 from policies.base import BackendLoad, Decision, LoadView, NoHealthyBackend, Outcome, Pool, RequestInfo
 from policies.calibration import SpeedCalibration, check_bounds
 from policies.profile import SpeedModel
-from policies.routing import backend_counts, first_least_loaded, pool_decision
+from policies.routing import backend_counts, cheapest_backend, first_least_loaded, pool_decision
 from policies.spec import PolicyContext, PolicyError, PolicySpec
 
 Objective = Literal["e2e", "ttft"]
 Scope = Literal["system", "request"]
 DEFAULT_BUCKETS = [1, 2, 4, 8, 16, 32, 48, 64, 128, 256]
+DEFAULT_PREFILL_TOK_S = 10_000.0
+"""Prefill rate assumed for a profile that gives none: the order of magnitude of one GPU node
+prefilling a mid-size model (SGLang serves tens of thousands of prompt tokens per second on an
+8-GPU node for 8B-70B models); it only prices the tokens a cache saves."""
+Prediction = tuple[float, float, float, bool, float]
+"""(TTFT, end-to-end, marginal cost, would queue, time per output token) on one backend."""
 
 
 class CostModelParams(BaseModel):
@@ -123,6 +145,18 @@ class CostModelParams(BaseModel):
         "more bucket holds everything above the last bound.",
     )
     max_hints: int = Field(default=32, ge=0, description="Distinct hints calibrated (0: none).")
+    prefix_aware: bool = Field(
+        default=True,
+        description="Count only the prefill of the prompt tokens a backend does not hold in its prefix "
+        "cache, and pick the cheapest backend within a pool when some backend holds part of the prompt; "
+        "false: cache-blind (least-loaded backend, cached tokens ignored).",
+    )
+    prefill_tok_s: float = Field(
+        default=DEFAULT_PREFILL_TOK_S,
+        gt=0,
+        description="Prefill rate (prompt tokens/s) that prices cached tokens when the profile gives no "
+        "prefill_tok_s (the profile's own rate wins).",
+    )
     hint_idle: int = Field(
         default=1000,
         ge=1,
@@ -157,6 +191,12 @@ class CostModelPolicy:
         self._eagle_factor = 1.0 - params.eagle_margin
         self._default_n = params.default_output_tokens
         self._scraped_accept = params.scraped_accept_length
+        self._prefix_aware = params.prefix_aware
+        self._credit_rate = params.prefill_tok_s
+        self._prefill_ends: dict[str, deque[float]] = {}
+        """Per backend: when the prefills this policy sent there and that have not ended yet end
+        (its own estimate; one prefill at a time, FIFO, so the times increase)."""
+        self._last_now = -math.inf
         self.calibration: SpeedCalibration | None = None
         if params.calibrate:
             self.calibration = SpeedCalibration(
@@ -171,8 +211,8 @@ class CostModelPolicy:
             )
 
     def _predict(
-        self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int
-    ) -> tuple[float, float, float, bool, float]:
+        self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int, now: float = 0.0
+    ) -> Prediction:
         """(TTFT, end-to-end, marginal cost, would queue, time per output token) on `backend`."""
         running, queued = backend_counts(backend)
         model = self._baseline if pool == "baseline" else self._eagle
@@ -195,40 +235,120 @@ class CostModelPolicy:
                 and self._profile_accept is not None
             ):
                 own *= backend.accept_length / self._profile_accept
+        prefill_s: float | None = None
+        wait = imposed = 0.0
+        if self._prefix_aware:
+            cached = backend.cached_tokens
+            rate = model.prefill_tok_s
+            if rate is not None:
+                prefill_s = max(request.prompt_tokens - cached, 0) / rate
+                ends = self._prefill_ends.get(backend.name)
+                if ends:
+                    while ends and ends[0] <= now:
+                        ends.popleft()
+                    if ends:
+                        # The prefill queued ahead is this request's own wait. Its own prefill
+                        # delays the requests that will queue behind it: as many, in a steady
+                        # state, as it finds ahead (what an arrival sees is what a departure
+                        # leaves), each by its prefill time.
+                        wait = ends[-1] - now
+                        imposed = len(ends) * prefill_s
+            elif cached > 0:  # the profile's TTFTs include the prefill: credit what the cache saves
+                # never below zero TTFT, before (occupied) or after this request joins
+                at = occupied if cap is None or occupied < cap else cap
+                prefill_s = -min(cached / self._credit_rate, model.ttft_s(at))
         ttft, e2e, cost = model.predict_system_s(
-            n, running, queued, self._mean_n, request.prompt_tokens, own, speed, self._queue_weight
+            n, running, queued, self._mean_n, request.prompt_tokens, own, speed, self._queue_weight, prefill_s
         )
         tpot = model.step_time(batch) / (own * speed) if self._slo else 0.0
-        return ttft, e2e, cost, cap is not None and occupied >= cap, tpot
+        return ttft + wait, e2e + wait, cost + wait + imposed, cap is not None and occupied >= cap, tpot
+
+    def _rank(self, p: Prediction) -> float:
+        """What `cheapest_backend` minimises within a pool: the quantity pools are compared on."""
+        ttft, e2e, cost, queued, _ = p
+        if self._ttft:
+            return math.inf if self._system and queued else ttft
+        return cost if self._system else e2e
+
+    def _backend(
+        self, pool: Pool, view: LoadView, request: RequestInfo, n: int, now: float
+    ) -> tuple[str, Prediction] | None:
+        """The backend of `pool` this request would go to ("" for the routing core's least-loaded
+        pick) and its prediction; None when the pool has no healthy backend. Prefix-aware, every
+        backend is predicted and the cheapest named: always when the profile gives the pool's
+        prefill rate (its queued prefill differs per backend), else when some backend holds part
+        of the prompt."""
+        members = view.baseline if pool == "baseline" else view.eagle
+        backends = members.backends
+        model = self._baseline if pool == "baseline" else self._eagle
+        if self._prefix_aware and (
+            model.prefill_tok_s is not None
+            or (len(backends) > 1 and any(b.cached_tokens for b in backends if b.healthy))
+        ):
+            if len(backends) == 1:  # the common deployment: nothing to compare
+                only = backends[0]
+                return (only.name, self._predict(pool, only, request, n, now)) if only.healthy else None
+            predictions: dict[str, Prediction] = {}
+
+            def rank(b: BackendLoad) -> float:
+                p = predictions[b.name] = self._predict(pool, b, request, n, now)
+                return self._rank(p)
+
+            found = cheapest_backend(members, rank)
+            return None if found is None else (found[0].name, predictions[found[0].name])
+        least = first_least_loaded(members)
+        return None if least is None else ("", self._predict(pool, least, request, n, now))
+
+    def _sent(self, decision: Decision, request: RequestInfo, view: LoadView, now: float) -> Decision:
+        """Book the prefill of the request on the backend it goes to (prefix-aware, profiled rate)."""
+        model = self._baseline if decision.pool == "baseline" else self._eagle
+        rate = model.prefill_tok_s
+        if self._prefix_aware and rate is not None and decision.backend:
+            for b in view.baseline.backends if decision.pool == "baseline" else view.eagle.backends:
+                if b.name == decision.backend:
+                    ends = self._prefill_ends.setdefault(b.name, deque())
+                    while ends and ends[0] <= now:
+                        ends.popleft()
+                    start = ends[-1] if ends else now
+                    ends.append(start + max(request.prompt_tokens - b.cached_tokens, 0) / rate)
+                    break
+        return decision
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
-        b = first_least_loaded(view.baseline)
-        e = first_least_loaded(view.eagle)
-        if b is None or e is None:
+        if now < self._last_now:  # the clock restarted (a new simulated segment): nothing is queued
+            self._prefill_ends.clear()
+        self._last_now = now
+        on_b = self._backend("baseline", view, request, n, now)
+        on_e = self._backend("eagle", view, request, n, now)
+        if on_b is None or on_e is None:
             ttft: dict[Pool, float] = {}
             e2e: dict[Pool, float] = {}
-            if b is not None:
-                ttft["baseline"], e2e["baseline"] = self._predict("baseline", b, request, n)[:2]
-                return pool_decision(
+            if on_b is not None:
+                ttft["baseline"], e2e["baseline"] = on_b[1][:2]
+                decision = pool_decision(
                     "baseline",
                     "eagle_unavailable",
                     policy=self.name,
                     predicted_ttft_s=ttft,
                     predicted_e2e_s=e2e,
                 )
-            if e is not None:
-                ttft["eagle"], e2e["eagle"] = self._predict("eagle", e, request, n)[:2]
-                return pool_decision(
+                decision.backend = on_b[0]
+                return self._sent(decision, request, view, now)
+            if on_e is not None:
+                ttft["eagle"], e2e["eagle"] = on_e[1][:2]
+                decision = pool_decision(
                     "eagle",
                     "baseline_unavailable",
                     policy=self.name,
                     predicted_ttft_s=ttft,
                     predicted_e2e_s=e2e,
                 )
+                decision.backend = on_e[0]
+                return self._sent(decision, request, view, now)
             raise NoHealthyBackend("no healthy backend in either pool")
-        tb, eb, cb, qb, pb = self._predict("baseline", b, request, n)
-        te, ee, ce, qe, pe = self._predict("eagle", e, request, n)
+        tb, eb, cb, qb, pb = on_b[1]
+        te, ee, ce, qe, pe = on_e[1]
         # the smaller cost wins: system scope compares marginal costs (e2e) or, for TTFT, avoids
         # a queue while the other pool has a free slot; request scope the request's own time.
         # Where both marginal costs are infinite (neither pool gains from one more request),
@@ -254,13 +374,15 @@ class CostModelPolicy:
                 met: Pool = "baseline" if meets_b else "eagle"
                 if met != pool:
                     pool, reason = met, "slo_eagle" if met == "eagle" else "slo_baseline"
-        return pool_decision(
+        decision = pool_decision(
             pool,
             reason,
             policy=self.name,
             predicted_ttft_s={"baseline": tb, "eagle": te},
             predicted_e2e_s={"baseline": eb, "eagle": ee},
         )
+        decision.backend = on_b[0] if pool == "baseline" else on_e[0]
+        return self._sent(decision, request, view, now)
 
     def observe(self, outcome: Outcome) -> None:
         cal = self.calibration

@@ -267,6 +267,7 @@ class SpeedModel:
         rate_scale: float = 1.0,
         speed_scale: float = 1.0,
         queue_weight: float = math.inf,
+        prefill_s: float | None = None,
     ) -> tuple[float, float, float]:
         """(TTFT, end-to-end, marginal cost) seconds of a request that joins the server now.
 
@@ -281,12 +282,19 @@ class SpeedModel:
         the rate (a queued request produces nothing): its cost is its own end-to-end time plus
         `queue_weight` times its wait -- the wait it passes on to the requests that will queue
         behind it -- which is infinite by default (never queue while the other pool has room).
+
+        `prefill_s` replaces `prompt_tokens / prefill_tok_s` (before `speed_scale`): a caller that
+        knows part of the prompt is cached passes the prefill of the rest (or, for a profile
+        whose TTFTs include a typical prompt's prefill, minus the time the cached part saves).
         """
         n = output_tokens if output_tokens > 1 else 1
         m = n - 1
         cap = self.max_running_requests
         occupied = (running if running > 0 else 0) + (queued if queued > 0 else 0)
-        prefill = prompt_tokens / self.prefill_tok_s if prompt_tokens > 0 and self.prefill_tok_s else 0.0
+        if prefill_s is not None:
+            prefill = prefill_s
+        else:
+            prefill = prompt_tokens / self.prefill_tok_s if prompt_tokens > 0 and self.prefill_tok_s else 0.0
         decode_scale = rate_scale * speed_scale
         if cap is not None and occupied >= cap:
             mean_n = float(n) if mean_output_tokens is None else max(mean_output_tokens, 1.0)

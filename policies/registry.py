@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from policies import cost_model, fixed, online, threshold
+from policies import cache_only, cost_model, fixed, online, round_robin, threshold
 from policies.base import Policy
 from policies.spec import NoParams, PolicyContext, PolicyError, PolicySpec, type_label
 
@@ -167,7 +167,14 @@ def spec_from_object(name: str, obj: Any) -> PolicySpec:
     return PolicySpec(name=name, params=params, factory=factory, help=doc[0] if doc else "")
 
 
-BUILTIN_SPECS: tuple[PolicySpec, ...] = (fixed.SPEC, threshold.SPEC, cost_model.SPEC, online.SPEC)
+BUILTIN_SPECS: tuple[PolicySpec, ...] = (
+    fixed.SPEC,
+    threshold.SPEC,
+    cost_model.SPEC,
+    online.SPEC,
+    round_robin.SPEC,
+    cache_only.SPEC,
+)
 
 
 def default_registry(*, entry_points: bool = True) -> PolicyRegistry:

@@ -13,7 +13,10 @@ state, request, `LoadView` and seed, both get the same `Decision`. The rules:
 3. **Backend within a pool:** the healthy backend with the smallest `BackendLoad.load` (the
    larger of this replica's in-flight count and the scraped running + queued); ties are
    broken uniformly by the router's seeded RNG. A policy that names a healthy backend of its
-   pool keeps it; a backend that is not in the view is an `InvalidDecision`.
+   pool keeps it; a backend that is not in the view is an `InvalidDecision`. A policy that
+   predicts per backend (cost_model when the prefix index says some backend of the pool holds
+   part of the prompt) names the one `cheapest_backend` picks: least predicted cost, then least
+   load, then deployment order.
 4. **Fallback:** when the chosen pool has no healthy backend, rule 3 in the other pool, with
    reason `<pool>_unavailable`; when neither has one, `NoHealthyBackend`.
 5. **Failover** (the proxy, before the first byte reached the client): rule 3 among the
@@ -23,8 +26,9 @@ state, request, `LoadView` and seed, both get the same `Decision`. The rules:
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from policies.base import (
     POOLS,
@@ -78,6 +82,21 @@ def first_least_loaded(pool: PoolLoad) -> BackendLoad | None:
             if best is None or load < best_load:
                 best, best_load = b, load
     return best
+
+
+def cheapest_backend(
+    pool: PoolLoad, cost: Callable[[BackendLoad], float]
+) -> tuple[BackendLoad, float] | None:
+    """The healthy backend of `pool` with the least `cost` (then the least `load`, then the first
+    in deployment order) and its cost, or None when the pool has no healthy backend."""
+    best: BackendLoad | None = None
+    best_key = (math.inf, 0)
+    for b in pool.backends:
+        if b.healthy:
+            key = (cost(b), b.load)
+            if best is None or key < best_key:
+                best, best_key = b, key
+    return None if best is None else (best, best_key[0])
 
 
 def backend_counts(backend: BackendLoad) -> tuple[int, int]:

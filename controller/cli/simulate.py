@@ -93,6 +93,14 @@ def _add_common(p: argparse.ArgumentParser, steady_per_client: str) -> None:
         help="Servers per kind (baseline, eagle, adaptive); default baseline=1,eagle=1. Repeat to compare.",
     )
     d.add_argument(
+        "--cache-tokens",
+        type=non_negative_int,
+        metavar="N",
+        help="Prefix-cache capacity of every simulated server in tokens (and what the router's prefix "
+        "index assumes), instead of the profiles' cache_tokens; 0: no cache. Matters for workloads "
+        "with prompt blocks (multiturn, Mooncake traces).",
+    )
+    d.add_argument(
         "--adaptive-buckets",
         metavar="LIMIT:DEPTH,...",
         help="Adaptive server: speculation depth (0..1) below each batch size; 0 beyond the last "
@@ -222,6 +230,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
                         server_profile=servers,
                         oracle=args.oracle,
                         spec_details=args.spec_details,
+                        cache_tokens=args.cache_tokens,
                     )
                 )
         description = _describe(spec, profile, servers)
@@ -278,6 +287,7 @@ def _tune_main(args: argparse.Namespace) -> int:
                 buckets=buckets_from_args(args),
                 server_profile=servers,
                 spec_details=args.spec_details,
+                cache_tokens=args.cache_tokens,
                 progress=bar.update,
                 on_skip=lambda point, reason: skipped.append((point, reason)),
             )

@@ -61,8 +61,8 @@ def add_workload_args(
         "--workload",
         choices=WORKLOAD_KINDS,
         default="sweep",
-        help="Closed-loop concurrency sweep, open-loop Poisson or bursty arrivals, or a trace replay "
-        "(default sweep).",
+        help="Closed-loop concurrency sweep, open-loop Poisson or bursty arrivals, a trace replay, or "
+        "multi-turn conversations sharing a system prompt (multiturn) (default sweep).",
     )
     w.add_argument(
         "--concurrency",
@@ -120,13 +120,16 @@ def add_workload_args(
             help="Unmeasured requests at the start of each level.",
         )
     w.add_argument(
-        "--rate", type=positive_float, default=10.0, help="Mean arrival rate (poisson, bursty), requests/s."
+        "--rate",
+        type=positive_float,
+        default=10.0,
+        help="Mean arrival rate (poisson, bursty, multiturn), requests/s.",
     )
     w.add_argument(
         "--requests",
         type=positive_int,
         default=None,
-        help="Requests (poisson/bursty: default 1000; trace: the first N, default all).",
+        help="Requests (poisson/bursty/multiturn: default 1000; trace: the first N, default all).",
     )
     w.add_argument(
         "--burst-factor", type=positive_float, default=4.0, help="Bursty: high-state rate / low-state rate."
@@ -134,7 +137,11 @@ def add_workload_args(
     w.add_argument(
         "--burst-period", type=positive_float, default=10.0, help="Bursty: mean seconds in each state."
     )
-    w.add_argument("--trace", help="Trace file (Azure LLM inference CSV or specroute decision log JSONL).")
+    w.add_argument(
+        "--trace",
+        help="Trace file (Azure LLM inference CSV, Mooncake JSONL with hash_ids, or specroute decision log "
+        "JSONL).",
+    )
     w.add_argument("--trace-format", choices=TRACE_FORMATS, help="Trace format (default: detected).")
     w.add_argument(
         "--time-scale",
@@ -146,7 +153,24 @@ def add_workload_args(
         "--output-tokens",
         help="Output lengths: const:N, exp:MEAN, lognormal:MEAN,SIGMA (default const:200 or the trace's).",
     )
-    w.add_argument("--prompt-tokens", help="Prompt lengths, same forms (default const:256 or the trace's).")
+    w.add_argument(
+        "--prompt-tokens",
+        help="Prompt lengths, same forms (default const:256 or the trace's; multiturn: each turn's new user "
+        "message).",
+    )
+    w.add_argument("--turns", help="Multiturn: turns per conversation, same forms (default const:5).")
+    w.add_argument(
+        "--think-time",
+        type=non_negative_float,
+        default=20.0,
+        help="Multiturn: mean seconds between the arrivals of a conversation's turns (default 20).",
+    )
+    w.add_argument(
+        "--system-prompt-tokens",
+        type=non_negative_int,
+        default=1024,
+        help="Multiturn: tokens of the system prompt every conversation starts with (default 1024).",
+    )
     w.add_argument(
         "--hint-mix", metavar="HINT=W,...", help="Synthetic hints with weights, e.g. code=0.3,prose=0.7."
     )
@@ -223,6 +247,9 @@ def workload_from_args(
         prompt_tokens=LengthSpec.parse(args.prompt_tokens) if args.prompt_tokens else None,
         hint_mix=parse_weights(args.hint_mix, "--hint-mix"),
         accept=AcceptModel(args.accept_sigma, hint_accept),
+        turns=LengthSpec.parse(args.turns) if args.turns else None,
+        think_time_s=args.think_time,
+        system_prompt_tokens=args.system_prompt_tokens,
     )
 
 
@@ -255,6 +282,12 @@ def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
         what = sweep
     elif spec.kind == "trace":
         what = f"trace {spec.trace} (time scale {spec.time_scale:g})"
+    elif spec.kind == "multiturn":
+        turns = spec.turns or "const:5"
+        what = (
+            f"multiturn, rate {spec.rate:g}/s, turns {turns}, think time {spec.think_time_s:g} s, "
+            f"system prompt {spec.system_prompt_tokens} tokens"
+        )
     else:
         what = f"{spec.kind}, rate {spec.rate:g}/s"
     if spec.output_tokens:

@@ -11,9 +11,13 @@ event costs O(log n). EAGLE requests carry their own acceptance factor `a` (mean
 virtual work is `tokens / a`.
 
 A request is admitted at once while the server runs fewer than `max_running_requests`,
-otherwise it waits in a FIFO queue. Its first token comes `ttft(b)` after admission (plus
-`prompt_tokens / prefill_tok_s` when the profile gives it); the remaining `n - 1` tokens are
-decoded after that.
+otherwise it waits in a FIFO queue. Its first token comes `ttft(b)` after its prefill ends; the
+remaining `n - 1` tokens are decoded after that. When the profile gives `prefill_tok_s`, a
+server prefills one request at a time, FIFO, at that rate (prefill is compute-bound: long
+prompts queue behind each other), and only the prompt tokens its prefix cache does not hold
+(`simulator.engine.cache`, when the batch carries block ids and the server has a cache); the
+router keeps its own `policies.prefix.PrefixIndex` per server, the same code the proxy uses, and
+sets `BackendLoad.cached_tokens` from it for every decision.
 
 The global event heap is keyed by `(time, seq)` with a counter owned by the run. A server's
 next completion is rescheduled whenever its rate or heap top changes; the entry whose `seq`
@@ -44,7 +48,9 @@ from policies.base import (
     PoolLoad,
     RequestInfo,
 )
+from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.routing import Router, least_loaded_index
+from simulator.engine.cache import BlockCache
 from simulator.engine.servers import ServerModel
 
 _ARRIVE = 0
@@ -68,6 +74,11 @@ class RequestBatch:
     accept: Sequence[float]
     """Per-request acceptance factor (mean 1), applied on speculative servers."""
     arrivals: Sequence[float] | None = None
+    blocks: Sequence[Sequence[int]] | None = None
+    """Per-request prompt block ids (chained: equal leading ids = equal prefix), or None when
+    prompts share nothing."""
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    """Tokens per block of `blocks` (the last block of a prompt may be partial)."""
 
     def __len__(self) -> int:
         return len(self.output_tokens)
@@ -82,6 +93,8 @@ class RequestBatch:
             self.hints[:n],
             self.accept[:n],
             arrivals,
+            None if self.blocks is None else self.blocks[:n],
+            self.block_tokens,
         )
 
 
@@ -101,6 +114,9 @@ class RawRun:
     """WARMUP, MEASURED, FILLER or NOT_SENT (open loop: all MEASURED)."""
     output_tokens: Sequence[int]
     servers: tuple[ServerModel, ...]
+    prompt_tokens: Sequence[int] = ()
+    cached_tokens: Sequence[int] | None = None
+    """Prompt tokens each request found in its server's prefix cache; None: no cache modelled."""
 
 
 class _ClosedLoop:
@@ -144,6 +160,7 @@ class _ClosedLoop:
 class _Server:
     __slots__ = (
         "accept_length",
+        "cache",
         "cap",
         "carrier_seq",
         "carrier_t",
@@ -156,6 +173,7 @@ class _Server:
         "pool",
         "pool_index",
         "prefill",
+        "prefill_free",
         "queue",
         "rate",
         "rate_table",
@@ -168,7 +186,7 @@ class _Server:
         "v",
     )
 
-    def __init__(self, model: ServerModel) -> None:
+    def __init__(self, model: ServerModel, block_tokens: int) -> None:
         self.model = model
         self.name = model.name
         self.pool = model.pool
@@ -180,6 +198,10 @@ class _Server:
         """State changed since its `BackendLoad` was last built."""
         self.cap = model.max_running_requests if model.max_running_requests is not None else 1 << 62
         self.prefill = model.prefill_tok_s
+        self.prefill_free = 0.0
+        """When the prefill of the requests admitted so far ends."""
+        cache_blocks = (model.cache_tokens or 0) // block_tokens
+        self.cache = BlockCache(cache_blocks) if cache_blocks > 0 else None
         self.rate_table = model.rate
         self.speculative = model.speculative
         self.ttft_table = model.ttft
@@ -209,6 +231,7 @@ def simulate(
     measure: int | None = None,
     seed: int = 0,
     spec_details: bool = False,
+    index_cache_tokens: Sequence[int | None] | None = None,
 ) -> RawRun:
     """Run `batch` through `servers`.
 
@@ -223,6 +246,10 @@ def simulate(
     With `spec_details`, the outcome of a request served by a speculative server carries its
     accept length (its acceptance factor times the server's `accept_length`, when the server's
     profile gives one), as SGLang reports it with `return_spec_tokens_details`.
+
+    With `batch.blocks`, each server with a `cache_tokens` capacity keeps a prefix cache, and
+    the router a prefix index per server sized by `index_cache_tokens` (what it believes each
+    server holds; default: the servers' own capacities).
     """
     n = len(batch)
     if not servers:
@@ -233,7 +260,10 @@ def simulate(
         map(operator.gt, batch.arrivals, itertools.islice(batch.arrivals, 1, None))
     ):
         raise SimulationError("open-loop arrival times must be sorted")
-    states = [_Server(m) for m in servers]
+    block_tokens = batch.block_tokens
+    if block_tokens < 1:
+        raise SimulationError("block_tokens must be >= 1")
+    states = [_Server(m, block_tokens) for m in servers]
     table_size = min(len(m.rate) for m in servers)
     if any(len(m.ttft) < table_size for m in servers):
         raise SimulationError("server speed tables must cover the same batch sizes")
@@ -255,6 +285,16 @@ def simulate(
     phase = [NOT_SENT] * n
     infos: list[RequestInfo | None] = [None] * n
     decisions: list[Decision | None] = [None] * n
+    blocks = batch.blocks
+    caching = blocks is not None and any(s.cache is not None for s in states)
+    cached = [0] * n
+    prefill = _Prefill(prompt_tokens, blocks if caching else None, block_tokens, cached)
+    indexes = None
+    if blocks is not None and routed is not None:
+        believed = index_cache_tokens or [m.cache_tokens for m in servers]
+        if len(believed) != len(servers):
+            raise SimulationError("index_cache_tokens needs one capacity per server")
+        indexes = [PrefixIndex((c or 0) // block_tokens) for c in believed]
 
     heap: list[tuple[float, int, int, int, int]] = []
     push, pop = heapq.heappush, heapq.heappop
@@ -346,13 +386,15 @@ def simulate(
                 finish[r] = t
                 s.running -= 1
                 s.tokens -= budget[r]
+            if caching and s.cache is not None:
+                prefill.release(s, done)
             s.dirty = True
             while s.queue and s.running < s.cap:
                 q = s.queue.popleft()
                 running = s.running = s.running + 1
-                ft = t + (s.ttft_table[running] if running < table_size else s.ttft_table[-1])
-                if s.prefill is not None and prompt_tokens[q] > 0:
-                    ft += prompt_tokens[q] / s.prefill
+                ft = prefill.end(s, q, t) + (
+                    s.ttft_table[running] if running < table_size else s.ttft_table[-1]
+                )
                 push(heap, (ft, seq, _FIRST, q, a))
                 seq += 1
             running = s.running
@@ -380,6 +422,7 @@ def simulate(
                                 t - start,
                                 "ok",
                                 accepted,
+                                cached[r] if caching else None,
                             )
                         )
                         infos[r] = decisions[r] = None
@@ -429,13 +472,20 @@ def simulate(
                         endpoint="chat", stream=True, prompt_tokens=ikey[0], max_tokens=ikey[1], hint=ikey[2]
                     )
                     info_cache[ikey] = info
+                view = build_view()
+                if indexes is not None:
+                    assert blocks is not None
+                    _believe(view, indexes, states, blocks[a], block_tokens, prompt_tokens[a])
                 try:
-                    decision = decide(routed, info, build_view(), t)
+                    decision = decide(routed, info, view, t)
                 except InvalidDecision as e:
                     raise SimulationError(
                         f"policy {policy_name!r} {e} (deployment: {', '.join(index)})"
                     ) from None
                 si = index[decision.backend]
+                if indexes is not None:
+                    assert blocks is not None
+                    indexes[si].insert(blocks[a])
                 infos[a] = info
                 decisions[a] = decision
             else:
@@ -450,9 +500,9 @@ def simulate(
                 s.t_last = t
                 running = s.running = s.running + 1
                 rate = s.rate = s.rate_table[running] if running < table_size else s.model.rate_at(running)
-                ft = t + (s.ttft_table[running] if running < table_size else s.ttft_table[-1])
-                if s.prefill is not None and prompt_tokens[a] > 0:
-                    ft += prompt_tokens[a] / s.prefill
+                ft = prefill.end(s, a, t) + (
+                    s.ttft_table[running] if running < table_size else s.ttft_table[-1]
+                )
                 push(heap, (ft, seq, _FIRST, a, si))
                 seq += 1
                 if s.dheap:
@@ -475,4 +525,63 @@ def simulate(
         phase=phase,
         output_tokens=output_tokens,
         servers=tuple(servers),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached if caching else None,
     )
+
+
+class _Prefill:
+    """Admission of a request to a server: its prefix-cache hit and when its prefill ends."""
+
+    __slots__ = ("block_tokens", "blocks", "cached", "prompt_tokens")
+
+    def __init__(
+        self,
+        prompt_tokens: Sequence[int],
+        blocks: Sequence[Sequence[int]] | None,
+        block_tokens: int,
+        cached: list[int],
+    ) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.blocks = blocks
+        self.block_tokens = block_tokens
+        self.cached = cached
+
+    def end(self, s: _Server, r: int, t: float) -> float:
+        """Request `r` is admitted to `s` at `t`: when its prefill ends (the first token follows
+        `ttft(b)` later). It references its blocks in the cache until `release`."""
+        todo = self.prompt_tokens[r]
+        cache, blocks = s.cache, self.blocks
+        if cache is not None and blocks is not None:
+            hit = cache.acquire(blocks[r]) * self.block_tokens
+            hit = hit if hit < todo else todo
+            self.cached[r] = hit
+            todo -= hit
+        if s.prefill is None or todo <= 0:
+            return t
+        start = t if t > s.prefill_free else s.prefill_free
+        s.prefill_free = start + todo / s.prefill
+        return s.prefill_free
+
+    def release(self, s: _Server, done: Sequence[int]) -> None:
+        cache, blocks = s.cache, self.blocks
+        if cache is not None and blocks is not None:
+            for r in done:
+                cache.release(blocks[r])
+
+
+def _believe(
+    view: LoadView,
+    indexes: Sequence[PrefixIndex],
+    states: Sequence[_Server],
+    blocks: Sequence[int],
+    block_tokens: int,
+    prompt_tokens: int,
+) -> None:
+    """Set every backend's `cached_tokens` for this request from the router's prefix index (the
+    engine's `BackendLoad`s are its own, rebuilt or reused between decisions: every decision
+    sets them all)."""
+    pools = (view.baseline.backends, view.eagle.backends)
+    for s, idx in zip(states, indexes, strict=True):
+        hit = idx.match(blocks) * block_tokens
+        pools[s.pool_index][s.slot].cached_tokens = hit if hit < prompt_tokens else prompt_tokens

@@ -119,11 +119,21 @@ def _row(first: list[str], summary: dict[str, Any]) -> list[str]:
 
 def table_rows(runs: Sequence[RunResult]) -> tuple[list[str], list[list[str]]]:
     """Header and rows: per run its levels (sweep) then its overall summary; with an oracle (a
-    sweep simulated with `--oracle`), the best static split's tok/s and the run's ratio to it."""
+    sweep simulated with `--oracle`), the best static split's tok/s and the run's ratio to it;
+    with prefix caches, the cache hit ratio and the prompt tokens prefilled."""
     oracle = any("oracle_ratio" in level for run in runs for level in run.levels or [])
+    cached = any(run.summary.get("cache_hit_ratio") for run in runs)
     extra = ["oracle tok/s", "vs oracle"] if oracle else []
     header = ["run", "conc", *(h for _, h, _ in _COLUMNS), "base/eagle %", *extra]
+    if cached:  # prefix caches modelled: how much of the prompts they served
+        header += ["cache hit", "prefill tok"]
     rows: list[list[str]] = []
+
+    def cache_cells(summary: dict[str, Any]) -> list[str]:
+        if not cached:
+            return []
+        return [_cell(summary, "cache_hit_ratio", "{:.3f}"), _cell(summary, "prefill_tokens", "{:d}")]
+
     for run in runs:
         label = run_label(run)
         for level in run.levels or []:
@@ -133,8 +143,8 @@ def table_rows(runs: Sequence[RunResult]) -> tuple[list[str], list[list[str]]]:
                     _cell(level, "oracle_throughput_tok_s", "{:.1f}"),
                     _cell(level, "oracle_ratio", "{:.3f}"),
                 ]
-            rows.append(row)
-        rows.append(_row([label, "all"], run.summary) + ["-"] * len(extra))
+            rows.append(row + cache_cells(level))
+        rows.append(_row([label, "all"], run.summary) + ["-"] * len(extra) + cache_cells(run.summary))
     return header, rows
 
 

@@ -7,13 +7,17 @@ spread evenly after each one's first token) between the first measured arrival a
 measured finish, over that makespan, exactly as `specroute bench` computes a level's total;
 for an open loop that is all output tokens / makespan, and a sweep's overall summary adds the
 levels' tokens and makespans. Percentiles interpolate linearly between order statistics.
+
+Prefix caches: `prefill_tokens` = prompt tokens of the measured requests that were prefilled
+(not found in their server's cache), `cache_hit_ratio` = cached / all prompt tokens (0 when no
+cache is modelled), overall and per server (`servers`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,6 +46,8 @@ class Samples:
     tokens: float
     makespan: float
     pools: dict[str, int]
+    servers: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    """Per server: measured requests, their prompt tokens, and the prompt tokens found cached."""
 
 
 def samples(run: RawRun) -> Samples:
@@ -73,6 +79,19 @@ def samples(run: RawRun) -> Samples:
     overlap = np.maximum(0.0, np.minimum(end, zs) - np.maximum(start, fs))
     spread = (ns - 1) * overlap / np.where(whole, 1.0, zs - fs)
     parts = np.where(whole, ns * inside, inside + spread)
+    servers: dict[str, tuple[int, float, float]] = {}
+    where = np.asarray(run.server, dtype=np.int64)
+    prompt = (
+        np.asarray(run.prompt_tokens, dtype=np.float64) if len(run.prompt_tokens) else np.zeros(len(where))
+    )
+    hit = (
+        np.asarray(run.cached_tokens, dtype=np.float64)
+        if run.cached_tokens is not None
+        else np.zeros(len(where))
+    )
+    for i, server in enumerate(run.servers):
+        on = measured & (where == i)
+        servers[server.name] = (int(on.sum()), math.fsum(prompt[on].tolist()), math.fsum(hit[on].tolist()))
     return Samples(
         f - a,
         z - a,
@@ -81,6 +100,7 @@ def samples(run: RawRun) -> Samples:
         math.fsum(parts.tolist()),
         max(end - start, 0.0),
         {"baseline": len(a) - on_eagle, "eagle": on_eagle},
+        servers,
     )
 
 
@@ -129,8 +149,33 @@ def summarize(parts: Sequence[Samples]) -> dict[str, Any]:
         "mean_decode_tok_s": _mean(decode),
         "throughput_tok_s": tokens / makespan if makespan > 0 else math.nan,
         "pool_share": share,
+        **_cache_figures([p.servers for p in parts]),
     }
     return {k: (_nan_to_none(v) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def _cache_figures(per_part: Sequence[Mapping[str, tuple[int, float, float]]]) -> dict[str, Any]:
+    """`cache_hit_ratio` and `prefill_tokens`, overall and per server."""
+    totals: dict[str, list[float]] = {}
+    for servers in per_part:
+        for name, (requests, prompt, hit) in servers.items():
+            t = totals.setdefault(name, [0.0, 0.0, 0.0])
+            t[0] += requests
+            t[1] += prompt
+            t[2] += hit
+
+    def figures(prompt: float, hit: float) -> dict[str, Any]:
+        return {
+            "cache_hit_ratio": hit / prompt if prompt > 0 else None,
+            "prefill_tokens": round(prompt - hit),
+        }
+
+    prompt = math.fsum(t[1] for t in totals.values())
+    hit = math.fsum(t[2] for t in totals.values())
+    return {
+        **figures(prompt, hit),
+        "servers": {name: {"requests": int(t[0]), **figures(t[1], t[2])} for name, t in totals.items()},
+    }
 
 
 def goodput(parts: Sequence[Samples], slo: Slo) -> float:

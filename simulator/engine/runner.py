@@ -10,12 +10,15 @@ The policy is built from `profile` (what it believes); the servers run from `ser
 when one is given (the truth), so the cost of a wrong profile can be measured. With `oracle`,
 each closed-loop level also gets the best static split's throughput on those servers
 (`simulator.engine.oracle`) and the run's ratio to it.
+
+Prefix caches: each simulated server's capacity is its mode's `cache_tokens` in the server
+profile, the router's prefix index believes the policy profile's; `cache_tokens` overrides both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from policies.profile import Profile
@@ -77,8 +80,18 @@ def run(
     server_profile: Profile | None = None,
     oracle: bool = False,
     spec_details: bool = False,
+    cache_tokens: int | None = None,
 ) -> RunResult:
     servers = build_deployment(server_profile or profile, deployment, buckets)
+    believed: list[int | None]
+    if cache_tokens is not None:
+        servers = tuple(replace(m, cache_tokens=cache_tokens) for m in servers)
+        believed = [cache_tokens] * len(servers)
+    else:
+        believed = [
+            profile.modes[mode].cache_tokens if mode in profile.modes else None
+            for mode in ("eagle" if m.kind == "eagle" else "baseline" for m in servers)
+        ]
     if is_single_pool(deployment):
         policy = None
         name, params = SINGLE_POOL_POLICY, {}
@@ -98,6 +111,7 @@ def run(
             measure=seg.measure,
             seed=seed * 1000 + k,
             spec_details=spec_details,
+            index_cache_tokens=believed,
         )
         part = samples(raw)
         parts.append(part)

@@ -54,6 +54,8 @@ class ServerModel:
     prefill_tok_s: float | None
     speculative: bool
     accept_length: float | None = None
+    cache_tokens: int | None = None
+    """Prefix (KV) cache capacity in tokens; None or 0: no prefix cache modelled."""
 
     def rate_at(self, b: int) -> float:
         """Per-request decode rate at any batch size (step time linear beyond the table)."""
@@ -119,6 +121,7 @@ def build_server(
             prefill_tok_s=speed.prefill_tok_s,
             speculative=kind == "eagle",
             accept_length=speed.accept_length,
+            cache_tokens=speed.mode.cache_tokens,
         )
     if kind != "adaptive":
         raise DeploymentError(f"unknown server kind {kind!r}; known: {', '.join(SERVER_KINDS)}")
@@ -141,6 +144,7 @@ def build_server(
         prefill_tok_s=base.prefill_tok_s,
         speculative=True,
         accept_length=eagle.accept_length,
+        cache_tokens=base.mode.cache_tokens,
     )
 
 

@@ -1,7 +1,13 @@
-"""Trace files for replay: the Azure LLM inference trace CSV and specroute's decision log.
+"""Trace files for replay: the Azure LLM inference trace CSV, Mooncake's trace and specroute's
+decision log.
 
 Azure (Patel et al., "Splitwise", ISCA 2024; CC-BY-4.0): a CSV with the header
 `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps like `2023-11-16 18:17:03.9799600`.
+
+Mooncake (Qin et al., "Mooncake", FAST 2025; kvcache-ai/Mooncake, Apache-2.0): JSONL, one
+request per line, with `timestamp` (ms from the start), `input_length` and `output_length`
+(tokens) and `hash_ids`, the ids of the prompt's 512-token blocks in order (two requests share a
+prefix exactly as far as their leading ids agree). The ids become the records' `blocks`.
 
 Decision log (written by the proxy): JSONL, one object per finished request, with `ts` (arrival,
 unix seconds), `prompt_tokens`, `max_tokens`, `completion_tokens` and `hint`. Lines are written
@@ -21,8 +27,9 @@ from typing import Any, Literal
 
 from policies.jsonl import read_jsonl
 
-TraceFormat = Literal["azure", "specroute-log"]
-TRACE_FORMATS: tuple[TraceFormat, ...] = ("azure", "specroute-log")
+TraceFormat = Literal["azure", "mooncake", "specroute-log"]
+TRACE_FORMATS: tuple[TraceFormat, ...] = ("azure", "mooncake", "specroute-log")
+MOONCAKE_BLOCK_TOKENS = 512
 
 
 class TraceError(ValueError):
@@ -38,6 +45,8 @@ class TraceRecord:
     """None when the trace does not say (the caller draws a length)."""
     max_tokens: int | None
     hint: str | None
+    blocks: tuple[int, ...] | None = None
+    """The prompt's block ids (Mooncake's `hash_ids`), or None when the trace has none."""
 
 
 def detect_format(path: Path) -> TraceFormat:
@@ -48,7 +57,7 @@ def detect_format(path: Path) -> TraceFormat:
                 if not text:
                     continue
                 if text.startswith("{"):
-                    return "specroute-log"
+                    return "mooncake" if '"hash_ids"' in text else "specroute-log"
                 if "TIMESTAMP" in text and "GeneratedTokens" in text:
                     return "azure"
                 break
@@ -58,7 +67,8 @@ def detect_format(path: Path) -> TraceFormat:
         raise TraceError(f"{path}: not a text file") from None
     raise TraceError(
         f"{path}: cannot tell the trace format (expected an Azure CSV header "
-        "'TIMESTAMP,ContextTokens,GeneratedTokens' or JSONL decision-log lines); "
+        "'TIMESTAMP,ContextTokens,GeneratedTokens', Mooncake JSONL lines with 'hash_ids' or "
+        "JSONL decision-log lines); "
         "give --trace-format"
     )
 
@@ -93,12 +103,20 @@ def read_trace(
 def _parse(p: Path, fmt: TraceFormat | None) -> list[TraceRecord]:
     """All records, sorted by arrival (stable), times relative to the first."""
     fmt = fmt or detect_format(p)
-    records = _read_azure(p) if fmt == "azure" else _read_log(p)
+    if fmt == "azure":
+        records = _read_azure(p)
+    elif fmt == "mooncake":
+        records = _read_mooncake(p)
+    else:
+        records = _read_log(p)
     if not records:
         raise TraceError(f"{p}: the trace has no requests")
     records.sort(key=lambda r: r.t)
     t0 = records[0].t
-    return [TraceRecord(r.t - t0, r.prompt_tokens, r.output_tokens, r.max_tokens, r.hint) for r in records]
+    return [
+        TraceRecord(r.t - t0, r.prompt_tokens, r.output_tokens, r.max_tokens, r.hint, r.blocks)
+        for r in records
+    ]
 
 
 def _read_azure(p: Path) -> list[TraceRecord]:
@@ -155,4 +173,31 @@ def _read_log(p: Path) -> list[TraceRecord]:
             raise TraceError(f"{where}: 'hint' must be a string or null")
         output = completion if completion else max_tokens
         out.append(TraceRecord(float(ts), prompt, output or None, max_tokens, hint))
+    return out
+
+
+def _read_mooncake(p: Path) -> list[TraceRecord]:
+    out: list[TraceRecord] = []
+    for where, obj in read_jsonl(p, what="trace", error=TraceError):
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object")
+        ts = obj.get("timestamp")
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not ts >= 0:
+            raise TraceError(f"{where}: 'timestamp' must be a number >= 0 (ms from the start)")
+        prompt = _opt_int(obj, "input_length", where)
+        output = _opt_int(obj, "output_length", where)
+        if prompt is None or output is None:
+            raise TraceError(f"{where}: 'input_length' and 'output_length' are required")
+        ids = obj.get("hash_ids")
+        if not isinstance(ids, list) or any(
+            isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in ids
+        ):
+            raise TraceError(f"{where}: 'hash_ids' must be a list of non-negative integers")
+        blocks = -(-prompt // MOONCAKE_BLOCK_TOKENS)
+        if len(ids) != blocks:
+            raise TraceError(
+                f"{where}: {len(ids)} hash_ids for input_length {prompt} "
+                f"(expected {blocks}, one per {MOONCAKE_BLOCK_TOKENS}-token block)"
+            )
+        out.append(TraceRecord(ts / 1000.0, prompt, max(output, 1), max(output, 1), None, tuple(ids)))
     return out

@@ -16,7 +16,12 @@ simulated from an empty deployment: one per concurrency level for `sweep`, one o
   is `burst_factor` times the low state's rate, each state lasts an exponential time with mean
   `burst_period_s`.
 - `trace`: a trace file (see `simulator.engine.traces`), timestamps multiplied by `time_scale`
-  (0.5 replays twice as fast). Lengths come from the trace unless given explicitly.
+  (0.5 replays twice as fast). Lengths come from the trace unless given explicitly; a Mooncake
+  trace's block ids come along (prefix caching), unless the prompt lengths are overridden.
+- `multiturn`: conversations (see `multiturn`): sessions start as a Poisson process, all share
+  one system prompt, and every turn resends the whole context so far (system prompt, earlier
+  user messages and answers) plus a new user message, `think_time_s` (exponential mean) after
+  the previous turn arrived. Prompts carry 512-token block ids, so prefix caches see the reuse.
 
 Length specs: `const:N`, `exp:MEAN`, `lognormal:MEAN,SIGMA` (MEAN is the distribution's mean);
 draws are rounded to integers >= 1.
@@ -34,10 +39,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from simulator.engine.loop import RequestBatch
-from simulator.engine.traces import TraceFormat, read_trace
+from simulator.engine.traces import MOONCAKE_BLOCK_TOKENS, TraceFormat, read_trace
 
-WorkloadKind = Literal["sweep", "poisson", "bursty", "trace"]
-WORKLOAD_KINDS: tuple[WorkloadKind, ...] = ("sweep", "poisson", "bursty", "trace")
+WorkloadKind = Literal["sweep", "poisson", "bursty", "trace", "multiturn"]
+WORKLOAD_KINDS: tuple[WorkloadKind, ...] = ("sweep", "poisson", "bursty", "trace", "multiturn")
 DEFAULT_LEVELS: tuple[int, ...] = (1, 2, 5, 10, 30, 70, 100, 250)
 
 
@@ -137,6 +142,12 @@ class WorkloadSpec:
     hint_mix: Mapping[str, float] = field(default_factory=dict)
     """Synthetic workloads: hint tag -> weight (empty: no hints)."""
     accept: AcceptModel = field(default_factory=AcceptModel)
+    turns: LengthSpec | None = None
+    """Multiturn: turns per session (None: const:5)."""
+    think_time_s: float = 20.0
+    """Multiturn: mean seconds between the arrivals of a session's turns (exponential)."""
+    system_prompt_tokens: int = 1024
+    """Multiturn: tokens of the system prompt every session starts with."""
 
     def level_sizes(self, concurrency: int) -> tuple[int, int]:
         """(measured, warm-up) requests of the sweep level with `concurrency` clients."""
@@ -164,6 +175,10 @@ class WorkloadSpec:
             raise WorkloadError("time scale must be > 0")
         if self.kind == "trace" and not self.trace:
             raise WorkloadError("the trace workload needs --trace FILE")
+        if not (self.think_time_s >= 0 and math.isfinite(self.think_time_s)):
+            raise WorkloadError("think time must be >= 0 seconds")
+        if self.system_prompt_tokens < 0:
+            raise WorkloadError("system prompt tokens must be >= 0")
         if any(w < 0 for w in self.hint_mix.values()) or (self.hint_mix and sum(self.hint_mix.values()) <= 0):
             raise WorkloadError("hint weights must be >= 0 and not all zero")
 
@@ -249,7 +264,77 @@ def _trace(spec: WorkloadSpec, rng: random.Random) -> RequestBatch:
     if spec.hint_mix and all(h is None for h in hints):
         hints = _hints(spec, rng, n)
     accept = spec.accept.draw(rng, hints)
-    return RequestBatch(prompt, out, max_tokens, hints, accept, arrivals)
+    blocks: list[tuple[int, ...]] | None = None
+    if spec.prompt_tokens is None and records and all(r.blocks is not None for r in records):
+        blocks = [r.blocks or () for r in records]
+    return RequestBatch(prompt, out, max_tokens, hints, accept, arrivals, blocks, MOONCAKE_BLOCK_TOKENS)
+
+
+def multiturn(spec: WorkloadSpec, rng: random.Random, n: int) -> RequestBatch:
+    """`n` turns of conversations, by arrival (see the module note).
+
+    A session's context after turn k is the system prompt, then each turn's user message and
+    answer; turn k's prompt is the context before it plus its user message. Block j of a prompt
+    (tokens 512j..512j+511) gets an id naming its content: the system prompt's whole blocks are
+    shared by every session, a session's later whole blocks are its own and stay the same on
+    later turns (the context only grows), and a partial last block is new each time (its content
+    changes), as block hashes of real prompts behave."""
+    bt = MOONCAKE_BLOCK_TOKENS
+    session_rate = spec.rate / max((spec.turns or LengthSpec("const", 5)).mean, 1.0)
+    user_spec = spec.prompt_tokens or LengthSpec("const", 256)
+    out_spec = spec.output_tokens or LengthSpec("const", 200)
+    turn_spec = spec.turns or LengthSpec("const", 5)
+    system = spec.system_prompt_tokens
+    ids: dict[tuple[int, int, int], int] = {}
+
+    def block_id(owner: int, j: int, end: int) -> int:
+        # owner -1: the system prompt; a whole block is named by (owner, j), a partial one by its end
+        return ids.setdefault((owner, j, end), len(ids))
+
+    turns: list[tuple[float, int, int, int, tuple[int, ...]]] = []
+    start = 0.0
+    session = 0
+    cutoff = math.inf  # once n turns exist: the n-th arrival; later sessions cannot add earlier turns
+    while True:
+        start += rng.expovariate(session_rate)
+        if start > cutoff:
+            break
+        count = turn_spec.draw(rng, 1)[0]
+        t, context = start, system
+        for k in range(count):
+            prompt = context + user_spec.draw(rng, 1)[0]
+            answer = out_spec.draw(rng, 1)[0]
+            blocks = []
+            for j in range(-(-prompt // bt)):
+                end = min((j + 1) * bt, prompt)
+                whole = end - j * bt == bt
+                if whole and end <= system:
+                    blocks.append(block_id(-1, j, 0))
+                else:
+                    blocks.append(block_id(session, j, 0 if whole else end))
+            turns.append((t, session, prompt, answer, tuple(blocks)))
+            context = prompt + answer
+            if k + 1 < count:
+                t += rng.expovariate(1.0 / spec.think_time_s) if spec.think_time_s > 0 else 0.0
+        session += 1
+        if cutoff == math.inf and len(turns) >= n:
+            cutoff = sorted(x[0] for x in turns)[n - 1]
+    turns.sort(key=lambda x: (x[0], x[1]))
+    turns = turns[:n]
+    prompt_tokens = [x[2] for x in turns]
+    output = [x[3] for x in turns]
+    hints = _hints(spec, rng, n)
+    accept = spec.accept.draw(rng, hints)
+    return RequestBatch(
+        prompt_tokens,
+        output,
+        list[int | None](output),
+        hints,
+        accept,
+        [x[0] for x in turns],
+        [x[4] for x in turns],
+        bt,
+    )
 
 
 def generate(spec: WorkloadSpec, seed: int) -> list[Segment]:
@@ -271,6 +356,8 @@ def generate(spec: WorkloadSpec, seed: int) -> list[Segment]:
         batch = _synthetic(spec, rng, n, _poisson_arrivals(rng, spec.rate, n))
     elif spec.kind == "bursty":
         batch = _synthetic(spec, rng, n, _bursty_arrivals(rng, spec, n))
+    elif spec.kind == "multiturn":
+        batch = multiturn(spec, rng, n)
     else:
         batch = _trace(spec, rng)
     return [Segment(batch)]

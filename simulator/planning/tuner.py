@@ -113,6 +113,7 @@ class Task:
     slo: Slo
     server_profile: Profile | None = None
     spec_details: bool = False
+    cache_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ def evaluate(task: Task) -> tuple[dict[str, Any], float]:
         buckets=task.buckets,
         server_profile=task.server_profile,
         spec_details=task.spec_details,
+        cache_tokens=task.cache_tokens,
     )
     return result.summary, goodput(result.samples, task.slo)
 
@@ -177,6 +179,7 @@ def tune(
     buckets: Sequence[tuple[int, float]] = DEFAULT_ADAPTIVE_BUCKETS,
     server_profile: Profile | None = None,
     spec_details: bool = False,
+    cache_tokens: int | None = None,
     progress: Callable[[int], object] | None = None,
     on_skip: Callable[[dict[str, Any], str], object] | None = None,
 ) -> list[PointResult]:
@@ -205,6 +208,7 @@ def tune(
             slo or Slo(),
             server_profile,
             spec_details,
+            cache_tokens,
         )
         for p in points
     ]
