@@ -11,25 +11,13 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from conftest import KIMI
-from helpers import metric_samples, wait_until
+from helpers import cache_profile, metric_samples, wait_until
 
-from policies.profile import Profile, parse_profile
 from simulator.emulator.cache import PrefixCache
 from simulator.emulator.prompt_text import chat_text
 
 BLOCK = 64  # the emulator's default block, tokens
 BLOCK_CHARS = BLOCK * 4
-
-
-def profile_with(prefill_tok_s: float | None = None, cache_tokens: int | None = None) -> Profile:
-    data: dict[str, Any] = KIMI.model_dump(mode="json", exclude_none=True)
-    for mode in data["modes"].values():
-        if prefill_tok_s is not None:
-            mode["prefill_tok_s"] = prefill_tok_s
-        if cache_tokens is not None:
-            mode["cache_tokens"] = cache_tokens
-    return parse_profile(data)
 
 
 def text_of(n_blocks: int, tag: str) -> str:
@@ -132,7 +120,7 @@ def expected_cached(messages: list[dict[str, str]]) -> int:
 async def test_a_repeated_prompt_reports_cached_tokens_and_skips_its_prefill(emulator: Any) -> None:
     # 8,000 prompt tokens at 2,000 tok/s: 4 s of prefill (0.4 s wall) the first time, none after
     server = await emulator(
-        profile=profile_with(prefill_tok_s=2000), time_scale=0.1, enable_cache_report=True
+        profile=cache_profile(prefill_tok_s=2000), time_scale=0.1, enable_cache_report=True
     )
     c = client(server.url)
     messages = [{"role": "user", "content": text_of(125, "question")}]
