@@ -832,10 +832,10 @@ class _Run:
             if not up.retryable:  # a relayed queue-full event was counted as a failure already
                 fwd.attempt_succeeded(self.reservation.backend)
             if not up.opaque:
-                end = b"".join(tail)
-                self.tokens = completion_tokens(end, self.info.endpoint)
+                last_events = b"".join(tail)
+                self.tokens = completion_tokens(last_events, self.info.endpoint)
                 if resp.status == 200:
-                    self._read_cache_report(end)
+                    self._read_cache_report(last_events)
             if strip_usage:
                 last_piece = drop_usage_events(last_piece)
             if self.spec is not None:
