@@ -10,6 +10,12 @@ sample sizes and the spread over rounds; then the specroute/minimal CPU ratio.
 
     python benchmarks/proxy_overhead.py [--concurrency 1 64 256] [--requests 2000] [--rounds 3]
         [--config extra.yaml]   # e.g. decision_log + shadow_policies, to measure their cost
+        [--fingerprint-only]    # only the prompt fingerprint's cost (below)
+
+First, in this process: what prefix tracking costs per request on a long prompt -- the canonical
+text of a 100k-token chat prompt, its 512-token block fingerprint (`controller.proxy.prefixes`),
+and the load view with the matched prefix of every backend -- timed on the event loop, and the
+fingerprint through the worker thread specroute uses past `THREAD_FROM_CHARS`.
 
 Note: on a small machine the load generator, the backend and the proxy share the cores, so
 requests/s and TTFT are those of the whole setup; the CPU per request is the proxy's alone.
@@ -242,6 +248,65 @@ async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | No
         )
 
 
+def fingerprint_cost(reps: int) -> None:
+    """Print the per-request cost of prefix tracking on a 100k-token chat prompt."""
+    from controller.proxy.load import LoadTracker
+    from controller.proxy.prefixes import BLOCK_TOKENS, prompt_blocks, prompt_text
+    from policies.prefix import fingerprint
+
+    words = "def handler(request): return render(template, context) # agentic coding context\n"
+    history = (words * (400_000 // len(words) + 1))[:400_000]  # ~100k tokens at 4 chars/token
+    body = {
+        "messages": [
+            {"role": "system", "content": history[:40_000]},
+            {"role": "user", "content": history[40_000:200_000]},
+            {"role": "assistant", "content": history[200_000:240_000]},
+            {"role": "user", "content": history[240_000:]},
+        ]
+    }
+    tracker = LoadTracker([f"b{i}=http://127.0.0.1:{i + 1}" for i in range(4)], ["e0=http://127.0.0.1:9"])
+    tracker.track_prefixes({b.name: 1_000_000 for b in tracker})
+    blocks = fingerprint(prompt_text(body, "chat"))
+    tracker.release(tracker.reserve("b0", 0, blocks))
+
+    def timed(fn: object) -> list[float]:
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()  # type: ignore[operator]
+            out.append((time.perf_counter() - t0) * 1000)
+        return out
+
+    text = prompt_text(body, "chat")
+    raw = json.dumps(body).encode()
+    rows = [
+        ("json.loads of the body (scale)", timed(lambda: json.loads(raw))),
+        ("canonical text", timed(lambda: prompt_text(body, "chat"))),
+        ("fingerprint (on the loop)", timed(lambda: fingerprint(text))),
+        ("view, 5 backends matched", timed(lambda: tracker.view(0.0, blocks))),
+    ]
+
+    async def threaded() -> list[float]:
+        import controller.proxy.prefixes as prefixes
+
+        prefixes.THREAD_FROM_CHARS = 1  # force the worker-thread path
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            await prompt_blocks(body, "chat")
+            out.append((time.perf_counter() - t0) * 1000)
+        return out
+
+    rows.append(("text + fingerprint in a thread", asyncio.run(threaded())))
+    print(
+        f"prefix tracking on a {len(text):,}-character chat prompt ({len(blocks)} blocks of {BLOCK_TOKENS} "
+        f"tokens), n={reps} each:"
+    )
+    for name, ms in rows:
+        print(f"  {name:<32} {spread(ms)} ms (p50 {pct(ms, 0.5):.3f}, p99 {pct(ms, 0.99):.3f})")
+    print()
+
+
 def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout is not None
@@ -262,6 +327,7 @@ def main() -> int:
         help="Extra settings for specroute (a YAML file), e.g. decision_log and shadow_policies, to measure "
         "their cost; the backends and policy stay as set here.",
     )
+    ap.add_argument("--fingerprint-only", action="store_true", help="Only the fingerprint's cost.")
     ap.add_argument("--role", choices=["backend", "passthrough"], help=argparse.SUPPRESS)
     ap.add_argument("--upstream", help=argparse.SUPPRESS)
     ap.add_argument("--ports", type=int, default=2, help=argparse.SUPPRESS)
@@ -271,6 +337,9 @@ def main() -> int:
         return 0
     if args.role == "passthrough":
         run_passthrough(args.upstream)
+        return 0
+    fingerprint_cost(200)
+    if args.fingerprint_only:
         return 0
 
     me = [sys.executable, str(Path(__file__).resolve())]
