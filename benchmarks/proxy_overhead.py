@@ -251,7 +251,13 @@ async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | No
 def fingerprint_cost(reps: int) -> None:
     """Print the per-request cost of prefix tracking on a 100k-token chat prompt."""
     from controller.proxy.load import LoadTracker
-    from controller.proxy.prefixes import BLOCK_TOKENS, prompt_blocks, prompt_text
+    from controller.proxy.prefixes import (
+        BLOCK_TOKENS,
+        prompt_blocks,
+        prompt_text,
+        reported_cached_tokens,
+        reported_prompt_tokens,
+    )
     from policies.prefix import fingerprint
 
     words = "def handler(request): return render(template, context) # agentic coding context\n"
@@ -298,12 +304,28 @@ def fingerprint_cost(reps: int) -> None:
         return out
 
     rows.append(("text + fingerprint in a thread", asyncio.run(threaded())))
+    # what every request pays, short prompts included: its blocks (none under 2,048 characters)
+    # and reading the cache report out of the answer's last events
+    short = {"messages": [{"role": "user", "content": "hello " * 50}]}
+    tail = (
+        b'data: {"id":"x","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":80,'
+        b'"total_tokens":144,"completion_tokens":64,"prompt_tokens_details":{"cached_tokens":64}}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    # (no whole 2,048-character block: prompt_blocks stops after the text)
+    rows.append(("short prompt: canonical text", timed(lambda: prompt_text(short, "chat"))))
+    rows.append(
+        (
+            "cache report from the last events",
+            timed(lambda: (reported_cached_tokens(tail), reported_prompt_tokens(tail))),
+        )
+    )
     print(
         f"prefix tracking on a {len(text):,}-character chat prompt ({len(blocks)} blocks of {BLOCK_TOKENS} "
         f"tokens), n={reps} each:"
     )
     for name, ms in rows:
-        print(f"  {name:<32} {spread(ms)} ms (p50 {pct(ms, 0.5):.3f}, p99 {pct(ms, 0.99):.3f})")
+        print(f"  {name:<34} {spread(ms)} ms (p50 {pct(ms, 0.5):.3f}, p99 {pct(ms, 0.99):.3f})")
     print()
 
 

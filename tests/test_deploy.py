@@ -65,6 +65,7 @@ SGLANG_FLAGS = frozenset(
         "--port",
         "--tp-size",
         "--enable-metrics",
+        "--enable-cache-report",
         "--trust-remote-code",
         *SPECULATIVE_FLAGS,
     }

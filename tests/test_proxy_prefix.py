@@ -167,6 +167,21 @@ async def test_non_streaming_outcomes_and_prefix_metrics(emulator: Any, proxy: A
     assert p.sample("specroute_prompt_tokens_total", pool="baseline", backend="b1") == 4 * BLOCK_TOKENS
 
 
+async def test_the_decision_log_has_the_belief_and_the_report(emulator: Any, proxy: Any, tmp_path: Path) -> None:
+    b1 = await emulator(enable_cache_report=True)
+    log = tmp_path / "decisions.jsonl"
+    p = await proxy(baseline=[f"b1={b1.url}"], policy="fixed", decision_log=str(log))
+    prompt = block_text(2, "logged")
+    for _ in range(2):
+        await p.client().completions.create(model="m", prompt=prompt, max_tokens=2)
+    await p.stop()  # drains the writer thread
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["believed_cached_tokens"], r["cached_tokens"]) for r in lines] == [
+        (0, None),
+        (2 * BLOCK_TOKENS, 2 * BLOCK_TOKENS - 1),
+    ]
+
+
 async def test_generate_reports_cached_tokens_without_the_cache_report_flag(
     emulator: Any, proxy: Any
 ) -> None:

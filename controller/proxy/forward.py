@@ -570,7 +570,7 @@ class Forwarder:
             metrics.request_done(run.decision.pool, run.decision.backend, run.status)
             metrics.outcome(policy.name, outcome)
             if run.cached_tokens is not None and run.status == "ok":
-                predicted = _believed_cached(view, run.decision)
+                predicted = believed_cached(view, run.decision)
                 metrics.prefix_outcome(
                     run.decision.pool, run.decision.backend, predicted, run.cached_tokens, run.prompt_tokens
                 )
@@ -587,7 +587,7 @@ class Forwarder:
                         log.exception("request observer failed")
 
 
-def _believed_cached(view: LoadView, decision: Decision) -> int:
+def believed_cached(view: LoadView, decision: Decision) -> int:
     """The prompt tokens the view believed cached on the backend that served."""
     for b in view.pool(decision.pool).backends:
         if b.name == decision.backend:

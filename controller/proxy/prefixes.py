@@ -53,12 +53,8 @@ def _content_text(content: Any) -> str:
 
 
 def _ids_text(ids: list[Any]) -> str:
-    """Four characters per token id (its low 32 bits, a byte per character)."""
-    return "".join(
-        chr(0x100 + (t >> 24 & 0xFF)) + chr(0x100 + (t >> 16 & 0xFF)) + chr(0x100 + (t >> 8 & 0xFF))
-        + chr(0x100 + (t & 0xFF))
-        for t in ids
-    )  # fmt: skip
+    """Four characters per token id: its low 32 bits, big-endian, a byte per character."""
+    return b"".join((t & 0xFFFFFFFF).to_bytes(4, "big") for t in ids).decode("latin-1")
 
 
 def _is_ids(value: Any) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 
 from policies.prefix import CHARS_PER_TOKEN, fingerprint
 
@@ -71,13 +72,7 @@ class PrefixCache:
 
     def match(self, blocks: Sequence[int]) -> int:
         """Leading blocks of `blocks` the cache holds (nothing is touched)."""
-        held = self._refs
-        n = 0
-        for b in blocks:
-            if b not in held:
-                break
-            n += 1
-        return n
+        return sum(1 for _ in takewhile(self._refs.__contains__, blocks))
 
     def referenced(self, block: int) -> bool:
         return self._refs.get(block, 0) > 0

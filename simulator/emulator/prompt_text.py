@@ -45,12 +45,8 @@ def chat_text(messages: Any) -> str:
 
 
 def ids_text(ids: list[int]) -> str:
-    """Four characters per token id (the low 32 bits, one byte per character)."""
-    return "".join(
-        chr(0x100 + (t >> 24 & 0xFF)) + chr(0x100 + (t >> 16 & 0xFF)) + chr(0x100 + (t >> 8 & 0xFF))
-        + chr(0x100 + (t & 0xFF))
-        for t in ids
-    )  # fmt: skip
+    """Four characters per token id: its low 32 bits, big-endian, a byte per character."""
+    return b"".join((t & 0xFFFFFFFF).to_bytes(4, "big") for t in ids).decode("latin-1")
 
 
 def sequence_text(chat: bool, prompt_text: str, ids_prompt: bool, generated: int) -> str:
