@@ -98,6 +98,7 @@ def test_view_carries_each_backends_matched_prefix_after_reserve_and_move() -> N
     assert cached(second) == {"b1": 3 * BLOCK_TOKENS, "b2": 0, "e1": 0}  # the shared system prompt
     tracker.move(r, "e1")  # failover: the backend that actually got the prompt learns it
     assert cached(first)["e1"] == 5 * BLOCK_TOKENS
+    assert tracker.view(0.0, first, prompt_tokens=100).baseline.backends[0].cached_tokens == 100
     assert tracker.view(0.0)  # no fingerprint: nothing matched
     assert all(b.cached_tokens == 0 for b in tracker.view(0.0).baseline.backends)
 
@@ -167,7 +168,9 @@ async def test_non_streaming_outcomes_and_prefix_metrics(emulator: Any, proxy: A
     assert p.sample("specroute_prompt_tokens_total", pool="baseline", backend="b1") == 4 * BLOCK_TOKENS
 
 
-async def test_the_decision_log_has_the_belief_and_the_report(emulator: Any, proxy: Any, tmp_path: Path) -> None:
+async def test_the_decision_log_has_the_belief_and_the_report(
+    emulator: Any, proxy: Any, tmp_path: Path
+) -> None:
     b1 = await emulator(enable_cache_report=True)
     log = tmp_path / "decisions.jsonl"
     p = await proxy(baseline=[f"b1={b1.url}"], policy="fixed", decision_log=str(log))

@@ -531,7 +531,7 @@ class Forwarder:
                 await self.admission.admit(info.forced_pool, self.clock())
             policy = self.policy
             started = self.clock()
-            view = self.tracker.view(started, blocks)
+            view = self.tracker.view(started, blocks, info.prompt_tokens)
             chosen = self.decide(policy, info, view, started)
         except SpecrouteError as e:
             self.metrics.reject(e.status)

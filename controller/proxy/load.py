@@ -182,9 +182,11 @@ class LoadTracker:
         for name, tokens in capacity_tokens.items():
             self.backends[name].prefixes = PrefixIndex(tokens // DEFAULT_BLOCK_TOKENS)
 
-    def view(self, now: float, blocks: tuple[int, ...] = ()) -> LoadView:
+    def view(self, now: float, blocks: tuple[int, ...] = (), prompt_tokens: int | None = None) -> LoadView:
         """Every backend's load; `healthy` in the view means "may take this request now";
-        `cached_tokens`: the matched prefix of the request's prompt `blocks` on each backend."""
+        `cached_tokens`: the matched prefix of the request's prompt `blocks` on each backend, at
+        most `prompt_tokens` (the request's estimate: blocks of canonical text also hold the
+        chat roles, which the estimate does not count)."""
         base: list[BackendLoad] = []
         eagle: list[BackendLoad] = []
         stale = self.stale_after_s
@@ -192,7 +194,8 @@ class LoadTracker:
         for b in self.backends.values():
             load = b.load(now, stale, b.name in takers)
             if blocks and b.prefixes is not None:
-                load.cached_tokens = b.prefixes.match(blocks) * DEFAULT_BLOCK_TOKENS
+                cached = b.prefixes.match(blocks) * DEFAULT_BLOCK_TOKENS
+                load.cached_tokens = cached if prompt_tokens is None else min(cached, prompt_tokens)
             (base if b.pool == "baseline" else eagle).append(load)
         return LoadView(baseline=PoolLoad("baseline", tuple(base)), eagle=PoolLoad("eagle", tuple(eagle)))
 
