@@ -10,6 +10,7 @@ sample sizes and the spread over rounds; then the specroute/minimal CPU ratio.
 
     python benchmarks/proxy_overhead.py [--concurrency 1 64 256] [--requests 2000] [--rounds 3]
         [--config extra.yaml]   # e.g. decision_log + shadow_policies, to measure their cost
+        [--compare-config b.yaml]  # a second specroute ("specroute-b") with these settings instead
         [--fingerprint-only]    # only the prompt fingerprint's cost (below)
 
 First, in this process: what prefix tracking costs per request on a long prompt -- the canonical
@@ -232,7 +233,7 @@ async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | No
 
     print(f"\n{CHUNKS} chunks per request; rounds={args.rounds}; spread = mean ± sd over rounds")
     head = ["conc", "target", "n", "TTFT p50 ms", "TTFT p99 ms", "req/s", "proxy CPU ms/req"]
-    row = "{:>4} {:<10} {:>6} {:>12} {:>12} {:>18} {:>20}"
+    row = "{:>4} {:<11} {:>6} {:>12} {:>12} {:>18} {:>20}"
     print(row.format(*head))
     for c in args.concurrency:
         for name in targets:
@@ -241,11 +242,17 @@ async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | No
             p50, p99 = f"{pct(lv.ttft_ms, 0.5):.2f}", f"{pct(lv.ttft_ms, 0.99):.2f}"
             line = row.format(c, name, len(lv.ttft_ms), p50, p99, spread(lv.rps), cpu)
             print(line + (f"  errors={lv.errors}" if lv.errors else ""))
-        s, m = results[("specroute", c)].cpu_ms, results[("minimal", c)].cpu_ms
-        ratios = [a / b for a, b in zip(s, m, strict=True) if b > 0]
-        print(
-            f"{c:>4} specroute/minimal CPU per request: {spread(ratios)} (per-round ratios, n={len(ratios)})"
-        )
+        m = results[("minimal", c)].cpu_ms
+        for name in (t for t in targets if t.startswith("specroute")):
+            s = results[(name, c)].cpu_ms
+            ratios = [a / b for a, b in zip(s, m, strict=True) if b > 0]
+            print(
+                f"{c:>4} {name}/minimal CPU per request: {spread(ratios)} (per-round ratios, n={len(ratios)})"
+            )
+        if "specroute-b" in targets:
+            a, b = results[("specroute", c)].cpu_ms, results[("specroute-b", c)].cpu_ms
+            ratios = [x / y for x, y in zip(a, b, strict=True) if y > 0]
+            print(f"{c:>4} specroute/specroute-b CPU per request: {spread(ratios)} (n={len(ratios)})")
 
 
 def fingerprint_cost(reps: int) -> None:
@@ -349,6 +356,11 @@ def main() -> int:
         help="Extra settings for specroute (a YAML file), e.g. decision_log and shadow_policies, to measure "
         "their cost; the backends and policy stay as set here.",
     )
+    ap.add_argument(
+        "--compare-config",
+        help="Settings (YAML) of a second specroute, 'specroute-b', measured in the same rounds, e.g. "
+        "prefix_tracking: false to isolate what prefix tracking costs.",
+    )
     ap.add_argument("--fingerprint-only", action="store_true", help="Only the fingerprint's cost.")
     ap.add_argument("--role", choices=["backend", "passthrough"], help=argparse.SUPPRESS)
     ap.add_argument("--upstream", help=argparse.SUPPRESS)
@@ -385,6 +397,12 @@ def main() -> int:
             "minimal": (minimal_url, minimal.pid),
             "specroute": (sr_url, sr.pid),
         }
+        if args.compare_config:
+            srb, line = _spawn(
+                [sys.executable, "-m", "controller.cli", *serve, *policy, "--config", args.compare_config]
+            )
+            procs.append(srb)
+            targets["specroute-b"] = (line.removeprefix("specroute listening on "), srb.pid)
         import uvloop
 
         uvloop.install()
