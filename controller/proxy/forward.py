@@ -74,7 +74,12 @@ from controller.proxy.native import (
     generate_prompt_chars,
 )
 from controller.proxy.outlier import OutlierDetector
-from controller.proxy.prefixes import prompt_blocks, reported_cached_tokens, reported_prompt_tokens
+from controller.proxy.prefixes import (
+    last_count,
+    prompt_blocks,
+    reported_cached_tokens,
+    reported_prompt_tokens,
+)
 from controller.proxy.shadow import ShadowChoice, ShadowPolicies
 from controller.proxy.spec_details import (
     SpecEvents,
@@ -102,7 +107,6 @@ from policies.routing import Router
 log = logging.getLogger("specroute.forward")
 
 _HINT_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
-_USAGE_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _MAX_HELD_BACK = 1 << 16  # bytes of an unfinished SSE event held back before relaying anyway
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 
@@ -310,8 +314,7 @@ def drop_usage_events(data: bytes) -> bytes:
 def completion_tokens(data: bytes, endpoint: EndpointKind = "chat") -> int | None:
     if endpoint == "generate":
         return generate_completion_tokens(data)
-    found = _USAGE_RE.findall(data)
-    return int(found[-1]) if found else None
+    return last_count(data, b"completion_tokens")
 
 
 def _os_reason(e: OSError) -> str:

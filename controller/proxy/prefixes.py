@@ -40,8 +40,7 @@ DEFAULT_CACHE_TOKENS = 1_000_000
 THREAD_FROM_CHARS = 1 << 20
 """Prompts of at least this many characters (about 256k tokens) are hashed off the event loop."""
 
-_CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_NUMBER = re.compile(rb"\s*:\s*(\d+)")
 
 
 def _content_text(content: Any) -> str:
@@ -101,14 +100,25 @@ async def prompt_blocks(body: Mapping[str, Any], endpoint: EndpointKind) -> tupl
     return fingerprint(text, BLOCK_CHARS)
 
 
+def last_count(data: bytes, key: bytes) -> int | None:
+    """The integer value of the last `"KEY": N` member in `data` (JSON text), or None (absent,
+    or null). Searched from the end (`rfind`), so a long stream tail costs a scan, not a regex
+    pass. String contents are JSON-escaped (`\\"`), so text inside an answer never matches."""
+    quoted = b'"' + key + b'"'
+    at = data.rfind(quoted)
+    while at >= 0:
+        m = _NUMBER.match(data, at + len(quoted))
+        if m is not None:
+            return int(m.group(1))
+        at = data.rfind(quoted, 0, at)
+    return None
+
+
 def reported_cached_tokens(data: bytes) -> int | None:
-    """The last `cached_tokens` in a backend's answer (`usage.prompt_tokens_details` on the OpenAI
-    routes with SGLang's `--enable-cache-report`, `meta_info` on `/generate`); None when absent or
-    null. String contents are JSON-escaped (`\\"`), so text inside an answer never matches."""
-    found = _CACHED_RE.findall(data)
-    return int(found[-1]) if found else None
+    """The `cached_tokens` a backend reported (`usage.prompt_tokens_details` on the OpenAI routes
+    with SGLang's `--enable-cache-report`, `meta_info` on `/generate`); None when absent or null."""
+    return last_count(data, b"cached_tokens")
 
 
 def reported_prompt_tokens(data: bytes) -> int | None:
-    found = _PROMPT_RE.findall(data)
-    return int(found[-1]) if found else None
+    return last_count(data, b"prompt_tokens")
