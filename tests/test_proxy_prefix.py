@@ -168,6 +168,21 @@ async def test_non_streaming_outcomes_and_prefix_metrics(emulator: Any, proxy: A
     assert p.sample("specroute_prompt_tokens_total", pool="baseline", backend="b1") == 4 * BLOCK_TOKENS
 
 
+async def test_a_flushed_backend_shows_as_a_false_hit(emulator: Any, proxy: Any) -> None:
+    b1 = await emulator(enable_cache_report=True)
+    p = await proxy(baseline=[f"b1={b1.url}"], policy="fixed")
+    prompt = block_text(3, "flushed")
+    for _ in range(2):
+        await p.client().completions.create(model="m", prompt=prompt, max_tokens=2)
+    async with aiohttp.ClientSession() as s, s.post(b1.url + "/flush_cache") as r:
+        assert r.status == 200
+    await p.client().completions.create(model="m", prompt=prompt, max_tokens=2)
+    # the index still believed three blocks cached; the backend reported none (null, now 0)
+    assert p.records[-1].outcome.cached_tokens == 0
+    assert p.sample("specroute_prefix_false_hits_total", pool="baseline") == 1
+    assert p.sample("specroute_prefix_prediction_ratio_count", pool="baseline") == 1
+
+
 async def test_the_decision_log_has_the_belief_and_the_report(
     emulator: Any, proxy: Any, tmp_path: Path
 ) -> None:
