@@ -10,6 +10,13 @@ sample sizes and the spread over rounds; then the specroute/minimal CPU ratio.
 
     python benchmarks/proxy_overhead.py [--concurrency 1 64 256] [--requests 2000] [--rounds 3]
         [--config extra.yaml]   # e.g. decision_log + shadow_policies, to measure their cost
+        [--compare-config b.yaml]  # a second specroute ("specroute-b") with these settings instead
+        [--fingerprint-only]    # only the prompt fingerprint's cost (below)
+
+First, in this process: what prefix tracking costs per request on a long prompt -- the canonical
+text of a 100k-token chat prompt, its 512-token block fingerprint (`controller.proxy.prefixes`),
+and the load view with the matched prefix of every backend -- timed on the event loop, and the
+fingerprint through the worker thread specroute uses past `THREAD_FROM_CHARS`.
 
 Note: on a small machine the load generator, the backend and the proxy share the cores, so
 requests/s and TTFT are those of the whole setup; the CPU per request is the proxy's alone.
@@ -226,7 +233,7 @@ async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | No
 
     print(f"\n{CHUNKS} chunks per request; rounds={args.rounds}; spread = mean ± sd over rounds")
     head = ["conc", "target", "n", "TTFT p50 ms", "TTFT p99 ms", "req/s", "proxy CPU ms/req"]
-    row = "{:>4} {:<10} {:>6} {:>12} {:>12} {:>18} {:>20}"
+    row = "{:>4} {:<11} {:>6} {:>12} {:>12} {:>18} {:>20}"
     print(row.format(*head))
     for c in args.concurrency:
         for name in targets:
@@ -235,11 +242,98 @@ async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | No
             p50, p99 = f"{pct(lv.ttft_ms, 0.5):.2f}", f"{pct(lv.ttft_ms, 0.99):.2f}"
             line = row.format(c, name, len(lv.ttft_ms), p50, p99, spread(lv.rps), cpu)
             print(line + (f"  errors={lv.errors}" if lv.errors else ""))
-        s, m = results[("specroute", c)].cpu_ms, results[("minimal", c)].cpu_ms
-        ratios = [a / b for a, b in zip(s, m, strict=True) if b > 0]
-        print(
-            f"{c:>4} specroute/minimal CPU per request: {spread(ratios)} (per-round ratios, n={len(ratios)})"
+        m = results[("minimal", c)].cpu_ms
+        for name in (t for t in targets if t.startswith("specroute")):
+            s = results[(name, c)].cpu_ms
+            ratios = [a / b for a, b in zip(s, m, strict=True) if b > 0]
+            print(
+                f"{c:>4} {name}/minimal CPU per request: {spread(ratios)} (per-round ratios, n={len(ratios)})"
+            )
+        if "specroute-b" in targets:
+            a, b = results[("specroute", c)].cpu_ms, results[("specroute-b", c)].cpu_ms
+            ratios = [x / y for x, y in zip(a, b, strict=True) if y > 0]
+            print(f"{c:>4} specroute/specroute-b CPU per request: {spread(ratios)} (n={len(ratios)})")
+
+
+def fingerprint_cost(reps: int) -> None:
+    """Print the per-request cost of prefix tracking on a 100k-token chat prompt."""
+    from controller.proxy.load import LoadTracker
+    from controller.proxy.prefixes import (
+        BLOCK_TOKENS,
+        prompt_blocks,
+        prompt_text,
+        reported_cached_tokens,
+        reported_prompt_tokens,
+    )
+    from policies.prefix import fingerprint
+
+    words = "def handler(request): return render(template, context) # agentic coding context\n"
+    history = (words * (400_000 // len(words) + 1))[:400_000]  # ~100k tokens at 4 chars/token
+    body = {
+        "messages": [
+            {"role": "system", "content": history[:40_000]},
+            {"role": "user", "content": history[40_000:200_000]},
+            {"role": "assistant", "content": history[200_000:240_000]},
+            {"role": "user", "content": history[240_000:]},
+        ]
+    }
+    tracker = LoadTracker([f"b{i}=http://127.0.0.1:{i + 1}" for i in range(4)], ["e0=http://127.0.0.1:9"])
+    tracker.track_prefixes({b.name: 1_000_000 for b in tracker})
+    blocks = fingerprint(prompt_text(body, "chat"))
+    tracker.release(tracker.reserve("b0", 0, blocks))
+
+    def timed(fn: object) -> list[float]:
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()  # type: ignore[operator]
+            out.append((time.perf_counter() - t0) * 1000)
+        return out
+
+    text = prompt_text(body, "chat")
+    raw = json.dumps(body).encode()
+    rows = [
+        ("json.loads of the body (scale)", timed(lambda: json.loads(raw))),
+        ("canonical text", timed(lambda: prompt_text(body, "chat"))),
+        ("fingerprint (on the loop)", timed(lambda: fingerprint(text))),
+        ("view, 5 backends matched", timed(lambda: tracker.view(0.0, blocks))),
+    ]
+
+    async def threaded() -> list[float]:
+        import controller.proxy.prefixes as prefixes
+
+        prefixes.THREAD_FROM_CHARS = 1  # force the worker-thread path
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            await prompt_blocks(body, "chat")
+            out.append((time.perf_counter() - t0) * 1000)
+        return out
+
+    rows.append(("text + fingerprint in a thread", asyncio.run(threaded())))
+    # what every request pays, short prompts included: its blocks (none under 2,048 characters)
+    # and reading the cache report out of the answer's last events
+    short = {"messages": [{"role": "user", "content": "hello " * 50}]}
+    tail = (
+        b'data: {"id":"x","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":80,'
+        b'"total_tokens":144,"completion_tokens":64,"prompt_tokens_details":{"cached_tokens":64}}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    # (no whole 2,048-character block: prompt_blocks stops after the text)
+    rows.append(("short prompt: canonical text", timed(lambda: prompt_text(short, "chat"))))
+    rows.append(
+        (
+            "cache report from the last events",
+            timed(lambda: (reported_cached_tokens(tail), reported_prompt_tokens(tail))),
         )
+    )
+    print(
+        f"prefix tracking on a {len(text):,}-character chat prompt ({len(blocks)} blocks of {BLOCK_TOKENS} "
+        f"tokens), n={reps} each:"
+    )
+    for name, ms in rows:
+        print(f"  {name:<34} {spread(ms)} ms (p50 {pct(ms, 0.5):.3f}, p99 {pct(ms, 0.99):.3f})")
+    print()
 
 
 def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
@@ -262,6 +356,12 @@ def main() -> int:
         help="Extra settings for specroute (a YAML file), e.g. decision_log and shadow_policies, to measure "
         "their cost; the backends and policy stay as set here.",
     )
+    ap.add_argument(
+        "--compare-config",
+        help="Settings (YAML) of a second specroute, 'specroute-b', measured in the same rounds, e.g. "
+        "prefix_tracking: false to isolate what prefix tracking costs.",
+    )
+    ap.add_argument("--fingerprint-only", action="store_true", help="Only the fingerprint's cost.")
     ap.add_argument("--role", choices=["backend", "passthrough"], help=argparse.SUPPRESS)
     ap.add_argument("--upstream", help=argparse.SUPPRESS)
     ap.add_argument("--ports", type=int, default=2, help=argparse.SUPPRESS)
@@ -271,6 +371,9 @@ def main() -> int:
         return 0
     if args.role == "passthrough":
         run_passthrough(args.upstream)
+        return 0
+    fingerprint_cost(200)
+    if args.fingerprint_only:
         return 0
 
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -294,6 +397,12 @@ def main() -> int:
             "minimal": (minimal_url, minimal.pid),
             "specroute": (sr_url, sr.pid),
         }
+        if args.compare_config:
+            srb, line = _spawn(
+                [sys.executable, "-m", "controller.cli", *serve, *policy, "--config", args.compare_config]
+            )
+            procs.append(srb)
+            targets["specroute-b"] = (line.removeprefix("specroute listening on "), srb.pid)
         import uvloop
 
         uvloop.install()

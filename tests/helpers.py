@@ -14,6 +14,11 @@
   for the tests that speak it broken.
 - `Routed(policy, seed)`: a policy as the proxy and the simulator use it, every `choose` going
   through the routing core (`policies.routing.Router`); other attributes are the policy's.
+- Prefix caches: `cache_profile(prefill_tok_s, cache_tokens)` (the kimi profile with a prefill
+  rate and a cache size in every mode), `block_text(n_blocks, tag)` (text of exactly that many
+  512-token index blocks, shared by no other tag) and `replay_conversation(client, system,
+  users)` (a multi-turn chat through the official client: per turn TTFT, cached and prompt
+  tokens as the usage reports them, and the serving pool/backend from specroute's headers).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
+from policies.profile import Profile, parse_profile, resolve_profile
 from policies.routing import Router
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,3 +239,73 @@ class Routed:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.policy, name)
+
+
+# -- prefix caches ------------------------------------------------------------------------------
+
+
+def cache_profile(prefill_tok_s: float | None = None, cache_tokens: int | None = None) -> Profile:
+    """The kimi profile with `prefill_tok_s` and `cache_tokens` set in every mode."""
+    data: dict[str, Any] = resolve_profile("kimi-k25-int4-8gpu").model_dump(mode="json", exclude_none=True)
+    for mode in data["modes"].values():
+        if prefill_tok_s is not None:
+            mode["prefill_tok_s"] = prefill_tok_s
+        if cache_tokens is not None:
+            mode["cache_tokens"] = cache_tokens
+    return parse_profile(data)
+
+
+def block_text(n_blocks: int, tag: str, block_chars: int = 2048) -> str:
+    """Exactly `n_blocks` blocks of `block_chars` characters (the proxy's 512-token blocks by
+    default) that text made from another tag never shares."""
+    unit = f"{tag} " * (n_blocks * block_chars // (len(tag) + 1) + 1)
+    return unit[: n_blocks * block_chars]
+
+
+@dataclass(frozen=True)
+class Turn:
+    ttft_s: float
+    cached_tokens: int
+    """`usage.prompt_tokens_details.cached_tokens` (0 when the details are null)."""
+    prompt_tokens: int
+    pool: str | None
+    backend: str | None
+
+
+async def replay_conversation(
+    client: Any, system: str, users: Sequence[str], *, max_tokens: int = 16, model: str = "m"
+) -> list[Turn]:
+    """A multi-turn chat, streamed with usage: every turn resends the whole conversation so far
+    (the system prompt, earlier questions and the answers) plus the next user message."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    turns = []
+    for user in users:
+        messages.append({"role": "user", "content": user})
+        began = time.perf_counter()
+        raw = await client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        ttft = None
+        usage = None
+        text = []
+        async for chunk in raw.parse():
+            if chunk.choices:
+                if ttft is None:
+                    ttft = time.perf_counter() - began
+                text.append(chunk.choices[0].delta.content or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert ttft is not None and usage is not None
+        details = usage.prompt_tokens_details
+        turns.append(
+            Turn(
+                ttft_s=ttft,
+                cached_tokens=details.cached_tokens or 0 if details is not None else 0,
+                prompt_tokens=usage.prompt_tokens,
+                pool=raw.headers.get("x-specroute-pool"),
+                backend=raw.headers.get("x-specroute-backend"),
+            )
+        )
+        messages.append({"role": "assistant", "content": "".join(text)})
+    return turns

@@ -65,6 +65,7 @@ SGLANG_FLAGS = frozenset(
         "--port",
         "--tp-size",
         "--enable-metrics",
+        "--enable-cache-report",
         "--trust-remote-code",
         *SPECULATIVE_FLAGS,
     }
@@ -87,6 +88,10 @@ SPECROUTE_METRICS = frozenset(
         "specroute_proxy_overhead_seconds",
         "specroute_shadow_decisions_total",
         "specroute_backend_spec_accept_length",
+        "specroute_prefill_tokens_saved_total",
+        "specroute_prompt_tokens_total",
+        "specroute_prefix_prediction_ratio",
+        "specroute_prefix_false_hits_total",
     }
 )
 # Further metrics the proxy exports (controller/proxy/metrics.py), shown but not part of the list above.
@@ -111,6 +116,10 @@ SGLANG_METRICS = frozenset(
         "sglang:e2e_request_latency_seconds",
         "sglang:queue_time_seconds",
         "sglang:http_requests_active",
+        "sglang:cache_hit_rate",
+        "sglang:cached_tokens_total",
+        "sglang:num_used_tokens",
+        "sglang:max_total_num_tokens",
     }
 )
 

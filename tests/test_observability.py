@@ -52,6 +52,7 @@ LOG_FIELDS = {
     "ts", "endpoint", "stream", "prompt_tokens", "max_tokens", "hint", "forced_pool", "load", "policy",
     "pool", "backend", "reason", "chosen_pool", "chosen_backend", "predicted_ttft_s", "predicted_e2e_s",
     "ttft_s", "completion_tokens", "duration_s", "status", "http_status", "shadow",
+    "believed_cached_tokens", "cached_tokens",
 }  # fmt: skip
 
 

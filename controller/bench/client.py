@@ -154,6 +154,9 @@ async def one_request(
                     r.completion_tokens = usage["completion_tokens"]
                     if isinstance(usage.get("prompt_tokens"), int):
                         r.prompt_tokens = usage["prompt_tokens"]
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                        r.cached_tokens = details["cached_tokens"]
     except TimeoutError:
         r.error = f"timeout after {timeout_s:g} s"
     except aiohttp.ClientError as e:

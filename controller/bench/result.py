@@ -44,6 +44,8 @@ class RequestResult:
     end_s: float | None = None
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """`usage.prompt_tokens_details.cached_tokens` (SGLang's `--enable-cache-report`), when sent."""
     status: int | None = None
     error: str | None = None
 
@@ -272,6 +274,7 @@ class BenchResult:
             f"{md.get('prompt_set')}, max_tokens {md.get('max_tokens')}, "
             f"{md.get('requests_per_level')} requests per level after {md.get('warmup')} warm-up"
         )
+        source += _prefill_fields(md.get("prefill"), mode_data)
         data = {
             "format": "specroute.profile/v1",
             "name": name or f"{self.label} ({mode})",
@@ -279,3 +282,26 @@ class BenchResult:
             "modes": {mode: mode_data},
         }
         return parse_profile(data, "<bench result>")
+
+
+def _prefill_fields(prefill: Any, mode_data: dict[str, Any]) -> str:
+    """Put the `--prefill` measurement (`controller.bench.prefill`) into a profile mode; the
+    sentence the profile's source gains ("" without one)."""
+    if not isinstance(prefill, dict):
+        return ""
+    rate = prefill.get("prefill_tok_s")
+    points = prefill.get("points") or []
+    said = []
+    if isinstance(rate, int | float) and rate > 0:
+        mode_data["prefill_tok_s"] = round(float(rate), 1)
+        tokens = sorted(int(p[0]) for p in points)
+        span = f" of {tokens[0]}..{tokens[-1]} tokens" if tokens else ""
+        said.append(
+            f"prefill_tok_s fitted (least squares, TTFT against prompt tokens) to {len(points)} fresh "
+            f"prompts{span} at concurrency 1"
+        )
+    cache = prefill.get("cache_tokens")
+    if isinstance(cache, int) and not isinstance(cache, bool) and cache >= 0:
+        mode_data["cache_tokens"] = cache
+        said.append("cache_tokens is the server's max_total_num_tokens (its KV pool)")
+    return "; " + "; ".join(said) if said else ""

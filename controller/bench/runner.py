@@ -50,6 +50,7 @@ import aiohttp
 from tqdm import tqdm
 
 from controller.bench.client import BenchError, base_url, discover_model, fetch_server_info, one_request
+from controller.bench.prefill import DEFAULT_PREFILL_REPEATS, PrefillResult, measure_prefill
 from controller.bench.prompts import Endpoint, PromptSet, load_prompts
 from controller.bench.result import BenchResult, LevelResult, Phase, RequestResult, summarize
 
@@ -75,6 +76,9 @@ class BenchConfig:
     ignore_eos: bool = False
     timeout_s: float = 600.0
     headers: Mapping[str, str] = field(default_factory=dict)
+    prefill_lengths: tuple[int, ...] = ()
+    """Prompt lengths (tokens) of the prefill measurement run before the sweep; empty: none."""
+    prefill_repeats: int = DEFAULT_PREFILL_REPEATS
 
     def __post_init__(self) -> None:
         if not self.levels or any(c < 1 for c in self.levels):
@@ -91,6 +95,8 @@ class BenchConfig:
             raise ValueError(
                 f"the per-request timeout must be a positive number of seconds, got {self.timeout_s}"
             )
+        if any(n < 1 for n in self.prefill_lengths) or self.prefill_repeats < 1:
+            raise ValueError("prefill lengths and repeats must be >= 1")
         if self.endpoint not in ("chat", "completions"):
             raise ValueError(f"endpoint must be 'chat' or 'completions', got {self.endpoint!r}")
         if not self.url.startswith(("http://", "https://")):
@@ -139,6 +145,7 @@ class BenchRunner:
             }
         )
         self._next_prompt = 0
+        self.prefill: PrefillResult | None = None
 
     def _body(self, model: str) -> dict[str, Any]:
         c = self.config
@@ -164,6 +171,12 @@ class BenchRunner:
             model = c.model or discovered
             md["server_info"] = await fetch_server_info(session, self.base)
             md["model"] = model
+            if c.prefill_lengths:  # first, while the server is idle
+                self.prefill = await measure_prefill(
+                    session, self.base, model, endpoint=c.endpoint, lengths=c.prefill_lengths,
+                    repeats=c.prefill_repeats, timeout_s=c.timeout_s,
+                )  # fmt: skip
+                md["prefill"] = self.prefill.to_json()
             for level in c.levels:
                 lv = await self._run_level(session, level, model)
                 self.result.levels.append(lv)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.bench.compare import MIN_REQUESTS, compare_table, describe_runs, setting_warnings
+from controller.bench.prefill import DEFAULT_PREFILL_LENGTHS, DEFAULT_PREFILL_REPEATS
 from controller.bench.prompts import PromptError, load_prompts
 from controller.bench.result import BenchResult, LevelResult, ResultFileError
 from controller.bench.runner import DEFAULT_LEVELS, BenchConfig, BenchError, BenchRunner
@@ -108,6 +109,28 @@ def configure_bench(b: argparse.ArgumentParser) -> None:
         metavar="FILE.jsonl",
         help="instead of measuring: profile points from `python -m sglang.benchmark.serving` results",
     )
+    b.add_argument(
+        "--prefill",
+        action="store_true",
+        help="before the sweep, measure the prefill rate (TTFT against prompt length, fresh prompts, "
+        "concurrency 1) and the prefix cache (the same long prompt twice); the profile gets "
+        "prefill_tok_s and cache_tokens",
+    )
+    b.add_argument(
+        "--prefill-lengths",
+        type=positive_int,
+        nargs="+",
+        default=list(DEFAULT_PREFILL_LENGTHS),
+        metavar="TOKENS",
+        help="prompt lengths of --prefill (default: %(default)s)",
+    )
+    b.add_argument(
+        "--prefill-repeats",
+        type=positive_int,
+        default=DEFAULT_PREFILL_REPEATS,
+        metavar="N",
+        help="fresh prompts per length, and cold/warm pairs, of --prefill (default: %(default)s)",
+    )
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     b.set_defaults(func=run_bench)
 
@@ -201,6 +224,8 @@ def run_bench(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
             timeout_s=args.timeout,
             headers=headers,
+            prefill_lengths=tuple(args.prefill_lengths) if args.prefill else (),
+            prefill_repeats=args.prefill_repeats,
         )
     except (PromptError, ValueError) as e:
         raise CommandError(str(e)) from None
@@ -236,6 +261,8 @@ def run_bench(args: argparse.Namespace) -> int:
     except BenchError as e:
         raise CommandError(str(e)) from None
     result = runner.result
+    if runner.prefill is not None:
+        print(runner.prefill.describe())
     if interrupted:
         result.metadata["interrupted"] = True
         print(f"interrupted: keeping {len(result.levels)} finished level(s)", file=sys.stderr)

@@ -37,10 +37,11 @@ from controller.proxy.limits import read_bounded
 from controller.proxy.load import LoadTracker
 from controller.proxy.metrics import Metrics
 from controller.proxy.outlier import OutlierDetector
+from controller.proxy.prefixes import DEFAULT_CACHE_TOKENS
 from controller.proxy.scrape import ScrapeLoop
 from controller.proxy.shadow import ShadowPolicies, build_shadows
 from policies.base import Policy
-from policies.profile import resolve_profile
+from policies.profile import Profile, resolve_profile
 from policies.registry import PolicyRegistry
 from policies.spec import PolicyContext
 
@@ -85,6 +86,8 @@ def create_app(
         panic=settings.panic_routing,
     )
     tracker.set_bounds(*in_flight_bounds(settings, ctx.profile))
+    if settings.prefix_tracking:
+        tracker.track_prefixes(prefix_capacities(settings, ctx.profile, tracker))
     registry_ = metrics_registry if metrics_registry is not None else CollectorRegistry()
     metrics = Metrics(registry_, tracker, clock=clock)
     if shadows is None:
@@ -217,6 +220,18 @@ def create_app(
     app.router.add_get("/metrics", metrics_route)
     app.router.add_routes(admin_routes(app[ADMIN]))
     return app
+
+
+def prefix_capacities(settings: Settings, profile: Profile | None, tracker: LoadTracker) -> dict[str, int]:
+    """Each backend's prefix index capacity in tokens: `prefix_cache_tokens`, else its pool's
+    `cache_tokens` in the profile, else `prefixes.DEFAULT_CACHE_TOKENS`."""
+    out = {}
+    for b in tracker:
+        tokens = settings.prefix_cache_tokens
+        if tokens is None and profile is not None and b.pool in profile.modes:
+            tokens = profile.modes[b.pool].cache_tokens
+        out[b.name] = DEFAULT_CACHE_TOKENS if tokens is None else tokens
+    return out
 
 
 async def list_models(fwd: Forwarder, request: web.Request) -> web.StreamResponse:

@@ -306,6 +306,17 @@ class Settings(BaseModel):
     scrape_stale_after_s: float = Field(
         default=5.0, gt=0, description="Scraped samples older than this are ignored."
     )
+    prefix_tracking: bool = Field(
+        default=True,
+        description="Keep an approximate index of the prompt prefixes sent to each backend and give "
+        "policies each backend's matched prefix (what it likely has cached); off: cache-blind routing.",
+    )
+    prefix_cache_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="Prefix cache capacity of one backend in tokens, which bounds its index (SGLang's "
+        "max_total_num_tokens); default: the profile mode's cache_tokens, else 1,000,000.",
+    )
     spec_details: bool = Field(
         default=False,
         description="Ask eagle backends for per-request speculative stats (SGLang's "

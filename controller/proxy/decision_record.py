@@ -19,6 +19,9 @@ writer thread. Fields (stable; `simulator/traces.py` replays `ts`, `prompt_token
     predicted_ttft_s, predicted_e2e_s   per pool, {} when the policy does not predict
     ttft_s             actual time to the first streamed event (null: non-streaming or none)
     completion_tokens  from the usage the backend reported (null when it reported none)
+    believed_cached_tokens   the prompt tokens the prefix index believed cached on the
+                       backend that served (0: none, or prefix tracking off)
+    cached_tokens      the prompt tokens the backend reported cached (null when it did not say)
     duration_s, status, http_status
     shadow             [{policy, pool, backend, reason, predicted_ttft_s, predicted_e2e_s}]
 
@@ -33,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from controller.proxy.decision_log import DecisionLog
-from controller.proxy.forward import RequestRecord
+from controller.proxy.forward import RequestRecord, believed_cached
 from policies.base import Decision, LoadView, PoolLoad
 
 
@@ -101,6 +104,8 @@ def decision_record(item: tuple[RequestRecord, float]) -> dict[str, Any]:
         "predicted_e2e_s": _times(r.chosen.predicted_e2e_s),
         "ttft_s": None if out.ttft_s is None else round(out.ttft_s, 6),
         "completion_tokens": out.completion_tokens,
+        "believed_cached_tokens": believed_cached(r.view, d),
+        "cached_tokens": out.cached_tokens,
         "duration_s": round(out.duration_s, 6),
         "status": out.status,
         "http_status": r.http_status,

@@ -74,6 +74,12 @@ from controller.proxy.native import (
     generate_prompt_chars,
 )
 from controller.proxy.outlier import OutlierDetector
+from controller.proxy.prefixes import (
+    last_count,
+    prompt_blocks,
+    reported_cached_tokens,
+    reported_prompt_tokens,
+)
 from controller.proxy.shadow import ShadowChoice, ShadowPolicies
 from controller.proxy.spec_details import (
     SpecEvents,
@@ -101,7 +107,6 @@ from policies.routing import Router
 log = logging.getLogger("specroute.forward")
 
 _HINT_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
-_USAGE_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _MAX_HELD_BACK = 1 << 16  # bytes of an unfinished SSE event held back before relaying anyway
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 
@@ -309,8 +314,7 @@ def drop_usage_events(data: bytes) -> bytes:
 def completion_tokens(data: bytes, endpoint: EndpointKind = "chat") -> int | None:
     if endpoint == "generate":
         return generate_completion_tokens(data)
-    found = _USAGE_RE.findall(data)
-    return int(found[-1]) if found else None
+    return last_count(data, b"completion_tokens")
 
 
 def _os_reason(e: OSError) -> str:
@@ -358,6 +362,8 @@ class Forwarder:
         self.observers: list[Observer] = observers if observers is not None else []
         self.shadows = shadows if shadows else None
         self.session: aiohttp.ClientSession | None = None
+        self.cache_reporters: set[str] = set()
+        """Backends that have reported `cached_tokens` (SGLang's `--enable-cache-report` is on)."""
         self.router = Router(settings.seed)
         """The routing core (`policies.routing`): override, fallback, backend choice, failover."""
         self.client_timeout = aiohttp.ClientTimeout(
@@ -520,6 +526,7 @@ class Forwarder:
             raw = await self.read_body(request)
             body = parse_body(raw, endpoint)
             info = request_info(body, endpoint, request.headers, self.settings.allow_client_override)
+            blocks = await prompt_blocks(body, endpoint) if self.settings.prefix_tracking else ()
             headers = self._upstream_headers(request.headers)
             if self.settings.log_bodies:
                 log.info("request %s %s", path, raw[:65536].decode(errors="replace"))
@@ -527,14 +534,14 @@ class Forwarder:
                 await self.admission.admit(info.forced_pool, self.clock())
             policy = self.policy
             started = self.clock()
-            view = self.tracker.view(started)
+            view = self.tracker.view(started, blocks, info.prompt_tokens)
             chosen = self.decide(policy, info, view, started)
         except SpecrouteError as e:
             self.metrics.reject(e.status)
             raise
         # Same synchronous step as the decision: no await between choose() and reserve().
         run = _Run(self, request, info, body, raw, path, chosen, headers)
-        run.reservation = self.tracker.reserve(chosen.backend, info.max_tokens or 0)
+        run.reservation = self.tracker.reserve(chosen.backend, info.max_tokens or 0, blocks)
         del body, raw  # `run` holds them until the answer is committed, then lets them go
         try:
             self.metrics.decision(policy.name, chosen.pool, chosen.reason)
@@ -554,6 +561,7 @@ class Forwarder:
                 duration_s=max(0.0, ended - started),
                 status=run.status,
                 accept_length=run.accept_length,
+                cached_tokens=run.cached_tokens,
             )
             try:
                 policy.observe(outcome)
@@ -564,6 +572,11 @@ class Forwarder:
             metrics = self.metrics
             metrics.request_done(run.decision.pool, run.decision.backend, run.status)
             metrics.outcome(policy.name, outcome)
+            if run.cached_tokens is not None and run.status == "ok":
+                predicted = believed_cached(view, run.decision)
+                metrics.prefix_outcome(
+                    run.decision.pool, run.decision.backend, predicted, run.cached_tokens, run.prompt_tokens
+                )
             if run.sent_at is not None:
                 metrics.proxy_overhead(max(0.0, run.sent_at - arrived))
             if self.observers:
@@ -575,6 +588,14 @@ class Forwarder:
                         observer(record)
                     except Exception:
                         log.exception("request observer failed")
+
+
+def believed_cached(view: LoadView, decision: Decision) -> int:
+    """The prompt tokens the view believed cached on the backend that served."""
+    for b in view.pool(decision.pool).backends:
+        if b.name == decision.backend:
+            return b.cached_tokens
+    return 0
 
 
 class _Run:
@@ -617,6 +638,24 @@ class _Run:
         self.spec: SpecEvents | None = None
         """Set while the backend is an eagle one and `spec_details` is on (see spec_details.py)."""
         self.accept_length: float | None = None
+        self.cached_tokens: int | None = None
+        """Prompt tokens the backend reported served from its prefix cache (None: not reported)."""
+        self.prompt_tokens: int | None = None
+
+    def _read_cache_report(self, data: bytes) -> None:
+        """`cached_tokens` and `prompt_tokens` from the answer's usage (or `meta_info`). SGLang
+        writes `prompt_tokens_details: null` both when it reports no cache (no
+        `--enable-cache-report`) and when nothing was cached: after a backend has reported a
+        number once, a null from it means 0."""
+        self.prompt_tokens = reported_prompt_tokens(data)
+        cached = reported_cached_tokens(data)
+        reporters = self.fwd.cache_reporters
+        name = self.reservation.backend.name
+        if cached is not None:
+            reporters.add(name)
+        elif self.prompt_tokens is not None and name in reporters:
+            cached = 0
+        self.cached_tokens = cached
 
     async def execute(self) -> web.StreamResponse:
         try:
@@ -696,6 +735,7 @@ class _Run:
         body = up.head
         if resp.status == 200:
             self.tokens = completion_tokens(body, self.info.endpoint)
+            self._read_cache_report(body)
             if self.spec is not None:
                 stripped, details = drop_sglext_member(body)
                 self.accept_length = accept_length(details, self.tokens)
@@ -795,7 +835,10 @@ class _Run:
             if not up.retryable:  # a relayed queue-full event was counted as a failure already
                 fwd.attempt_succeeded(self.reservation.backend)
             if not up.opaque:
-                self.tokens = completion_tokens(b"".join(tail), self.info.endpoint)
+                last_events = b"".join(tail)
+                self.tokens = completion_tokens(last_events, self.info.endpoint)
+                if resp.status == 200:
+                    self._read_cache_report(last_events)
             if strip_usage:
                 last_piece = drop_usage_events(last_piece)
             if self.spec is not None:

@@ -20,6 +20,14 @@ them rather than refuse). A usable backend takes a request only while it and its
 their in-flight bounds (`max_in_flight`, `pool_max_in_flight`; None = unbounded): a full one
 appears unhealthy in the view, so policies route around it, and when every backend a request
 may use is full the request waits in `controller.proxy.admission`.
+
+Prefixes (`controller.proxy.prefixes`): each backend may carry a `PrefixIndex` of the prompt
+blocks it was sent. `view(now, blocks)` reports each backend's matched prefix of the request's
+`blocks` as `BackendLoad.cached_tokens`; `reserve(name, tokens, blocks)` records them on the
+chosen backend and `move` on the failover target (the one that actually gets the prompt), each
+in the step that takes the slot. An index only learns by insertion, so a backend that failed
+keeps the blocks until they age out; it is marked unhealthy or counted by the outlier detector
+anyway, and its real cache reports what it holds (`specroute_prefix_false_hits_total`).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from dataclasses import dataclass
 
 from controller.proxy.config import parse_backend
 from policies.base import POOLS, BackendLoad, LoadView, Pool, PoolLoad
+from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 
 
 @dataclass(slots=True)
@@ -55,6 +64,8 @@ class BackendState:
     """When the latest sample was taken (sent), on the proxy's clock; None before the first."""
     sample_in_flight: int | None = None
     """`in_flight` when the latest sample was taken; None: the sample already counts ours."""
+    prefixes: PrefixIndex | None = None
+    """The prompt blocks this backend was recently sent (None: prefix tracking off)."""
 
     def ejected(self, now: float) -> bool:
         until = self.ejected_until
@@ -107,6 +118,8 @@ class Reservation:
     backend: BackendState
     tokens: int
     released: bool = False
+    blocks: tuple[int, ...] = ()
+    """The request's prompt fingerprint (recorded on the backend that holds the reservation)."""
 
 
 class LoadTracker:
@@ -164,21 +177,37 @@ class LoadTracker:
         room = {p: self.pool_has_room(p) for p in POOLS}
         return [b for b in self.usable(now) if room[b.pool] and b.has_room()]
 
-    def view(self, now: float) -> LoadView:
-        """Every backend's load; `healthy` in the view means "may take this request now"."""
+    def track_prefixes(self, capacity_tokens: Mapping[str, int]) -> None:
+        """Give each named backend a prefix index holding `capacity_tokens` tokens (in blocks)."""
+        for name, tokens in capacity_tokens.items():
+            self.backends[name].prefixes = PrefixIndex(tokens // DEFAULT_BLOCK_TOKENS)
+
+    def view(self, now: float, blocks: tuple[int, ...] = (), prompt_tokens: int | None = None) -> LoadView:
+        """Every backend's load; `healthy` in the view means "may take this request now";
+        `cached_tokens`: the matched prefix of the request's prompt `blocks` on each backend, at
+        most `prompt_tokens` (the request's estimate: blocks of canonical text also hold the
+        chat roles, which the estimate does not count)."""
         base: list[BackendLoad] = []
         eagle: list[BackendLoad] = []
         stale = self.stale_after_s
         takers = {b.name for b in self.takers(now)}
         for b in self.backends.values():
-            (base if b.pool == "baseline" else eagle).append(b.load(now, stale, b.name in takers))
+            load = b.load(now, stale, b.name in takers)
+            if blocks and b.prefixes is not None:
+                cached = b.prefixes.match(blocks) * DEFAULT_BLOCK_TOKENS
+                load.cached_tokens = cached if prompt_tokens is None else min(cached, prompt_tokens)
+            (base if b.pool == "baseline" else eagle).append(load)
         return LoadView(baseline=PoolLoad("baseline", tuple(base)), eagle=PoolLoad("eagle", tuple(eagle)))
 
-    def reserve(self, name: str, tokens: int = 0) -> Reservation:
+    def reserve(self, name: str, tokens: int = 0, blocks: tuple[int, ...] = ()) -> Reservation:
+        """Take a slot on `name` for a request whose prompt fingerprint is `blocks` (recorded in
+        the backend's prefix index: from now on it is believed cached there)."""
         b = self.backends[name]
         b.in_flight += 1
         b.in_flight_tokens += tokens
-        return Reservation(b, tokens)
+        if blocks and b.prefixes is not None:
+            b.prefixes.insert(blocks)
+        return Reservation(b, tokens, blocks=blocks)
 
     def release(self, r: Reservation) -> None:
         if r.released:
@@ -190,7 +219,7 @@ class LoadTracker:
     def move(self, r: Reservation, name: str) -> Reservation:
         """Release `r` and reserve `name` for the same request, in one synchronous step."""
         self.release(r)
-        return self.reserve(name, r.tokens)
+        return self.reserve(name, r.tokens, r.blocks)
 
     def record_sample(
         self,

@@ -26,6 +26,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 DECODE_RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+PREFIX_RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -187,6 +188,33 @@ class Metrics:
             ["policy", "pool", "agrees"],
             registry=r,
         )
+        self.prefix_ratio = Histogram(
+            "specroute_prefix_prediction_ratio",
+            "Cached prompt tokens the prefix index predicted / what the backend reported, per pool (ok "
+            "requests whose backend reported a non-zero cached_tokens).",
+            ["pool"],
+            buckets=PREFIX_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.prefix_false_hits = Counter(
+            "specroute_prefix_false_hits",
+            "Requests the prefix index believed partly cached on their backend that reported none.",
+            ["pool"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "specroute_prompt_tokens",
+            "Prompt tokens of ok requests whose backend reports cached_tokens, per backend.",
+            ["pool", "backend"],
+            registry=r,
+        )
+        self.prefill_saved = Counter(
+            "specroute_prefill_tokens_saved",
+            "Prompt tokens the backend served from its prefix cache (not prefilled), per backend; "
+            "hit ratio = rate(saved) / rate(specroute_prompt_tokens_total).",
+            ["pool", "backend"],
+            registry=r,
+        )
         registry.register(_TrackerCollector(tracker, clock or time.monotonic))
         self._requests: dict[tuple[str, str, str], Counter] = {}
         self._decisions: dict[tuple[str, str, str], Counter] = {}
@@ -244,6 +272,18 @@ class Metrics:
             if ratio is None:
                 ratio = self._ratio[key] = self.prediction_ratio.labels(policy, pool)
             ratio.observe(outcome.duration_s / predicted)
+
+    def prefix_outcome(
+        self, pool: str, backend: str, predicted: int, reported: int, prompt_tokens: int | None
+    ) -> None:
+        """What the prefix index believed cached on the serving backend against what it reported."""
+        if reported > 0:
+            self.prefix_ratio.labels(pool).observe(predicted / reported)
+        elif predicted > 0:
+            self.prefix_false_hits.labels(pool).inc()
+        self.prefill_saved.labels(pool, backend).inc(reported)
+        if prompt_tokens is not None:
+            self.prompt_tokens.labels(pool, backend).inc(prompt_tokens)
 
     def proxy_overhead(self, seconds: float) -> None:
         self.overhead.observe(seconds)

@@ -8,13 +8,15 @@ plain server emits one token per request per step. An EAGLE server runs verify s
 (a chain-acceptance draw whose mean is `accept_length` times the request's hint factor), so
 the per-request token rate is the profile's `decode_tok_s(b)` on average. Steps are
 scheduled against absolute deadlines, so late timer wake-ups on a loaded machine do not
-accumulate drift. A request's first token arrives `ttft_s(b) * time_scale` after it is
-admitted; requests beyond `max_running_requests` wait in a FIFO queue. Each request gets its
-events (token counts, then a finish) through an asyncio queue (shared by the samples of one
-HTTP request, each event tagged with its sample's index); `abort` removes it and frees its slot
-at once. After a late wake-up the loop runs the overdue steps back to back, so a reader may
-find several events queued at once: it must take them all (as SGLang's tokenizer manager
-drains a request's output list), never assume one per step.
+accumulate drift. A request's first token arrives `(ttft_s(b) + prefill) * time_scale` after it
+is admitted, prefill being its prompt tokens not found in the prefix cache (`cache.py`, matched
+at admission as SGLang's scheduler matches when it schedules a prefill) at the profile's
+`prefill_tok_s` (none without one); requests beyond `max_running_requests` wait in a FIFO
+queue. Each request gets its events (token counts, then a finish) through an asyncio queue
+(shared by the samples of one HTTP request, each event tagged with its sample's index); `abort`
+removes it and frees its slot at once. After a late wake-up the loop runs the overdue steps
+back to back, so a reader may find several events queued at once: it must take them all (as
+SGLang's tokenizer manager drains a request's output list), never assume one per step.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from policies.profile import SpeedModel
+from simulator.emulator.cache import CacheHandle, PrefixCache
 
 FinishReason = Literal["stop", "length", "abort"]
 _MAX_LAG_S = 0.25
@@ -77,7 +81,15 @@ class EngineRequest:
     first_token_at: float | None = None
     last_token_at: float | None = None
     done: bool = False
+    blocks: tuple[int, ...] = ()
+    """The prompt's block chain for the prefix cache (empty: nothing to share)."""
+    sequence_blocks: Callable[[int], Sequence[int]] | None = None
+    """The block chain of the prompt followed by the first `generated` output tokens (what the
+    cache keeps once the request ends); None: only the prompt's blocks are kept."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at admission (no prefill for them)."""
     _timer: asyncio.TimerHandle | None = None
+    _cache: CacheHandle | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +102,12 @@ class SchedulerStats:
     gen_throughput: float = 0.0
     spec_accept_length: float = 0.0
     spec_accept_rate: float = 0.0
+    cache_hit_rate: float = 0.0
+    """Cached / prompt tokens of the last prefill batch (admission), as SGLang logs it."""
+    num_used_tokens: int = 0
+    """KV tokens held by running requests."""
+    token_usage: float = 0.0
+    """`num_used_tokens / max_total_num_tokens`, rounded to 2 digits as SGLang does."""
 
 
 class EngineObserver(Protocol):
@@ -159,7 +177,9 @@ class BatchEngine:
         max_total_num_tokens: int = 1_000_000,
         seed: int = 0,
         observer: EngineObserver | None = None,
+        cache: PrefixCache | None = None,
     ) -> None:
+        """`cache`: the prefix cache (None: no prefix caching; every prompt token is prefilled)."""
         self.speed = speed
         self.max_running_requests = max_running_requests
         self.time_scale = time_scale
@@ -169,6 +189,7 @@ class BatchEngine:
         self.stats_interval_steps = max(1, stats_interval_steps)
         self.observer = observer
         self.max_total_num_tokens = max_total_num_tokens
+        self.cache = cache
         self.sampler = AcceptanceSampler(speculative_num_steps, random.Random(seed))
         self._loop = asyncio.get_running_loop()
         self._queue: collections.deque[EngineRequest] = collections.deque()
@@ -276,19 +297,26 @@ class BatchEngine:
 
     def _admit(self) -> None:
         admitted = False
+        hit = prompt = 0
         while self._queue and len(self._running) < self.max_running_requests:
             req = self._queue.popleft()
             now = self._loop.time()
             req.admitted_at = now
             self._running[req.rid] = req
+            if self.cache is not None:
+                req.cached_tokens, req._cache = self.cache.admit(req.blocks, req.prompt_tokens)
+            hit += req.cached_tokens
+            prompt += req.prompt_tokens
             b = len(self._running)
-            ttft = (self.speed.ttft_s(b) + self.speed.prefill_s(req.prompt_tokens)) * self.time_scale
+            prefill = self.speed.prefill_s(req.prompt_tokens - req.cached_tokens)
+            ttft = (self.speed.ttft_s(b) + prefill) * self.time_scale
             req._timer = self._loop.call_at(now + ttft, self._first_token, req)
             if self.observer is not None:
                 self.observer.on_admit(req, now - req.submitted_at)
             admitted = True
         if admitted:
-            self._refresh_stats()  # SGLang logs stats on every prefill batch
+            # SGLang logs stats on every prefill batch, the batch's cache hit rate among them
+            self._refresh_stats(hit_rate=hit / prompt if prompt > 0 else 0.0)
 
     def _first_token(self, req: EngineRequest) -> None:
         req._timer = None
@@ -318,6 +346,12 @@ class BatchEngine:
             req._timer = None
         self._running.pop(req.rid, None)
         self._decoding.pop(req.rid, None)
+        if self.cache is not None and req._cache is not None:
+            # what was computed stays cached: the prompt, and the answer once prefill is done
+            more = req.sequence_blocks
+            started = req.first_token_at is not None
+            self.cache.release(req._cache, more(req.generated) if more is not None and started else ())
+            req._cache = None
         req.events.put_nowait(Finished(reason, req.index))
         if self.observer is not None:
             self.observer.on_finish(req, reason, self._loop.time() - req.submitted_at)
@@ -361,9 +395,10 @@ class BatchEngine:
         if finished:
             self._admit()
 
-    def _refresh_stats(self, decode: bool = False) -> None:
-        """Publish scheduler stats. Like SGLang: counts on every prefill batch (admission);
-        throughput and acceptance over the window since the last decode refresh."""
+    def _refresh_stats(self, decode: bool = False, hit_rate: float | None = None) -> None:
+        """Publish scheduler stats. Like SGLang: counts on every prefill batch (admission, with
+        that batch's cache `hit_rate`); throughput and acceptance over the window since the last
+        decode refresh."""
         now = self._loop.time()
         old = self.stats
         throughput, accept_len, accept_rate = old.gen_throughput, old.spec_accept_length, old.spec_accept_rate
@@ -379,6 +414,7 @@ class BatchEngine:
             self._steps_since_stats = 0
         if not self._running:
             throughput = 0.0
+        used = self.used_tokens()
         self.stats = SchedulerStats(
             timestamp=now,
             num_running_reqs=len(self._running),
@@ -386,6 +422,9 @@ class BatchEngine:
             gen_throughput=throughput,
             spec_accept_length=accept_len,
             spec_accept_rate=accept_rate,
+            cache_hit_rate=old.cache_hit_rate if hit_rate is None else hit_rate,
+            num_used_tokens=used,
+            token_usage=round(used / self.max_total_num_tokens, 2),
         )
         if self.observer is not None:
             self.observer.on_stats(self.stats)

@@ -8,6 +8,9 @@ from policies.base import Pool
 from policies.profile import Profile
 
 DEFAULT_MAX_RUNNING = {"baseline": 256, "eagle": 48}
+DEFAULT_CACHE_TOKENS = 1_000_000
+"""Prefix cache capacity when neither the config nor the profile's mode gives one (also the
+KV pool size the emulator reports as `max_total_num_tokens`)."""
 
 
 class FaultConfig(BaseModel):
@@ -56,6 +59,27 @@ class EmulatorConfig(BaseModel):
     eos_token_id: int = Field(default=163586, description="Reported as matched_stop when a request stops.")
     stats_interval_steps: int = Field(default=40, ge=1, description="Decode steps between gauge refreshes.")
     api_key: str | None = Field(default=None, description="When set, generation routes need this Bearer key.")
+    disable_radix_cache: bool = Field(
+        default=False, description="No prefix cache: every prompt token is prefilled (SGLang's flag)."
+    )
+    cache_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Prefix cache capacity in tokens (default: the profile mode's cache_tokens, else "
+            f"{DEFAULT_CACHE_TOKENS:,})."
+        ),
+    )
+    cache_block_tokens: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="Tokens per cache block (SGLang caches per token; blocks are cheaper).",
+    )
+    enable_cache_report: bool = Field(
+        default=False,
+        description="Report usage.prompt_tokens_details.cached_tokens on the OpenAI routes (SGLang's flag).",
+    )
     seed: int = Field(default=0, description="Seeds output lengths, acceptance draws and error draws.")
     faults: FaultConfig = Field(default_factory=lambda: FaultConfig())
 
@@ -80,6 +104,16 @@ class EmulatorConfig(BaseModel):
     def effective_max_running(self) -> int:
         mode = self.profile.mode(self.mode)
         return self.max_running_requests or mode.max_running_requests or DEFAULT_MAX_RUNNING[self.mode]
+
+    @property
+    def effective_cache_tokens(self) -> int:
+        """The prefix cache's capacity in tokens (0 with `disable_radix_cache`)."""
+        if self.disable_radix_cache:
+            return 0
+        if self.cache_tokens is not None:
+            return self.cache_tokens
+        mode = self.profile.mode(self.mode).cache_tokens
+        return mode if mode is not None else DEFAULT_CACHE_TOKENS
 
     @property
     def effective_accept_length(self) -> float | None:

@@ -12,8 +12,9 @@ is the one it reports. Response headers go out with the first event, as SGLang s
 Deviations, on purpose (the README lists them for users): `/v1/loads` reports live
 running/waiting counts (SGLang's are at most a few decode steps old); `/health` answers at once
 (0.5.23 runs a one-token generation); token text, ids and logprobs are synthetic; tools and
-tool calls, `echo`, `max_tokens: 0`, per-prompt `sampling_params` lists and prefix caching
-(`cached_tokens` is always 0) are not emulated.
+tool calls, `echo`, `max_tokens: 0` and per-prompt `sampling_params` lists are not emulated;
+the prefix cache works in blocks of `cache_block_tokens` tokens of the prompt's canonical text
+(SGLang's works per token), and running requests' tokens do not bound admission.
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ def _submit(e: Emulator, g: GenRequest, hint: str | None) -> list[Sample]:
     samples: list[Sample] = []
     try:
         for i, rid in enumerate(_sample_rids(g)):
-            req = e.new_request(rid, g.prompt_of(i), g.max_tokens, g.ignore_eos, hint, events=queue, index=i)
+            req = e.new_request(
+                rid, g.prompt_of(i), g.max_tokens, g.ignore_eos, hint, events=queue, index=i,
+                text=g.text_of(i), chat=g.kind == "chat", ids_prompt=g.ids_prompt,
+            )  # fmt: skip
             engine.submit(req)
             samples.append(Sample(i, req))
     except QueueFull:
@@ -269,7 +273,7 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
         details = g.spec_details and e.config.mode == "eagle"
 
         async def streamed() -> web.StreamResponse:
-            events = shapes.OpenAIEvents(g, eos)
+            events = shapes.OpenAIEvents(g, eos, cache_report=e.config.enable_cache_report)
             finished: list[Sample] = []
 
             def write(updates: list[Update]) -> bytes:
@@ -283,7 +287,8 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
 
         async def whole() -> web.StreamResponse:
             await _read_all(e, request, samples)
-            body = shapes.openai_response(g, samples, eos, _spec(e, samples) if details else None)
+            spec = _spec(e, samples) if details else None
+            body = shapes.openai_response(g, samples, eos, spec, cache_report=e.config.enable_cache_report)
             return web.Response(text=shapes.dumps(body), content_type="application/json")
 
         return await run(request, e, samples, streamed if g.stream else whole)
@@ -404,6 +409,14 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
                 engine.abort(r)
         return web.Response(status=200)
 
+    async def flush_cache(request: web.Request) -> web.Response:
+        """SGLang's answer, word for word; 400 (nothing flushed) while requests run or wait."""
+        e = emu(request)
+        engine = e.engine
+        idle = engine.num_running == 0 and engine.num_queued == 0
+        ok = idle and (e.cache is None or e.cache.flush())
+        return web.Response(status=200 if ok else 400, text=shapes.FLUSH_CACHE_ANSWER)
+
     async def metrics(request: web.Request) -> web.Response:
         data = generate_latest(emu(request).metrics.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -422,3 +435,5 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
     app.router.add_get("/v1/loads", loads)
     app.router.add_post("/abort_request", abort)
     app.router.add_get("/metrics", metrics)
+    app.router.add_route("GET", "/flush_cache", flush_cache)
+    app.router.add_route("POST", "/flush_cache", flush_cache)

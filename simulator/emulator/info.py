@@ -39,7 +39,7 @@ def loads_body(e: Emulator) -> dict[str, Any]:
         "max_total_num_tokens": engine.max_total_num_tokens,
         "token_usage": used / engine.max_total_num_tokens,
         "gen_throughput": engine.stats.gen_throughput,
-        "cache_hit_rate": 0.0,
+        "cache_hit_rate": engine.stats.cache_hit_rate,
         "utilization": engine.num_running / cap,
         "max_running_requests": cap,
         "queues": {"waiting": engine.num_queued, "grammar": 0, "paused": 0, "retracted": 0},
@@ -65,6 +65,8 @@ def server_info_body(e: Emulator, request: web.Request) -> dict[str, Any]:
         "effective_max_running_requests_per_dp": engine.max_running_requests,
         "last_gen_throughput": engine.stats.gen_throughput,
         "memory_usage": {"weight": 0.0, "kvcache": 0.0, "token_capacity": engine.max_total_num_tokens},
+        "cache_hit_rate": engine.stats.cache_hit_rate,
+        "token_usage": engine.stats.token_usage,
     }
     avg = engine.avg_accept_length()
     if avg is not None:
@@ -86,6 +88,9 @@ def server_info_body(e: Emulator, request: web.Request) -> dict[str, Any]:
         "tp_size": 1,
         "dp_size": 1,
         "enable_metrics": True,
+        "disable_radix_cache": c.disable_radix_cache,
+        "enable_cache_report": c.enable_cache_report,
+        "max_total_num_tokens": engine.max_total_num_tokens,
         "internal_states": [state],
         "version": SGLANG_VERSION,
         "specroute_emulator": {

@@ -41,8 +41,12 @@ class EmulatorMetrics:
         self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
         self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
+        self.num_used_tokens = gauge("sglang:num_used_tokens", "The number of used tokens.")
         self.token_usage = gauge("sglang:token_usage", "The token usage.")
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
+        self.max_total_num_tokens = gauge(
+            "sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."
+        ).labels(**sched)
         self.spec_accept_length = gauge(
             "sglang:spec_accept_length", "The average acceptance length of speculative decoding."
         )
@@ -50,6 +54,7 @@ class EmulatorMetrics:
             "sglang:spec_accept_rate", "The average acceptance rate of speculative decoding."
         )
         self._gauges = [
+            self.num_used_tokens.labels(**sched),
             self.num_running_reqs.labels(**sched),
             self.num_queue_reqs.labels(**sched),
             self.gen_throughput.labels(**sched),
@@ -70,6 +75,12 @@ class EmulatorMetrics:
         self.generation_tokens = counter(
             "sglang:generation_tokens", "Number of generation tokens processed."
         ).labels(**tok)
+        self.cached_tokens = Counter(
+            "sglang:cached_tokens",
+            "The number of prompt tokens served from the prefix cache.",
+            [*tok, "cache_source"],
+            registry=r,
+        ).labels(**tok, cache_source="device")
         self.num_requests = counter("sglang:num_requests", "Number of requests processed.").labels(**tok)
         self.num_aborted = counter("sglang:num_aborted_requests", "Number of requests aborted.").labels(**tok)
         self.spec_verify_calls = counter(
@@ -104,6 +115,7 @@ class EmulatorMetrics:
     def on_admit(self, req: EngineRequest, queue_s: float) -> None:
         self.queue_time.observe(queue_s)
         self.prompt_tokens.inc(req.prompt_tokens)
+        self.cached_tokens.inc(req.cached_tokens)
 
     def on_first_token(self, req: EngineRequest, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
@@ -123,11 +135,12 @@ class EmulatorMetrics:
             self.num_aborted.inc()
 
     def on_stats(self, stats: SchedulerStats) -> None:
-        running, queued, tput, usage, hit, acc_len, acc_rate = self._gauges
+        used, running, queued, tput, usage, hit, acc_len, acc_rate = self._gauges
+        used.set(stats.num_used_tokens)
         running.set(stats.num_running_reqs)
         queued.set(stats.num_queue_reqs)
         tput.set(stats.gen_throughput)
-        usage.set(0.0)
-        hit.set(0.0)
+        usage.set(stats.token_usage)
+        hit.set(stats.cache_hit_rate)
         acc_len.set(stats.spec_accept_length)
         acc_rate.set(stats.spec_accept_rate)

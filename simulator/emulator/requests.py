@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from simulator.emulator.prompt_text import chat_text, ids_text
+
 Kind = Literal["chat", "completions", "generate"]
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's SamplingParams default when `/generate` sets no max_new_tokens."""
@@ -62,6 +64,11 @@ class GenRequest:
     """The client sent a list of prompts (`/generate` then answers with a list)."""
     spec_details: bool = False
     logprobs: Logprobs | None = None
+    texts: tuple[str, ...] = ()
+    """Canonical text of each prompt (`prompt_text`), which the prefix cache hashes; empty:
+    nothing is cached."""
+    ids_prompt: bool = False
+    """The prompts are token ids (their answers are cached as ids too)."""
 
     @property
     def samples(self) -> int:
@@ -70,6 +77,11 @@ class GenRequest:
     def prompt_of(self, index: int) -> int:
         """Prompt tokens of sample `index` (SGLang orders samples prompt by prompt)."""
         return self.prompts[index // self.n]
+
+    def text_of(self, index: int) -> str:
+        """Canonical text of sample `index`'s prompt ("" when unknown)."""
+        i = index // self.n
+        return self.texts[i] if i < len(self.texts) else ""
 
     @property
     def prompt_tokens(self) -> int:
@@ -111,21 +123,26 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _completion_prompts(prompt: Any) -> tuple[tuple[int, ...], bool]:
-    """(prompt tokens per prompt, is a batch) of an OpenAI completions `prompt`."""
+Prompts = tuple[tuple[int, ...], bool, tuple[str, ...], bool]
+"""(prompt tokens per prompt, is a batch, canonical text per prompt, the prompts are ids)."""
+
+
+def _completion_prompts(prompt: Any) -> Prompts:
+    """The prompts of an OpenAI completions `prompt`."""
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("Prompt cannot be empty")
-        return (_tokens_of_text(prompt),), False
+        return (_tokens_of_text(prompt),), False, (prompt,), False
     if isinstance(prompt, list) and prompt:
         if _is_ids(prompt):
-            return (len(prompt),), False
+            return (len(prompt),), False, (ids_text(prompt),), True
         if all(isinstance(p, str) for p in prompt):
             if all(not p for p in prompt):
                 raise BadRequest("Prompt cannot be empty")
-            return tuple(max(1, _tokens_of_text(p)) for p in prompt), len(prompt) > 1
+            return tuple(max(1, _tokens_of_text(p)) for p in prompt), len(prompt) > 1, tuple(prompt), False
         if all(_is_ids(p) and p for p in prompt):
-            return tuple(len(p) for p in prompt), len(prompt) > 1
+            texts = tuple(ids_text(p) for p in prompt)
+            return tuple(len(p) for p in prompt), len(prompt) > 1, texts, True
     if isinstance(prompt, list) and not prompt:
         raise BadRequest("Prompt cannot be empty")
     raise BadRequest("'prompt' must be a string, a list of strings, or token ids (a list or a list of lists)")
@@ -167,13 +184,16 @@ def parse_openai(body: Any, kind: Kind, default_model: str) -> GenRequest:
         raise BadRequest("the request body must be a JSON object")
     model = _model(body, default_model)
     prompts: tuple[int, ...]
+    texts: tuple[str, ...]
     if kind == "chat":
-        prompts, batch = (_chat_prompt_tokens(body.get("messages")),), False
+        messages = body.get("messages")
+        prompts, batch = (_chat_prompt_tokens(messages),), False
+        texts, ids_prompt = (chat_text(messages),), False
         max_tokens = _opt_int(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _opt_int(body, "max_tokens", 1)
     else:
-        prompts, batch = _completion_prompts(body.get("prompt"))
+        prompts, batch, texts, ids_prompt = _completion_prompts(body.get("prompt"))
         max_tokens = _opt_int(body, "max_tokens", 1)
     n = _opt_int(body, "n", 1) or 1
     stream = body.get("stream", False)
@@ -198,6 +218,8 @@ def parse_openai(body: Any, kind: Kind, default_model: str) -> GenRequest:
         batch=batch,
         spec_details=bool(body.get("return_spec_tokens_details")),
         logprobs=_openai_logprobs(body, kind),
+        texts=texts,
+        ids_prompt=ids_prompt,
     )
 
 
@@ -220,25 +242,25 @@ def _contract_bool(value: Any, name: str) -> bool:
     return value
 
 
-def _generate_prompts(body: dict[str, Any]) -> tuple[tuple[int, ...], bool]:
+def _generate_prompts(body: dict[str, Any]) -> Prompts:
     text, ids = body.get("text"), body.get("input_ids")
     if text is not None:
         if isinstance(text, str):
-            return (max(1, _tokens_of_text(text)),), False
+            return (max(1, _tokens_of_text(text)),), False, (text,), False
         if isinstance(text, list) and all(isinstance(t, str) for t in text):
             if not text:
                 raise GenerateError("text cannot be an empty batch.")
-            return tuple(max(1, _tokens_of_text(t)) for t in text), True
+            return tuple(max(1, _tokens_of_text(t)) for t in text), True, tuple(text), False
         raise ContractError("text: expected a string or a list of strings")
     if ids is not None:
         if _is_ids(ids):
             if not ids:
                 raise GenerateError("input_ids cannot be empty.")
-            return (len(ids),), False
+            return (len(ids),), False, (ids_text(ids),), True
         if isinstance(ids, list) and all(_is_ids(p) for p in ids):
             if any(not p for p in ids):
                 raise GenerateError("input_ids cannot be empty.")
-            return tuple(len(p) for p in ids), True
+            return tuple(len(p) for p in ids), True, tuple(ids_text(p) for p in ids), True
         raise ContractError("input_ids: expected a list of integers or a list of lists of integers")
     raise GenerateError("Either text, input_ids or input_embeds should be provided.")
 
@@ -259,7 +281,7 @@ def parse_generate(body: Any) -> GenRequest:
         raise ContractError("sampling_params: the emulator takes one object for the whole request")
     if not isinstance(params, dict):
         raise ContractError("sampling_params: expected an object")
-    prompts, batch = _generate_prompts(body)
+    prompts, batch, texts, ids_prompt = _generate_prompts(body)
     max_new = params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS)
     max_tokens = _contract_int(max_new, "sampling_params.max_new_tokens")
     if max_tokens is not None and max_tokens < 1:
@@ -285,6 +307,8 @@ def parse_generate(body: Any) -> GenRequest:
         n=n,
         batch=batch or n > 1,
         logprobs=logprobs,
+        texts=texts,
+        ids_prompt=ids_prompt,
     )
 
 

@@ -34,6 +34,11 @@ def event(obj: Any) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+FLUSH_CACHE_ANSWER = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+"""SGLang's `/flush_cache` body, with 200 and with 400 alike."""
 
 
 @dataclass(eq=False)
@@ -164,29 +169,41 @@ def _native_logprobs(lp: Logprobs, prompt_tokens: int, generated: int) -> dict[s
 # -- OpenAI routes ------------------------------------------------------------------------------
 
 
-def usage(g: GenRequest, samples: list[Sample], *, streamed: bool) -> dict[str, Any]:
-    """UsageInfo: prompt tokens once per prompt, completion tokens of every sample."""
+def usage(
+    g: GenRequest, samples: list[Sample], *, streamed: bool, cache_report: bool = False
+) -> dict[str, Any]:
+    """UsageInfo: prompt tokens once per prompt, completion tokens of every sample; with
+    `cache_report` (SGLang's `--enable-cache-report`) `prompt_tokens_details` is
+    `{"cached_tokens": N}` (N counted once per prompt) when N > 0, else null, as SGLang's
+    UsageProcessor does."""
     completion = sum(s.sent for s in samples)
+    details = None
+    if cache_report:
+        cached = sum(samples[i].req.cached_tokens for i in range(0, len(samples), g.n))
+        details = {"cached_tokens": cached} if cached > 0 else None
     u: dict[str, Any] = {
         "prompt_tokens": g.prompt_tokens,
         "total_tokens": g.prompt_tokens + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": details,
         "reasoning_tokens": 0,
         "completion_tokens_details": None,
     }
     if streamed and g.kind == "completions":
         # completions dump their usage chunk with exclude_none
-        del u["prompt_tokens_details"], u["completion_tokens_details"]
+        del u["completion_tokens_details"]
+        if details is None:
+            del u["prompt_tokens_details"]
     return u
 
 
 class OpenAIEvents:
     """The SSE events of one streamed chat or completions answer."""
 
-    def __init__(self, g: GenRequest, eos_token_id: int) -> None:
+    def __init__(self, g: GenRequest, eos_token_id: int, *, cache_report: bool = False) -> None:
         self.g = g
         self.eos = eos_token_id
+        self.cache_report = cache_report
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if g.kind == "chat" else "text_completion"
         self.last_id = ""
@@ -252,12 +269,19 @@ class OpenAIEvents:
                 self.last_id, [], sglext={"spec_tokens_details": details if self.g.n > 1 else details[0]}
             )
         if self.g.include_usage:
-            out += self._event(self.last_id, [], usage=usage(self.g, samples, streamed=True))
+            out += self._event(
+                self.last_id, [], usage=usage(self.g, samples, streamed=True, cache_report=self.cache_report)
+            )
         return out + DONE
 
 
 def openai_response(
-    g: GenRequest, samples: list[Sample], eos_token_id: int, spec: list[dict[str, Any]] | None
+    g: GenRequest,
+    samples: list[Sample],
+    eos_token_id: int,
+    spec: list[dict[str, Any]] | None,
+    *,
+    cache_report: bool = False,
 ) -> dict[str, Any]:
     """The non-streaming chat.completion / text_completion body."""
     lp = g.logprobs
@@ -284,7 +308,7 @@ def openai_response(
         "created": int(time.time()),
         "model": g.model,
         "choices": choices,
-        "usage": usage(g, samples, streamed=False),
+        "usage": usage(g, samples, streamed=False, cache_report=cache_report),
         "metadata": {"weight_version": "default"},
     }
     if spec is not None:
@@ -321,7 +345,7 @@ def native_output(
     }
     if g.logprobs is not None:
         meta.update(_native_logprobs(g.logprobs, req.prompt_tokens, s.sent))
-    meta.update(reasoning_tokens=0, completion_tokens=s.sent, cached_tokens=0)
+    meta.update(reasoning_tokens=0, completion_tokens=s.sent, cached_tokens=req.cached_tokens)
     if g.stream and s.first_sent_at is None:
         s.first_sent_at = time.time()
         meta["response_sent_to_client_ts"] = s.first_sent_at

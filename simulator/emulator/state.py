@@ -8,12 +8,15 @@ import math
 import random
 import time
 import uuid
+from typing import Any
 
 from aiohttp import web
 
 from simulator.emulator.batching import BatchEngine, EngineRequest, Event
-from simulator.emulator.config import EmulatorConfig
+from simulator.emulator.cache import PrefixCache
+from simulator.emulator.config import DEFAULT_CACHE_TOKENS, EmulatorConfig
 from simulator.emulator.metrics import EmulatorMetrics
+from simulator.emulator.prompt_text import sequence_text
 
 
 class Emulator:
@@ -25,6 +28,7 @@ class Emulator:
         self.rng = random.Random(config.seed)
         self.metrics = EmulatorMetrics(config.model, speculative=config.mode == "eagle")
         self.started_at = time.time()
+        self.cache: PrefixCache | None = None
         self._engine: BatchEngine | None = None
 
     @property
@@ -35,6 +39,8 @@ class Emulator:
 
     async def start(self) -> None:
         c = self.config
+        cache_tokens = c.effective_cache_tokens
+        self.cache = PrefixCache(c.cache_block_tokens, cache_tokens) if cache_tokens else None
         self._engine = BatchEngine(
             c.profile.speed(c.mode),
             max_running_requests=c.effective_max_running,
@@ -44,7 +50,11 @@ class Emulator:
             stats_interval_steps=c.stats_interval_steps,
             seed=c.seed + 1,
             observer=self.metrics,
+            # the cache is the KV pool (running requests' tokens live there too, unbounded here)
+            max_total_num_tokens=cache_tokens or DEFAULT_CACHE_TOKENS,
+            cache=self.cache,
         )
+        self.metrics.max_total_num_tokens.set(self._engine.max_total_num_tokens)
         self._engine.start()
 
     async def stop(self) -> None:
@@ -82,9 +92,14 @@ class Emulator:
         *,
         events: asyncio.Queue[Event] | None = None,
         index: int = 0,
+        text: str = "",
+        chat: bool = False,
+        ids_prompt: bool = False,
     ) -> EngineRequest:
         """An engine request with its output length drawn; the samples of one HTTP request pass
-        the same `events` queue and their own `index`."""
+        the same `events` queue and their own `index`. `text` is the prompt's canonical text
+        (`prompt_text`; a chat prompt when `chat`, token ids when `ids_prompt`), which gives
+        its prefix-cache blocks."""
         n, reason = self.plan_output(max_tokens, ignore_eos, prompt_tokens)
         accept = self.config.effective_accept_length or 1.0
         if hint is not None:
@@ -97,7 +112,18 @@ class Emulator:
             accept_mean=accept,
             events=events if events is not None else asyncio.Queue(),
             index=index,
+            **self._cache_fields(text, chat, ids_prompt),
         )
+
+    def _cache_fields(self, text: str, chat: bool, ids_prompt: bool) -> dict[str, Any]:
+        cache = self.cache
+        if cache is None or not text:
+            return {}
+
+        def sequence_blocks(generated: int) -> tuple[int, ...]:
+            return cache.blocks_of(sequence_text(chat, text, ids_prompt, generated))
+
+        return {"blocks": cache.blocks_of(text), "sequence_blocks": sequence_blocks}
 
 
 EMULATOR_KEY = web.AppKey("emulator", Emulator)
