@@ -45,11 +45,13 @@ from policies.base import (
     RequestInfo,
 )
 from policies.routing import Router, least_loaded_index
+from simulator.engine.routers import RouterGroup, Routers
 from simulator.engine.servers import ServerModel
 
 _ARRIVE = 0
 _FIRST = 1
 _DONE = 2
+_SCRAPE = 3
 _INFO_CACHE_MAX = 1 << 16
 
 
@@ -209,6 +211,7 @@ def simulate(
     measure: int | None = None,
     seed: int = 0,
     spec_details: bool = False,
+    routers: RouterGroup | None = None,
 ) -> RawRun:
     """Run `batch` through `servers`.
 
@@ -223,6 +226,10 @@ def simulate(
     With `spec_details`, the outcome of a request served by a speculative server carries its
     accept length (its acceptance factor times the server's `accept_length`, when the server's
     profile gives one), as SGLang reports it with `return_spec_tokens_details`.
+
+    With `routers` (several replicas, or one with a scraped view: `simulator.engine.routers`),
+    each arrival goes through one of the group's routers and its policy (`policy` is not used);
+    a group whose setup is the perfect view runs as one router with its policy.
     """
     n = len(batch)
     if not servers:
@@ -239,7 +246,13 @@ def simulate(
         raise SimulationError("server speed tables must cover the same batch sizes")
     pools = {m.pool for m in servers}
     # A single-pool deployment is routed least-loaded, without the policy.
-    routed = policy if policy is not None and len(pools) == 2 else None
+    # --- replicas (simulator.engine.routers): a perfect-view group is one plain router
+    group = routers if routers is not None and len(pools) == 2 else None
+    if group is not None and group.setup.perfect:
+        policy, group = group.policies[0], None
+    elif group is not None:
+        policy = group.policies[0]
+    routed = policy if policy is not None and len(pools) == 2 and group is None else None
     policy_name = policy.name if policy is not None else ""
     index = {m.name: i for i, m in enumerate(servers)}
     router = Router(seed)
@@ -248,6 +261,16 @@ def simulate(
     prompt_tokens, output_tokens = batch.prompt_tokens, batch.output_tokens
     max_tokens, hints, accept = batch.max_tokens, batch.hints, batch.accept
     budget = [m if m is not None else o for m, o in zip(max_tokens, output_tokens, strict=True)]
+    multi: Routers | None = None
+    if group is not None:
+        multi = Routers(
+            group,
+            [(m.name, m.pool, st.accept_length) for m, st in zip(servers, states, strict=True)],
+            lambda: ([st.running for st in states], [len(st.queue) for st in states]),
+            seed,
+            budget,
+        )
+    # --- end replicas
     arrival = [0.0] * n
     first = [0.0] * n
     finish = [0.0] * n
@@ -277,6 +300,12 @@ def simulate(
             push(heap, (0.0, seq, _ARRIVE, loop.sent, 0))
             seq += 1
             loop.sent += 1
+    scrapers = 0
+    if multi is not None:
+        for r, t0 in enumerate(multi.first_scrapes()):
+            push(heap, (t0, seq, _SCRAPE, r, 0))
+            seq += 1
+        scrapers = len(multi.phases)
 
     # Views are rebuilt only where a server's state changed since the last decision: the
     # frozen dataclasses are the costliest part of an arrival.
@@ -362,27 +391,30 @@ def simulate(
                 s.done_seq = s.carrier_seq = seq
                 push(heap, (done_t, seq, _DONE, a, seq))
                 seq += 1
-            if observe is not None:
+            if observe is not None or multi is not None:
                 for r in done:
                     info, decision = infos[r], decisions[r]
+                    outcome = None
                     if info is not None and decision is not None:
                         start = arrival[r]
                         accepted = None
                         if spec_details and s.speculative and s.accept_length is not None:
                             accepted = accept[r] * s.accept_length
-                        observe(
-                            Outcome(
-                                info,
-                                decision,
-                                start,
-                                first[r] - start,
-                                output_tokens[r],
-                                t - start,
-                                "ok",
-                                accepted,
-                            )
+                        outcome = Outcome(
+                            info,
+                            decision,
+                            start,
+                            first[r] - start,
+                            output_tokens[r],
+                            t - start,
+                            "ok",
+                            accepted,
                         )
                         infos[r] = decisions[r] = None
+                    if multi is not None:
+                        multi.finished(r, a, outcome)
+                    elif outcome is not None and observe is not None:
+                        observe(outcome)
             if loop is not None:
                 for r in done:
                     loop.done(phase[r])
@@ -414,12 +446,20 @@ def simulate(
                     push(heap, (done_t, seq, _DONE, b, seq))
                     s.carrier_t, s.carrier_seq = done_t, seq
                 seq += 1
+        elif kind == _SCRAPE:
+            assert multi is not None
+            if len(heap) >= scrapers:  # work is pending besides the other routers' scrapes
+                multi.scrape(a, t)
+                push(heap, (t + multi.setup.scrape_interval_s, seq, _SCRAPE, a, 0))
+                seq += 1
+            else:
+                scrapers -= 1
         else:
             arrival[a] = t
             if arrivals is not None and a + 1 < n:
                 push(heap, (arrivals[a + 1], seq, _ARRIVE, a + 1, 0))
                 seq += 1
-            if routed is not None:
+            if routed is not None or multi is not None:
                 ikey = (prompt_tokens[a], max_tokens[a], hints[a])
                 info = info_cache.get(ikey)
                 if info is None:
@@ -430,7 +470,11 @@ def simulate(
                     )
                     info_cache[ikey] = info
                 try:
-                    decision = decide(routed, info, build_view(), t)
+                    if multi is not None:
+                        decision = multi.decide(a, info, t)
+                    else:
+                        assert routed is not None
+                        decision = decide(routed, info, build_view(), t)
                 except InvalidDecision as e:
                     raise SimulationError(
                         f"policy {policy_name!r} {e} (deployment: {', '.join(index)})"

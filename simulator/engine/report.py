@@ -119,10 +119,15 @@ def _row(first: list[str], summary: dict[str, Any]) -> list[str]:
 
 def table_rows(runs: Sequence[RunResult]) -> tuple[list[str], list[list[str]]]:
     """Header and rows: per run its levels (sweep) then its overall summary; with an oracle (a
-    sweep simulated with `--oracle`), the best static split's tok/s and the run's ratio to it."""
+    sweep simulated with `--oracle`), the best static split's tok/s and the run's ratio to it;
+    with several routers (or a scraped view), the routers and how often two routers' views
+    disagreed (on the overall row)."""
     oracle = any("oracle_ratio" in level for run in runs for level in run.levels or [])
     extra = ["oracle tok/s", "vs oracle"] if oracle else []
+    views = any(run.views is not None for run in runs)
     header = ["run", "conc", *(h for _, h, _ in _COLUMNS), "base/eagle %", *extra]
+    if views:
+        header += ["routers", "views differ %"]
     rows: list[list[str]] = []
     for run in runs:
         label = run_label(run)
@@ -133,9 +138,21 @@ def table_rows(runs: Sequence[RunResult]) -> tuple[list[str], list[list[str]]]:
                     _cell(level, "oracle_throughput_tok_s", "{:.1f}"),
                     _cell(level, "oracle_ratio", "{:.3f}"),
                 ]
-            rows.append(row)
-        rows.append(_row([label, "all"], run.summary) + ["-"] * len(extra))
+            rows.append(row + ["-", "-"] * views)
+        row = _row([label, "all"], run.summary) + ["-"] * len(extra)
+        if views:
+            row += _views_cells(run.views)
+        rows.append(row)
     return header, rows
+
+
+def _views_cells(views: dict[str, Any] | None) -> list[str]:
+    """`R x S s` and the percentage of router pairs whose views disagreed."""
+    if views is None:
+        return ["1 (perfect)", "-"]
+    interval = views["scrape_interval_s"]
+    routers = f"{views['routers']} x {interval:g} s" if interval else f"{views['routers']} (live)"
+    return [routers, _cell(views, "view_disagreement", "{:.1%}").rstrip("%")]
 
 
 def format_table(runs: Sequence[RunResult]) -> str:

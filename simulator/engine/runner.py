@@ -10,6 +10,11 @@ The policy is built from `profile` (what it believes); the servers run from `ser
 when one is given (the truth), so the cost of a wrong profile can be measured. With `oracle`,
 each closed-loop level also gets the best static split's throughput on those servers
 (`simulator.engine.oracle`) and the run's ratio to it.
+
+With `routers` (`simulator.engine.routers.RouterSetup`), the arrivals go through that many
+routers, each with its own policy instance (built the same way, same seed) and its own scraped
+view; the run's result then carries the setup and how often the routers' views disagreed. The
+default is one router with the perfect view.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from policies.spec import PolicyContext
 from simulator.engine.loop import RequestBatch, simulate
 from simulator.engine.oracle import best_static_split
 from simulator.engine.results import RunResult, samples, summarize
+from simulator.engine.routers import PERFECT_VIEW, RouterGroup, RouterSetup
 from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, ServerKind, ServerModel, build_deployment
 from simulator.engine.workloads import Segment
 
@@ -77,8 +83,10 @@ def run(
     server_profile: Profile | None = None,
     oracle: bool = False,
     spec_details: bool = False,
+    routers: RouterSetup = PERFECT_VIEW,
 ) -> RunResult:
     servers = build_deployment(server_profile or profile, deployment, buckets)
+    group: RouterGroup | None = None
     if is_single_pool(deployment):
         policy = None
         name, params = SINGLE_POOL_POLICY, {}
@@ -86,6 +94,12 @@ def run(
         reg = registry or default_registry()
         policy = reg.create(choice.name, choice.params, PolicyContext(profile, seed))
         name, params = choice.name, typed_params(reg, choice)
+        if not routers.perfect:
+            others = [
+                reg.create(choice.name, choice.params, PolicyContext(profile, seed))
+                for _ in range(1, routers.routers)
+            ]
+            group = RouterGroup(routers, [policy, *others])
     parts = []
     levels: list[dict[str, Any]] | None = None
     for k, seg in enumerate(segments):
@@ -98,6 +112,7 @@ def run(
             measure=seg.measure,
             seed=seed * 1000 + k,
             spec_details=spec_details,
+            routers=group,
         )
         part = samples(raw)
         parts.append(part)
@@ -118,4 +133,5 @@ def run(
         summary=summarize(parts),
         levels=levels,
         samples=parts,
+        views=None if group is None else {**routers.to_json(), **group.stats.to_json()},
     )
