@@ -79,10 +79,16 @@ class Job:
     requests: int
 
 
+WINDOWS = 3
+"""A trace is cut into this many disjoint windows; seed s replays window s mod WINDOWS."""
+
+
 def _trace_batch(name: str, seed: int, size: int, scale_to: float) -> RequestBatch:
-    """Window `seed` of the trace, its arrivals scaled to a mean rate of `scale_to` per second."""
+    """Window `seed` of the trace (at most `size` requests), its arrivals scaled to a mean rate of
+    `scale_to` per second."""
     records = read_trace(str(TRACES / f"AzureLLMInferenceTrace_{name}.csv"), None, limit=None)
-    window = records[seed * size : (seed + 1) * size]
+    size = min(size, len(records) // WINDOWS)
+    window = records[seed % WINDOWS * size : (seed % WINDOWS + 1) * size]
     t0 = window[0].t
     rate = len(window) / (window[-1].t - t0)
     scale = rate / scale_to
@@ -158,6 +164,13 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=5000, help="Requests per run (default 5000).")
     ap.add_argument("--routers", type=int, nargs="+", default=list(ROUTERS))
     ap.add_argument("--intervals", type=float, nargs="+", default=list(INTERVALS))
+    ap.add_argument(
+        "--other-routers",
+        type=int,
+        nargs="+",
+        default=[1, 8, 16],
+        help="Routers run at scrape intervals other than 1 s (default 1 8 16).",
+    )
     ap.add_argument("--loads", type=float, nargs="+", default=list(LOADS))
     ap.add_argument("--profiles", nargs="+", default=list(PROFILES))
     ap.add_argument("--workloads", nargs="+", default=["poisson", "azure-code", "azure-conv"])
@@ -179,6 +192,7 @@ def main() -> int:
         for r in routers
         for seed in seeds
         if not (v != "plain" and r == 1)  # the setting is 1 with one router: same as plain
+        and (s == 1.0 or r in args.other_routers or r == 1)
     ]
     print(
         f"replicas: profiles {', '.join(args.profiles)}; workloads {', '.join(args.workloads)}; loads "
@@ -208,7 +222,7 @@ def main() -> int:
             rows = []
             for v in args.variants:
                 for r in routers:
-                    if r == 1 and v != "plain":
+                    if (r == 1 and v != "plain") or (s != 1.0 and r not in args.other_routers and r != 1):
                         continue
                     runs = [get(c, v, r, s, seed) for seed in seeds]
                     refs = [get(c, v, 1, s, seed) for seed in seeds]
