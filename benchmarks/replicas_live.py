@@ -33,14 +33,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sim_vs_live import TARGET, Proc, pool_counts
+from sim_vs_live import TARGET, Proc, comparison_table, live_figures, pool_counts, sim_figures
 
 from controller.bench.result import summarize as summarize_live
 from controller.bench.runner import run_sweep
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
-from simulator.engine.loop import NOT_SENT, simulate
-from simulator.engine.results import samples, summarize
+from simulator.engine.loop import simulate
 from simulator.engine.routers import RouterGroup, RouterSetup
 from simulator.engine.servers import build_deployment, parse_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
@@ -102,23 +101,7 @@ async def live_levels(urls: list[str], args: argparse.Namespace) -> list[dict[st
         )
         after = _counts(urls)
         s = summarize_live(c, [r for res in results for r in res.levels[0].requests])
-        sent = sum(after.values()) - sum(before.values())
-        out.append(
-            {
-                "concurrency": c,
-                "n": s.n,
-                "errors": s.errors,
-                "decode": (s.decode_tok_s.mean * x, (s.decode_tok_s.half_width or 0.0) * x)
-                if s.decode_tok_s
-                else None,
-                "total": (s.total_tok_s.mean * x, (s.total_tok_s.half_width or 0.0) * x)
-                if s.total_tok_s
-                else None,
-                "ttft": (s.ttft_s.mean / x, (s.ttft_s.half_width or 0.0) / x) if s.ttft_s else None,
-                "eagle_share": (after["eagle"] - before["eagle"]) / sent if sent else float("nan"),
-            }
-        )
-        print(f"live level {c}: done ({s.n} measured, {s.errors} errors)", file=sys.stderr)
+        out.append(live_figures(c, s, x, before, after))
     return out
 
 
@@ -142,19 +125,7 @@ def simulated_levels(args: argparse.Namespace) -> list[dict[str, Any]]:
             servers, None, seg.batch, concurrency=seg.concurrency, warmup=seg.warmup, measure=seg.measure,
             seed=args.seed * 1000 + k, routers=group,
         )  # fmt: skip
-        s = summarize([samples(raw)])
-        sent = [i for i, ph in enumerate(raw.phase) if ph != NOT_SENT]
-        eagle = sum(1 for i in sent if servers[raw.server[i]].pool == "eagle")
-        out.append(
-            {
-                "concurrency": seg.concurrency,
-                "n": s["requests"],
-                "decode": s["mean_decode_tok_s"],
-                "total": s["throughput_tok_s"],
-                "ttft": s["mean_ttft_s"],
-                "eagle_share": eagle / len(sent),
-            }
-        )
+        out.append(sim_figures(servers, raw, seg.concurrency))
     return out
 
 
@@ -188,29 +159,7 @@ def main() -> int:
         f"emulator time scale {args.time_scale:g} (live figures in profile time); live run {wall:.0f} s; "
         f"{os.cpu_count()} CPUs"
     )
-    print(
-        f"{'conc':>4} {'n':>3} | {'decode live (95% CI)':>22} {'sim':>7} {'diff':>7} | "
-        f"{'total live (95% CI)':>22} {'sim':>7} {'diff':>7} | "
-        f"{'TTFT live s (95% CI)':>22} {'sim':>6} {'diff':>7} | {'eagle% live':>11} {'sim':>5}"
-    )
-    worst = 0.0
-    for lv, sv in zip(live, sim, strict=True):
-        cells = []
-        for key, width, fmt in (("decode", 7, "{:7.1f}"), ("total", 7, "{:7.1f}"), ("ttft", 6, "{:6.3f}")):
-            got = lv[key]
-            if got is None or sv[key] is None:
-                cells.append(f"{'-':>22} {'-':>{width}} {'-':>7}")
-                continue
-            mean, hw = got
-            diff = (sv[key] - mean) / mean
-            if key != "ttft":
-                worst = max(worst, abs(diff))
-            live_s = f"{fmt.format(mean).strip()} ± {fmt.format(hw).strip()}"
-            cells.append(f"{live_s:>22} {fmt.format(sv[key])} {100 * diff:+6.1f}%")
-        print(
-            f"{lv['concurrency']:>4} {lv['n']:>3} | " + " | ".join(cells)
-            + f" | {100 * lv['eagle_share']:>11.0f} {100 * sv['eagle_share']:>5.0f}"
-        )  # fmt: skip
+    worst = comparison_table(live, sim)
     verdict = "met" if worst <= TARGET else "MISSED"
     print(
         f"\nworst |diff| of decode rate and total throughput: {100 * worst:.1f}% "
