@@ -344,6 +344,14 @@ def simulate(
             current_view = LoadView(baseline_load, eagle_load)
         return current_view
 
+    def outcome_of(r: int, info: RequestInfo, decision: Decision, s: _Server, t: float) -> Outcome:
+        """The outcome of request `r`, finished on `s` at `t`."""
+        start = arrival[r]
+        accepted = None
+        if spec_details and s.speculative and s.accept_length is not None:
+            accepted = accept[r] * s.accept_length
+        return Outcome(info, decision, start, first[r] - start, output_tokens[r], t - start, "ok", accepted)
+
     def least_loaded() -> int:
         return least_loaded_index([s.running + len(s.queue) for s in states], rng)
 
@@ -391,30 +399,20 @@ def simulate(
                 s.done_seq = s.carrier_seq = seq
                 push(heap, (done_t, seq, _DONE, a, seq))
                 seq += 1
-            if observe is not None or multi is not None:
+            if observe is not None:
                 for r in done:
                     info, decision = infos[r], decisions[r]
-                    outcome = None
                     if info is not None and decision is not None:
-                        start = arrival[r]
-                        accepted = None
-                        if spec_details and s.speculative and s.accept_length is not None:
-                            accepted = accept[r] * s.accept_length
-                        outcome = Outcome(
-                            info,
-                            decision,
-                            start,
-                            first[r] - start,
-                            output_tokens[r],
-                            t - start,
-                            "ok",
-                            accepted,
-                        )
+                        observe(outcome_of(r, info, decision, s, t))
                         infos[r] = decisions[r] = None
-                    if multi is not None:
-                        multi.finished(r, a, outcome)
-                    elif outcome is not None and observe is not None:
-                        observe(outcome)
+            elif multi is not None:
+                for r in done:
+                    info, decision = infos[r], decisions[r]
+                    if info is not None and decision is not None:
+                        multi.finished(r, a, outcome_of(r, info, decision, s, t))
+                        infos[r] = decisions[r] = None
+                    else:
+                        multi.finished(r, a, None)
             if loop is not None:
                 for r in done:
                     loop.done(phase[r])
