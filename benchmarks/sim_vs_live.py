@@ -35,17 +35,18 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from controller.bench.result import LevelSummary
 from controller.bench.runner import run_sweep
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
-from simulator.engine.loop import NOT_SENT, simulate
+from simulator.engine.loop import NOT_SENT, RawRun, simulate
 from simulator.engine.results import samples, summarize
-from simulator.engine.servers import build_deployment, parse_deployment
+from simulator.engine.servers import ServerModel, build_deployment, parse_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
 TARGET = 0.10
@@ -147,26 +148,43 @@ async def live_levels(url: str, args: argparse.Namespace) -> list[dict[str, Any]
             progress=True,
         )
         after = pool_counts(url)
-        s = result.levels[0].summary
-        sent = sum(after.values()) - sum(before.values())
-        x = args.time_scale
-        out.append(
-            {
-                "concurrency": c,
-                "n": s.n,
-                "errors": s.errors,
-                "decode": (s.decode_tok_s.mean * x, (s.decode_tok_s.half_width or 0.0) * x)
-                if s.decode_tok_s
-                else None,
-                "total": (s.total_tok_s.mean * x, (s.total_tok_s.half_width or 0.0) * x)
-                if s.total_tok_s
-                else None,
-                "ttft": (s.ttft_s.mean / x, (s.ttft_s.half_width or 0.0) / x) if s.ttft_s else None,
-                "eagle_share": (after["eagle"] - before["eagle"]) / sent if sent else float("nan"),
-            }
-        )
-        print(f"live level {c}: done ({s.n} measured, {s.errors} errors)", file=sys.stderr)
+        out.append(live_figures(c, result.levels[0].summary, args.time_scale, before, after))
     return out
+
+
+def live_figures(
+    c: int, s: LevelSummary, x: float, before: dict[str, float], after: dict[str, float]
+) -> dict[str, Any]:
+    """A live level's figures in profile time (emulator time scale `x`); the eagle share from the
+    pool counts before and after it."""
+    sent = sum(after.values()) - sum(before.values())
+    print(f"live level {c}: done ({s.n} measured, {s.errors} errors)", file=sys.stderr)
+    return {
+        "concurrency": c,
+        "n": s.n,
+        "errors": s.errors,
+        "decode": (s.decode_tok_s.mean * x, (s.decode_tok_s.half_width or 0.0) * x)
+        if s.decode_tok_s
+        else None,
+        "total": (s.total_tok_s.mean * x, (s.total_tok_s.half_width or 0.0) * x) if s.total_tok_s else None,
+        "ttft": (s.ttft_s.mean / x, (s.ttft_s.half_width or 0.0) / x) if s.ttft_s else None,
+        "eagle_share": (after["eagle"] - before["eagle"]) / sent if sent else float("nan"),
+    }
+
+
+def sim_figures(servers: Sequence[ServerModel], raw: RawRun, concurrency: int | None) -> dict[str, Any]:
+    """A simulated level's figures (the eagle share over every request it sent)."""
+    s = summarize([samples(raw)])
+    sent = [i for i, ph in enumerate(raw.phase) if ph != NOT_SENT]
+    eagle = sum(1 for i in sent if servers[raw.server[i]].pool == "eagle")
+    return {
+        "concurrency": concurrency,
+        "n": s["requests"],
+        "decode": s["mean_decode_tok_s"],
+        "total": s["throughput_tok_s"],
+        "ttft": s["mean_ttft_s"],
+        "eagle_share": eagle / len(sent),
+    }
 
 
 def simulated_levels(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -186,20 +204,39 @@ def simulated_levels(args: argparse.Namespace) -> list[dict[str, Any]]:
             servers, policy, seg.batch, concurrency=seg.concurrency, warmup=seg.warmup, measure=seg.measure,
             seed=args.seed * 1000 + k,
         )  # fmt: skip
-        s = summarize([samples(raw)])
-        sent = [i for i, ph in enumerate(raw.phase) if ph != NOT_SENT]
-        eagle = sum(1 for i in sent if servers[raw.server[i]].pool == "eagle")
-        out.append(
-            {
-                "concurrency": seg.concurrency,
-                "n": s["requests"],
-                "decode": s["mean_decode_tok_s"],
-                "total": s["throughput_tok_s"],
-                "ttft": s["mean_ttft_s"],
-                "eagle_share": eagle / len(sent),
-            }
-        )
+        out.append(sim_figures(servers, raw, seg.concurrency))
     return out
+
+
+def comparison_table(live: list[dict[str, Any]], sim: list[dict[str, Any]]) -> float:
+    """Print live and simulated levels side by side; the worst |diff| of decode rate and total
+    throughput."""
+    header = (
+        f"{'conc':>4} {'n':>3} | {'decode live (95% CI)':>22} {'sim':>7} {'diff':>7} | "
+        f"{'total live (95% CI)':>22} {'sim':>7} {'diff':>7} | "
+        f"{'TTFT live s (95% CI)':>22} {'sim':>6} {'diff':>7} | "
+        f"{'eagle% live':>11} {'sim':>5}"
+    )
+    print(header)
+    worst = 0.0
+    for lv, sv in zip(live, sim, strict=True):
+        cells = []
+        for key, width, fmt in (("decode", 7, "{:7.1f}"), ("total", 7, "{:7.1f}"), ("ttft", 6, "{:6.3f}")):
+            got = lv[key]
+            if got is None or sv[key] is None:
+                cells.append(f"{'-':>22} {'-':>{width}} {'-':>7}")
+                continue
+            mean, hw = got
+            diff = (sv[key] - mean) / mean
+            if key != "ttft":
+                worst = max(worst, abs(diff))
+            live_s = f"{fmt.format(mean).strip()} ± {fmt.format(hw).strip()}"
+            cells.append(f"{live_s:>22} {fmt.format(sv[key])} {100 * diff:+6.1f}%")
+        print(
+            f"{lv['concurrency']:>4} {lv['n']:>3} | " + " | ".join(cells)
+            + f" | {100 * lv['eagle_share']:>11.0f} {100 * sv['eagle_share']:>5.0f}"
+        )  # fmt: skip
+    return worst
 
 
 def main() -> int:
@@ -229,31 +266,7 @@ def main() -> int:
         f"{args.max_tokens} tokens each; emulator time scale {args.time_scale:g} (live figures converted "
         f"to profile time); live run {wall:.0f} s; {os.cpu_count()} CPUs"
     )
-    header = (
-        f"{'conc':>4} {'n':>3} | {'decode live (95% CI)':>22} {'sim':>7} {'diff':>7} | "
-        f"{'total live (95% CI)':>22} {'sim':>7} {'diff':>7} | "
-        f"{'TTFT live s (95% CI)':>22} {'sim':>6} {'diff':>7} | "
-        f"{'eagle% live':>11} {'sim':>5}"
-    )
-    print(header)
-    worst = 0.0
-    for lv, sv in zip(live, sim, strict=True):
-        cells = []
-        for key, width, fmt in (("decode", 7, "{:7.1f}"), ("total", 7, "{:7.1f}"), ("ttft", 6, "{:6.3f}")):
-            got = lv[key]
-            if got is None or sv[key] is None:
-                cells.append(f"{'-':>22} {'-':>{width}} {'-':>7}")
-                continue
-            mean, hw = got
-            diff = (sv[key] - mean) / mean
-            if key != "ttft":
-                worst = max(worst, abs(diff))
-            live_s = f"{fmt.format(mean).strip()} ± {fmt.format(hw).strip()}"
-            cells.append(f"{live_s:>22} {fmt.format(sv[key])} {100 * diff:+6.1f}%")
-        print(
-            f"{lv['concurrency']:>4} {lv['n']:>3} | " + " | ".join(cells)
-            + f" | {100 * lv['eagle_share']:>11.0f} {100 * sv['eagle_share']:>5.0f}"
-        )  # fmt: skip
+    worst = comparison_table(live, sim)
     print(
         f"\nworst |diff| of decode rate and total throughput: {100 * worst:.1f}% "
         f"(target {100 * TARGET:.0f}%); eagle% counts every request of the level (warm-up and fillers too)."

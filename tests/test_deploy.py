@@ -640,6 +640,7 @@ def test_kubernetes_structure(tmp_path: Path) -> None:
 
     settings = load_settings(environ={}, config_file=_configmap_config(tmp_path))
     assert settings.port in ports.values()
+    assert settings.replicas == dep["spec"]["replicas"]  # each replica is told how many there are
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
     pause = float(pre_stop[1]) if pre_stop[0] == "sleep" else 0.0
     assert pod["terminationGracePeriodSeconds"] > pause + settings.drain_timeout_s

@@ -11,7 +11,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from controller.cli.args import CommandError, non_negative_int, positive_float, positive_int, require
+from controller.cli.args import (
+    CommandError,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    require,
+)
 from controller.cli.workload_args import (
     SIMULATION_ERRORS,
     add_workload_args,
@@ -26,6 +33,7 @@ from policies.profile import Profile, resolve_profile
 from policies.registry import default_registry
 from simulator.engine.report import align_columns, format_table, write_report
 from simulator.engine.results import RunResult, Slo
+from simulator.engine.routers import SPLITS, RouterSetup
 from simulator.engine.runner import PolicyChoice, is_single_pool, run
 from simulator.engine.servers import ServerKind, parse_deployment, parse_speed, server_profile
 from simulator.engine.workloads import WorkloadSpec, generate
@@ -133,6 +141,37 @@ def configure_simulate(s: argparse.ArgumentParser) -> None:
         help="Sweeps: per level, the best static split (k clients on eagle, the rest on baseline) "
         "computed from the servers' profile, and each policy's throughput ratio to it.",
     )
+    r = s.add_argument_group("replicas")
+    r.add_argument(
+        "--routers",
+        type=positive_int,
+        default=1,
+        help="specroute replicas in front of the servers, each with its own policy and its own scraped "
+        "view of the load (default 1).",
+    )
+    r.add_argument(
+        "--scrape-interval",
+        type=non_negative_float,
+        metavar="S",
+        help="Seconds between a router's scrapes of the servers (each router at its own phase); 0: every "
+        "router sees the true load at every decision. Default: 0 (the perfect view) with --routers 1, "
+        "else 1 (serve's scrape_interval_s).",
+    )
+    r.add_argument(
+        "--router-split",
+        choices=SPLITS,
+        default="random",
+        help="How arrivals are spread over the routers: random (kube-proxy iptables mode, the default) "
+        "or round-robin (IPVS).",
+    )
+    r.add_argument(
+        "--replicas-setting",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="serve's `replicas` setting given to every router: its own traffic since a scrape counts N "
+        "times (default 1: off).",
+    )
     s.add_argument("--json", action="store_true", help="Print one JSON document.")
     s.add_argument("--report", metavar="DIR", help="Write a markdown report and PNG plots into DIR.")
     s.set_defaults(func=_simulate_main)
@@ -214,6 +253,10 @@ def _simulate_main(args: argparse.Namespace) -> int:
         registry = default_registry()
         for c in choices:  # validate every policy before the first simulation
             registry.parse_params(c.name, c.params)
+        interval = args.scrape_interval
+        if interval is None:
+            interval = 0.0 if args.routers == 1 else 1.0
+        routers = RouterSetup(args.routers, interval, args.router_split, float(args.replicas_setting))
         segments = generate(spec, args.seed)
         runs: list[RunResult] = []
         for dep in deployments:
@@ -231,6 +274,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
                         oracle=args.oracle,
                         spec_details=args.spec_details,
                         cache_tokens=args.cache_tokens,
+                        routers=routers,
                     )
                 )
         description = _describe(spec, profile, servers)

@@ -84,6 +84,7 @@ def create_app(
         settings.eagle,
         stale_after_s=settings.scrape_stale_after_s,
         panic=settings.panic_routing,
+        replicas=settings.replicas,
     )
     tracker.set_bounds(*in_flight_bounds(settings, ctx.profile))
     if settings.prefix_tracking:

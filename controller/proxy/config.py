@@ -317,6 +317,15 @@ class Settings(BaseModel):
         description="Prefix cache capacity of one backend in tokens, which bounds its index (SGLang's "
         "max_total_num_tokens); default: the profile mode's cache_tokens, else 1,000,000.",
     )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="specroute replicas in front of the same backends (all told the same number): each "
+        "counts its own requests dispatched and finished since a backend's last scrape this many times, "
+        "assuming the other replicas did alike (herding: they do not see each other's dispatches until "
+        "the next scrape). 1: only this replica's own.",
+    )
     spec_details: bool = Field(
         default=False,
         description="Ask eagle backends for per-request speculative stats (SGLang's "

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from controller.proxy.config import parse_backend
 from policies.base import POOLS, BackendLoad, LoadView, Pool, PoolLoad
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
+from policies.replicas import combined_load
 
 
 @dataclass(slots=True)
@@ -75,42 +76,26 @@ class BackendState:
         bound = self.max_in_flight
         return bound is None or self.in_flight < bound
 
-    def load(self, now: float, stale_after_s: float, available: bool = True) -> BackendLoad:
-        """This backend's load at `now`; `available` becomes the view's `healthy`."""
-        t = self.sample_time
-        if t is None or now - t > stale_after_s or self.running is None:
-            return BackendLoad(
-                name=self.name,
-                pool=self.pool,
-                healthy=available,
-                in_flight=self.in_flight,
-                in_flight_tokens=self.in_flight_tokens,
-            )
-        running, queued = self.running, self.queued or 0
-        if self.sample_in_flight is not None:
-            running, queued = corrected(running, queued, self.in_flight - self.sample_in_flight)
-        return BackendLoad(
-            name=self.name,
-            pool=self.pool,
-            healthy=available,
-            in_flight=self.in_flight,
-            in_flight_tokens=self.in_flight_tokens,
-            running=running,
-            queued=queued,
+    def load(
+        self, now: float, stale_after_s: float, available: bool = True, replicas: float = 1.0
+    ) -> BackendLoad:
+        """This backend's load at `now`; `available` becomes the view's `healthy` (the sample
+        combined with this replica's traffic by `policies.replicas.combined_load`)."""
+        return combined_load(
+            self.name,
+            self.pool,
+            available,
+            self.in_flight,
+            self.in_flight_tokens,
+            running=self.running,
+            queued=self.queued,
+            sample_time=self.sample_time,
+            sample_in_flight=self.sample_in_flight,
             accept_length=self.accept_length,
-            sample_age_s=now - t,
+            now=now,
+            stale_after_s=stale_after_s,
+            replicas=replicas,
         )
-
-
-def corrected(running: int, queued: int, delta: int) -> tuple[int, int]:
-    """Running/queued after `delta` requests joined (+) or left (-) since the sample.
-
-    New requests count as running (the backend's capacity is not known here); leaving ones
-    shrink the total, and the queue never exceeds the total.
-    """
-    total = max(0, running + queued + delta)
-    queued = min(queued, total)
-    return total - queued, queued
 
 
 @dataclass(slots=True)
@@ -132,6 +117,7 @@ class LoadTracker:
         *,
         stale_after_s: float = 5.0,
         panic: bool = True,
+        replicas: float = 1.0,
     ) -> None:
         """`baseline`, `eagle`: backends as `URL` or `NAME=URL`."""
         self.backends: dict[str, BackendState] = {}
@@ -143,6 +129,9 @@ class LoadTracker:
                 self.backends[spec.name] = BackendState(name=spec.name, pool=pool, url=spec.url)  # type: ignore[arg-type]
         self.stale_after_s = stale_after_s
         self.panic = panic
+        self.replicas = replicas
+        """The `replicas` setting: this replica's traffic since a sample counts this many times
+        (`policies.replicas.believed_counts`)."""
         self.pool_max_in_flight: dict[Pool, int | None] = {"baseline": None, "eagle": None}
 
     def __iter__(self) -> Iterator[BackendState]:
@@ -192,7 +181,7 @@ class LoadTracker:
         stale = self.stale_after_s
         takers = {b.name for b in self.takers(now)}
         for b in self.backends.values():
-            load = b.load(now, stale, b.name in takers)
+            load = b.load(now, stale, b.name in takers, self.replicas)
             if blocks and b.prefixes is not None:
                 cached = b.prefixes.match(blocks) * DEFAULT_BLOCK_TOKENS
                 load.cached_tokens = cached if prompt_tokens is None else min(cached, prompt_tokens)

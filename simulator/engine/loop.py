@@ -37,6 +37,7 @@ import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from policies.base import (
     BackendLoad,
@@ -51,11 +52,13 @@ from policies.base import (
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.routing import Router, least_loaded_index
 from simulator.engine.cache import BlockCache
+from simulator.engine.routers import RouterGroup, Routers
 from simulator.engine.servers import ServerModel
 
 _ARRIVE = 0
 _FIRST = 1
 _DONE = 2
+_SCRAPE = 3
 _INFO_CACHE_MAX = 1 << 16
 
 
@@ -232,6 +235,7 @@ def simulate(
     seed: int = 0,
     spec_details: bool = False,
     index_cache_tokens: Sequence[int | None] | None = None,
+    routers: RouterGroup | None = None,
 ) -> RawRun:
     """Run `batch` through `servers`.
 
@@ -250,6 +254,9 @@ def simulate(
     With `batch.blocks`, each server with a `cache_tokens` capacity keeps a prefix cache, and
     the router a prefix index per server sized by `index_cache_tokens` (what it believes each
     server holds; default: the servers' own capacities).
+    With `routers` (several replicas, or one with a scraped view: `simulator.engine.routers`),
+    each arrival goes through one of the group's routers and its policy (`policy` is not used);
+    a group whose setup is the perfect view runs as one router with its policy.
     """
     n = len(batch)
     if not servers:
@@ -269,7 +276,13 @@ def simulate(
         raise SimulationError("server speed tables must cover the same batch sizes")
     pools = {m.pool for m in servers}
     # A single-pool deployment is routed least-loaded, without the policy.
-    routed = policy if policy is not None and len(pools) == 2 else None
+    # --- replicas (simulator.engine.routers): a perfect-view group is one plain router
+    group = routers if routers is not None and len(pools) == 2 else None
+    if group is not None and group.setup.perfect:
+        policy, group = group.policies[0], None
+    elif group is not None:
+        policy = group.policies[0]
+    routed = policy if policy is not None and len(pools) == 2 and group is None else None
     policy_name = policy.name if policy is not None else ""
     index = {m.name: i for i, m in enumerate(servers)}
     router = Router(seed)
@@ -278,6 +291,16 @@ def simulate(
     prompt_tokens, output_tokens = batch.prompt_tokens, batch.output_tokens
     max_tokens, hints, accept = batch.max_tokens, batch.hints, batch.accept
     budget = [m if m is not None else o for m, o in zip(max_tokens, output_tokens, strict=True)]
+    multi: Routers | None = None
+    if group is not None:
+        multi = Routers(
+            group,
+            [(m.name, m.pool, st.accept_length) for m, st in zip(servers, states, strict=True)],
+            lambda: ([st.running for st in states], [len(st.queue) for st in states]),
+            seed,
+            budget,
+        )
+    # --- end replicas
     arrival = [0.0] * n
     first = [0.0] * n
     finish = [0.0] * n
@@ -290,11 +313,16 @@ def simulate(
     cached = [0] * n
     prefill = _Prefill(prompt_tokens, blocks if caching else None, block_tokens, cached)
     indexes = None
-    if blocks is not None and routed is not None:
+    router_indexes: list[list[PrefixIndex]] | None = None
+    if blocks is not None and (routed is not None or multi is not None):
         believed = index_cache_tokens or [m.cache_tokens for m in servers]
         if len(believed) != len(servers):
             raise SimulationError("index_cache_tokens needs one capacity per server")
         indexes = [PrefixIndex((c or 0) // block_tokens) for c in believed]
+        if multi is not None:
+            router_indexes = [
+                [PrefixIndex((c or 0) // block_tokens) for c in believed] for _ in range(multi.n)
+            ]
 
     heap: list[tuple[float, int, int, int, int]] = []
     push, pop = heapq.heappush, heapq.heappop
@@ -317,6 +345,12 @@ def simulate(
             push(heap, (0.0, seq, _ARRIVE, loop.sent, 0))
             seq += 1
             loop.sent += 1
+    scrapers = 0
+    if multi is not None:
+        for r, t0 in enumerate(multi.first_scrapes()):
+            push(heap, (t0, seq, _SCRAPE, r, 0))
+            seq += 1
+        scrapers = len(multi.phases)
 
     # Views are rebuilt only where a server's state changed since the last decision: the
     # frozen dataclasses are the costliest part of an arrival.
@@ -354,6 +388,24 @@ def simulate(
                 eagle_load = PoolLoad("eagle", tuple(eagle_bls))
             current_view = LoadView(baseline_load, eagle_load)
         return current_view
+
+    def outcome_of(r: int, info: RequestInfo, decision: Decision, s: _Server, t: float) -> Outcome:
+        """The outcome of request `r`, finished on `s` at `t`."""
+        start = arrival[r]
+        accepted = None
+        if spec_details and s.speculative and s.accept_length is not None:
+            accepted = accept[r] * s.accept_length
+        return Outcome(
+            info,
+            decision,
+            start,
+            first[r] - start,
+            output_tokens[r],
+            t - start,
+            "ok",
+            accepted,
+            cached[r] if caching else None,
+        )
 
     def least_loaded() -> int:
         return least_loaded_index([s.running + len(s.queue) for s in states], rng)
@@ -408,24 +460,16 @@ def simulate(
                 for r in done:
                     info, decision = infos[r], decisions[r]
                     if info is not None and decision is not None:
-                        start = arrival[r]
-                        accepted = None
-                        if spec_details and s.speculative and s.accept_length is not None:
-                            accepted = accept[r] * s.accept_length
-                        observe(
-                            Outcome(
-                                info,
-                                decision,
-                                start,
-                                first[r] - start,
-                                output_tokens[r],
-                                t - start,
-                                "ok",
-                                accepted,
-                                cached[r] if caching else None,
-                            )
-                        )
+                        observe(outcome_of(r, info, decision, s, t))
                         infos[r] = decisions[r] = None
+            elif multi is not None:
+                for r in done:
+                    info, decision = infos[r], decisions[r]
+                    if info is not None and decision is not None:
+                        multi.finished(r, a, outcome_of(r, info, decision, s, t))
+                        infos[r] = decisions[r] = None
+                    else:
+                        multi.finished(r, a, None)
             if loop is not None:
                 for r in done:
                     loop.done(phase[r])
@@ -457,12 +501,20 @@ def simulate(
                     push(heap, (done_t, seq, _DONE, b, seq))
                     s.carrier_t, s.carrier_seq = done_t, seq
                 seq += 1
+        elif kind == _SCRAPE:
+            assert multi is not None
+            if len(heap) >= scrapers:  # work is pending besides the other routers' scrapes
+                multi.scrape(a, t)
+                push(heap, (t + multi.setup.scrape_interval_s, seq, _SCRAPE, a, 0))
+                seq += 1
+            else:
+                scrapers -= 1
         else:
             arrival[a] = t
             if arrivals is not None and a + 1 < n:
                 push(heap, (arrivals[a + 1], seq, _ARRIVE, a + 1, 0))
                 seq += 1
-            if routed is not None:
+            if routed is not None or multi is not None:
                 ikey = (prompt_tokens[a], max_tokens[a], hints[a])
                 info = info_cache.get(ikey)
                 if info is None:
@@ -472,12 +524,27 @@ def simulate(
                         endpoint="chat", stream=True, prompt_tokens=ikey[0], max_tokens=ikey[1], hint=ikey[2]
                     )
                     info_cache[ikey] = info
-                view = build_view()
-                if indexes is not None:
-                    assert blocks is not None
-                    _believe(view, indexes, states, blocks[a], block_tokens, prompt_tokens[a])
                 try:
-                    decision = decide(routed, info, view, t)
+                    if multi is not None:
+                        believe = None
+                        if router_indexes is not None:
+                            assert blocks is not None
+                            believe = partial(
+                                _believe_router,
+                                router_indexes,
+                                states,
+                                blocks[a],
+                                block_tokens,
+                                prompt_tokens[a],
+                            )
+                        decision = multi.decide(a, info, t, believe)
+                    else:
+                        assert routed is not None
+                        view = build_view()
+                        if indexes is not None:
+                            assert blocks is not None
+                            _believe(view, indexes, states, blocks[a], block_tokens, prompt_tokens[a])
+                        decision = decide(routed, info, view, t)
                 except InvalidDecision as e:
                     raise SimulationError(
                         f"policy {policy_name!r} {e} (deployment: {', '.join(index)})"
@@ -485,7 +552,11 @@ def simulate(
                 si = index[decision.backend]
                 if indexes is not None:
                     assert blocks is not None
-                    indexes[si].insert(blocks[a])
+                    # each router's index learns from its own dispatches only, as a replica's does
+                    if multi is not None and router_indexes is not None:
+                        router_indexes[multi.owner[a]][si].insert(blocks[a])
+                    else:
+                        indexes[si].insert(blocks[a])
                 infos[a] = info
                 decisions[a] = decision
             else:
@@ -585,3 +656,16 @@ def _believe(
     for s, idx in zip(states, indexes, strict=True):
         hit = idx.match(blocks) * block_tokens
         pools[s.pool_index][s.slot].cached_tokens = hit if hit < prompt_tokens else prompt_tokens
+
+
+def _believe_router(
+    router_indexes: Sequence[Sequence[PrefixIndex]],
+    states: Sequence[_Server],
+    blocks: Sequence[int],
+    block_tokens: int,
+    prompt_tokens: int,
+    r: int,
+    view: LoadView,
+) -> None:
+    """`_believe` with router `r`'s own prefix indexes (several routers: each its own)."""
+    _believe(view, router_indexes[r], states, blocks, block_tokens, prompt_tokens)

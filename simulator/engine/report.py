@@ -120,13 +120,18 @@ def _row(first: list[str], summary: dict[str, Any]) -> list[str]:
 def table_rows(runs: Sequence[RunResult]) -> tuple[list[str], list[list[str]]]:
     """Header and rows: per run its levels (sweep) then its overall summary; with an oracle (a
     sweep simulated with `--oracle`), the best static split's tok/s and the run's ratio to it;
-    with prefix caches, the cache hit ratio and the prompt tokens prefilled."""
+    with prefix caches, the cache hit ratio and the prompt tokens prefilled;
+    with several routers (or a scraped view), the routers and how often two routers' views
+    disagreed (on the overall row)."""
     oracle = any("oracle_ratio" in level for run in runs for level in run.levels or [])
     cached = any(run.summary.get("cache_hit_ratio") for run in runs)
     extra = ["oracle tok/s", "vs oracle"] if oracle else []
+    views = any(run.views is not None for run in runs)
     header = ["run", "conc", *(h for _, h, _ in _COLUMNS), "base/eagle %", *extra]
     if cached:  # prefix caches modelled: how much of the prompts they served
         header += ["cache hit", "prefill tok"]
+    if views:
+        header += ["routers", "views differ %"]
     rows: list[list[str]] = []
 
     def cache_cells(summary: dict[str, Any]) -> list[str]:
@@ -143,9 +148,21 @@ def table_rows(runs: Sequence[RunResult]) -> tuple[list[str], list[list[str]]]:
                     _cell(level, "oracle_throughput_tok_s", "{:.1f}"),
                     _cell(level, "oracle_ratio", "{:.3f}"),
                 ]
-            rows.append(row + cache_cells(level))
-        rows.append(_row([label, "all"], run.summary) + ["-"] * len(extra) + cache_cells(run.summary))
+            rows.append(row + cache_cells(level) + ["-", "-"] * views)
+        row = _row([label, "all"], run.summary) + ["-"] * len(extra) + cache_cells(run.summary)
+        if views:
+            row += _views_cells(run.views)
+        rows.append(row)
     return header, rows
+
+
+def _views_cells(views: dict[str, Any] | None) -> list[str]:
+    """`R x S s` and the percentage of router pairs whose views disagreed."""
+    if views is None:
+        return ["1 (perfect)", "-"]
+    interval = views["scrape_interval_s"]
+    routers = f"{views['routers']} x {interval:g} s" if interval else f"{views['routers']} (live)"
+    return [routers, _cell(views, "view_disagreement", "{:.1%}").rstrip("%")]
 
 
 def format_table(runs: Sequence[RunResult]) -> str:

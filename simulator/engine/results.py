@@ -202,6 +202,9 @@ class RunResult:
     summary: dict[str, Any]
     levels: list[dict[str, Any]] | None
     samples: list[Samples]
+    views: dict[str, Any] | None = None
+    """Several routers or a scraped view (`simulator.engine.routers`): the setup and how often
+    the routers' views disagreed; None for one router with the perfect view."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -212,4 +215,6 @@ class RunResult:
         }
         if self.levels is not None:
             out["levels"] = self.levels
+        if self.views is not None:
+            out["routers"] = self.views
         return out

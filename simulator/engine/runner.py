@@ -13,6 +13,11 @@ each closed-loop level also gets the best static split's throughput on those ser
 
 Prefix caches: each simulated server's capacity is its mode's `cache_tokens` in the server
 profile, the router's prefix index believes the policy profile's; `cache_tokens` overrides both.
+
+With `routers` (`simulator.engine.routers.RouterSetup`), the arrivals go through that many
+routers, each with its own policy instance (built the same way, same seed) and its own scraped
+view; the run's result then carries the setup and how often the routers' views disagreed. The
+default is one router with the perfect view.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from policies.spec import PolicyContext
 from simulator.engine.loop import RequestBatch, simulate
 from simulator.engine.oracle import best_static_split
 from simulator.engine.results import RunResult, samples, summarize
+from simulator.engine.routers import PERFECT_VIEW, RouterGroup, RouterSetup
 from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, ServerKind, ServerModel, build_deployment
 from simulator.engine.workloads import Segment
 
@@ -81,6 +87,7 @@ def run(
     oracle: bool = False,
     spec_details: bool = False,
     cache_tokens: int | None = None,
+    routers: RouterSetup = PERFECT_VIEW,
 ) -> RunResult:
     servers = build_deployment(server_profile or profile, deployment, buckets)
     believed: list[int | None]
@@ -92,6 +99,7 @@ def run(
             profile.modes[mode].cache_tokens if mode in profile.modes else None
             for mode in ("eagle" if m.kind == "eagle" else "baseline" for m in servers)
         ]
+    group: RouterGroup | None = None
     if is_single_pool(deployment):
         policy = None
         name, params = SINGLE_POOL_POLICY, {}
@@ -99,6 +107,12 @@ def run(
         reg = registry or default_registry()
         policy = reg.create(choice.name, choice.params, PolicyContext(profile, seed))
         name, params = choice.name, typed_params(reg, choice)
+        if not routers.perfect:
+            others = [
+                reg.create(choice.name, choice.params, PolicyContext(profile, seed))
+                for _ in range(1, routers.routers)
+            ]
+            group = RouterGroup(routers, [policy, *others])
     parts = []
     levels: list[dict[str, Any]] | None = None
     for k, seg in enumerate(segments):
@@ -112,6 +126,7 @@ def run(
             seed=seed * 1000 + k,
             spec_details=spec_details,
             index_cache_tokens=believed,
+            routers=group,
         )
         part = samples(raw)
         parts.append(part)
@@ -132,4 +147,5 @@ def run(
         summary=summarize(parts),
         levels=levels,
         samples=parts,
+        views=None if group is None else {**routers.to_json(), **group.stats.to_json()},
     )
