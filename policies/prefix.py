@@ -17,17 +17,59 @@ keeps an approximation:
 The simulator feeds the same index with Mooncake's `hash_ids` (already chained block hashes)
 or with the block ids of its synthetic multi-turn workload, so policies see the same data in
 the simulator as in the proxy. Pure code: no I/O, no clock.
+
+The canonical text of a prompt is rendered here once, for both the proxy's index
+(`controller.proxy.prefixes.prompt_text`) and the emulator's prefix cache
+(`simulator.emulator.requests`), so the proxy's blocks and the emulator's cache name the same
+text:
+
+- chat: every message as `<|ROLE|>\\nTEXT\\n` in order (`chat_text`; TEXT: a string content,
+  or the text parts of a list content joined); no generation prompt, so the next turn (these
+  messages, the answer as an assistant message, a new user message) starts with it;
+- completions / `/generate`: the prompt text as it is;
+- token ids: four characters per id (`ids_text`), so blocks of ids hold as many tokens as
+  blocks of text (four characters per token).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from hashlib import blake2b
+from typing import Any
 
 DEFAULT_BLOCK_TOKENS = 512
 CHARS_PER_TOKEN = 4
 """The proxy's prompt-length estimate (characters / 4) also sizes its text blocks."""
+
+
+def content_text(content: Any) -> str:
+    """The text of a chat message's content: a string as it is, the text parts of a list joined,
+    anything else ""."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def message_text(role: str, content: Any) -> str:
+    """One chat message as `<|ROLE|>\\nTEXT\\n`."""
+    return f"<|{role}|>\n{content_text(content)}\n"
+
+
+def chat_text(messages: Any) -> str:
+    """The messages in order (entries that are not objects are left out; not a list: "")."""
+    if not isinstance(messages, list):
+        return ""
+    return "".join(
+        message_text(str(m.get("role")), m.get("content")) for m in messages if isinstance(m, dict)
+    )
+
+
+def ids_text(ids: Iterable[int]) -> str:
+    """Four characters per token id: its low 32 bits, big-endian, a byte per character."""
+    return b"".join((t & 0xFFFFFFFF).to_bytes(4, "big") for t in ids).decode("latin-1")
 
 
 def fingerprint(text: str, block_chars: int = DEFAULT_BLOCK_TOKENS * CHARS_PER_TOKEN) -> tuple[int, ...]:

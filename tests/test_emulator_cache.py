@@ -13,8 +13,8 @@ import openai
 import pytest
 from helpers import cache_profile, metric_samples, wait_until
 
+from policies.prefix import chat_text
 from simulator.emulator.cache import PrefixCache
-from simulator.emulator.prompt_text import chat_text
 
 BLOCK = 64  # the emulator's default block, tokens
 BLOCK_CHARS = BLOCK * 4

@@ -1,4 +1,4 @@
-"""Prompt fingerprints and the per-backend prefix index, checked by hand."""
+"""Canonical prompt text, prompt fingerprints and the per-backend prefix index, checked by hand."""
 
 from __future__ import annotations
 
@@ -9,9 +9,35 @@ from pathlib import Path
 
 import pytest
 
-from policies.prefix import PrefixIndex, fingerprint
+from policies.prefix import PrefixIndex, chat_text, fingerprint, ids_text, message_text
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_chat_text_renders_each_message_in_order() -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}],
+        },
+        {"role": "assistant", "content": None},
+        "not a message",
+        {"role": "user", "content": "ünïcode ✓"},
+    ]
+    assert chat_text(messages) == "<|system|>\nbe brief\n<|user|>\nab\n<|assistant|>\n\n<|user|>\nünïcode ✓\n"
+    assert message_text("assistant", "hi") == "<|assistant|>\nhi\n"
+    assert chat_text(messages[:4]) + message_text("user", "ünïcode ✓") == chat_text(messages)
+    assert chat_text([{"content": "x"}]) == "<|None|>\nx\n"  # no role: rendered, not refused
+    assert chat_text("not a list") == chat_text(None) == chat_text([]) == ""
+
+
+def test_ids_text_is_four_big_endian_latin1_characters_per_id() -> None:
+    assert ids_text([17, 2**20 + 5, 99999]) == "\x00\x00\x00\x11" + "\x00\x10\x00\x05" + "\x00\x01\x86\x9f"
+    assert ids_text([1, 2, 3]) == "\x00\x00\x00\x01\x00\x00\x00\x02\x00\x00\x00\x03"
+    assert ids_text([-1, 2**32 + 7]) == "\xff\xff\xff\xff" + "\x00\x00\x00\x07"  # low 32 bits
+    assert ids_text([]) == ""
+    assert len(ids_text(range(512))) == 512 * 4  # a block of ids holds as many tokens as text
 
 
 def test_fingerprint_is_a_chain_of_block_hashes() -> None:

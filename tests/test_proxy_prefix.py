@@ -47,6 +47,8 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+# Both render with `policies.prefix` (checked by hand in tests/test_prefix.py); this checks that
+# the proxy picks out the same prompt from a body as the emulator's parser does.
 @pytest.mark.parametrize(("endpoint", "body"), BODIES)
 def test_the_proxy_renders_prompts_as_the_emulator_caches_them(endpoint: str, body: dict[str, Any]) -> None:
     parsed = parse_generate(body) if endpoint == "generate" else parse_openai(body, endpoint, "m")  # type: ignore[arg-type]

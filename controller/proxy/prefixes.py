@@ -10,12 +10,11 @@ The index is a belief: the backend's real cache may have evicted more (other cli
 replicas) or hold more (the answers, which the proxy does not hash); the ratio of the two is a
 metric (`specroute_prefix_prediction_ratio`).
 
-The canonical rendering (the emulator's `simulator.emulator.prompt_text` renders alike, so the
-proxy's blocks and the emulator's cache name the same text):
-- chat: every message as `<|ROLE|>\\nTEXT\\n` in order (TEXT: a string content, or the text
-  parts of a list content joined); no generation prompt, so the next turn starts with it;
-- completions / `/generate`: the prompt text itself; token ids as four characters per id;
-- a batch of several prompts is not tracked (no fingerprint).
+The canonical rendering is `policies.prefix`'s (`chat_text`, `ids_text`), which the emulator's
+prefix cache uses too, so the proxy's blocks and the emulator's cache name the same text. Here
+only the request's prompt is picked out: chat `messages`; completions `prompt`; `/generate`
+`text`, else `input_ids`; a batch of one prompt counts as that prompt, a batch of several is not
+tracked (no fingerprint).
 
 Cost: one pass of blake2b over the prompt, about 1 ms per 100k tokens on this project's
 machine (`benchmarks/proxy_overhead.py`); prompts longer than `THREAD_FROM_CHARS` are hashed in
@@ -30,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from policies.base import EndpointKind
-from policies.prefix import CHARS_PER_TOKEN, DEFAULT_BLOCK_TOKENS, fingerprint
+from policies.prefix import CHARS_PER_TOKEN, DEFAULT_BLOCK_TOKENS, chat_text, fingerprint, ids_text
 
 BLOCK_TOKENS = DEFAULT_BLOCK_TOKENS
 """Tokens one index block stands for (its text is `BLOCK_TOKENS * CHARS_PER_TOKEN` characters)."""
@@ -41,19 +40,6 @@ THREAD_FROM_CHARS = 1 << 20
 """Prompts of at least this many characters (about 256k tokens) are hashed off the event loop."""
 
 _NUMBER = re.compile(rb"\s*:\s*(\d+)")
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
-
-
-def _ids_text(ids: list[Any]) -> str:
-    """Four characters per token id: its low 32 bits, big-endian, a byte per character."""
-    return b"".join((t & 0xFFFFFFFF).to_bytes(4, "big") for t in ids).decode("latin-1")
 
 
 def _is_ids(value: Any) -> bool:
@@ -69,21 +55,14 @@ def _single_prompt(prompt: Any) -> str:
         if isinstance(prompt, str):
             return prompt
     if _is_ids(prompt):
-        return _ids_text(prompt)
+        return ids_text(prompt)
     return ""
 
 
 def prompt_text(body: Mapping[str, Any], endpoint: EndpointKind) -> str:
     """The canonical text of the request's prompt ("" when there is none to track)."""
     if endpoint == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            return ""
-        return "".join(
-            f"<|{m.get('role')}|>\n{_content_text(m.get('content'))}\n"
-            for m in messages
-            if isinstance(m, dict)
-        )
+        return chat_text(body.get("messages"))
     if endpoint == "completions":
         return _single_prompt(body.get("prompt"))
     text = body.get("text")

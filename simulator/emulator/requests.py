@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from simulator.emulator.prompt_text import chat_text, ids_text
+from policies.prefix import chat_text, ids_text
 
 Kind = Literal["chat", "completions", "generate"]
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
@@ -65,7 +65,7 @@ class GenRequest:
     spec_details: bool = False
     logprobs: Logprobs | None = None
     texts: tuple[str, ...] = ()
-    """Canonical text of each prompt (`prompt_text`), which the prefix cache hashes; empty:
+    """Canonical text of each prompt (`policies.prefix` renders it), which the prefix cache hashes; empty:
     nothing is cached."""
     ids_prompt: bool = False
     """The prompts are token ids (their answers are cached as ids too)."""

@@ -98,7 +98,7 @@ class Emulator:
     ) -> EngineRequest:
         """An engine request with its output length drawn; the samples of one HTTP request pass
         the same `events` queue and their own `index`. `text` is the prompt's canonical text
-        (`prompt_text`; a chat prompt when `chat`, token ids when `ids_prompt`), which gives
+        (`policies.prefix`; a chat prompt when `chat`, token ids when `ids_prompt`), which gives
         its prefix-cache blocks."""
         n, reason = self.plan_output(max_tokens, ignore_eos, prompt_tokens)
         accept = self.config.effective_accept_length or 1.0
