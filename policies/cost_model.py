@@ -322,29 +322,22 @@ class CostModelPolicy:
         on_b = self._backend("baseline", view, request, n, now)
         on_e = self._backend("eagle", view, request, n, now)
         if on_b is None or on_e is None:
-            ttft: dict[Pool, float] = {}
-            e2e: dict[Pool, float] = {}
-            if on_b is not None:
-                ttft["baseline"], e2e["baseline"] = on_b[1][:2]
+            sides: tuple[tuple[Pool, Pool, tuple[str, Prediction] | None], ...] = (
+                ("baseline", "eagle", on_b),
+                ("eagle", "baseline", on_e),
+            )
+            for only, other, on in sides:
+                if on is None:
+                    continue
+                ttft, e2e = on[1][:2]
                 decision = pool_decision(
-                    "baseline",
-                    "eagle_unavailable",
+                    only,
+                    f"{other}_unavailable",
                     policy=self.name,
-                    predicted_ttft_s=ttft,
-                    predicted_e2e_s=e2e,
+                    predicted_ttft_s={only: ttft},
+                    predicted_e2e_s={only: e2e},
                 )
-                decision.backend = on_b[0]
-                return self._sent(decision, request, view, now)
-            if on_e is not None:
-                ttft["eagle"], e2e["eagle"] = on_e[1][:2]
-                decision = pool_decision(
-                    "eagle",
-                    "baseline_unavailable",
-                    policy=self.name,
-                    predicted_ttft_s=ttft,
-                    predicted_e2e_s=e2e,
-                )
-                decision.backend = on_e[0]
+                decision.backend = on[0]
                 return self._sent(decision, request, view, now)
             raise NoHealthyBackend("no healthy backend in either pool")
         tb, eb, cb, qb, pb = on_b[1]
