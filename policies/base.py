@@ -38,6 +38,31 @@ def parse_pool(value: str) -> Pool:
     raise ValueError(f"unknown pool {value!r}: expected 'baseline' or 'eagle'")
 
 
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """Compact, text-free features of what a request asks (built by `policies.features`, the one
+    extractor the proxy and the simulator share). Hashes are stable 64-bit ints (blake2b of the
+    text, never Python's salted `hash`), so a run reproduces to the bit and replicas agree."""
+
+    family: int = 0
+    """Prompt family: hash of the system prompt's first block (or, without a system prompt, of
+    the first block of the prompt); 0 when there is no text."""
+    grams: tuple[int, ...] = ()
+    """Hashed word n-gram ids of a bounded slice of the canonical prompt text (system prompt,
+    last user message, tool definitions), sorted, without repeats, at most a few hundred."""
+    temperature: float | None = None
+    """Sampling temperature as sent (None: the server's default)."""
+    top_p: float | None = None
+    top_k: int | None = None
+    response_format: str | None = None
+    """`response_format.type` ("json_object", "json_schema", "text", ...), or None."""
+    tools: int = 0
+    """Number of tool definitions sent."""
+    n: int = 1
+    model: int = 0
+    """Hash of the `model` field; 0 when absent."""
+
+
 @dataclass(slots=True)
 class RequestInfo:
     """What a policy may know about a request (never its text)."""
@@ -51,6 +76,9 @@ class RequestInfo:
     """Domain tag from `x-specroute-hint` (e.g. "code", "prose"), bounded by the controller."""
     forced_pool: Pool | None = None
     """Pool forced by the client (`x-specroute-mode`) when the config allows it."""
+    features: RequestFeatures | None = None
+    """What the request asks, as compact features (None when no extractor ran, e.g. traces
+    without text); `hint` above stays the client's own word and is a feature too."""
 
 
 @dataclass(slots=True)
@@ -142,6 +170,9 @@ class Decision:
     backend_load: int = 0
     """Load of the chosen backend at decision time, before this request joined it."""
     policy: str = ""
+    accept_factor: float | None = None
+    """The eagle speed factor the policy used for this request (1 = the profile's eagle speed),
+    when it predicted one from the request's content; None otherwise."""
 
 
 class NoHealthyBackend(Exception):

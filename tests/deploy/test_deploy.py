@@ -40,7 +40,7 @@ from controller.proxy.config import Settings, load_settings
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 EXAMPLE = DEPLOY / "specroute.yaml"
 K8S = DEPLOY / "kubernetes"

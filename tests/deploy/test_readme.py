@@ -20,7 +20,7 @@ from helpers import free_port, listening_url
 
 from controller.cli import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 OFFLINE = {"simulate", "tune", "plan", "policies", "check-config"}
 

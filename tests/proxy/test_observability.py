@@ -27,7 +27,7 @@ from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.registry import default_registry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROFILE = "kimi-k25-int4-8gpu"
 SECRET = "SECRET-PROMPT-zebra-quartz"
 CHAT = [{"role": "user", "content": f"{SECRET} write a haiku about routers"}]

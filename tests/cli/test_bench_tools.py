@@ -15,7 +15,7 @@ from controller.cli import main
 from policies.profile import load_profile
 from policies.stats import estimate, percentile, t_quantile, verdict
 
-SAMPLE = Path(__file__).parent / "data" / "sglang_bench_sample.jsonl"
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sglang_bench_sample.jsonl"
 
 
 @pytest.mark.parametrize(

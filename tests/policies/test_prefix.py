@@ -11,7 +11,7 @@ import pytest
 
 from policies.prefix import PrefixIndex, chat_text, fingerprint, ids_text, message_text
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_chat_text_renders_each_message_in_order() -> None:

@@ -23,7 +23,7 @@ EAGLE_KEY = "upstream-eagle-2b6d8f0a"
 BASE_KEY = "upstream-base-4c1e7a93"
 PROMPT_MARKER = "zebra-quartz-prompt-text"
 CHAT = [{"role": "user", "content": f"please answer {PROMPT_MARKER}"}]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def _status(

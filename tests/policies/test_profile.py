@@ -61,7 +61,7 @@ def test_llama_profile_matches_the_eagle3_paper_figures() -> None:
 
 
 def test_resolve_by_path_and_unknown_builtin_lists_known() -> None:
-    path = Path(__file__).parent.parent / "policies" / "profiles" / "kimi-k25-int4-8gpu.json"
+    path = Path(__file__).resolve().parents[2] / "policies" / "profiles" / "kimi-k25-int4-8gpu.json"
     assert resolve_profile(path).name == resolve_profile("kimi-k25-int4-8gpu").name
     with pytest.raises(ProfileError, match=r"no built-in profile 'nope'.*kimi-k25-int4-8gpu.*llama31"):
         resolve_profile("nope")
