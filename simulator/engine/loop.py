@@ -47,6 +47,7 @@ from policies.base import (
     Outcome,
     Policy,
     PoolLoad,
+    RequestFeatures,
     RequestInfo,
 )
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
@@ -82,6 +83,9 @@ class RequestBatch:
     prompts share nothing."""
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     """Tokens per block of `blocks` (the last block of a prompt may be partial)."""
+    features: Sequence[RequestFeatures | None] | None = None
+    """Per-request content features (`policies.features`), handed to the policy on
+    `RequestInfo.features`; None when the workload has no text (synthetic, traces)."""
 
     def __len__(self) -> int:
         return len(self.output_tokens)
@@ -98,6 +102,7 @@ class RequestBatch:
             arrivals,
             None if self.blocks is None else self.blocks[:n],
             self.block_tokens,
+            None if self.features is None else self.features[:n],
         )
 
 
@@ -309,6 +314,7 @@ def simulate(
     infos: list[RequestInfo | None] = [None] * n
     decisions: list[Decision | None] = [None] * n
     blocks = batch.blocks
+    features = batch.features
     caching = blocks is not None and any(s.cache is not None for s in states)
     cached = [0] * n
     prefill = _Prefill(prompt_tokens, blocks if caching else None, block_tokens, cached)
@@ -362,7 +368,7 @@ def simulate(
         bls.append(BackendLoad(s.name, s.pool, True, 0, 0, 0, 0, s.accept_length, 0.0))
     baseline_load, eagle_load = PoolLoad("baseline", tuple(baseline_bls)), PoolLoad("eagle", tuple(eagle_bls))
     current_view = LoadView(baseline_load, eagle_load)
-    info_cache: dict[tuple[int, int | None, str | None], RequestInfo] = {}
+    info_cache: dict[tuple[int, int | None, str | None, RequestFeatures | None], RequestInfo] = {}
     observe = routed.observe if routed is not None else None
 
     def build_view() -> LoadView:
@@ -515,13 +521,18 @@ def simulate(
                 push(heap, (arrivals[a + 1], seq, _ARRIVE, a + 1, 0))
                 seq += 1
             if routed is not None or multi is not None:
-                ikey = (prompt_tokens[a], max_tokens[a], hints[a])
+                ikey = (prompt_tokens[a], max_tokens[a], hints[a], None if features is None else features[a])
                 info = info_cache.get(ikey)
                 if info is None:
                     if len(info_cache) >= _INFO_CACHE_MAX:
                         info_cache.clear()
                     info = RequestInfo(
-                        endpoint="chat", stream=True, prompt_tokens=ikey[0], max_tokens=ikey[1], hint=ikey[2]
+                        endpoint="chat",
+                        stream=True,
+                        prompt_tokens=ikey[0],
+                        max_tokens=ikey[1],
+                        hint=ikey[2],
+                        features=ikey[3],
                     )
                     info_cache[ikey] = info
                 try:
