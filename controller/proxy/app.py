@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.proxy.admin import PolicyAdmin, admin_routes
-from controller.proxy.admission import Admission, AdmissionMetrics, in_flight_bounds
+from controller.proxy.capacity import AdmissionMetrics, Capacity, in_flight_bounds
 from controller.proxy.config import Settings
 from controller.proxy.decision_record import open_decision_log
 from controller.proxy.errors import NoBackendAvailable, error_middleware, http_log
@@ -108,12 +108,13 @@ def create_app(
             max_s=settings.outlier_max_ejection_s,
             max_ejected_percent=settings.outlier_max_ejected_percent,
         ),
-        admission=Admission(
+        capacity=Capacity(
             tracker,
             AdmissionMetrics(registry_),
             wait_s=settings.admission_wait_s,
             max_waiting=settings.admission_max_waiting,
             clock=clock,
+            backoff_s=settings.overload_backoff_s,
         ),
     )
     app[SETTINGS] = settings
