@@ -364,7 +364,6 @@ class RequestLifecycle:
         tail = [b"", b"", b""]
         held = Holdback()
         chunk = up.head
-        self.charge.release()  # the first event goes out now; what is held later is charged below
         try:
             with RelayWatchdog(settings.idle_timeout_s, settings.client_write_timeout_s) as dog:
                 while chunk:
@@ -383,6 +382,8 @@ class RequestLifecycle:
                         await sr.write(chunk)
                         now = loop.time()
                         dog.reading(now, now - began)
+                        if self.charge.held > held.held:  # the first event is out: its charge goes
+                            self.charge.shrink_to(held.held)
                     chunk = await content.readany()
         except Stalled as e:
             if e.side == "client":

@@ -199,6 +199,11 @@ def _queue_full(error: dict[str, Any]) -> bool:
 def first_event(head: bytes) -> tuple[str, str]:
     """(verdict, why) of a stream's first bytes: `FIRST_OK`, `FIRST_OVERLOAD` (queue full) or
     `FIRST_PROTOCOL` (an error event, or not a JSON object within bounds)."""
+    if len(head) > MAX_JSON_BYTES:  # too large to parse on the event loop: judged by its start
+        start = head[:4096].lstrip()
+        if start.startswith((b"data: {", b"data:{")) and b'"error"' not in start:
+            return FIRST_OK, ""
+        return FIRST_PROTOCOL, "first event is a large non-object or error"
     event = first_event_bytes(head)
     data = event_data(event)
     if data is None:

@@ -50,9 +50,14 @@ COUNTED: frozenset[FailureKind] = frozenset({"unreachable", "failed", "protocol"
 
 
 class BackendOverloaded(SpecrouteError):
+    """Every backend the request could use said its queue is full: retry shortly."""
+
     status = 503
     type = "server_error"
     code = "backend_overloaded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Retry-After": "1"})
 
 
 class MemoryBudgetExceeded(SpecrouteError):
@@ -131,18 +136,23 @@ async def _read_whole(resp: aiohttp.ClientResponse, limit: int, charge: Charge) 
 async def _read_first_event(resp: aiohttp.ClientResponse, limit: int, charge: Charge) -> bytes:
     """The bytes up to the end of the first event, plus what is buffered already; fewer at the
     end of the stream. Each byte is searched once."""
-    buf = b""
+    buf = bytearray()
     while True:
         chunk = await resp.content.readany()
         if not chunk:
-            return buf
+            return bytes(buf)
         searched = len(buf)
+        if not searched and last_event_end(chunk) >= 0:  # the usual case: one read, no copy
+            if not resp.content.at_eof():
+                chunk += resp.content.read_nowait()
+            charge.grow_to(len(chunk))
+            return chunk
         buf += chunk
-        if last_event_end(buf, max(0, searched - 3)) >= 0:
+        if last_event_end(buf[max(0, searched - 3) :]) >= 0:
             if not resp.content.at_eof():
                 buf += resp.content.read_nowait()  # what is already buffered: one write, not two
-            charge.grow_to(len(buf))
-            return buf
+            charge.grow_to(2 * len(buf))
+            return bytes(buf)
         if len(buf) > limit:
             raise _TooLarge(f"first event larger than {limit} bytes")
         if not charge.grow_to(2 * len(buf)):
