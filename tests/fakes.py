@@ -27,9 +27,9 @@ lets you produce (101, close-delimited streams torn mid-event, `Connection`-name
 from __future__ import annotations
 
 import asyncio
-import time
 import hashlib
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any

@@ -25,7 +25,11 @@ OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: cl
 
 
 def chunk(text: str) -> bytes:
-    payload = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
+    payload = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": text}}],
+    }
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
@@ -100,7 +104,9 @@ async def test_k_a_hostile_usage_event_is_relayed_not_a_second_response(spawn_se
 
 
 async def test_k_a_non_streaming_answer_with_a_5000_digit_count_is_relayed(spawn_serve, raw_backend):
-    answer_body = json.dumps({**COMPLETION, "usage": {"completion_tokens": 0}}).replace('0}', "9" * 5000 + "}")
+    answer_body = json.dumps({**COMPLETION, "usage": {"completion_tokens": 0}}).replace(
+        "0}", "9" * 5000 + "}"
+    )
     raw = answer_body.encode()
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
@@ -134,7 +140,9 @@ async def test_i_an_empty_stream_fails_over(spawn_serve, raw_backend, fake_backe
     await c.close()
 
 
-async def test_i_one_event_then_close_fails_over_or_ends_with_an_error(spawn_serve, raw_backend, fake_backend):
+async def test_i_one_event_then_close_fails_over_or_ends_with_an_error(
+    spawn_serve, raw_backend, fake_backend
+):
     """Whether the close is seen before the first event went out depends on the network; either
     way the client gets one well-formed answer and the cut stream is an error, never `ok`."""
 
@@ -212,7 +220,10 @@ async def test_g_crlf_and_cr_framed_events_are_relayed_as_they_come(spawn_serve,
 
 @pytest.mark.parametrize(
     "first",
-    [b'data: {"error": ' + b"[" * 5000 + b"]" * 5000 + b"}\n\n", b'data: {"error": {"code": ' + b"5" * 400 + b"}}\n\n"],
+    [
+        b'data: {"error": ' + b"[" * 5000 + b"]" * 5000 + b"}\n\n",
+        b'data: {"error": {"code": ' + b"5" * 400 + b"}}\n\n",
+    ],
     ids=["deep", "digits"],
 )
 async def test_c_a_hostile_first_event_fails_over_and_counts(spawn_serve, raw_backend, fake_backend, first):
@@ -247,9 +258,13 @@ async def test_c_deep_json_from_server_info_and_generate_is_no_internal_error(sp
 # --- B: absurd token counts -----------------------------------------------------------------
 
 
-async def test_b_an_absurd_usage_does_not_lose_the_decision_log_line(spawn_serve, raw_backend, tmp_path: Path):
+async def test_b_an_absurd_usage_does_not_lose_the_decision_log_line(
+    spawn_serve, raw_backend, tmp_path: Path
+):
     huge = b"1" + b"0" * 400
-    usage = b'{"id":"x","choices":[],"usage":{"prompt_tokens":' + huge + b',"completion_tokens":' + huge + b"}}"
+    usage = (
+        b'{"id":"x","choices":[],"usage":{"prompt_tokens":' + huge + b',"completion_tokens":' + huge + b"}}"
+    )
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
         w.write(OK_HEAD + chunk("a") + b"data: " + usage + b"\n\n" + DONE)
@@ -327,7 +342,9 @@ async def test_m_queue_full_is_backed_off_never_ejected(spawn_serve, raw_backend
         elif b'"stream": true' in req.body or b'"stream":true' in req.body:
             w.write(OK_HEAD + QUEUE_FULL)
         else:
-            w.write(whole(b'{"object":"error","message":"The request queue is full.","code":503}', "503 Busy"))
+            w.write(
+                whole(b'{"object":"error","message":"The request queue is full.","code":503}', "503 Busy")
+            )
 
     rb = await raw_backend(full)
     good: FakeBackend = await fake_backend()
@@ -335,7 +352,7 @@ async def test_m_queue_full_is_backed_off_never_ejected(spawn_serve, raw_backend
         spawn_serve, rb.url, good.url, "--outlier-consecutive-failures", "1", "--overload-backoff-s", "0"
     )
     for stream in (True, False, True, False):
-        status, body = await post_raw(url, {**BODY, "stream": stream})
+        status, _ = await post_raw(url, {**BODY, "stream": stream})
         assert status == 200
     assert len(posts(rb)) == 4  # every request tried the full backend first (no back-off) ...
     assert await ejections(url) == 0.0  # ... and it was never ejected for being full
@@ -360,7 +377,9 @@ async def test_m_every_backend_full_is_a_503_with_retry_after(spawn_serve, raw_b
 
 
 async def test_a_backend_4xx_is_openai_shaped_and_counted_client_error(spawn_serve, raw_backend):
-    sglang = b'{"object":"error","message":"max_tokens must be at least 1","type":"BadRequestError","code":400}'
+    sglang = (
+        b'{"object":"error","message":"max_tokens must be at least 1","type":"BadRequestError","code":400}'
+    )
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
         w.write(whole(sglang, "400 Bad Request"))
@@ -399,7 +418,9 @@ async def test_l_large_bodies_beyond_the_budget_get_503_not_memory(spawn_serve, 
     big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * (8 << 20)}]}).encode()
 
     async def one(s: aiohttp.ClientSession) -> tuple[int, str | None]:
-        async with s.post(sp.url + "/v1/chat/completions", data=big, headers={"Content-Type": "application/json"}) as r:
+        async with s.post(
+            sp.url + "/v1/chat/completions", data=big, headers={"Content-Type": "application/json"}
+        ) as r:
             await r.read()
             return r.status, r.headers.get("Retry-After")
 
@@ -418,7 +439,10 @@ async def test_l2_a_gzip_bomb_is_refused_by_its_ratio(spawn_serve, fake_backend)
     sp = await spawn_serve("--baseline", good.url, "--log-level", "ERROR")
     bomb = gzip.compress(json.dumps({"model": "m", "prompt": "x" * (30 << 20)}).encode())
     headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
-    async with aiohttp.ClientSession() as s, s.post(sp.url + "/v1/completions", data=bomb, headers=headers) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(sp.url + "/v1/completions", data=bomb, headers=headers) as r,
+    ):
         assert r.status == 413
         assert_openai_error(await r.json(), "payload_too_large")
     assert good.requests == []
@@ -435,8 +459,7 @@ async def test_h_huge_first_events_beyond_the_budget_get_502_not_memory(spawn_se
         "--baseline", rb.url, "--policy", "fixed", "--policy-param", "pool=baseline",
         "--memory-budget-bytes", str(BUDGET), "--health-check-interval-s", "3600", "--log-level", "ERROR",
     )  # fmt: skip
-    async with aiohttp.ClientSession() as s:
-        results = await asyncio.gather(*(post_raw(sp.url, BODY) for _ in range(8)))
+    results = await asyncio.gather(*(post_raw(sp.url, BODY) for _ in range(8)))
     statuses = sorted(st for st, _ in results)
     assert set(statuses) <= {200, 502} and 502 in statuses
     for st, body in results:
