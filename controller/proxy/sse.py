@@ -96,7 +96,7 @@ def as_count(value: Any) -> int | None:
 # --- framing ------------------------------------------------------------------------------
 
 
-def last_event_end(data: bytes, start: int = 0) -> int:
+def last_event_end(data: bytes | bytearray, start: int = 0) -> int:
     """Offset just past the last complete event of `data` (searched from `start`), or -1."""
     if b"\r" not in data:
         at = data.rfind(b"\n\n", start)
