@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -469,3 +470,22 @@ async def test_h_huge_first_events_beyond_the_budget_get_502_not_memory(spawn_se
             assert body == first + DONE
     assert peak_rss(sp.proc.pid) <= BUDGET + 150 * 1024 * 1024
     assert await ejections(sp.url) == 0.0
+
+
+# --- issue 22: a stream cut at shutdown ends like a broken one --------------------------------
+
+
+async def test_a_stream_cut_by_the_drain_timeout_ends_with_the_error_event(spawn_serve, fake_backend):
+    fb: FakeBackend = await fake_backend(chunks=10)
+    fb.mode = "stall_mid"
+    sp = await spawn_serve("--baseline", fb.url, "--policy", "fixed", "--drain-timeout-s", "0.5")
+    async with aiohttp.ClientSession() as s, s.post(sp.url + "/v1/chat/completions", json=BODY) as r:
+        first = await r.content.readuntil(b"\n\n")
+        sp.signal(signal.SIGTERM)
+        body = first + await r.read()
+    assert await sp.wait(timeout_s=20) == 0
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))
+    assert_openai_error(error, "stream_broken")
+    assert "shutting down" in error["error"]["message"]
