@@ -46,7 +46,7 @@ from controller.proxy.sse import (
     ends_with_done,
     last_event_end,
 )
-from controller.proxy.upstream import Attempt, Upstream, UpstreamFailure, open_upstream
+from controller.proxy.upstream import Attempt, BackendAnswered, Upstream, UpstreamFailure, open_upstream
 from controller.proxy.watchdog import RelayWatchdog, Stalled
 from policies.base import Decision, Outcome, OutcomeStatus, RequestInfo
 
@@ -284,7 +284,7 @@ class RequestLifecycle:
             # Every backend is down (this request just found the last one refusing): that is
             # "no healthy backend", the same answer later requests get at once.
             error = NoBackendAvailable(f"no healthy backend ({failure.error.message})")
-        self.http_status = error.status
+        self.http_status = error.backend_status if isinstance(error, BackendAnswered) else error.status
         return error
 
     async def _whole(self, up: Upstream) -> web.StreamResponse:

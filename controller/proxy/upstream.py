@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
+from aiohttp import web
 from multidict import CIMultiDict
 
 from controller.proxy.errors import BackendFailed, BackendTimeout, SpecrouteError
@@ -66,6 +67,19 @@ class MemoryBudgetExceeded(SpecrouteError):
     status = 502
     type = "server_error"
     code = "answer_over_memory_budget"
+
+
+class BackendAnswered(BackendFailed):
+    """A backend's own 5xx answer, in OpenAI's shape with the backend's status and text."""
+
+    def __init__(self, message: str, backend_status: int) -> None:
+        super().__init__(message)
+        self.backend_status = backend_status
+
+    def response(self) -> web.Response:
+        resp = super().response()
+        resp.set_status(self.backend_status)
+        return resp
 
 
 class UpstreamFailure(Exception):
@@ -236,7 +250,9 @@ async def _judge(
         raise UpstreamFailure(BackendOverloaded(f"backend {name} is overloaded: {error}"), "overload")
     if status >= 500:
         error = openai_error(status, body, name)["error"]["message"]
-        raise UpstreamFailure(BackendFailed(f"backend {name} answered HTTP {status}: {error}"), "failed")
+        raise UpstreamFailure(
+            BackendAnswered(f"backend {name} answered HTTP {status}: {error}", status), "failed"
+        )
     if status >= 400:
         body = json.dumps(openai_error(status, body, name)).encode()
     return Upstream(resp, body, False, clock())

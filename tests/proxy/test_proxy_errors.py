@@ -77,6 +77,7 @@ async def test_openai_client_sees_502_503_504(fake_backend, proxy):
             dict(
                 baseline=[stalled.url],
                 first_byte_timeout_s=0.2,
+                request_timeout_s=0.2,  # a non-streaming request's own total timeout
                 health_checks=False,
                 outlier_consecutive_failures=1,
                 panic_routing=False,

@@ -5,6 +5,7 @@ name, and nothing raises."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def payload(text: str) -> bytes:
 
 def splits(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in zip(points, points[1:], strict=False) if b > a]
+    return [data[a:b] for a, b in itertools.pairwise(points) if b > a]
 
 
 def relay(pieces: list[bytes]) -> tuple[list[bytes], bytes]:
