@@ -207,6 +207,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="Length of one scenario run.")
     ap.add_argument("--mb", type=int, default=30, help="Body size in MiB.")
     ap.add_argument("--parallel", type=int, default=6, help="Bodies in flight at once.")
+    ap.add_argument(
+        "--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), help="Which to run (idle always)."
+    )
     ap.add_argument("--role", choices=["sink", "probe", "refuser"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--pid", type=int, help=argparse.SUPPRESS)
@@ -234,6 +237,7 @@ def main() -> int:
 
 def measure(args: argparse.Namespace) -> None:
     me = [sys.executable, str(Path(__file__).resolve())]
+    kinds = ["idle", *(k for k in SCENARIOS if k in args.scenarios and k != "idle")]
     procs: list[subprocess.Popen[str]] = []
 
     def spawn(cmd: list[str]) -> tuple[subprocess.Popen[str], str]:
@@ -266,7 +270,7 @@ def measure(args: argparse.Namespace) -> None:
         time.sleep(1.0)
         idle_rss = {t: rss_kib(pids[t]) for t in targets}
         for r in range(args.rounds):
-            for kind in SCENARIOS:
+            for kind in kinds:
                 for t in targets if r % 2 == 0 else reversed(targets):  # alternate the order
                     key = (t, kind)
                     rss_before.setdefault(key, rss_kib(pids[t]))
@@ -300,7 +304,7 @@ def measure(args: argparse.Namespace) -> None:
         f"{'p99/idle':>8} {'RSS MiB start/peak':>18}  statuses"
     )
     p99s: dict[tuple[str, str], float] = {}
-    for kind in SCENARIOS:
+    for kind in kinds:
         for t in targets:
             key = (t, kind)
             inside = [s for s in samples[t] if any(a <= s[0] <= b for a, b in windows[key])]
@@ -314,10 +318,10 @@ def measure(args: argparse.Namespace) -> None:
                 f"{t:16} {kind:8} {len(lat):5d} {p50:7.1f} {p99:7.1f} {worst:7.1f} {ratio:8.1f} "
                 f"{rss_before[key] / 1024:8.0f} / {peak / 1024:6.0f}  {shown}"
             )
-    for kind in SCENARIOS:
+    for kind in kinds:
         ratio = p99s[("specroute", kind)] / p99s[("aiohttp minimal", kind)]
         print(f"p99 specroute / aiohttp minimal, {kind}: {ratio:.2f}")
-    for kind in PARALLEL:
+    for kind in (k for k in PARALLEL if k in kinds):
         key = ("specroute", kind)
         inside = [x for x in samples["specroute"] if any(a <= x[0] <= b for a, b in windows[key])]
         peak = max((x[2] for x in inside), default=0) * 1024

@@ -33,6 +33,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from controller.proxy.errors import NoBackendAvailable, SpecrouteError, StreamBroken
+from controller.proxy.headers import client_headers
 from controller.proxy.memory import Charge
 from controller.proxy.native import generate_completion_tokens
 from controller.proxy.prefixes import last_count, reported_cached_tokens, reported_prompt_tokens
@@ -46,7 +47,14 @@ from controller.proxy.sse import (
     ends_with_done,
     last_event_end,
 )
-from controller.proxy.upstream import Attempt, BackendAnswered, Upstream, UpstreamFailure, open_upstream
+from controller.proxy.upstream import (
+    Attempt,
+    BackendAnswered,
+    BackendOverloaded,
+    Upstream,
+    UpstreamFailure,
+    open_upstream,
+)
 from controller.proxy.watchdog import RelayWatchdog, Stalled
 from policies.base import Decision, Outcome, OutcomeStatus, RequestInfo
 
@@ -284,7 +292,11 @@ class RequestLifecycle:
             # Every backend is down (this request just found the last one refusing): that is
             # "no healthy backend", the same answer later requests get at once.
             error = NoBackendAvailable(f"no healthy backend ({failure.error.message})")
-        self.http_status = error.backend_status if isinstance(error, BackendAnswered) else error.status
+        self.http_status = error.status
+        if isinstance(error, BackendAnswered | BackendOverloaded):  # the backend's answer: say whose
+            self.http_status = getattr(error, "backend_status", error.status)
+            shown = client_headers({}, self.decision, show_backend=fwd.settings.backend_header)
+            error.headers.update(shown)
         return error
 
     async def _whole(self, up: Upstream) -> web.StreamResponse:

@@ -221,6 +221,6 @@ async def test_chaos_mix_of_failures_and_abandons_leaves_zero_in_flight(fake_bac
     total = sum(
         p.sample("specroute_requests_total", pool=b.pool, backend=b.name, status=st) or 0.0
         for b in p.tracker
-        for st in ("ok", "error", "timeout", "client_closed")
+        for st in ("ok", "error", "timeout", "client_closed", "client_error")
     )
     assert total + (p.sample("specroute_rejected_requests_total", code="503") or 0.0) == 300
