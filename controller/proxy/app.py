@@ -35,6 +35,7 @@ from controller.proxy.health import HealthChecker
 from controller.proxy.info import model_info, server_info
 from controller.proxy.limits import read_bounded
 from controller.proxy.load import LoadTracker
+from controller.proxy.memory import keep_heap_small
 from controller.proxy.metrics import Metrics
 from controller.proxy.outlier import OutlierDetector
 from controller.proxy.prefixes import DEFAULT_CACHE_TOKENS
@@ -77,6 +78,7 @@ def create_app(
     shadows: Sequence[tuple[str, Policy]] | None = None,
 ) -> web.Application:
     """`shadows`: (label, policy) pairs; None builds `settings.shadow_policies` (PolicyError)."""
+    keep_heap_small()  # what a request held goes back to the OS when it ends (the memory budget)
     app = web.Application(client_max_size=settings.body_limit_bytes, middlewares=[error_middleware])
     ctx = context if context is not None else policy_context(settings)
     tracker = LoadTracker(

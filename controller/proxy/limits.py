@@ -120,7 +120,11 @@ async def read_body(
                     raise MemoryBusy("specroute is holding as much request data as its memory budget allows")
                 budget.feed(buf, final=False)
     except TimeoutError:
+        buf.clear()
         raise RequestTimeout(f"request body not received within {timeout_s:g} s") from None
+    except BaseException:
+        buf.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
+        raise
     budget.feed(buf, final=True)
     return bytes(buf)
 

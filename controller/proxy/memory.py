@@ -9,6 +9,8 @@ caller refuses the work at once (a client gets 503 with `Retry-After`; a backend
 does not fit is answered 502), so the process stays up instead of running out of memory. A
 `Charge` belongs to one request and is released once, from a `finally`, whatever happened.
 
+`keep_heap_small` makes the memory of a request that ended go back to the OS at once.
+
 What is not counted: per-connection buffers of aiohttp (bounded by its flow control) and the
 interpreter itself; the default (`memory_budget_bytes`, 512 MiB) leaves room for those in a 1 GiB
 container.
@@ -16,8 +18,32 @@ container.
 
 from __future__ import annotations
 
-BODY_COPIES = 3
-"""A request body is held about three times while it is read and parsed (see above)."""
+import ctypes
+
+BODY_COPIES = 5
+"""A request body is held about five times at its peak: the read buffer and its bytes, the parsed
+JSON, the copy that asks for the usage chunk, the prompt's canonical text (measured with
+`benchmarks/hostile_bodies.py`, row L)."""
+ANSWER_COPIES = 4
+"""A first event or whole answer: the read buffer and its bytes, the chunked framing's copy and
+the client transport's buffer."""
+
+
+def keep_heap_small() -> None:
+    """Make freed large buffers go back to the OS at once (glibc): a fixed mmap threshold, so
+    every allocation over 128 KiB is its own mapping, unmapped when freed. glibc's default raises
+    the threshold after the first large free, after which 30 MB bodies come from the heap and
+    their pages stay resident long after the requests ended. Does nothing elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+        libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
+    except (OSError, AttributeError):
+        pass
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
 
 
 class MemoryBudget:

@@ -35,7 +35,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from controller.proxy.errors import BackendFailed, BackendTimeout, SpecrouteError
-from controller.proxy.memory import Charge
+from controller.proxy.memory import ANSWER_COPIES, Charge
 from controller.proxy.sse import (
     FIRST_OK,
     FIRST_OVERLOAD,
@@ -138,39 +138,50 @@ async def _read_whole(resp: aiohttp.ClientResponse, limit: int, charge: Charge) 
     if declared is not None and declared > limit:
         raise _TooLarge(f"answer of {declared} bytes declared, the limit is {limit}")
     buf = bytearray()
-    while chunk := await resp.content.readany():
-        buf += chunk
-        if len(buf) > limit:
-            raise _TooLarge(f"answer larger than {limit} bytes")
-        if not charge.grow_to(2 * len(buf)):  # the buffer and the bytes made of it
-            raise _OverBudget
-    return bytes(buf)
+    try:
+        while chunk := await resp.content.readany():
+            buf += chunk
+            if len(buf) > limit:
+                raise _TooLarge(f"answer larger than {limit} bytes")
+            if not charge.grow_to(ANSWER_COPIES * len(buf)):
+                raise _OverBudget
+        return bytes(buf)
+    except BaseException:
+        buf.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
+        raise
 
 
 async def _read_first_event(resp: aiohttp.ClientResponse, limit: int, charge: Charge) -> bytes:
     """The bytes up to the end of the first event, plus what is buffered already; fewer at the
     end of the stream. Each byte is searched once."""
     buf = bytearray()
-    while True:
-        chunk = await resp.content.readany()
-        if not chunk:
-            return bytes(buf)
-        searched = len(buf)
-        if not searched and last_event_end(chunk) >= 0:  # the usual case: one read, no copy
-            if not resp.content.at_eof():
-                chunk += resp.content.read_nowait()
-            charge.grow_to(len(chunk))
-            return chunk
-        buf += chunk
-        if last_event_end(buf[max(0, searched - 3) :]) >= 0:
-            if not resp.content.at_eof():
-                buf += resp.content.read_nowait()  # what is already buffered: one write, not two
-            charge.grow_to(2 * len(buf))
-            return bytes(buf)
-        if len(buf) > limit:
-            raise _TooLarge(f"first event larger than {limit} bytes")
-        if not charge.grow_to(2 * len(buf)):
-            raise _OverBudget
+    try:
+        while True:
+            chunk = await resp.content.readany()
+            if not chunk:
+                return bytes(buf)
+            searched = len(buf)
+            if not searched and last_event_end(chunk) >= 0:  # the usual case: one read, no copy
+                if not resp.content.at_eof():
+                    chunk += resp.content.read_nowait()
+                if not charge.grow_to(ANSWER_COPIES * len(chunk)):
+                    chunk = b""
+                    raise _OverBudget
+                return chunk
+            buf += chunk
+            if last_event_end(buf[max(0, searched - 3) :]) >= 0:
+                if not resp.content.at_eof():
+                    buf += resp.content.read_nowait()  # what is already buffered: one write, not two
+                if not charge.grow_to(ANSWER_COPIES * len(buf)):
+                    raise _OverBudget
+                return bytes(buf)
+            if len(buf) > limit:
+                raise _TooLarge(f"first event larger than {limit} bytes")
+            if not charge.grow_to(ANSWER_COPIES * len(buf)):
+                raise _OverBudget
+    except BaseException:
+        buf.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
+        raise
 
 
 class _TooLarge(Exception):
