@@ -51,7 +51,8 @@ from policies.base import (
     RequestInfo,
 )
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
-from policies.routing import Router, least_loaded_index
+from policies.routing import Router, least_loaded_index, reset
+from policies.view import backend_load, believed_cached, dispatched, load_view
 from simulator.engine.cache import BlockCache
 from simulator.engine.routers import RouterGroup, Routers
 from simulator.engine.servers import ServerModel
@@ -370,6 +371,8 @@ def simulate(
     current_view = LoadView(baseline_load, eagle_load)
     info_cache: dict[tuple[int, int | None, str | None, RequestFeatures | None], RequestInfo] = {}
     observe = routed.observe if routed is not None else None
+    for p in [routed] if routed is not None else group.policies if group is not None else []:
+        reset(p)  # a segment starts: the clock is back at 0
 
     def build_view() -> LoadView:
         nonlocal current_view, baseline_load, eagle_load
@@ -394,6 +397,24 @@ def simulate(
                 eagle_load = PoolLoad("eagle", tuple(eagle_bls))
             current_view = LoadView(baseline_load, eagle_load)
         return current_view
+
+    def believed_view(cached: Sequence[int], t: float) -> LoadView:
+        """The true load with the router's prefix belief for this request (`policies.view`)."""
+        return load_view(
+            backend_load(
+                s.name,
+                s.pool,
+                s.running + len(s.queue),
+                s.tokens,
+                now=t,
+                running=s.running,
+                queued=len(s.queue),
+                sample_time=t,
+                accept_length=s.accept_length,
+                cached_tokens=c,
+            )
+            for s, c in zip(states, cached, strict=True)
+        )
 
     def outcome_of(r: int, info: RequestInfo, decision: Decision, s: _Server, t: float) -> Outcome:
         """The outcome of request `r`, finished on `s` at `t`."""
@@ -541,20 +562,18 @@ def simulate(
                         if router_indexes is not None:
                             assert blocks is not None
                             believe = partial(
-                                _believe_router,
-                                router_indexes,
-                                states,
-                                blocks[a],
-                                block_tokens,
-                                prompt_tokens[a],
+                                _believed_by, router_indexes, blocks[a], block_tokens, prompt_tokens[a]
                             )
                         decision = multi.decide(a, info, t, believe)
                     else:
                         assert routed is not None
-                        view = build_view()
                         if indexes is not None:
                             assert blocks is not None
-                            _believe(view, indexes, states, blocks[a], block_tokens, prompt_tokens[a])
+                            view = believed_view(
+                                _believed(indexes, blocks[a], block_tokens, prompt_tokens[a]), t
+                            )
+                        else:
+                            view = build_view()
                         decision = decide(routed, info, view, t)
                 except InvalidDecision as e:
                     raise SimulationError(
@@ -565,9 +584,9 @@ def simulate(
                     assert blocks is not None
                     # each router's index learns from its own dispatches only, as a replica's does
                     if multi is not None and router_indexes is not None:
-                        router_indexes[multi.owner[a]][si].insert(blocks[a])
+                        dispatched(router_indexes[multi.owner[a]][si], blocks[a])
                     else:
-                        indexes[si].insert(blocks[a])
+                        dispatched(indexes[si], blocks[a])
                 infos[a] = info
                 decisions[a] = decision
             else:
@@ -652,31 +671,19 @@ class _Prefill:
                 cache.release(blocks[r])
 
 
-def _believe(
-    view: LoadView,
-    indexes: Sequence[PrefixIndex],
-    states: Sequence[_Server],
-    blocks: Sequence[int],
-    block_tokens: int,
-    prompt_tokens: int,
-) -> None:
-    """Set every backend's `cached_tokens` for this request from the router's prefix index (the
-    engine's `BackendLoad`s are its own, rebuilt or reused between decisions: every decision
-    sets them all)."""
-    pools = (view.baseline.backends, view.eagle.backends)
-    for s, idx in zip(states, indexes, strict=True):
-        hit = idx.match(blocks) * block_tokens
-        pools[s.pool_index][s.slot].cached_tokens = hit if hit < prompt_tokens else prompt_tokens
+def _believed(
+    indexes: Sequence[PrefixIndex], blocks: Sequence[int], block_tokens: int, prompt_tokens: int
+) -> list[int]:
+    """Per server, the tokens of this prompt its router's prefix index believes it holds."""
+    return [believed_cached(idx, blocks, prompt_tokens, block_tokens) for idx in indexes]
 
 
-def _believe_router(
-    router_indexes: Sequence[Sequence[PrefixIndex]],
-    states: Sequence[_Server],
+def _believed_by(
+    indexes: Sequence[Sequence[PrefixIndex]],
     blocks: Sequence[int],
     block_tokens: int,
     prompt_tokens: int,
     r: int,
-    view: LoadView,
-) -> None:
-    """`_believe` with router `r`'s own prefix indexes (several routers: each its own)."""
-    _believe(view, router_indexes[r], states, blocks, block_tokens, prompt_tokens)
+) -> list[int]:
+    """`_believed` with router `r`'s own prefix indexes (several routers: each its own)."""
+    return _believed(indexes[r], blocks, block_tokens, prompt_tokens)

@@ -107,11 +107,9 @@ class Recorder:
         backends = view.baseline.backends + view.eagle.backends
         self.seen.append({b.name: b.cached_tokens for b in backends})
         name = self.targets[len(self.seen) - 1]
-        decision = pool_decision(
-            "eagle" if name.startswith("eagle") else "baseline", "test", policy=self.name
+        return pool_decision(
+            "eagle" if name.startswith("eagle") else "baseline", "test", policy=self.name, backend=name
         )
-        decision.backend = name
-        return decision
 
     def observe(self, outcome: Outcome) -> None:
         pass
