@@ -74,6 +74,18 @@ def backend_load(
     )
 
 
+def true_load(
+    name: str, pool: Pool, running: int, queued: int, in_flight_tokens: int, accept_length: float | None
+) -> BackendLoad:
+    """`backend_load` of a backend whose every request is this router's, sampled at this very
+    instant (the simulator's perfect view): in flight = running + queued, sample age 0. The same
+    value as `backend_load(..., running=running, queued=queued, sample_time=now)`, built in one
+    step (the simulator builds millions)."""
+    return BackendLoad(
+        name, pool, True, running + queued, in_flight_tokens, running, queued, accept_length, 0.0
+    )
+
+
 def is_full(in_flight: int, bound: int | None) -> bool:
     """Whether `in_flight` requests fill a backend (or pool) bounded at `bound` (None: unbounded)."""
     return bound is not None and in_flight >= bound
