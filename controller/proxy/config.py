@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from policies.base import POOLS, Pool
+from policies.view import STALE_AFTER_S
 
 ENV_PREFIX = "SPECROUTE_"
 
@@ -304,7 +305,7 @@ class Settings(BaseModel):
     )
     scrape_interval_s: float = Field(default=1.0, gt=0, description="Seconds between backend scrapes.")
     scrape_stale_after_s: float = Field(
-        default=5.0, gt=0, description="Scraped samples older than this are ignored."
+        default=STALE_AFTER_S, gt=0, description="Scraped samples older than this are ignored."
     )
     prefix_tracking: bool = Field(
         default=True,

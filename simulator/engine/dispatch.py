@@ -248,7 +248,9 @@ class OneRouter:
         if self.indexes is not None:
             assert self.blocks is not None
             dispatched(self.indexes[si], self.blocks[a])
-        self.requests.sent(a, info, decision)
+        requests = self.requests
+        requests.infos[a] = info
+        requests.decisions[a] = decision
         return si
 
     def finished(self, done: Sequence[int], s: Server, t: float) -> None:

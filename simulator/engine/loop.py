@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.base import Policy, RequestFeatures
@@ -228,7 +228,7 @@ def simulate(
     else:
         assert concurrency is not None
         source = ClosedLoop(n, concurrency, warmup, measure, events, engine.arrive)
-    engine.source = source
+    engine.connect(source)
     for s in states:
         s.finished = engine.finished
     source.start()
@@ -252,6 +252,8 @@ class _Engine:
     """Arrivals to their servers through the routers, completions back to the routers (their
     policies) and to the source (a closed loop's clients)."""
 
+    __slots__ = ("arrival", "arrived", "done", "route", "served", "states", "where")
+
     def __init__(
         self, states: Sequence[Server], dispatcher: Dispatcher, arrival: list[float], n: int
     ) -> None:
@@ -261,22 +263,32 @@ class _Engine:
         self.arrival = arrival
         self.where = [-1] * n
         """Per request: the index of the server it was sent to (-1: never sent)."""
-        self.source: OpenLoop | ClosedLoop | None = None
+        self.arrived: Callable[[int], None] = _ignore
+        self.served: Callable[[Sequence[int], float], None] = _ignore_done
+
+    def connect(self, source: OpenLoop | ClosedLoop) -> None:
+        """Arrivals and completions are reported to `source`."""
+        self.arrived = source.arrived
+        self.served = source.finished
 
     def arrive(self, a: int, t: float) -> None:
         """The arrival event of request `a`."""
         self.arrival[a] = t
-        source = self.source
-        assert source is not None
-        source.arrived(a)
+        self.arrived(a)
         si = self.where[a] = self.route(a, t)
         self.states[si].arrive(a, t)
 
     def finished(self, done: Sequence[int], s: Server, t: float) -> None:
         self.done(done, s, t)
-        source = self.source
-        assert source is not None
-        source.finished(done, t)
+        self.served(done, t)
+
+
+def _ignore(a: int) -> None:
+    pass
+
+
+def _ignore_done(done: Sequence[int], t: float) -> None:
+    pass
 
 
 class _Scraper:

@@ -30,7 +30,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from simulator.engine.cache import BlockCache
+from simulator.engine.cache import BlockCache, cached_prompt_tokens
 from simulator.engine.events import EventQueue
 from simulator.engine.servers import ServerModel
 
@@ -60,8 +60,7 @@ class Prompts:
         todo = self.prompt_tokens[r]
         cache, blocks = s.cache, self.blocks
         if cache is not None and blocks is not None:
-            hit = cache.acquire(blocks[r]) * self.block_tokens
-            hit = hit if hit < todo else todo
+            hit = cached_prompt_tokens(cache.acquire(blocks[r]), self.block_tokens, todo)
             self.cached[r] = hit
             todo -= hit
         if s.prefill is None or todo <= 0:
@@ -221,7 +220,10 @@ class Server:
         self.v += (t - self.t_last) * self.rate
         self.t_last = t
         self.admit(r, t)
-        rate = self._rate()
+        running = self.running
+        rate = self.rate = (
+            self.rate_table[running] if running < self.table_size else self.model.rate_at(running)
+        )
         if self.dheap:
             # Float rounding may put V a hair past the top: never schedule in the past.
             ahead = self.dheap[0][0] - self.v
