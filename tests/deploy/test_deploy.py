@@ -32,10 +32,9 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import listening_url
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.cli import build_parser
+from controller.cli import build_parser, spawn
 from controller.proxy.config import Settings, load_settings
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
@@ -777,20 +776,8 @@ def test_dashboard_queries_parse_as_promql(tmp_path: Path) -> None:
 
 def _start(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
     """Start `specroute ARGS` and return it with the URL it prints when listening."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    url = listening_url(proc, 60)
-    if url is not None:
-        return proc, url
-    proc.kill()
-    _, err = proc.communicate(timeout=10)
-    pytest.fail(f"`specroute {shlex.join(args)}` did not start: {err[-2000:]}")
+    proc, line = spawn.start_sync([sys.executable, "-m", "controller.cli", *args], cwd=str(ROOT), env=env)
+    return proc, spawn.url_of(line)
 
 
 def _local(args: list[str]) -> list[str]:
