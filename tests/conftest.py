@@ -27,7 +27,7 @@ import openai
 import pytest
 from aiohttp import web
 from fakes import FakeBackend, RawAnswer, RawBackend
-from helpers import start_module, wait_until
+from helpers import KIMI, start_module, wait_until
 from prometheus_client import CollectorRegistry
 
 from controller.cli import spawn
@@ -36,11 +36,9 @@ from controller.proxy.config import Settings
 from controller.proxy.forward import Forwarder, Observer, RequestRecord
 from controller.proxy.load import LoadTracker
 from policies.base import Policy
-from policies.profile import Profile, resolve_profile
+from policies.profile import Profile
 from policies.registry import default_registry
 from simulator.emulator.app import EmulatorConfig, EmulatorServer, run_emulator
-
-KIMI = resolve_profile("kimi-k25-int4-8gpu")
 
 
 @dataclass

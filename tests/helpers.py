@@ -1,5 +1,10 @@
 """Small helpers shared by the test modules (imported as `from helpers import ...`).
 
+- Request bodies and profiles many modules use: `CHAT` (one user message), `BODY` (a streaming
+  chat request of it), `FRANCE` (a question with a short factual answer) and `KIMI` (the built-in
+  kimi-k25-int4-8gpu profile). Read them, never change them: they are shared by every test.
+- `post_bytes(url, path, body)`: a JSON POST that must answer 200; the raw response bytes.
+- `run_main(capsys, *args)`: `specroute ARGS` in this process; exit code, stdout and stderr.
 - `wait_until(predicate)`: poll a plain or async predicate for a bounded time; its last value.
 - `metric_samples(url, name)`: one metric's samples from a live `/metrics`, keyed by sorted labels.
 - `emulator_running(url)`: requests an emulated SGLang server runs or queues (`/v1/loads`).
@@ -38,7 +43,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.cli import spawn
+from controller.cli import main, spawn
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.routing import Router
@@ -46,6 +51,27 @@ from policies.routing import Router
 ROOT = Path(__file__).resolve().parent.parent
 
 Labels = tuple[tuple[str, str], ...]
+
+CHAT: list[dict[str, str]] = [{"role": "user", "content": "hello"}]
+BODY: dict[str, Any] = {"model": "m", "messages": CHAT, "stream": True}
+FRANCE: list[dict[str, str]] = [{"role": "user", "content": "What is the capital of France?"}]
+KIMI = resolve_profile("kimi-k25-int4-8gpu")  # prefill 8000 (baseline) / 7600 (eagle) tok/s
+
+
+async def post_bytes(
+    url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> bytes:
+    """POST `body` as JSON to `url + path`; asserts 200 and returns the response's bytes unchanged."""
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body, headers=headers) as r:
+        assert r.status == 200
+        return await r.read()
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`specroute ARGS` run in this process (`controller.cli.main`): exit code, stdout, stderr."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 async def wait_until(

@@ -18,13 +18,10 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from helpers import assert_openai_error, raise_open_files_limit, wait_until
+from helpers import BODY, CHAT, assert_openai_error, raise_open_files_limit, wait_until
 from helpers import port_of as _port
 from helpers import raw_exchange as _raw
 from helpers import raw_post as _request
-
-CHAT = [{"role": "user", "content": "hello"}]
-BODY = {"model": "m", "messages": CHAT, "stream": True}
 
 
 async def _normal_request(base_url: str) -> None:

@@ -20,14 +20,13 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from helpers import assert_in_flight_zero, emulator_running, metric_samples, start_module, wait_until
+from helpers import CHAT, assert_in_flight_zero, emulator_running, metric_samples, start_module, wait_until
 
 if TYPE_CHECKING:
     from conftest import RunningProxy
 
     from simulator.emulator.app import EmulatorServer
 
-CHAT = [{"role": "user", "content": "hello"}]
 LONG = {"max_tokens": 4000, "extra_body": {"ignore_eos": True}}
 
 

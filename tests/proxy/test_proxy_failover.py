@@ -9,10 +9,7 @@ import aiohttp
 import openai
 from aiohttp import web
 from fakes import SSE_DONE, closed_port_url, sse, stream_chunk
-from helpers import wait_until
-
-CHAT = [{"role": "user", "content": "hello"}]
-BODY = {"model": "m", "messages": CHAT, "stream": True}
+from helpers import BODY, CHAT, wait_until
 
 
 async def test_dead_backend_is_skipped_without_client_visible_error(fake_backend, proxy):

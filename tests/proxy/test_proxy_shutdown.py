@@ -13,9 +13,7 @@ import sys
 
 import aiohttp
 import pytest
-from helpers import run_specroute, wait_until
-
-BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+from helpers import BODY, run_specroute, wait_until
 
 
 async def test_sigterm_drains_running_stream_to_completion(fake_backend, spawn_serve):
