@@ -53,7 +53,7 @@ SGLANG_FLAGS = frozenset(
     }
 )
 
-# Public metric names (DESIGN.md "Public surfaces", issue 7) and SGLang's (SGLANG.md).
+# Public metric names (the README's "Metrics" table) and SGLang's (docs/SGLANG_PROTOCOL.md, "Load signals").
 SPECROUTE_METRICS = frozenset(
     {
         "specroute_requests_total",

@@ -32,7 +32,7 @@ PROFILE = "kimi-k25-int4-8gpu"
 SECRET = "SECRET-PROMPT-zebra-quartz"
 CHAT = [{"role": "user", "content": f"{SECRET} write a haiku about routers"}]
 
-DESIGN_METRICS = {
+PUBLIC_METRICS = {
     "specroute_requests": "counter",
     "specroute_in_flight_requests": "gauge",
     "specroute_decisions": "counter",
@@ -121,7 +121,7 @@ async def test_metrics_under_traffic_pass_promtool_and_parse(fake_backend, proxy
     text = await p.metrics_text()
 
     found = families(text)
-    for name, kind in DESIGN_METRICS.items():
+    for name, kind in PUBLIC_METRICS.items():
         assert name in found, f"{name} missing from /metrics"
         assert found[name].type == kind, name
     for family in found.values():  # bounded labels: never a prompt, an id or free text
