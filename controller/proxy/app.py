@@ -21,13 +21,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.proxy.admin import PolicyAdmin, admin_routes
 from controller.proxy.admission import Admission, AdmissionMetrics, in_flight_bounds
 from controller.proxy.config import Settings
-from controller.proxy.decision_record import open_decision_log
+from controller.proxy.decision_record import DecisionLogger, open_decision_log
 from controller.proxy.errors import NoBackendAvailable, error_middleware, http_log
 from controller.proxy.forward import Forwarder, Observer
 from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
@@ -54,6 +54,8 @@ METRICS = web.AppKey("metrics", Metrics)
 ADMIN = web.AppKey("admin", PolicyAdmin)
 HEALTH = web.AppKey("health", HealthChecker)
 SCRAPER = web.AppKey("scraper", ScrapeLoop)
+DECISION_LOGS = web.AppKey("decision_logs", list[DecisionLogger])
+"""The open decision log (none, or one while the app runs)."""
 
 
 def policy_context(settings: Settings) -> PolicyContext:
@@ -121,6 +123,16 @@ def create_app(
     app[METRICS] = metrics
     app[FORWARDER] = fwd
     app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
+    app[DECISION_LOGS] = open_logs = []
+    dropped = Counter(
+        "specroute_decision_log_dropped_records",
+        "Decision-log records not written, by reason (queue_full: the writer fell behind; "
+        "write_error: the disk failed or is full; unencodable).",
+        ["reason"],
+        registry=registry_,
+    )
+    for reason in ("queue_full", "write_error", "unencodable"):
+        dropped.labels(reason)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         own = session is None
@@ -151,9 +163,13 @@ def create_app(
             headers=lambda pool: {"Authorization": auth} if (auth := fwd.auth_header(pool)) else {},
         )
         app[SCRAPER] = scraper
-        decisions = open_decision_log(settings.decision_log, clock) if settings.decision_log else None
-        if decisions is not None:
+        decisions = None
+        if settings.decision_log:
+            decisions = open_decision_log(
+                settings.decision_log, clock, on_drop=lambda reason, n: dropped.labels(reason).inc(n)
+            )
             fwd.observers.append(decisions)
+            open_logs.append(decisions)
         tasks = []
         if health_checks:
             tasks.append(asyncio.create_task(checker.run()))
@@ -169,6 +185,7 @@ def create_app(
                     await task
             if decisions is not None:
                 fwd.observers.remove(decisions)
+                open_logs.remove(decisions)
                 await asyncio.to_thread(decisions.log.close)
             if own:
                 await fwd.session.close()
@@ -221,6 +238,12 @@ def create_app(
     app.router.add_get("/metrics", metrics_route)
     app.router.add_routes(admin_routes(app[ADMIN]))
     return app
+
+
+def reopen_decision_log(app: web.Application) -> None:
+    """Have the decision log open its path anew (SIGHUP, after an external rotation)."""
+    for decisions in app[DECISION_LOGS]:
+        decisions.log.reopen()
 
 
 def prefix_capacities(settings: Settings, profile: Profile | None, tracker: LoadTracker) -> dict[str, int]:
