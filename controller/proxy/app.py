@@ -32,6 +32,7 @@ from controller.proxy.errors import NoBackendAvailable, error_middleware, http_l
 from controller.proxy.forward import Forwarder, Observer
 from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
 from controller.proxy.health import HealthChecker
+from controller.proxy.identity import IDENTITY, identity_middleware
 from controller.proxy.info import model_info, server_info
 from controller.proxy.limits import read_bounded
 from controller.proxy.load import LoadTracker
@@ -40,7 +41,7 @@ from controller.proxy.outlier import OutlierDetector
 from controller.proxy.prefixes import DEFAULT_CACHE_TOKENS
 from controller.proxy.scrape import ScrapeLoop
 from controller.proxy.shadow import ShadowPolicies, build_shadows
-from policies.base import Policy
+from policies.base import POOLS, Policy
 from policies.profile import Profile, resolve_profile
 from policies.registry import PolicyRegistry
 from policies.spec import PolicyContext
@@ -79,7 +80,9 @@ def create_app(
     shadows: Sequence[tuple[str, Policy]] | None = None,
 ) -> web.Application:
     """`shadows`: (label, policy) pairs; None builds `settings.shadow_policies` (PolicyError)."""
-    app = web.Application(client_max_size=settings.body_limit_bytes, middlewares=[error_middleware])
+    app = web.Application(
+        client_max_size=settings.body_limit_bytes, middlewares=[error_middleware, identity_middleware]
+    )
     ctx = context if context is not None else policy_context(settings)
     tracker = LoadTracker(
         settings.baseline,
@@ -119,6 +122,7 @@ def create_app(
         ),
     )
     app[SETTINGS] = settings
+    app[IDENTITY] = fwd.identity
     app[TRACKER] = tracker
     app[METRICS] = metrics
     app[FORWARDER] = fwd
@@ -215,10 +219,17 @@ def create_app(
 
     async def ready(request: web.Request) -> web.Response:
         now = clock()
-        healthy = [b.name for b in tracker if b.healthy and not b.ejected(now)]
+        healthy = [b for b in tracker if b.healthy and not b.ejected(now)]
         if not healthy:
             raise NoBackendAvailable("no healthy backend")
-        return web.json_response({"status": "ready", "healthy_backends": healthy})
+        body: dict[str, object] = {
+            "status": "ready",
+            "healthy": {pool: sum(b.pool == pool for b in healthy) for pool in POOLS},
+        }
+        names = fwd.identity.names([b.name for b in healthy])
+        if names is not None:  # `backend_header: false`: the counts per pool only
+            body["healthy_backends"] = names
+        return web.json_response(body)
 
     async def metrics_route(request: web.Request) -> web.Response:
         body = generate_latest(metrics.registry)

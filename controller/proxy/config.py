@@ -152,7 +152,8 @@ class Settings(BaseModel):
     backend_header: bool = Field(
         default=True,
         description="Send x-specroute-backend (the serving backend's name) in responses; off: clients "
-        "learn nothing about the backends but the pool.",
+        "learn nothing about the backends but the pool (error messages, stream error events, /ready and "
+        "/server_info name none; logs and /metrics still do).",
     )
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
