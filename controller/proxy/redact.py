@@ -33,10 +33,15 @@ _BLOCK = re.compile(r"^[|>][-+0-9]*\s*(#.*)?$")
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?[^\s/@'\"]+@")
 
 
+_NOT_A_VALUE = frozenset({"", "~", "null", "Null", "NULL", "true", "false", "True", "False", "|", ">"})
+
+
 def _candidates(raw: str) -> list[str]:
     """What a secret's raw YAML value may appear as: as written, unquoted, up to a comment or a
-    flow delimiter."""
+    flow delimiter. YAML's null and booleans are no secret (masking "null" would garble logs)."""
     value = raw.strip()
+    if value.startswith("#") or value.split(" #", 1)[0].strip() in _NOT_A_VALUE:
+        return []
     out = [value]
     for cut in (" #", ",", "}", "]"):
         if cut in value:
@@ -45,7 +50,7 @@ def _candidates(raw: str) -> list[str]:
         if len(v) >= 2 and v[0] in "'\"":
             inner = v[1:-1] if v[-1] == v[0] else v[1:]
             out.append(inner)
-    return [v for v in out if v]
+    return [v for v in out if v not in _NOT_A_VALUE]
 
 
 def _block_scalar(text: str, start: int) -> list[str]:

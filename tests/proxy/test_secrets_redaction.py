@@ -67,6 +67,8 @@ def test_redactor_masks_every_known_secret_and_only_those():
     redact = Redactor(found)
     assert redact(f"a {TOKEN} b {BASE_KEY} 8000") == f"a {MASK} b {MASK} 8000"
     assert Redactor(["abc"])("abc") == "abc"  # too short to be searched for
+    # YAML's null, booleans and comments are no secret values
+    assert secrets_in_yaml("admin_token: null\neagle_api_key: ~ # env\nbaseline_api_key:  # env\n") == set()
 
 
 @pytest.mark.parametrize("case", ["unclosed quote", "colon in value", "block scalar"])
