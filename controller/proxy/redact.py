@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
+import threading
+import traceback
 from collections.abc import Iterable, Mapping
+from types import TracebackType
 from typing import Any
 
 SECRET_FIELDS = ("admin_token", "baseline_api_key", "eagle_api_key")
@@ -157,9 +161,22 @@ class RedactingFilter(logging.Filter):
 
 
 def install(redactor: Redactor, logger: logging.Logger | None = None) -> RedactingFilter:
-    """Put a `RedactingFilter` on every handler of `logger` (default: the root logger)."""
+    """Put a `RedactingFilter` on every handler of `logger` (default: the root logger), and
+    redact the tracebacks Python prints itself (an uncaught exception, in any thread)."""
     target = logger or logging.getLogger()
     filt = RedactingFilter(redactor)
     for handler in target.handlers:
         handler.addFilter(filt)
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        sys.stderr.write(redactor("".join(traceback.format_exception(kind, value, tb))))
+
+    def thread_excepthook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is not SystemExit:
+            name = args.thread.name if args.thread is not None else "a thread"
+            sys.stderr.write(f"Exception in {name}:\n")
+            excepthook(args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
     return filt

@@ -6,6 +6,8 @@ wrote for the secret values."""
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
 import os
 import signal
 
@@ -14,7 +16,7 @@ import pytest
 from helpers import metric_samples, run_specroute, wait_until
 
 from controller.proxy.config import ConfigError, load_settings
-from controller.proxy.redact import MASK, Redactor, secrets_in_yaml
+from controller.proxy.redact import MASK, RedactingFilter, Redactor, secrets_in_yaml
 
 TOKEN = "adm-7f3a91c2e4"
 BASE_KEY = "sk-base-0b8e55d1"
@@ -69,6 +71,25 @@ def test_redactor_masks_every_known_secret_and_only_those():
     assert Redactor(["abc"])("abc") == "abc"  # too short to be searched for
     # YAML's null, booleans and comments are no secret values
     assert secrets_in_yaml("admin_token: null\neagle_api_key: ~ # env\nbaseline_api_key:  # env\n") == set()
+
+
+def test_the_log_filter_masks_messages_arguments_and_tracebacks():
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.addFilter(RedactingFilter(Redactor([TOKEN])))
+    logger = logging.getLogger("test.redaction")
+    logger.addHandler(handler)
+    try:
+        logger.error("token %s in an argument", TOKEN)
+        try:
+            raise ValueError(f"token {TOKEN} in an exception")
+        except ValueError:
+            logger.exception("failed")
+    finally:
+        logger.removeHandler(handler)
+    text = out.getvalue()
+    assert "in an argument" in text and "in an exception" in text and text.count(MASK) == 2
+    _clean(text)
 
 
 @pytest.mark.parametrize("case", ["unclosed quote", "colon in value", "block scalar"])
