@@ -134,14 +134,18 @@ class DecisionLog:
             self._reopen("was replaced (rotated)")
 
     def _rotate(self) -> None:
-        for i in range(self.backups - 1, 0, -1):
-            src = self.path.with_name(f"{self.path.name}.{i}")
-            if src.exists():
-                os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
-        if self.backups > 0:
-            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
-        else:
-            self.path.unlink(missing_ok=True)
+        try:
+            for i in range(self.backups - 1, 0, -1):
+                src = self.path.with_name(f"{self.path.name}.{i}")
+                if src.exists():
+                    os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
+            if self.backups > 0:
+                os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+            else:
+                self.path.unlink(missing_ok=True)
+        except OSError as e:  # keep writing where we are: a log past max_bytes beats lost records
+            log.error("decision log: cannot rotate %s: %s", self.path, e.strerror or e)
+            return
         self._reopen("reached max_bytes")
 
     def _encode(self, record: Any) -> bytes | None:
