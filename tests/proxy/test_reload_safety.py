@@ -41,7 +41,7 @@ async def test_a_file_written_in_two_parts_around_a_sighup_is_applied_only_whole
 ):
     base, eagle = await fake_backend(), await fake_backend()
     cfg = tmp_path / "specroute.yaml"
-    head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 1.5\npolicy: fixed\n"
+    head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 2.0\npolicy: fixed\n"
     cfg.write_text(head + "policy_params: {pool: baseline}\n")
     sp = await spawn_serve("--config", str(cfg))
     stderr = await _read_stderr(sp)
@@ -52,7 +52,7 @@ async def test_a_file_written_in_two_parts_around_a_sighup_is_applied_only_whole
         f.write(head + "seed: 7\n")
         f.flush()
         sp.signal(signal.SIGHUP)
-        await asyncio.sleep(0.3)  # well within reload_settle_s: the reload has read part one
+        await asyncio.sleep(0.5)  # well within reload_settle_s: the reload has read part one
         f.write("policy_params: {pool: eagle}\n")
 
     async def serves_eagle() -> bool:
@@ -73,13 +73,13 @@ async def test_a_file_that_keeps_changing_or_does_not_validate_is_not_applied(
 ):
     base, eagle = await fake_backend(), await fake_backend()
     cfg = tmp_path / "specroute.yaml"
-    head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 0.2\npolicy: fixed\n"
+    head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 0.5\npolicy: fixed\n"
     cfg.write_text(head + "policy_params: {pool: eagle}\n")
     sp = await spawn_serve("--config", str(cfg))
     stderr = await _read_stderr(sp)
     assert await _pool(sp.url) == "eagle"
 
-    # 1. a writer that never stops (a line every 50 ms for longer than 8 reads 0.2 s apart)
+    # 1. a writer that never stops (a line every 20 ms for longer than 8 reads 0.5 s apart)
     stop = asyncio.Event()
 
     async def writer() -> None:
@@ -90,7 +90,7 @@ async def test_a_file_that_keeps_changing_or_does_not_validate_is_not_applied(
                 f.write(f"# still writing {i}\n")
                 f.flush()
                 i += 1
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.02)
 
     task = asyncio.create_task(writer())
     await asyncio.sleep(0.1)
