@@ -4,7 +4,10 @@
 session, clock, metrics registry) so tests build the real app around fakes. One `cleanup_ctx`
 opens the shared `ClientSession` (unless one was passed in), runs the health checker and the
 backend scraper (`controller.proxy.scrape.ScrapeLoop`, samples into `app[TRACKER]`), and opens and
-closes the decision log (`settings.decision_log`, written by `controller.proxy.decision_record`).
+closes the decision log (`settings.decision_log`, written by `controller.proxy.decision_record`;
+`reopen_decision_log` makes it open its path anew). Inside the error middleware,
+`identity_middleware` passes specroute's error messages through `controller.proxy.identity`
+(backend names hidden from clients with `backend_header: false`).
 
 Shadow policies (`settings.shadow_policies`, or built ones passed as `shadows=`) are asked by
 the `Forwarder` on every request. Further observers: pass `observers=[callable]`, or append to
