@@ -205,3 +205,31 @@ async def test_serve_on_a_full_disk_keeps_serving_counts_drops_and_reopens_on_si
     assert len(_lines(tiny_tmpfs / "decisions.jsonl.1")) == written
     sp.signal(signal.SIGTERM)
     assert await sp.wait() == 0
+
+
+async def test_serve_reopens_its_decision_log_on_sighup_and_after_removal(
+    fake_backend, spawn_serve, tmp_path
+):
+    """logrotate's way (move, then SIGHUP) and a plain removal, through serve (no tmpfs needed)."""
+    base = await fake_backend()
+    log_path = tmp_path / "decisions.jsonl"
+    sp = await spawn_serve("--baseline", base.url, "--policy", "fixed", "--decision-log", str(log_path))
+
+    async def request() -> None:
+        async with aiohttp.ClientSession() as s, s.post(sp.url + "/v1/chat/completions", json=BODY) as r:
+            assert r.status == 200
+            await r.read()
+
+    await request()
+    assert await wait_until(lambda: len(_lines(log_path)) == 1, 20.0)
+    os.rename(log_path, tmp_path / "decisions.jsonl.1")
+    sp.signal(signal.SIGHUP)
+    assert await wait_until(log_path.exists, 20.0)  # reopened at once, before any record
+    await request()
+    assert await wait_until(lambda: len(_lines(log_path)) == 1, 20.0)
+    log_path.unlink()
+    await request()  # noticed before this record's batch: a new file at the path
+    assert await wait_until(lambda: log_path.exists() and len(_lines(log_path)) == 1, 20.0)
+    assert len(_lines(tmp_path / "decisions.jsonl.1")) == 1
+    sp.signal(signal.SIGTERM)
+    assert await sp.wait() == 0
