@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from multidict import CIMultiDict
 
 from controller.proxy.errors import BadRequest
-from policies.base import HINT_HEADER, Decision
+from policies.base import HINT_HEADER as HINT_HEADER  # its one home; re-exported for the proxy
+from policies.base import Decision
 
 MODE_HEADER = "x-specroute-mode"
 POOL_HEADER = "x-specroute-pool"
