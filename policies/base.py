@@ -10,7 +10,7 @@ policy objects as the proxy and reproduce a run to the bit.
 Values, built once (the constructor-only rule). `BackendLoad`, `PoolLoad`, `LoadView`,
 `Decision` and `Outcome` are slotted dataclasses, not frozen ones: the simulator builds millions
 of them, and a frozen dataclass costs about four times as much to build (1.07 against 0.25 us
-for a `BackendLoad` on the reference machine: `benchmarks/value_build_cost.py`), which alone
+for a `BackendLoad`, 5-8 times as much on a loaded machine: `benchmarks/value_build_cost.py`), which alone
 would take a third off the simulator's speed. They are values all the same: every field is set
 by the constructor and never assigned again; a variant is a new value (`dataclasses.replace`).
 Whoever receives one may keep it (the simulator hands the same `BackendLoad` to several decisions
