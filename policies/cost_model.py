@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validato
 
 from policies.base import BackendLoad, Decision, LoadView, NoHealthyBackend, Outcome, Pool, RequestInfo
 from policies.calibration import SpeedCalibration, check_bounds
+from policies.content import ContentAcceptance
 from policies.profile import SpeedModel
 from policies.routing import backend_counts, cheapest_backend, first_least_loaded, pool_decision
 from policies.spec import PolicyContext, PolicyError, PolicySpec
@@ -157,6 +158,12 @@ class CostModelParams(BaseModel):
         description="Prefill rate (prompt tokens/s) that prices cached tokens when the profile gives no "
         "prefill_tok_s (the profile's own rate wins).",
     )
+    content_aware: bool = Field(
+        default=True,
+        description="Predict each request's eagle speed factor from its content features (text grams, "
+        "sampling parameters, hint), learned online from outcomes (policies/acceptance.py); false: one "
+        "eagle rate per hint (content-blind).",
+    )
     hint_idle: int = Field(
         default=1000,
         ge=1,
@@ -209,6 +216,11 @@ class CostModelPolicy:
                 hint_priors=params.hint_speedup,
                 accept_length=self._profile_accept,
             )
+        self.content: ContentAcceptance | None = None
+        if params.content_aware:
+            self.content = ContentAcceptance(params.hint_speedup, self._profile_accept)
+        self._content_own: tuple[float, float] | None = None
+        """(eagle rate multiplier, speed factor) of the request being decided, from its content."""
 
     def _predict(
         self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int, now: float = 0.0
@@ -224,7 +236,9 @@ class CostModelPolicy:
         own = 1.0
         if pool == "eagle":
             hint = request.hint
-            if cal is not None:
+            if self._content_own is not None:
+                own = self._content_own[0]
+            elif cal is not None:
                 if hint is not None or cal.accept_reported:
                     own = math.exp(cal.log_hint(hint))
             elif hint is not None:
@@ -319,6 +333,8 @@ class CostModelPolicy:
         if now < self._last_now:  # the clock restarted (a new simulated segment): nothing is queued
             self._prefill_ends.clear()
         self._last_now = now
+        content = self.content
+        self._content_own = None if content is None else content.factor(request, self.calibration)
         on_b = self._backend("baseline", view, request, n, now)
         on_e = self._backend("eagle", view, request, n, now)
         if on_b is None or on_e is None:
@@ -375,6 +391,8 @@ class CostModelPolicy:
             predicted_e2e_s={"baseline": eb, "eagle": ee},
         )
         decision.backend = on_b[0] if pool == "baseline" else on_e[0]
+        if self._content_own is not None:
+            decision.accept_factor = self._content_own[1]
         return self._sent(decision, request, view, now)
 
     def observe(self, outcome: Outcome) -> None:
@@ -393,7 +411,10 @@ class CostModelPolicy:
         cap = model.max_running_requests
         if cap is not None and batch > cap:
             batch = cap
-        cal.observe(pool, batch, outcome.request.hint, rate * model.step_time(batch), outcome.accept_length)
+        ratio = rate * model.step_time(batch)
+        if pool == "eagle" and self.content is not None:
+            ratio = self.content.observe(outcome, cal, batch, ratio)
+        cal.observe(pool, batch, outcome.request.hint, ratio, outcome.accept_length)
 
 
 SPEC = PolicySpec(
