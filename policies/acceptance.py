@@ -4,23 +4,25 @@ How it works. The quantity learned is `y`, the log of a request's speed factor o
 accept length over the profile's when the backend reports it (SGLang's `spec_tokens_details`),
 else its decode rate over the calibrated prediction at its load. Three estimates are combined:
 
-- a hashed linear model over the request's tokens -- its text grams (`RequestFeatures.grams`),
-  its sampling parameters in buckets (temperature, top_p, top_k), `response_format`, tools,
-  `n`, the model, the client's hint and a bias -- each token a weight in a table of `dim`
-  floats (`id mod dim`), learned by normalised least mean squares (each token weighs
-  `1/sqrt(m)` for `m` tokens, so one outcome moves the prediction by `rate` times its error);
+- a hashed additive model over the request's tokens -- its text grams
+  (`RequestFeatures.grams`), its sampling parameters in buckets (temperature, top_p, top_k),
+  `response_format`, tools, `n`, the model, the client's hint and a bias -- each token a weight
+  in a table of `dim` floats (`id mod dim`). The estimate is the mean of the weights of the
+  request's tokens seen before, each weighted by how often it was taught (up to `seen_after`);
+  an outcome moves every token's weight by `rate` times the error (a new token starts at the
+  request's estimate), so frequent tokens carry the average and distinctive ones the contrast;
 - a per-family offset (`RequestFeatures.family`: the system prompt's first block) learned on
-  what the linear model misses for that family, shrunk toward 0 (the linear model) with a prior
-  of `family_prior` samples; at most `max_families`, least recently taught out;
+  what the token model misses for that family, shrunk toward 0 with a prior of `family_prior`
+  samples; at most `max_families`, least recently taught out;
 - the caller's fallback `F` (the pool average for requests of that hint: what content-blind
   routing uses).
 
-The model's estimate `yhat` (linear + shrunk family offset) is blended with `F` by inverse
-variance: `c = e_F / (e_F + e_model)`, where `e_model` and `e_F` are running means of the
-squared errors each made on outcomes before learning from them (out of sample), so a model that
-does not beat the pool average falls back to it; `c` is scaled by how much of the request has
-been seen (the taught fraction of its tokens, or its family's shrinkage). A request with
-nothing known is predicted at `F`: never-seen traffic is routed as content-blind routing routes it.
+The prediction is `F + c * (yhat - F)`: `c` is the regression coefficient of the observed
+`y - F` on the model's `yhat - F`, measured out of sample (before each outcome teaches the
+model) as running means, clipped to [0, 1], and lowered for a request whose tokens are mostly
+unseen. A model that does not beat the pool average gets `c` near 0 and the request is
+predicted at `F`; a request with nothing known is predicted at `F`: never-seen traffic is
+routed as content-blind routing routes it.
 
 Deterministic (no randomness, insertion-ordered tables) and bounded: `dim` weights and counts,
 `max_families` families. Pure: no I/O, no clock.
@@ -96,11 +98,11 @@ class AcceptanceModel:
         self,
         *,
         dim: int = 1 << 14,
-        rate: float = 0.15,
+        rate: float = 0.1,
         family_prior: float = 4.0,
         max_families: int = 4096,
         window: int = 200,
-        seen_after: int = 3,
+        seen_after: int = 8,
     ) -> None:
         if dim < 1 or dim & (dim - 1):
             raise ValueError("dim must be a power of two")
@@ -113,9 +115,9 @@ class AcceptanceModel:
         self._window = float(window)
         self._seen_after = seen_after
         self._families: OrderedDict[int, _Family] = OrderedDict()
-        # running squared errors, out of sample; the model starts untrusted
-        self.err_model = ShrunkMean(1.0)
-        self.err_fallback = ShrunkMean(0.01)
+        # out of sample: mean of (y - F)(yhat - F) and of (yhat - F)^2; the model starts untrusted
+        self.cov = ShrunkMean(0.0)
+        self.var = ShrunkMean(0.01)
         self.taught = 0
 
     @property
@@ -129,11 +131,16 @@ class AcceptanceModel:
 
     def _estimate(self, idx: list[int], family: int) -> tuple[float, float, _Family | None]:
         """(model estimate, evidence in [0, 1], family state)."""
-        w = self._w
-        scale = 1.0 / math.sqrt(len(idx))
-        lin = sum([w[i] for i in idx]) * scale
-        count, k = self._count, self._seen_after
-        seen = sum([1 for i in idx if count[i] >= k]) / len(idx)
+        w, count, cap = self._w, self._count, self._seen_after
+        total = weight = 0.0
+        for i in idx:
+            c = count[i]
+            if c:
+                c = c if c < cap else cap
+                total += c * w[i]
+                weight += c
+        lin = total / weight if weight else 0.0
+        seen = weight / (cap * len(idx))
         fam = self._families.get(family) if family else None
         if fam is not None and fam.n:
             shrink = fam.n / (fam.n + self._family_prior)
@@ -149,8 +156,13 @@ class AcceptanceModel:
         return _clip(fallback + self.confidence(seen) * (yhat - fallback))
 
     def confidence(self, seen: float) -> float:
-        em, ef = self.err_model.value, self.err_fallback.value
-        return seen * ef / (ef + em) if ef + em > 0 else 0.0
+        """How far to trust the model over the fallback: the regression coefficient of the
+        observed `y - F` on the model's `yhat - F` (out of sample, in [0, 1]), times the
+        evidence (a request whose tokens are mostly unseen leans on the fallback)."""
+        cov, var = self.cov.value, self.var.value
+        beta = cov / var if var > 0 else 0.0
+        beta = 0.0 if beta < 0 else 1.0 if beta > 1 else beta
+        return beta * (1.0 if seen > 0.5 else 2.0 * seen)
 
     def learn(self, features: RequestFeatures, hint: str | None, target: float, fallback: float) -> None:
         """Learn from one outcome: `target` is its observed log speed factor, `fallback` what the
@@ -161,14 +173,19 @@ class AcceptanceModel:
         idx = self._indices(features, hint)
         yhat, _, fam = self._estimate(idx, features.family)
         window = self._window
-        self.err_model.add(min((y - yhat) ** 2, 1.0), 10.0, window)
-        self.err_fallback.add(min((y - fallback) ** 2, 1.0), 10.0, window)
+        if self.taught:
+            d = max(-1.0, min(1.0, yhat - fallback))
+            self.cov.add(max(-1.0, min(1.0, y - fallback)) * d, 10.0, window)
+            self.var.add(d * d, 10.0, window)
         self.taught += 1
         err = max(-1.0, min(1.0, y - yhat))
-        step = self._rate * err / math.sqrt(len(idx))
+        step = self._rate * err
         w, count = self._w, self._count
         for i in idx:
-            w[i] += step
+            if count[i]:
+                w[i] += step
+            else:
+                w[i] = yhat + step  # a new token starts where the request was predicted
             count[i] += 1
         if features.family:
             families = self._families
@@ -179,7 +196,7 @@ class AcceptanceModel:
             else:
                 families.move_to_end(features.family)
             # the family learns what the linear model (after this step) still misses
-            lin = sum([w[i] for i in idx]) / math.sqrt(len(idx))
+            lin = self._estimate(idx, 0)[0]
             fam.n += 1
             a = max(1.0 / fam.n, 1.0 / window)
             fam.offset += a * (y - lin - fam.offset)
