@@ -21,8 +21,8 @@ The published accept lengths are normalised so that their mean over the file is 
 accept length was measured on a mixed prompt set); the code-drafter factors are relative to the
 profile, as in the issue's measurement (mean 1.09 over this file). Each request's factor gets a
 seeded lognormal spread (`--sigma`, default 0.08: the same prompt keeps its factor when the
-workload cycles through the file). `--hints` writes each line's category as its `hint`
-(the "hints told" runs).
+workload cycles through the file). The `SCENARIO-hints.jsonl` files carry each line's category as
+its `hint` (the "hints told" runs).
 
     python benchmarks/prompt_workloads.py --out /tmp/prompts      # writes SCENARIO.jsonl there
 """

@@ -33,6 +33,14 @@ class ContentAcceptance:
         self._hint_speedup = hint_speedup
         self._profile_accept = profile_accept
 
+    def reported(self, outcome: Outcome) -> float | None:
+        """The request's speed factor as the backend reported it: its accept length over the
+        profile's (None without a report, or when the profile gives no accept length)."""
+        accept = outcome.accept_length
+        if accept is None or not accept > 0.0 or not self._profile_accept:
+            return None
+        return accept / self._profile_accept
+
     def _fallback(self, hint: str | None, cal: SpeedCalibration | None) -> float:
         if cal is None:
             return math.log(self._hint_speedup.get(hint, 1.0)) if hint is not None else 0.0
