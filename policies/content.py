@@ -60,18 +60,23 @@ class ContentAcceptance:
             return math.exp(y - cal.pool["eagle"].value), math.exp(y)
         return math.exp(y), math.exp(y)
 
-    def observe(self, outcome: Outcome, cal: SpeedCalibration | None, batch: int, rate_ratio: float) -> float:
+    def observe(
+        self, outcome: Outcome, cal: SpeedCalibration | None, batch: int, rate_ratio: float | None
+    ) -> float | None:
         """Learn from an eagle outcome (`rate_ratio`: its decode rate over the profile's at
-        `batch`); returns the rate ratio the calibration should learn from."""
+        `batch`, None when unknown, e.g. not streamed); returns the rate ratio the calibration
+        should learn from."""
         request = outcome.request
         features = request.features
-        if features is None or not rate_ratio > 0.0:
+        if features is None:
             return rate_ratio
         hint = request.hint
         fallback = self._fallback(hint, cal)
         accept = outcome.accept_length
         if accept is not None and accept > 0.0 and self._profile_accept:
             self.model.learn(features, hint, math.log(accept / self._profile_accept), fallback)
+            return rate_ratio
+        if rate_ratio is None or not rate_ratio > 0.0:
             return rate_ratio
         if cal is not None and cal.accept_reported:
             return rate_ratio  # this backend reports acceptance; one that did not is not comparable

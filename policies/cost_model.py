@@ -403,18 +403,17 @@ class CostModelPolicy:
         if decision.reason == "failover":
             return  # its load at decision time was another backend's
         rate = outcome.decode_tok_s
-        if rate is None:
-            return
         pool = decision.pool
         model = self._baseline if pool == "baseline" else self._eagle
         batch = decision.backend_load + 1
         cap = model.max_running_requests
         if cap is not None and batch > cap:
             batch = cap
-        ratio = rate * model.step_time(batch)
-        if pool == "eagle" and self.content is not None:
+        ratio = None if rate is None else rate * model.step_time(batch)
+        if pool == "eagle" and self.content is not None:  # a reported accept length teaches without a rate
             ratio = self.content.observe(outcome, cal, batch, ratio)
-        cal.observe(pool, batch, outcome.request.hint, ratio, outcome.accept_length)
+        if ratio is not None:
+            cal.observe(pool, batch, outcome.request.hint, ratio, outcome.accept_length)
 
 
 SPEC = PolicySpec(
