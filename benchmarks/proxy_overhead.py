@@ -380,9 +380,8 @@ def features_cost(reps: int) -> None:
     ]
     print(f"content features (issue 24), n={reps} each:")
     for name, us in rows:
-        print(
-            f"  {name:<34} median {statistics.median(us):.1f} us, p99 {pct(us, 0.99):.1f} us ({spread(us)} us)"
-        )
+        med, p99 = statistics.median(us), pct(us, 0.99)
+        print(f"  {name:<34} median {med:.1f} us, p99 {p99:.1f} us ({spread(us)} us)")
     print()
 
 
