@@ -62,7 +62,7 @@ def configure_emulate(p: argparse.ArgumentParser) -> None:
         "--accept-rules",
         metavar="FILE",
         help='Acceptance by prompt content (eagle): a JSON list of {"match": REGEX, "factor": F} searched in '
-        'order in the canonical prompt text (first match wins, default 1), and optionally '
+        "order in the canonical prompt text (first match wins, default 1), and optionally "
         '{"temperature_slope": S} (factor x (1 - S x temperature), floored at 0.3).',
     )
     fields = add_model_flags(p, EmulatorConfig, skip=("profile", "hint_factors", "accept_rules"))
