@@ -19,7 +19,12 @@ is not chosen while the other is predicted to meet it.
 Calibration (`calibrate`, on by default): the profile is a prior. Every outcome of a request
 this policy routed teaches `policies.calibration.SpeedCalibration` how far the pool's real
 decode rate is from the profile's at that load, and (eagle) how a hint's acceptance differs;
-predictions use the corrected speeds. `hint_speedup` factors are priors for the hints named.
+predictions use the corrected speeds. `hint_speedup` factors are priors for the hints named,
+over the profile's measured `categories` (which `specroute bench --prompts` writes).
+
+Content (`content_aware`, on by default): a request with content features (`RequestInfo.features`)
+gets its own eagle speed factor, predicted by `policies.content.ContentAcceptance` from what it
+asks and learned from outcomes; it replaces the hint's factor (the hint stays one of its features).
 The predictions for both pools go into the `Decision`, so predicted-vs-actual can be measured.
 
 Prefix caches (`prefix_aware`, on by default): a backend's prediction counts only the prefill of
@@ -204,6 +209,8 @@ class CostModelPolicy:
         """Per backend: when the prefills this policy sent there and that have not ended yet end
         (its own estimate; one prefill at a time, FIFO, so the times increase)."""
         self._last_now = -math.inf
+        # hint priors: the profile's measured categories (`specroute bench --prompts`), then the params'
+        self._hint_priors = {**(context.profile.mode("eagle").categories or {}), **params.hint_speedup}
         self.calibration: SpeedCalibration | None = None
         if params.calibrate:
             self.calibration = SpeedCalibration(
@@ -213,12 +220,12 @@ class CostModelPolicy:
                 clip=params.calibration_clip,
                 max_hints=params.max_hints,
                 hint_idle=params.hint_idle,
-                hint_priors=params.hint_speedup,
+                hint_priors=self._hint_priors,
                 accept_length=self._profile_accept,
             )
         self.content: ContentAcceptance | None = None
         if params.content_aware:
-            self.content = ContentAcceptance(params.hint_speedup, self._profile_accept)
+            self.content = ContentAcceptance(self._hint_priors, self._profile_accept)
         self._content_own: tuple[float, float] | None = None
         """(eagle rate multiplier, speed factor) of the request being decided, from its content."""
 
@@ -242,7 +249,7 @@ class CostModelPolicy:
                 if hint is not None or cal.accept_reported:
                     own = math.exp(cal.log_hint(hint))
             elif hint is not None:
-                own = self.params.hint_speedup.get(hint, 1.0)
+                own = self._hint_priors.get(hint, 1.0)
             if (
                 self._scraped_accept
                 and backend.accept_length is not None
