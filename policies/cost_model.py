@@ -341,7 +341,9 @@ class CostModelPolicy:
             self._prefill_ends.clear()
         self._last_now = now
         content = self.content
-        self._content_own = None if content is None else content.factor(request, self.calibration)
+        self._content_own = (
+            None if content is None or request.features is None else content.factor(request, self.calibration)
+        )
         on_b = self._backend("baseline", view, request, n, now)
         on_e = self._backend("eagle", view, request, n, now)
         if on_b is None or on_e is None:
@@ -417,7 +419,8 @@ class CostModelPolicy:
         if cap is not None and batch > cap:
             batch = cap
         ratio = None if rate is None else rate * model.step_time(batch)
-        if pool == "eagle" and self.content is not None:  # a reported accept length teaches without a rate
+        if pool == "eagle" and self.content is not None and outcome.request.features is not None:
+            # (a reported accept length teaches the content model even without a rate)
             ratio = self.content.observe(outcome, cal, batch, ratio)
         if ratio is not None:
             cal.observe(pool, batch, outcome.request.hint, ratio, outcome.accept_length)
