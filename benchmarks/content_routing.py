@@ -145,6 +145,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    p.add_argument("--markdown", action="store_true", help="Also print the README's table.")
     args = p.parse_args()
     if args.quick:
         args.seeds, args.requests = 2, 1000
@@ -163,9 +164,10 @@ def main() -> int:
             for seed in range(args.seeds)
         ]
         err_jobs = [
-            (s, 1.0, details, folder, max(args.requests, 1000), 0)
+            (s, 1.0, details, folder, max(args.requests, 1000), seed)
             for s in args.scenarios
             for details in (True, False)
+            for seed in range(min(args.seeds, 3))
         ]
         with ProcessPoolExecutor(args.workers) as pool:
             results = list(pool.map(run_job, [(j, folder, args.requests) for j in jobs]))
@@ -199,19 +201,55 @@ def main() -> int:
                 share = f"{got / gain:.0%} (timing only {got_t / gain:.0%})"
             rm, rp = mean["aware"] / mean["blind"] - 1, p99["aware"] / p99["blind"] - 1
             tm, tp = mean["aware-timing"] / mean["blind"] - 1, p99["aware-timing"] / p99["blind"] - 1
+            # paired: the same seed is the same arrivals and order of the file in every run
+            pairs = zip(by[(scenario, load, "aware")], by[(scenario, load, "blind")], strict=True)
+            pm, ph = ci([a["mean"] / b["mean"] - 1 for a, b in pairs])
             print(
                 f"load {load:g}: told-hint gain over blind {gain:+.1%}; aware {got:+.1%}, timing only "
                 f"{got_t:+.1%}; captured {share}; aware vs blind mean {rm:+.1%}, p99 {rp:+.1%} "
-                f"(timing only: mean {tm:+.1%}, p99 {tp:+.1%})"
+                f"(timing only: mean {tm:+.1%}, p99 {tp:+.1%}); aware/blind - 1 paired per seed "
+                f"{pm:+.1%} +- {ph:.1%}"
             )
         print()
-    print("## prediction error after 500 requests (load 1 req/s, seed 0)\n")
-    print("| scenario | signal | median abs(true/predicted - 1) | p90 | n | families tracked |")
+    if args.markdown:
+        print(readme_table(args.scenarios, by))
+    seeds = sorted({job[5] for job in err_jobs})
+    print(f"## prediction error after 500 requests (load 1 req/s; seeds {seeds}: mean (min..max))\n")
+    print("| scenario | signal | median abs(true/predicted - 1) | p90 | n per seed | families tracked |")
     print("|---|---|---|---|---|---|")
+    grouped: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for (s, _, details, _, _, _), e in zip(err_jobs, errors, strict=True):
+        grouped.setdefault((s, details), []).append(e)
+    for (s, details), es in grouped.items():
         signal = "spec_details" if details else "timing only"
-        print(f"| {s} | {signal} | {e['median']:.3f} | {e['p90']:.3f} | {e['n']} | {e['families']} |")
+
+        def spread(key: str, es: list[dict[str, Any]] = es) -> str:
+            v = [e[key] for e in es]
+            return f"{statistics.fmean(v):.3f} ({min(v):.3f}..{max(v):.3f})"
+
+        print(
+            f"| {s} | {signal} | {spread('median')} | {spread('p90')} | {es[0]['n']} | {es[0]['families']} |"
+        )
     return 0
+
+
+def readme_table(scenarios: list[str], by: dict[tuple[str, float, str], list[dict[str, Any]]]) -> str:
+    """The README's table: per scenario and load, mean / p99 e2e ± 95% CI of each run."""
+    runs = ("aware", "aware-timing", "blind", "told", "plain", "eagle")
+    lines = [
+        "| scenario | req/s | aware | timing only | blind | told | 2x plain | 2x EAGLE |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for scenario in scenarios:
+        for load in LOADS:
+            cells = []
+            for r in runs:
+                cell = by[(scenario, load, r)]
+                m, mh = ci([c["mean"] for c in cell])
+                q, qh = ci([c["p99"] for c in cell])
+                cells.append(f"{m:.2f} ±{mh:.2f} / {q:.1f} ±{qh:.1f}")
+            lines.append(f"| {scenario} | {load:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
