@@ -140,5 +140,6 @@ class DecisionLogger:
 
 
 def open_decision_log(path: str, clock: Callable[[], float], **kwargs: Any) -> DecisionLogger:
-    """Open (append to) the decision log at `path`; raises OSError when it cannot be opened."""
+    """Open (append to) the decision log at `path`; raises OSError when it cannot be opened.
+    `kwargs` go to `DecisionLog` (`on_drop=` counts dropped records)."""
     return DecisionLogger(DecisionLog(path, transform=decision_record, **kwargs), clock)

@@ -56,6 +56,7 @@ from controller.proxy.errors import (
     StreamBroken,
 )
 from controller.proxy.headers import HINT_HEADER, MODE_HEADER, client_headers, upstream_headers
+from controller.proxy.identity import BackendIdentity
 from controller.proxy.limits import (
     JsonBudget,
     ResponseTooLarge,
@@ -375,6 +376,8 @@ class Forwarder:
             "baseline": settings.baseline_model,
             "eagle": settings.eagle_model,
         }
+        self.identity = BackendIdentity.from_settings(settings)
+        """What clients may learn of the backends: every client-bound message passes it."""
         self._auth: dict[str, str | None] = {
             pool: f"Bearer {key.get_secret_value()}" if key is not None else None
             for pool, key in (("baseline", settings.baseline_api_key), ("eagle", settings.eagle_api_key))
@@ -874,7 +877,8 @@ class _Run:
     async def _break(self, sr: web.StreamResponse, message: str) -> None:
         log.warning("%s", message)
         try:
-            if await self._write_or_give_up(sr, StreamBroken(message).sse_event()):
+            event = StreamBroken(self.fwd.identity.for_clients(message)).sse_event()
+            if await self._write_or_give_up(sr, event):
                 await self._write_or_give_up(sr, b"", eof=True)
         except ConnectionResetError:
             self.status = "client_closed"
