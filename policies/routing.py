@@ -133,9 +133,12 @@ def pool_decision(
     predicted_ttft_s: Mapping[Pool, float] | None = None,
     predicted_e2e_s: Mapping[Pool, float] | None = None,
     backend: str = "",
+    accept_factor: float | None = None,
 ) -> Decision:
     """A decision for `pool`; with `backend` "" the router picks the backend (rule 3)."""
-    return Decision(pool, backend, reason, predicted_ttft_s or {}, predicted_e2e_s or {}, 0, policy)
+    return Decision(
+        pool, backend, reason, predicted_ttft_s or {}, predicted_e2e_s or {}, 0, policy, accept_factor
+    )
 
 
 def fallback(on: Mapping[Pool, object | None]) -> Pool:

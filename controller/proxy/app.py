@@ -27,6 +27,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from controller.proxy.acceptance_metrics import AcceptanceMetrics
 from controller.proxy.admin import PolicyAdmin, admin_routes
 from controller.proxy.admission import Admission, AdmissionMetrics, in_flight_bounds
 from controller.proxy.config import Settings
@@ -124,6 +125,7 @@ def create_app(
             clock=clock,
         ),
     )
+    fwd.observers.append(AcceptanceMetrics(registry_, lambda: fwd.policy))
     app[SETTINGS] = settings
     app[IDENTITY] = fwd.identity
     app[TRACKER] = tracker

@@ -103,6 +103,7 @@ from policies.base import (
     RequestInfo,
     parse_pool,
 )
+from policies.features import extract_features
 from policies.routing import Router
 
 log = logging.getLogger("specroute.forward")
@@ -217,6 +218,7 @@ def request_info(
         max_tokens=max_tokens,
         hint=hint,
         forced_pool=forced,
+        features=extract_features(body, endpoint),
     )
 
 

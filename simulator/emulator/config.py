@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from policies.base import Pool
 from policies.prefix import DEFAULT_CACHE_TOKENS
 from policies.profile import Profile
+from simulator.emulator.accept_rules import AcceptRules
 
 DEFAULT_MAX_RUNNING = {"baseline": 256, "eagle": 48}
 
@@ -48,6 +49,10 @@ class EmulatorConfig(BaseModel):
     speculative_num_steps: int = Field(default=3, ge=1, le=16, description="Draft steps per verify (eagle).")
     hint_factors: dict[str, float] = Field(
         default_factory=dict, description="Acceptance factor per x-specroute-hint value (eagle)."
+    )
+    accept_rules: AcceptRules = Field(
+        default_factory=AcceptRules,
+        description="Acceptance factor by prompt text and temperature (eagle; see accept_rules.py).",
     )
     output_tokens_mean: float = Field(
         default=256.0, ge=1, description="Mean natural output length (no max_tokens)."

@@ -130,7 +130,7 @@ def _submit(e: Emulator, g: GenRequest, hint: str | None) -> list[Sample]:
         for i, rid in enumerate(_sample_rids(g)):
             req = e.new_request(
                 rid, g.prompt_of(i), g.max_tokens, g.ignore_eos, hint, events=queue, index=i,
-                text=g.text_of(i), chat=g.kind == "chat", ids_prompt=g.ids_prompt,
+                text=g.text_of(i), chat=g.kind == "chat", ids_prompt=g.ids_prompt, temperature=g.temperature,
             )  # fmt: skip
             engine.submit(req)
             samples.append(Sample(i, req))
