@@ -38,6 +38,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from controller.cli import spawn
+
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 64
 BODY = {
@@ -96,12 +98,11 @@ def run_backend(ports: int) -> None:
         app.router.add_get("/health", health)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        out = []
         for _ in range(ports):
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
-        out = [str(a[1]) for a in runner.addresses]
-        print(" ".join(out), flush=True)
+        urls = [f"http://127.0.0.1:{a[1]}" for a in runner.addresses]
+        print("listening on " + " ".join(urls), flush=True)
         await asyncio.Event().wait()
 
     _uvloop_run(main())
@@ -135,7 +136,7 @@ def run_passthrough(upstream: str) -> None:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        print(runner.addresses[0][1], flush=True)
+        print(f"listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
         await asyncio.Event().wait()
 
     _uvloop_run(main())
@@ -337,13 +338,12 @@ def fingerprint_cost(reps: int) -> None:
 
 
 def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    if not line:
-        proc.kill()
-        raise SystemExit(f"child {args} did not start")
-    return proc, line
+    """A child started by the shared spawn helper; the URL(s) of its listening line."""
+    try:
+        proc, line = spawn.start_sync(args, cwd=str(ROOT), stderr=None)
+    except spawn.StartError as e:
+        raise SystemExit(f"child {args} did not start: {e}") from None
+    return proc, spawn.url_of(line)
 
 
 def main() -> int:
@@ -379,19 +379,17 @@ def main() -> int:
     me = [sys.executable, str(Path(__file__).resolve())]
     procs: list[subprocess.Popen[str]] = []
     try:
-        backend, ports = _spawn([*me, "--role", "backend"])
+        backend, urls = _spawn([*me, "--role", "backend"])
         procs.append(backend)
-        base_port, eagle_port = ports.split()
-        base, eagle = f"http://127.0.0.1:{base_port}", f"http://127.0.0.1:{eagle_port}"
-        minimal, port = _spawn([*me, "--role", "passthrough", "--upstream", base])
+        base, eagle = urls.split()
+        minimal, minimal_url = _spawn([*me, "--role", "passthrough", "--upstream", base])
         procs.append(minimal)
-        minimal_url = f"http://127.0.0.1:{port}"
         serve = ["serve", "--port", "0", "--baseline", base, "--eagle", eagle, "--log-level", "WARNING"]
         policy = ["--policy", "threshold", "--policy-param", "threshold=32"]
         extra = ["--config", args.config] if args.config else []
         sr, line = _spawn([sys.executable, "-m", "controller.cli", *serve, *policy, *extra])
         procs.append(sr)
-        sr_url = line.removeprefix("specroute listening on ")
+        sr_url = line
         targets: dict[str, tuple[str, int | None]] = {
             "direct": (base, None),
             "minimal": (minimal_url, minimal.pid),
@@ -402,7 +400,7 @@ def main() -> int:
                 [sys.executable, "-m", "controller.cli", *serve, *policy, "--config", args.compare_config]
             )
             procs.append(srb)
-            targets["specroute-b"] = (line.removeprefix("specroute listening on "), srb.pid)
+            targets["specroute-b"] = (line, srb.pid)
         import uvloop
 
         uvloop.install()

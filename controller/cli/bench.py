@@ -147,7 +147,12 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
     m.add_argument("-o", "--out", required=True, metavar="FILE")
     m.add_argument("--name", default=None)
     m.set_defaults(func=run_profile_merge)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+    def usage(args: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(func=usage)
 
 
 def _fmt(e: Estimate | None, digits: int) -> str:

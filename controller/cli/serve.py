@@ -11,15 +11,17 @@ import signal
 from typing import Any
 
 import yaml
+from pydantic.fields import FieldInfo
 
 from controller.cli.args import CommandError, add_model_flags, run_async
 from controller.cli.sighup import EarlyReload
 from controller.proxy.config import ConfigError, Settings, load_settings
 from controller.proxy.redact import Redactor, install, secrets_in_env, secrets_in_values
+from policies.base import Policy
 from policies.params import parse_assignments
 from policies.profile import ProfileError
-from policies.registry import default_registry
-from policies.spec import PolicyError
+from policies.registry import PolicyRegistry, default_registry
+from policies.spec import PolicyContext, PolicyError
 
 log = logging.getLogger("specroute")
 
@@ -41,7 +43,7 @@ ACCEPT_BACKLOG = 2048
 """Listen backlog of the proxy's socket (see `_serve`)."""
 
 
-def _help_suffix(name: str, field: Any) -> str:
+def _help_suffix(name: str, field: FieldInfo) -> str:
     return f" (env SPECROUTE_{name.upper()}; default {field.default!r})"
 
 
@@ -104,7 +106,7 @@ def configure_check_config(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run_check_config)
 
 
-def _build(args: argparse.Namespace) -> tuple[Settings, Any, Any, Any]:
+def _build(args: argparse.Namespace) -> tuple[Settings, PolicyRegistry, PolicyContext, Policy]:
     from controller.proxy.app import policy_context
 
     settings = load_settings(cli_settings(args), os.environ, args.config)
@@ -116,7 +118,7 @@ def _build(args: argparse.Namespace) -> tuple[Settings, Any, Any, Any]:
     return settings, registry, context, policy
 
 
-def _check_observability(settings: Settings, registry: Any, context: Any) -> None:
+def _check_observability(settings: Settings, registry: PolicyRegistry, context: PolicyContext) -> None:
     """Fail at start-up, with the setting's name, on a bad shadow policy or decision log path."""
     from controller.proxy.shadow import build_shadows
 
@@ -172,9 +174,9 @@ def run_serve(args: argparse.Namespace) -> int:
 async def _serve(
     args: argparse.Namespace,
     settings: Settings,
-    registry: Any,
-    context: Any,
-    policy: Any,
+    registry: PolicyRegistry,
+    context: PolicyContext,
+    policy: Policy,
     early_reload: EarlyReload,
     redactor: Redactor,
 ) -> None:
@@ -205,7 +207,12 @@ async def _serve(
             loop.add_signal_handler(sig, stop.set)
         # Only now say so: a supervisor may send SIGTERM as soon as it reads this line.
         print(f"specroute listening on http://{host}:{port}", flush=True)
-        log.info("policy %s, baseline %s, eagle %s", settings.policy, settings.baseline, settings.eagle)
+        log.info(
+            "policy %s, baseline %s, eagle %s",
+            settings.policy,
+            [b.name for b in settings.baseline],
+            [b.name for b in settings.eagle],
+        )
 
         reloader = ConfigReloader(
             args.config,

@@ -293,7 +293,7 @@ async def list_models(fwd: Forwarder, request: web.Request) -> web.StreamRespons
                 body = await read_bounded(resp, fwd.settings.response_limit_bytes)
                 if resp.status >= 500 or 300 <= resp.status < 400:
                     continue
-                shown = {POOL_HEADER: b.pool}
+                shown: dict[str, str] = {POOL_HEADER: b.pool}
                 if fwd.settings.backend_header:
                     shown[BACKEND_HEADER] = b.name
                 return web.Response(

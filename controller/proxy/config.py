@@ -26,6 +26,8 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -110,14 +112,24 @@ def _normalise_url(url: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    """One configured backend: the name clients, metrics and logs see, and the URL it is reached at."""
+    """One configured backend, parsed once when `Settings` is validated: the name clients, metrics
+    and logs see, the URL it is reached at and its pool. Settings hold these (`Settings.baseline`,
+    `Settings.eagle`) and write them back as text (`NAME=URL`, or the bare URL when unnamed), so a
+    dumped config reads back the same. Per-backend facts added later (an engine kind, say) are
+    fields here, with a default, so every existing entry stays valid."""
 
     name: str
     url: str
+    pool: Pool
+
+    @property
+    def entry(self) -> str:
+        """The config text this backend is written as: `NAME=URL`, or the URL when unnamed."""
+        return self.url if self.name == self.url else f"{self.name}={self.url}"
 
 
-def parse_backend(entry: str) -> BackendSpec:
-    """`NAME=URL` or a bare `URL` (whose name is then the URL itself)."""
+def parse_backend(entry: str, pool: Pool = "baseline") -> BackendSpec:
+    """`NAME=URL` or a bare `URL` (whose name is then the URL itself), a backend of `pool`."""
     head, sep, rest = entry.partition("=")
     if sep and "://" not in head:
         name = head.strip()
@@ -126,14 +138,26 @@ def parse_backend(entry: str) -> BackendSpec:
                 f"backend name {name[:70]!r}: use 1-64 letters, digits, '_', '.', '-' "
                 "(the first a letter or digit)"
             )
-        return BackendSpec(name, _normalise_url(rest.strip()))
+        return BackendSpec(name, _normalise_url(rest.strip()), pool)
     url = _normalise_url(entry.strip())
-    return BackendSpec(url, url)
+    return BackendSpec(url, url, pool)
 
 
-def _backend_entry(entry: str) -> str:
-    spec = parse_backend(entry)
-    return spec.url if spec.name == spec.url else f"{spec.name}={spec.url}"
+def _backend_specs(entries: Any, info: ValidationInfo) -> list[BackendSpec]:
+    """The entries of the `baseline` or `eagle` setting (text, or specs already parsed) as specs."""
+    pool: Pool = "eagle" if info.field_name == "eagle" else "baseline"
+    entries = _split_list(entries)
+    if not isinstance(entries, list | tuple):
+        raise ValueError("expected a list of URL or NAME=URL entries (or one comma-separated string)")
+    specs = []
+    for entry in entries:
+        if isinstance(entry, BackendSpec):
+            specs.append(entry if entry.pool == pool else BackendSpec(entry.name, entry.url, pool))
+        elif isinstance(entry, str):
+            specs.append(parse_backend(entry, pool))
+        else:
+            raise ValueError(f"expected a URL or NAME=URL, got {type(entry).__name__} {str(entry)[:70]!r}")
+    return specs
 
 
 class Settings(BaseModel):
@@ -141,12 +165,12 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    baseline: list[str] = Field(
+    baseline: list[BackendSpec] = Field(
         default_factory=list,
         description="The plain SGLang backends: URL, or NAME=URL to show NAME instead of the URL in "
         "headers, errors, metrics and logs.",
     )
-    eagle: list[str] = Field(
+    eagle: list[BackendSpec] = Field(
         default_factory=list, description="The EAGLE-3 SGLang backends: URL or NAME=URL, as `baseline`."
     )
     backend_header: bool = Field(
@@ -350,7 +374,8 @@ class Settings(BaseModel):
         "accept length to the policy; older SGLang versions may reject the field.",
     )
 
-    _split = field_validator("baseline", "eagle", "admin_policy_modules", mode="before")(_split_list)
+    _split = field_validator("admin_policy_modules", mode="before")(_split_list)
+    _specs = field_validator("baseline", "eagle", mode="before")(_backend_specs)
     _blank = field_validator(
         "profile", "decision_log", "admin_token", "baseline_model", "eagle_model",
         "baseline_api_key", "eagle_api_key", mode="before",
@@ -363,10 +388,9 @@ class Settings(BaseModel):
             return {**data, "policy": default_policy(data.get("profile"))}
         return data
 
-    @field_validator("baseline", "eagle")
-    @classmethod
-    def _urls(cls, entries: list[str]) -> list[str]:
-        return [_backend_entry(e) for e in entries]
+    @field_serializer("baseline", "eagle")
+    def _entries(self, specs: list[BackendSpec]) -> list[str]:
+        return [b.entry for b in specs]
 
     @field_validator("health_check_path")
     @classmethod
@@ -396,9 +420,9 @@ class Settings(BaseModel):
 
     def backends(self, pool: Pool | None = None) -> list[BackendSpec]:
         """The configured backends (of one pool, or of both: baseline first)."""
-        entries = {"baseline": self.baseline, "eagle": self.eagle}
+        specs = {"baseline": self.baseline, "eagle": self.eagle}
         pools: tuple[Pool, ...] = POOLS if pool is None else (pool,)
-        return [parse_backend(e) for p in pools for e in entries[p]]
+        return [b for p in pools for b in specs[p]]
 
     def require_backends(self) -> None:
         if not self.baseline and not self.eagle:

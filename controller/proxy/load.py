@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from controller.proxy.config import parse_backend
+from controller.proxy.config import BackendSpec, parse_backend
 from policies.base import POOLS, BackendLoad, LoadView, Pool, PoolLoad
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.replicas import combined_load
@@ -112,21 +112,28 @@ class LoadTracker:
 
     def __init__(
         self,
-        baseline: Iterable[str],
-        eagle: Iterable[str],
+        baseline: Iterable[BackendSpec | str],
+        eagle: Iterable[BackendSpec | str],
         *,
         stale_after_s: float = 5.0,
         panic: bool = True,
         replicas: float = 1.0,
     ) -> None:
-        """`baseline`, `eagle`: backends as `URL` or `NAME=URL`."""
+        """`baseline`, `eagle`: the backends of each pool, as parsed by `Settings` (or as text,
+        `URL` or `NAME=URL`, which tests and benchmarks find handier)."""
         self.backends: dict[str, BackendState] = {}
-        for pool, entries in (("baseline", baseline), ("eagle", eagle)):
+        pools: tuple[tuple[Pool, Iterable[BackendSpec | str]], ...] = (
+            ("baseline", baseline),
+            ("eagle", eagle),
+        )
+        for pool, entries in pools:
             for entry in entries:
-                spec = parse_backend(entry)
+                spec = parse_backend(entry, pool) if isinstance(entry, str) else entry
+                if spec.pool != pool:
+                    raise ValueError(f"backend {spec.name} of pool {spec.pool} given as a {pool} backend")
                 if spec.name in self.backends:
                     raise ValueError(f"backend {spec.name} listed twice")
-                self.backends[spec.name] = BackendState(name=spec.name, pool=pool, url=spec.url)  # type: ignore[arg-type]
+                self.backends[spec.name] = BackendState(name=spec.name, pool=pool, url=spec.url)
         self.stale_after_s = stale_after_s
         self.panic = panic
         self.replicas = replicas

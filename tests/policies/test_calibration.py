@@ -8,15 +8,13 @@ import json
 import math
 
 import pytest
+from helpers import KIMI
 
 from controller.cli import main
 from policies.base import Decision, Outcome, RequestInfo
 from policies.calibration import HintSlots, ShrunkMean, SpeedCalibration
 from policies.cost_model import CostModelPolicy
-from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
-
-KIMI = resolve_profile("kimi-k25-int4-8gpu")
 
 
 def calibration(**kw: object) -> SpeedCalibration:

@@ -5,13 +5,12 @@ ignores cached_tokens; the comparison routers round_robin and cache_only."""
 from __future__ import annotations
 
 import pytest
-from helpers import Routed
+from helpers import KIMI, Routed
 
 from policies.base import BackendLoad, LoadView, NoHealthyBackend, Policy, PoolLoad, RequestInfo
 from policies.profile import parse_profile, resolve_profile
 from policies.registry import PolicyContext, default_registry
 
-KIMI = resolve_profile("kimi-k25-int4-8gpu")  # prefill 8000 (baseline) / 7600 (eagle) tok/s
 LONG = RequestInfo(prompt_tokens=32_000, max_tokens=256)
 
 

@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable
 
 import pytest
-from helpers import Routed
+from helpers import KIMI, Routed
 
 from policies.base import (
     BackendLoad,
@@ -20,10 +20,7 @@ from policies.base import (
     PoolLoad,
     RequestInfo,
 )
-from policies.profile import resolve_profile
 from policies.registry import PolicyContext, PolicyError, default_registry
-
-KIMI = resolve_profile("kimi-k25-int4-8gpu")
 
 
 def online(profile: bool = False, seed: int = 0, **params: object) -> Policy:

@@ -8,8 +8,8 @@ import sys
 from typing import Any
 
 import pytest
+from helpers import run_main
 
-from controller.cli import main
 from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, RequestInfo
 from policies.profile import resolve_profile
@@ -145,9 +145,7 @@ def test_several_routers_are_deterministic_to_the_bit() -> None:
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = main(["simulate", "--profile", PROFILE, *args])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_main(capsys, "simulate", "--profile", PROFILE, *args)
 
 
 def test_the_default_is_one_router_with_the_perfect_view(capsys: pytest.CaptureFixture[str]) -> None:
