@@ -228,8 +228,22 @@ def _complete(decision: Decision, view: LoadView, rng: random.Random) -> Decisio
     if chosen is None:
         chosen = pick_backend(members, rng)
     if chosen is not None:
-        reason = decision.reason if _admits(other) else f"{other_pool(pool)}_unavailable"
-        return _completed(decision, pool, chosen, reason)
+        others = other.backends
+        if len(others) == 1:  # `_admits(other)` inlined: the common deployment
+            admits = others[0].healthy and not others[0].full
+        else:
+            admits = _admits(other)
+        d = decision
+        return Decision(
+            pool,
+            chosen.name,
+            d.reason if admits else f"{other_pool(pool)}_unavailable",
+            d.predicted_ttft_s,
+            d.predicted_e2e_s,
+            chosen.load,
+            d.policy,
+            d.accept_factor,
+        )
     chosen = pick_backend(other, rng)
     if chosen is None:
         raise NoHealthyBackend("no healthy backend in either pool")
