@@ -37,6 +37,7 @@ from controller.proxy.capacity import AdmissionMetrics, Capacity
 from controller.proxy.config import Settings
 from controller.proxy.errors import BadRequest, NoBackendAvailable, SpecrouteError
 from controller.proxy.headers import HINT_HEADER, MODE_HEADER, client_headers, upstream_headers
+from controller.proxy.identity import BackendIdentity
 from controller.proxy.lifecycle import RequestLifecycle
 from controller.proxy.limits import JsonBudget, read_body
 from controller.proxy.load import BackendState, LoadTracker
@@ -60,6 +61,7 @@ from policies.base import (
     RequestInfo,
     parse_pool,
 )
+from policies.features import extract_features
 from policies.routing import Router
 
 log = logging.getLogger("specroute.forward")
@@ -115,6 +117,7 @@ def request_info(
         max_tokens=max_tokens,
         hint=hint,
         forced_pool=forced,
+        features=extract_features(body, endpoint),
     )
 
 
@@ -161,6 +164,8 @@ class Forwarder:
             max_waiting=settings.admission_max_waiting, clock=clock, backoff_s=settings.overload_backoff_s,
         )  # fmt: skip
         self.budget = budget or MemoryBudget(settings.memory_budget_bytes)
+        self.identity = BackendIdentity.from_settings(settings)
+        """What clients may learn of the backends: every client-bound message passes it."""
         self.active: set[asyncio.Task[Any]] = set()
         """The handler tasks of requests in progress (a shutdown cancels those left after draining)."""
         self.observers: list[Observer] = observers if observers is not None else []
@@ -177,6 +182,8 @@ class Forwarder:
             "baseline": settings.baseline_model,
             "eagle": settings.eagle_model,
         }
+        self.identity = BackendIdentity.from_settings(settings)
+        """What clients may learn of the backends: every client-bound message passes it."""
         self._auth: dict[str, str | None] = {
             pool: f"Bearer {key.get_secret_value()}" if key is not None else None
             for pool, key in (("baseline", settings.baseline_api_key), ("eagle", settings.eagle_api_key))

@@ -126,6 +126,8 @@ class RequestLifecycle:
         self.body, self.raw = body, raw
         self.path = path
         self.decision = decision
+        self.chosen_backend = decision.backend
+        """The backend first chosen (a failover changes `decision`)."""
         self.body_charge = body_charge
         self.charge = Charge(fwd.budget)
         """The answer's bytes held (first event, whole answer, held-back bytes)."""
@@ -169,6 +171,7 @@ class RequestLifecycle:
             status=self.status,
             accept_length=self.accept_length,
             cached_tokens=as_count(self.cached_tokens),
+            failed_over=self.decision.backend != self.chosen_backend,
         )
         return self.outcome
 
@@ -227,7 +230,7 @@ class RequestLifecycle:
             return
         try:
             async with asyncio.timeout(CUT_WRITE_S):
-                await sr.write(terminal_bytes("stream cut: specroute is shutting down"))
+                await sr.write(terminal_bytes("stream cut: specroute is shutting down"))  # names no backend
                 await sr.write_eof()
         except BaseException:
             pass
@@ -465,7 +468,7 @@ class RequestLifecycle:
     async def _break(self, sr: web.StreamResponse, message: str) -> None:
         log.warning("%s", message)
         try:
-            if await self._write_or_give_up(sr, terminal_bytes(message)):
+            if await self._write_or_give_up(sr, terminal_bytes(self.fwd.identity.for_clients(message))):
                 await self._write_or_give_up(sr, b"", eof=True)
         except (ConnectionResetError, aiohttp.ClientError, OSError):
             self.status = "client_closed"
