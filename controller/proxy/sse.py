@@ -15,8 +15,8 @@ module knows of the protocol:
   unchanged.
 - **The first event** (`first_event`): SGLang's queue-full (HTTP 200, first event
   `{"error": {"code": 503}}`, or on `/generate` an abort output with status 503) is *overload*;
-  another error event, or a first event that is not a JSON object within bounds, is a *protocol*
-  failure; anything else is fine.
+  another error event, or a first event that is not a JSON object, is a *protocol* failure;
+  anything else is fine. Only an event that names an error or an abort is parsed (bounded).
 - **The end**: every SGLang stream ends with `data: [DONE]` (`ends_with_done`); one that ends
   without it was cut.
 - **Bounded JSON** (`parse_json`): size, nesting depth and digits per number are bounded before
@@ -209,6 +209,10 @@ def first_event(head: bytes) -> tuple[str, str]:
         return FIRST_PROTOCOL, "first event has no data"
     if data.strip() == b"[DONE]":
         return FIRST_PROTOCOL, "stream ended before any output"
+    if b'"error"' not in data and b'"abort"' not in data:  # the usual chunk: no parse needed
+        if data.lstrip().startswith(b"{") and data.rstrip().endswith(b"}"):
+            return FIRST_OK, ""
+        return FIRST_PROTOCOL, "first event is not a JSON object"
     obj = parse_json(data)
     if not isinstance(obj, dict):
         return FIRST_PROTOCOL, "first event is not a JSON object within bounds"
