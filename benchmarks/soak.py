@@ -10,7 +10,9 @@ the clients:
   slow          streams read 512 bytes at a time with pauses
   stoppers      streams of 4000 tokens whose client reads one event, then nothing for 20 s
   disconnectors streams closed after 1-3 events
-  hostile       a 4 MiB body of `[],[],...` every 2 s (413), a header that is not UTF-8 (400)
+  hostile       a 4 MiB body of `[],[],...` every 2 s (413), a header that is not UTF-8 (400),
+                a 30 MB prose body (issue 25's row L: served, or 503 when the memory budget is
+                held) and a gzip body inflating to 30 MB (row L2: 413 by its compression ratio)
 
 and a fault schedule that repeats every 60 s: eagle answers 500 (5 s), baseline stalls past
 first_byte_timeout_s (5 s), eagle frozen with SIGSTOP (6 s), baseline drops streams after 3
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import random
@@ -208,9 +211,23 @@ async def stoppers(n: int, url: str, end: float, tally: Tally) -> None:
 
 async def hostile(url: str, end: float, tally: Tally) -> None:
     bomb = b'{"messages": [], "x": [' + b"[]," * ((4 << 20) // 3) + b"[]]}"
+    prose = json.dumps(
+        {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "a " * (15 << 20)}]}
+    )
+    large = prose.encode()
+    inflating = gzip.compress(large, 9)
     host, port = url.removeprefix("http://").split(":")
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < end:
+            for kind, data, headers in (
+                ("large body", large, {}),
+                ("gzip body", inflating, {"Content-Encoding": "gzip"}),
+            ):
+                try:
+                    async with s.post(url + "/v1/chat/completions", data=data, headers=headers) as r:
+                        tally.add("hostile", f"{kind}: HTTP {r.status} {_error_code(await r.read())}")
+                except aiohttp.ClientError as e:
+                    tally.add("hostile", f"{kind}: client {type(e).__name__}")
             try:
                 async with s.post(url + "/v1/chat/completions", data=bomb) as r:
                     tally.add("hostile", f"HTTP {r.status} {_error_code(await r.read())}")
