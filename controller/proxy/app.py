@@ -28,7 +28,7 @@ from controller.proxy.admin import PolicyAdmin, admin_routes
 from controller.proxy.admission import Admission, AdmissionMetrics, in_flight_bounds
 from controller.proxy.config import Settings
 from controller.proxy.decision_record import open_decision_log
-from controller.proxy.errors import NoBackendAvailable, error_middleware, http_log
+from controller.proxy.errors import NoBackendAvailable, ShuttingDown, error_middleware, http_log
 from controller.proxy.forward import Forwarder, Observer
 from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
 from controller.proxy.health import HealthChecker
@@ -40,6 +40,7 @@ from controller.proxy.outlier import OutlierDetector
 from controller.proxy.prefixes import DEFAULT_CACHE_TOKENS
 from controller.proxy.scrape import ScrapeLoop
 from controller.proxy.shadow import ShadowPolicies, build_shadows
+from controller.proxy.shutdown import SHUTDOWN, Shutdown, close_after_answer
 from policies.base import Policy
 from policies.profile import Profile, resolve_profile
 from policies.registry import PolicyRegistry
@@ -121,6 +122,8 @@ def create_app(
     app[METRICS] = metrics
     app[FORWARDER] = fwd
     app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
+    app[SHUTDOWN] = Shutdown(clock)
+    app.on_response_prepare.append(close_after_answer)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         own = session is None
@@ -197,6 +200,8 @@ def create_app(
         return web.json_response({"status": "ok"})
 
     async def ready(request: web.Request) -> web.Response:
+        if app[SHUTDOWN].started:
+            raise ShuttingDown("specroute is shutting down: send new requests elsewhere")
         now = clock()
         healthy = [b.name for b in tracker if b.healthy and not b.ejected(now)]
         if not healthy:

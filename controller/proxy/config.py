@@ -274,8 +274,16 @@ class Settings(BaseModel):
     admission_max_waiting: int = Field(
         default=1024, ge=0, description="Most requests waiting for a slot at once; beyond it, 429 at once."
     )
+    shutdown_grace_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="On SIGTERM/SIGINT, how long /ready answers 503 while new requests are still "
+        "served (so load balancers notice), before the listener closes and the drain begins.",
+    )
     drain_timeout_s: float = Field(
-        default=30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish."
+        default=30.0,
+        ge=0,
+        description="After shutdown_grace_s, how long in-flight requests may finish; then they are cut.",
     )
     admin_token: SecretStr | None = Field(
         default=None, description="Bearer token of POST /admin/policy (disabled when unset)."

@@ -131,6 +131,14 @@ class NoBackendAvailable(SpecrouteError):
     code = "no_healthy_backend"
 
 
+class ShuttingDown(SpecrouteError):
+    """`/ready` after SIGTERM: the process still serves, but balancers should look elsewhere."""
+
+    status = 503
+    type = "server_error"
+    code = "shutting_down"
+
+
 class BackendTimeout(SpecrouteError):
     status = 504
     type = "server_error"

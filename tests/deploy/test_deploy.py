@@ -453,7 +453,8 @@ def test_compose_structure(compose_file: str) -> None:
     assert "./grafana/specroute.json:/var/lib/grafana/dashboards/specroute.json:ro" in mounts
     assert "./grafana/provisioning:/etc/grafana/provisioning:ro" in mounts
     specroute = services["specroute"]
-    assert _seconds(specroute["stop_grace_period"]) > _example_settings().drain_timeout_s
+    example = _example_settings()
+    assert _seconds(specroute["stop_grace_period"]) > example.shutdown_grace_s + example.drain_timeout_s
     env = specroute["environment"]
     for pool in ("baseline", "eagle"):
         url = env[f"SPECROUTE_{pool.upper()}"]
@@ -547,7 +548,8 @@ def test_systemd_sglang_units_use_real_flags() -> None:
 
 
 def test_systemd_units_structure() -> None:
-    drain = _example_settings().drain_timeout_s
+    example = _example_settings()
+    drain = example.shutdown_grace_s + example.drain_timeout_s
     for path in sorted(SYSTEMD.glob("*.service")):
         unit = _unit(path)
         assert {"Unit", "Service", "Install"} <= set(unit), path.name
@@ -641,9 +643,12 @@ def test_kubernetes_structure(tmp_path: Path) -> None:
     settings = load_settings(environ={}, config_file=_configmap_config(tmp_path))
     assert settings.port in ports.values()
     assert settings.replicas == dep["spec"]["replicas"]  # each replica is told how many there are
-    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
-    pause = float(pre_stop[1]) if pre_stop[0] == "sleep" else 0.0
-    assert pod["terminationGracePeriodSeconds"] > pause + settings.drain_timeout_s
+    # SIGTERM comes after preStop (none: specroute's shutdown_grace_s covers the endpoint update)
+    pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    pause = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
+    assert settings.shutdown_grace_s >= 5  # kube-proxy and ingresses take seconds to drop the pod
+    grace = settings.shutdown_grace_s + settings.drain_timeout_s
+    assert pod["terminationGracePeriodSeconds"] > pause + grace + 2  # exit takes ~1 s after the drain
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     (config_volume,) = [v for v in pod["volumes"] if "configMap" in v]
     assert config_volume["configMap"]["name"] == kinds["ConfigMap"][0]["metadata"]["name"]
