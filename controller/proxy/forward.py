@@ -88,6 +88,7 @@ from controller.proxy.spec_details import (
     drop_sglext_member,
     event_span,
 )
+from controller.proxy.validate import check_openai_body
 from controller.proxy.watchdog import RelayWatchdog, Stalled
 from policies.base import (
     Decision,
@@ -150,13 +151,8 @@ def parse_body(raw: bytes, endpoint: EndpointKind) -> dict[str, Any]:
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise BadRequest("'stream' must be a boolean")
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if value is None:
-            continue
-        integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-        if isinstance(value, bool) or not integral or not 0 <= value < 2**53:
-            raise BadRequest(f"'{key}' must be a non-negative integer")
+    if endpoint != "generate":
+        check_openai_body(body, endpoint)
     return body
 
 
