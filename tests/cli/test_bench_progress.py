@@ -1,0 +1,151 @@
+"""The bench's progress and ETA (controller.bench.progress) and its queue watch, on a fake clock."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+
+from controller.bench.progress import SweepProgress, fmt_duration, level_rounds, predict_e2e_s
+from controller.bench.queue_watch import queued_requests
+
+
+def test_level_rounds_follow_the_runner_rule() -> None:
+    assert level_rounds(1, 5, 30) == 35  # one after another: warm-up, then measured
+    assert level_rounds(1, 0, 30) == 30
+    for c in (2, 3, 7, 16):
+        assert level_rounds(c, 0, 30) == math.ceil(30 / c)
+    # every client starts as warm-up; once 5 are done the next 30 starts are measured
+    assert level_rounds(250, 5, 30) == 2
+    assert level_rounds(30, 5, 30) == 3  # 25 measured in the second round, 5 in the third
+
+
+def test_predict_e2e_extrapolates_and_queues_beyond_the_cap() -> None:
+    assert predict_e2e_s([], 4) is None
+    assert predict_e2e_s([(1, 2.0)], 10) == 2.0  # one point: no slope known
+    pts = [(1, 2.0), (2, 2.1)]
+    assert predict_e2e_s(pts, 10) == pytest.approx(2.9)  # linear through the last two
+    assert predict_e2e_s([(1, 2.0), (5, 3.0)], 3) == pytest.approx(2.5)  # between two
+    assert predict_e2e_s([(1, 3.0), (5, 2.0)], 10) == pytest.approx(2.0)  # never shrinking
+    # above max_running_requests 48, the excess waits: e2e grows with c / 48
+    at_48 = predict_e2e_s(pts, 48)
+    assert at_48 is not None
+    assert predict_e2e_s(pts, 96, cap=48) == pytest.approx(2 * at_48)
+    # ... scaled from the last measured level at or above the cap when there is one
+    assert predict_e2e_s([*pts, (100, 9.0)], 250, cap=48) == pytest.approx(22.5)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_eta_of_level_and_sweep_and_the_lines_a_log_gets() -> None:
+    clock, out = Clock(), io.StringIO()  # StringIO is no terminal: plain lines, no bar
+    p = SweepProgress([1, 2, 4], requests_per_level=4, warmup=0, label="plain", clock=clock, stream=out)
+    lv = p.start_level(1)
+    assert p.sweep_eta_s() is None  # nothing known yet
+    p.tick()
+    assert "ETA level ?, sweep ?" in out.getvalue()
+    # one request of 2 s done: level 1 = 4 x 2 s; levels 2 and 4 assumed as slow (no slope yet)
+    lv.measured_started = lv.measured_done = 1
+    lv.e2e_sum_s, lv.e2e_n = 2.0, 1
+    clock.t = 2.0
+    assert p.level_eta_s() == pytest.approx(6.0)
+    assert p.sweep_eta_s() == pytest.approx(6.0 + 2.0 * (2 + 0.5) + 2.0 * (1 + 0.75))
+    clock.t = 8.0
+    p.end_level(2.0)
+    lv = p.start_level(2)
+    lv.e2e_sum_s, lv.e2e_n = 3.0, 1  # 3 s at concurrency 2: slope 1 s per client
+    assert p.level_duration_s(4) == pytest.approx(5.0 * (1 + 0.75))
+    # every measured request started: what is left is their time in flight plus the drain
+    lv.measured_started, lv.measured_done, lv.in_flight = 4, 2, 2
+    lv.measured_starts = {1: 8.0, 2: 9.0}
+    lv.starts = dict(lv.measured_starts)
+    clock.t = 10.0
+    assert lv.phase == "finishing"
+    assert p.level_eta_s() == pytest.approx((3.0 - 1.0) + 3.0 * 0.5)
+    lv.measured_done = 4  # measured all done: the fillers in flight drain
+    lv.measured_starts = {}
+    lv.starts = {3: 9.5}
+    assert lv.phase == "draining" and p.level_eta_s() == pytest.approx(2.5)
+    clock.t = 30.0
+    assert p.level_eta_s() == 0.0  # late, never negative
+    p.tick()
+    lines = out.getvalue().splitlines()
+    assert lines[-1].startswith("bench plain: level 2/3 concurrency 2 draining: measured 4/4 done")
+    assert "2 in flight" in lines[-1] and "ETA level 0 s" in lines[-1]
+    assert "\r" not in out.getvalue()
+
+
+def test_log_lines_are_spaced_and_a_new_level_writes_at_once() -> None:
+    clock, out = Clock(), io.StringIO()
+    p = SweepProgress([1, 2], requests_per_level=2, warmup=0, label=None, clock=clock, stream=out)
+    p.start_level(1)
+    for step in range(21):  # ticks every 0.5 s for 10 s
+        clock.t = step * 0.5
+        p.tick()
+    assert [ln.split(":")[0] for ln in p.lines] == [
+        "bench level 1/2 concurrency 1 measuring"
+    ] * 3  # 0, 4, 8 s
+    p.end_level(1.0)
+    p.start_level(2)
+    p.tick()
+    assert len(p.lines) == 4 and "level 2/2" in p.lines[-1]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_a_bar() -> None:
+    out = Terminal()
+    p = SweepProgress([3], requests_per_level=5, warmup=1, label="eagle", clock=Clock(), stream=out)
+    lv = p.start_level(3)
+    lv.measured_done, lv.in_flight = 2, 3
+    p.tick()
+    p.end_level(None)
+    text = out.getvalue()
+    assert "eagle: concurrency 3" in text and "2/5" in text and "3 in flight" in text and "\r" in text
+    assert p.lines == []
+
+
+def test_disabled_progress_writes_nothing() -> None:
+    out = io.StringIO()
+    p = SweepProgress(
+        [1], requests_per_level=1, warmup=0, label=None, clock=Clock(), stream=out, enabled=False
+    )
+    p.start_level(1)
+    p.tick()
+    assert out.getvalue() == ""
+
+
+def test_fmt_duration() -> None:
+    assert [fmt_duration(x) for x in (None, 4.4, 75, 3725)] == ["?", "4 s", "1 min 15 s", "1 h 02 min"]
+
+
+SGLANG_METRICS = """# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m",engine_type="unified",tp_rank="0",pp_rank="0"} 7.0
+sglang:num_queue_reqs{model_name="m",engine_type="unified",tp_rank="1",pp_rank="0"} 3.0
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m",engine_type="unified",tp_rank="0",pp_rank="0"} 48.0
+"""
+SPECROUTE_METRICS = """# TYPE specroute_backend_queued_requests gauge
+specroute_backend_queued_requests{pool="eagle",backend="e"} 2.0
+# TYPE specroute_admission_waiting_requests gauge
+specroute_admission_waiting_requests 1.0
+"""
+
+
+def test_queued_requests_from_sglang_and_specroute_metrics() -> None:
+    assert queued_requests(SGLANG_METRICS) == 10.0
+    assert queued_requests(SPECROUTE_METRICS) == 3.0
+    assert queued_requests("") is None
+    assert queued_requests("<html>not found</html>") is None
