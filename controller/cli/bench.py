@@ -25,6 +25,7 @@ from controller.bench.runner import DEFAULT_LEVELS, BenchConfig, BenchError, Ben
 from controller.bench.sglang_import import SglangImportError, import_sglang
 from controller.cli.args import (
     CommandError,
+    check_writable,
     non_negative_float,
     non_negative_int,
     number,
@@ -248,9 +249,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for key, full in FULL.items():
         if getattr(args, key) is None:
             setattr(args, key, QUICK[key] if args.quick else full)
-    for path in (args.out, args.profile_out):
-        if path and not Path(path).resolve().parent.is_dir():
-            raise CommandError(f"cannot write {path}: no such directory")
+    check_writable(args.out, args.profile_out)
     headers = dict(args.header)
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"

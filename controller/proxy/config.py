@@ -31,6 +31,8 @@ from pydantic import (
 )
 
 from policies.base import POOLS, Pool
+from policies.params import parse_policy_ref
+from policies.spec import PolicyError
 
 ENV_PREFIX = "SPECROUTE_"
 
@@ -70,6 +72,16 @@ def _blank_is_unset(value: Any) -> Any:
     if isinstance(value, str) and not value.strip():
         return None
     return value
+
+
+def _shadow_entry(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        name, params = parse_policy_ref(value, "entry")
+    except PolicyError as e:
+        raise ValueError(str(e)) from None
+    return {"name": name, "params": params or {}}
 
 
 _BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -342,6 +354,14 @@ class Settings(BaseModel):
     )
 
     _split = field_validator("baseline", "eagle", "admin_policy_modules", mode="before")(_split_list)
+
+    @field_validator("shadow_policies", mode="before")
+    @classmethod
+    def _shadow_refs(cls, value: Any) -> Any:
+        """Entries may be written `NAME` or `NAME:KEY=VALUE,...` (the grammar of every command)."""
+        if isinstance(value, str):
+            value = [value]
+        return [_shadow_entry(v) for v in value] if isinstance(value, list) else value
     _blank = field_validator(
         "profile", "decision_log", "admin_token", "baseline_model", "eagle_model",
         "baseline_api_key", "eagle_api_key", mode="before",
