@@ -5,14 +5,14 @@ request lasting the same time D, the level takes `level_rounds(c, warmup, n)` x 
 requests first, then the `n` measured ones; fillers keep the concurrency until the last measured
 request ends), plus the drain: the fillers still in flight then run to their end, which takes
 about D x (c - 1) / c more (their ages are spread over one request's time). D at a level not yet
-run is extrapolated from the mean end-to-end time of the levels already run: linear in the
-concurrency through the last two levels (the decode step time of a batch grows about linearly
-with it), never below the last level's, and above the server's `max_running_requests` (when
-`/server_info` tells it) the excess waits in the server's queue, so D grows with
-c / max_running_requests. Within a running level the requests already finished give D directly
-(and count as a point for the levels after it). Once every measured request has started, the
-level's ETA is the time the requests in flight still need. The sweep's ETA is the running
-level's plus the predicted levels after it.
+run is predicted from the mean end-to-end times of the levels already run: a least-squares line
+in the concurrency (the decode step time of a batch grows about linearly with it; `PRIOR_*`
+adds a typical point while only small levels have run), and above the server's
+`max_running_requests` (when `/server_info` tells it) the excess waits in the server's queue,
+so D grows with c / max_running_requests. Within a running level the requests already
+finished give D directly (and count as a point for the levels after it). Once every measured
+request has started, the level's ETA is the time the requests in flight still need. The sweep's
+ETA is the running level's plus the predicted levels after it.
 
 `SweepProgress` keeps the counts the runner reports and renders them: a tqdm bar refreshed twice
 a second on a terminal, a plain line every `line_interval_s` otherwise (logs get no bar).
@@ -20,7 +20,6 @@ a second on a terminal, a plain line every `line_interval_s` otherwise (logs get
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -57,6 +56,14 @@ def level_rounds(concurrency: int, warmup: int, n: int) -> int:
     return rounds
 
 
+PRIOR_CLIENTS = 20
+PRIOR_FACTOR = 3.0
+"""Until a level of at least PRIOR_CLIENTS more clients than the lowest has run, the fit also
+gets a made-up point: PRIOR_FACTOR x the lowest level's e2e at PRIOR_CLIENTS more clients (on
+the built-in Kimi profile a request's decode rate halves about every 10 clients). Without it
+the first ETA would assume a flat curve, and the second extrapolate the noise of two points."""
+
+
 def predict_e2e_s(
     known: Sequence[tuple[int, float]], concurrency: int, cap: int | None = None
 ) -> float | None:
@@ -65,24 +72,29 @@ def predict_e2e_s(
     pts = sorted(dict(known).items())
     if not pts:
         return None
+    if concurrency in dict(pts):
+        return dict(pts)[concurrency]
     if cap is not None and concurrency > cap:
         # Beyond the cap the server's throughput is flat: e2e grows with the clients in line.
         above = [p for p in pts if p[0] >= cap]
-        c0, d0 = above[-1] if above else (cap, _linear(pts, cap))
+        c0, d0 = above[-1] if above else (cap, _fit(pts, cap))
         return d0 * concurrency / c0
-    return _linear(pts, concurrency)
+    return _fit(pts, concurrency)
 
 
-def _linear(pts: Sequence[tuple[int, float]], c: float) -> float:
-    """Through the known points: interpolated between them, extrapolated beyond the last through
-    the last two (never decreasing), the first one's below the first."""
-    if c <= pts[0][0] or len(pts) == 1:
-        return pts[0][1] if c <= pts[0][0] else max(pts[0][1], pts[-1][1])
-    pairs = list(itertools.pairwise(pts))
-    (c1, d1), (c2, d2) = next(((a, b) for a, b in pairs if c <= b[0]), pairs[-1])
-    if c <= c2:
-        return d1 + (d2 - d1) * (c - c1) / (c2 - c1)
-    return d2 + max(0.0, (d2 - d1) / (c2 - c1)) * (c - c2)
+def _fit(pts: Sequence[tuple[int, float]], c: float) -> float:
+    """A least-squares line through the points (plus the prior point while the levels run are
+    all small), slope at least 0; beyond the largest level never below its value."""
+    (first_c, first_d), (last_c, last_d) = pts[0], pts[-1]
+    fit = list(pts)
+    if last_c < first_c + PRIOR_CLIENTS:
+        fit.append((first_c + PRIOR_CLIENTS, PRIOR_FACTOR * first_d))
+    xs, ys = [float(x) for x, _ in fit], [y for _, y in fit]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx) if sxx else 0.0
+    line = my + slope * (c - mx)
+    return max(line, last_d) if c > last_c else max(line, 0.0)
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -209,7 +221,7 @@ class SweepProgress:
         if lv is None:
             return None
         now = self.clock()
-        d = predict_e2e_s(self._points(), lv.concurrency, self.cap)
+        d = lv.e2e_sum_s / lv.e2e_n if lv.e2e_n else predict_e2e_s(self.known, lv.concurrency, self.cap)
         if d is None:
             return None
         # the requests in flight need at least the rest of their time
