@@ -5,11 +5,11 @@ request lasting the same time D, the level takes `level_rounds(c, warmup, n)` x 
 requests first, then the `n` measured ones; fillers keep the concurrency until the last measured
 request ends), plus the drain: the fillers still in flight then run to their end, which takes
 about D x (c - 1) / c more (their ages are spread over one request's time). D at a level not yet
-run is predicted from the mean end-to-end times of the levels already run: a least-squares line
-in the concurrency (the decode step time of a batch grows about linearly with it; `PRIOR_*`
-adds a typical point while only small levels have run), and above the server's
-`max_running_requests` (when `/server_info` tells it) the excess waits in the server's queue,
-so D grows with c / max_running_requests. Within a running level the requests already
+run is predicted from the levels already run (`predict_e2e_s`): TTFT plus the output tokens
+times a token's decode time, each a least-squares line in the concurrency (the decode step of a
+batch grows about linearly with it); above the server's `max_running_requests` (when
+`/server_info` tells it) the excess waits in the server's queue, so D grows with
+c / max_running_requests. Within a running level the requests already
 finished give D directly (and count as a point for the levels after it). Once every measured
 request has started, the level's ETA is the time the requests in flight still need. The sweep's
 ETA is the running level's plus the predicted levels after it.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -56,45 +56,97 @@ def level_rounds(concurrency: int, warmup: int, n: int) -> int:
     return rounds
 
 
-PRIOR_CLIENTS = 20
-PRIOR_FACTOR = 3.0
-"""Until a level of at least PRIOR_CLIENTS more clients than the lowest has run, the fit also
-gets a made-up point: PRIOR_FACTOR x the lowest level's e2e at PRIOR_CLIENTS more clients (on
-the built-in Kimi profile a request's decode rate halves about every 10 clients). Without it
-the first ETA would assume a flat curve, and the second extrapolate the noise of two points."""
+PRIOR_DOUBLING_CLIENTS = 7.0
+"""With one level run, a token's decode time is assumed to grow by its own value every this many
+clients (the built-in Kimi profile: x2 at 10 clients plain, x3.3 EAGLE-3); from two levels on,
+the levels say."""
 
 
-def predict_e2e_s(
-    known: Sequence[tuple[int, float]], concurrency: int, cap: int | None = None
-) -> float | None:
-    """Mean end-to-end seconds at `concurrency` from (concurrency, mean e2e) of the levels already
-    run; None when none is known. See the module docstring for the rule."""
-    pts = sorted(dict(known).items())
-    if not pts:
+@dataclass(frozen=True)
+class LevelPoint:
+    """What a level run says about the server at its concurrency."""
+
+    concurrency: int
+    ttft_s: float
+    """Mean time to first token."""
+    step_s: float
+    """Seconds per output token after the first (token-weighted over the requests)."""
+    step_rel_var: float
+    """Variance of `step_s` relative to its square (weights the fit: noisy levels count less)."""
+    tokens: float
+    """Mean output tokens of a request."""
+
+    @property
+    def e2e_s(self) -> float:
+        return self.ttft_s + max(self.tokens - 1.0, 0.0) * self.step_s
+
+
+def level_point(concurrency: int, requests: Iterable[Any]) -> LevelPoint | None:
+    """The point of a level from its finished requests (objects with `ok`, `ttft_s`,
+    `first_token_s`, `last_token_s` and `completion_tokens`, as `RequestResult`); None without
+    a request that decoded two tokens."""
+    ttfts, tokens, steps = [], [], []
+    spent = decoded = 0.0
+    for r in requests:
+        if not r.ok or r.ttft_s is None:
+            continue
+        ttfts.append(r.ttft_s)
+        n = r.completion_tokens or 0
+        tokens.append(float(n))
+        if n > 1 and r.first_token_s is not None and r.last_token_s is not None:
+            spent += r.last_token_s - r.first_token_s
+            decoded += n - 1
+            steps.append((r.last_token_s - r.first_token_s) / (n - 1))
+    if not decoded or spent <= 0:
         return None
-    if concurrency in dict(pts):
-        return dict(pts)[concurrency]
+    step = spent / decoded
+    mean = sum(steps) / len(steps)
+    var = sum((x - mean) ** 2 for x in steps) / len(steps) / len(steps)
+    return LevelPoint(concurrency, sum(ttfts) / len(ttfts), step, var / step**2, sum(tokens) / len(tokens))
+
+
+def _line(xs: Sequence[float], ys: Sequence[float], ws: Sequence[float]) -> Callable[[float], float]:
+    """Weighted least squares, slope at least 0."""
+    total = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / total
+    my = sum(w * y for w, y in zip(ws, ys, strict=True)) / total
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+    sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True))
+    slope = max(0.0, sxy / sxx) if sxx > 0 else 0.0
+    return lambda c: my + slope * (c - mx)
+
+
+def predict_e2e_s(points: Sequence[LevelPoint], concurrency: int, cap: int | None = None) -> float | None:
+    """Mean end-to-end seconds at `concurrency` from the levels already run; None when none is.
+
+    e2e = TTFT + (tokens - 1) x step, with TTFT and the per-token step each a line in the
+    concurrency (least squares; the step weighted by how precisely each level measured it), the
+    tokens the mean over the levels; with one level the step grows as `PRIOR_DOUBLING_CLIENTS`
+    says. Beyond the server's `max_running_requests` (`cap`) its throughput is flat: e2e grows
+    with the clients in line, from the largest level at or above the cap, else the cap's."""
+    if not points:
+        return None
+    exact = [p for p in points if p.concurrency == concurrency]
+    if exact:
+        return exact[-1].e2e_s
     if cap is not None and concurrency > cap:
-        # Beyond the cap the server's throughput is flat: e2e grows with the clients in line.
-        above = [p for p in pts if p[0] >= cap]
-        c0, d0 = above[-1] if above else (cap, _fit(pts, cap))
-        return d0 * concurrency / c0
-    return _fit(pts, concurrency)
-
-
-def _fit(pts: Sequence[tuple[int, float]], c: float) -> float:
-    """A least-squares line through the points (plus the prior point while the levels run are
-    all small), slope at least 0; beyond the largest level never below its value."""
-    (first_c, first_d), (last_c, last_d) = pts[0], pts[-1]
-    fit = list(pts)
-    if last_c < first_c + PRIOR_CLIENTS:
-        fit.append((first_c + PRIOR_CLIENTS, PRIOR_FACTOR * first_d))
-    xs, ys = [float(x) for x, _ in fit], [y for _, y in fit]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx) if sxx else 0.0
-    line = my + slope * (c - mx)
-    return max(line, last_d) if c > last_c else max(line, 0.0)
+        above = sorted((p for p in points if p.concurrency >= cap), key=lambda p: p.concurrency)
+        if above:
+            return above[-1].e2e_s * concurrency / above[-1].concurrency
+        at_cap = predict_e2e_s(points, cap)
+        return None if at_cap is None else at_cap * concurrency / cap
+    # levels beyond the cap queue: their TTFT and step say nothing of the batch below it
+    below = [p for p in points if cap is None or p.concurrency <= cap] or list(points)
+    tokens = sum(p.tokens for p in points) / len(points)
+    if len(below) == 1:
+        (p,) = below
+        step = p.step_s * max(1.0 + (concurrency - p.concurrency) / PRIOR_DOUBLING_CLIENTS, 0.0)
+        return p.ttft_s + max(tokens - 1.0, 0.0) * step
+    xs = [float(p.concurrency) for p in below]
+    ttft = _line(xs, [p.ttft_s for p in below], [1.0] * len(below))(concurrency)
+    weights = [1.0 / max(p.step_rel_var, 1e-6) for p in below]
+    step = _line(xs, [p.step_s for p in below], weights)(concurrency)
+    return max(ttft, 0.0) + max(tokens - 1.0, 0.0) * max(step, 0.0)
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -125,6 +177,8 @@ class LevelState:
     fillers_done: int = 0
     e2e_sum_s: float = 0.0
     e2e_n: int = 0
+    finished: list[Any] = field(default_factory=list)
+    """The requests finished so far (the runner's results), for the level's provisional point."""
     measured_starts: dict[int, float] = field(default_factory=dict)
     """Start time of every measured request still in flight, by a request key."""
     starts: dict[int, float] = field(default_factory=dict)
@@ -170,8 +224,8 @@ class SweepProgress:
         self.line_interval_s = line_interval_s
         self.cap: int | None = None
         """The server's max_running_requests, when known."""
-        self.known: list[tuple[int, float]] = []
-        """(concurrency, mean e2e s) of the finished levels."""
+        self.known: list[LevelPoint] = []
+        """What the finished levels said."""
         self.level: LevelState | None = None
         self.sweep_started = clock()
         self._bar: Any = None
@@ -192,9 +246,9 @@ class SweepProgress:
             self._bar = tqdm(total=self.n, desc=desc, file=self.stream, leave=False, unit="req")
         return self.level
 
-    def end_level(self, mean_e2e_s: float | None) -> None:
-        if self.level is not None and mean_e2e_s is not None:
-            self.known.append((self.level.concurrency, mean_e2e_s))
+    def end_level(self, point: LevelPoint | None) -> None:
+        if point is not None:
+            self.known.append(point)
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -202,12 +256,11 @@ class SweepProgress:
 
     # -- the estimates --
 
-    def _points(self) -> list[tuple[int, float]]:
-        """The finished levels' (concurrency, mean e2e), plus the running level's so far."""
+    def _points(self) -> list[LevelPoint]:
+        """The finished levels' points, plus the running level's so far."""
         lv = self.level
-        if lv is not None and lv.e2e_n:
-            return [*self.known, (lv.concurrency, lv.e2e_sum_s / lv.e2e_n)]
-        return list(self.known)
+        here = level_point(lv.concurrency, lv.finished) if lv is not None else None
+        return [*self.known, here] if here is not None else list(self.known)
 
     def _rounds(self, concurrency: int) -> float:
         return level_rounds(concurrency, self.warmup, self.n) + (concurrency - 1) / concurrency

@@ -54,7 +54,7 @@ import aiohttp
 
 from controller.bench.client import BenchError, base_url, discover_model, fetch_server_info, one_request
 from controller.bench.prefill import DEFAULT_PREFILL_REPEATS, PrefillResult, measure_prefill
-from controller.bench.progress import SweepProgress
+from controller.bench.progress import SweepProgress, level_point
 from controller.bench.prompts import Endpoint, PromptSet, load_prompts
 from controller.bench.queue_watch import QueueWatch
 from controller.bench.result import BenchResult, LevelResult, Phase, RequestResult, summarize
@@ -242,6 +242,7 @@ class BenchRunner:
                     state.measured_starts.pop(key, None)
                     state.starts.pop(key, None)
                 results.append(r)
+                state.finished.append(r)
                 completed += 1
                 if r.ok and r.e2e_s is not None:
                     state.e2e_sum_s += r.e2e_s
@@ -274,8 +275,7 @@ class BenchRunner:
             for task in side:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        e2e = [v for r in results if r.ok and (v := r.e2e_s) is not None]
-        self.sweep.end_level(sum(e2e) / len(e2e) if e2e else None)
+        self.sweep.end_level(level_point(level, results))
         if watch.max_queued is not None:
             self.result.metadata.setdefault("backend_queue_max", {})[str(level)] = watch.max_queued
         results.sort(key=lambda r: r.start_s)

@@ -7,8 +7,17 @@ import math
 
 import pytest
 
-from controller.bench.progress import SweepProgress, fmt_duration, level_rounds, predict_e2e_s
+from controller.bench.progress import (
+    PRIOR_DOUBLING_CLIENTS,
+    LevelPoint,
+    SweepProgress,
+    fmt_duration,
+    level_point,
+    level_rounds,
+    predict_e2e_s,
+)
 from controller.bench.queue_watch import queued_requests
+from controller.bench.result import RequestResult
 
 
 def test_level_rounds_follow_the_runner_rule() -> None:
@@ -21,22 +30,50 @@ def test_level_rounds_follow_the_runner_rule() -> None:
     assert level_rounds(30, 5, 30) == 3  # 25 measured in the second round, 5 in the third
 
 
-def test_predict_e2e_fits_a_line_and_queues_beyond_the_cap() -> None:
+def _pt(c: int, ttft: float, step: float, tokens: float = 101.0, rel_var: float = 1e-4) -> LevelPoint:
+    return LevelPoint(c, ttft, step, rel_var, tokens)
+
+
+def test_level_point_from_requests() -> None:
+    reqs = [
+        RequestResult(
+            "measured", 0.0, ttft_s=0.2, first_token_s=0.2, last_token_s=1.2, end_s=1.2, completion_tokens=101
+        ),
+        RequestResult(
+            "filler", 0.0, ttft_s=0.4, first_token_s=0.4, last_token_s=0.9, end_s=0.9, completion_tokens=51
+        ),
+        RequestResult("measured", 0.0, end_s=0.1, error="HTTP 500"),
+    ]
+    p = level_point(4, reqs)
+    assert p is not None and p.concurrency == 4
+    assert p.ttft_s == pytest.approx(0.3) and p.tokens == pytest.approx(76.0)
+    assert p.step_s == pytest.approx(1.5 / 150)  # token-weighted: 1.5 s over 150 tokens
+    assert p.e2e_s == pytest.approx(0.3 + 75 * 0.01)
+    assert level_point(1, reqs[2:]) is None
+
+
+def test_predict_e2e_from_ttft_and_decode_step_lines() -> None:
     assert predict_e2e_s([], 4) is None
-    # one level: the prior point (3x the e2e at 20 more clients) gives the slope
-    assert predict_e2e_s([(1, 2.0)], 10) == pytest.approx(3.8)
-    assert predict_e2e_s([(1, 2.0)], 1) == 2.0  # a level run is its own answer
-    # a least-squares line through the levels run (the prior is gone once one is large)
-    pts = [(1, 2.0), (31, 8.0), (101, 22.0)]
-    assert predict_e2e_s(pts, 250) == pytest.approx(51.8)
-    assert predict_e2e_s(pts, 61) == pytest.approx(14.0)
-    noisy = [(1, 2.0), (31, 9.0), (101, 21.0)]  # one noisy level moves the line, not its tip
-    assert 45 < predict_e2e_s(noisy, 250) < 55  # type: ignore[operator]
-    assert predict_e2e_s([(1, 3.0), (40, 2.0)], 100) == pytest.approx(2.5)  # never a falling line
-    # above max_running_requests 48, the excess waits: e2e grows with c / 48
-    assert predict_e2e_s(pts[:2], 96, cap=48) == pytest.approx(2 * (1.8 + 0.2 * 48))
-    # ... scaled from the last measured level at or above the cap when there is one
-    assert predict_e2e_s([*pts[:2], (100, 9.0)], 250, cap=48) == pytest.approx(22.5)
+    one = [_pt(1, 0.2, 0.01)]
+    assert predict_e2e_s(one, 1) == pytest.approx(0.2 + 100 * 0.01)  # a level run is its own answer
+    # one level: a token's decode time grows by its own value every PRIOR_DOUBLING_CLIENTS clients
+    assert predict_e2e_s(one, 8) == pytest.approx(0.2 + 100 * 0.01 * (1 + 7 / PRIOR_DOUBLING_CLIENTS))
+    # two levels and more: least-squares lines, TTFT and step each
+    pts = [_pt(1, 0.2, 0.010), _pt(11, 0.3, 0.020), _pt(21, 0.4, 0.030)]
+    assert predict_e2e_s(pts, 101) == pytest.approx(1.2 + 100 * 0.110)
+    # a noisy level (wide spread) weighs little against precise ones
+    noisy = [*pts[:2], _pt(16, 0.35, 0.040, rel_var=1.0), pts[2]]
+    assert predict_e2e_s(noisy, 101) == pytest.approx(1.2 + 100 * 0.110, rel=0.01)
+    # never a falling line
+    assert predict_e2e_s([_pt(1, 0.2, 0.02), _pt(10, 0.2, 0.01)], 50) == pytest.approx(0.2 + 100 * 0.015)
+    # above max_running_requests 48 the excess waits: e2e grows with c / 48 ...
+    at_48 = predict_e2e_s(pts, 48)
+    assert at_48 is not None and predict_e2e_s(pts, 96, cap=48) == pytest.approx(2 * at_48)
+    # ... from the last level at or above the cap when there is one, whose queueing TTFT and flat
+    # step do not bend the lines below the cap
+    queued = _pt(100, 20.0, 0.05)
+    assert predict_e2e_s([*pts, queued], 250, cap=48) == pytest.approx(queued.e2e_s * 2.5)
+    assert predict_e2e_s([*pts, queued], 30, cap=48) == predict_e2e_s(pts, 30)
 
 
 class Clock:
@@ -47,6 +84,16 @@ class Clock:
         return self.t
 
 
+def _done(lv: object, ttft: float, tokens: int, step: float, start: float = 0.0) -> None:
+    """Report one finished request to a LevelState."""
+    end = start + ttft + (tokens - 1) * step
+    r = RequestResult("measured", start, ttft_s=ttft, first_token_s=start + ttft, last_token_s=end, end_s=end,
+                      completion_tokens=tokens)  # fmt: skip
+    lv.finished.append(r)  # type: ignore[attr-defined]
+    lv.e2e_sum_s += end - start  # type: ignore[attr-defined]
+    lv.e2e_n += 1  # type: ignore[attr-defined]
+
+
 def test_eta_of_level_and_sweep_and_the_lines_a_log_gets() -> None:
     clock, out = Clock(), io.StringIO()  # StringIO is no terminal: plain lines, no bar
     p = SweepProgress([1, 2, 4], requests_per_level=4, warmup=0, label="plain", clock=clock, stream=out)
@@ -54,17 +101,18 @@ def test_eta_of_level_and_sweep_and_the_lines_a_log_gets() -> None:
     assert p.sweep_eta_s() is None  # nothing known yet
     p.tick()
     assert "ETA level ?, sweep ?" in out.getvalue()
-    # one request of 2 s done: level 1 = 4 x 2 s; levels 2 and 4 from the prior (2.2 s, 2.6 s)
+    # one request done: 0.2 s + 100 tokens x 18 ms = 2 s; level 1 = 4 x 2 s
     lv.measured_started = lv.measured_done = 1
-    lv.e2e_sum_s, lv.e2e_n = 2.0, 1
+    _done(lv, 0.2, 101, 0.018)
     clock.t = 2.0
     assert p.level_eta_s() == pytest.approx(6.0)
-    assert p.sweep_eta_s() == pytest.approx(6.0 + 2.2 * (2 + 0.5) + 2.6 * (1 + 0.75))
+    d2, d4 = (0.2 + 100 * 0.018 * (1 + k / PRIOR_DOUBLING_CLIENTS) for k in (1, 3))  # the prior's
+    assert p.sweep_eta_s() == pytest.approx(6.0 + d2 * (2 + 0.5) + d4 * (1 + 0.75))
     clock.t = 8.0
-    p.end_level(2.0)
+    p.end_level(level_point(1, lv.finished))
     lv = p.start_level(2)
-    lv.e2e_sum_s, lv.e2e_n = 3.0, 1  # 3 s at concurrency 2: the fit stays below, 3 s is the floor
-    assert p.level_duration_s(4) == pytest.approx(3.0 * (1 + 0.75))
+    _done(lv, 0.2, 101, 0.028)  # 3 s at concurrency 2: 10 ms more per token per client
+    assert p.level_duration_s(4) == pytest.approx((0.2 + 100 * 0.048) * (1 + 0.75))
     # every measured request started: what is left is their time in flight plus the drain
     lv.measured_started, lv.measured_done, lv.in_flight = 4, 2, 2
     lv.measured_starts = {1: 8.0, 2: 9.0}
@@ -95,7 +143,7 @@ def test_log_lines_are_spaced_and_a_new_level_writes_at_once() -> None:
     assert [ln.split(":")[0] for ln in p.lines] == [
         "bench level 1/2 concurrency 1 measuring"
     ] * 3  # 0, 4, 8 s
-    p.end_level(1.0)
+    p.end_level(None)
     p.start_level(2)
     p.tick()
     assert len(p.lines) == 4 and "level 2/2" in p.lines[-1]
