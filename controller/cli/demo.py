@@ -43,7 +43,7 @@ from controller.bench.result import LevelSummary
 from controller.bench.runner import run_sweep
 from controller.cli.args import CommandError, bounded, positive_float, positive_int, run_async
 from policies.base import POOLS, Pool
-from policies.profile import ProfileError, resolve_profile
+from policies.profile import Profile, ProfileError, resolve_profile
 from policies.registry import default_registry
 from policies.spec import PolicyError
 from policies.stats import verdict
@@ -251,7 +251,7 @@ def _fmt_est(s: LevelSummary | None, attr: str, scale: float, ci: bool, digits: 
     return f"{est.mean * f:.{digits if ci else 0}f}"
 
 
-_COLUMNS = (("way", 12), ("n", 4), ("decode tok/s", 14), ("TTFT s", 14), ("e2e s", 14), ("total tok/s", 12))
+_COLUMNS = (("way", 12), ("n", 4), ("decode tok/s", 14), ("TTFT s", 14), ("e2e s", 14), ("total tok/s", 14))
 
 
 def header(scale: float, max_tokens: int = DEFAULT_MAX_TOKENS) -> str:
@@ -312,9 +312,13 @@ def why_line(row: Row, max_tokens: int, scale: float = 1.0) -> str:
     ttft = "?"
     if plain.ttft_s is not None and eagle.ttft_s is not None:
         ttft = f"{(eagle.ttft_s.mean - plain.ttft_s.mean) / scale * 1000:+.0f} ms"
-    said = {"faster": "answers sooner", "slower": "answers later", "not distinguishable": "is level"}[e2e]
+    said = {
+        "faster": "answers sooner than",
+        "slower": "answers later than",
+        "not distinguishable": "is not distinguishable from",
+    }[e2e]
     out = (
-        f"{share}: at {row.concurrency} in flight the EAGLE-3 server alone {said} than the plain one "
+        f"{share}: at {row.concurrency} in flight the EAGLE-3 server alone {said} the plain one "
         f"(e2e {_rel(plain.e2e_s, eagle.e2e_s)}, {n}): decode {decode}, TTFT {ttft}"
     )
     eagle_decodes_faster = verdict(plain.decode_tok_s, eagle.decode_tok_s, True) == "faster"
@@ -347,17 +351,26 @@ def format_row(row: Row, scale: float, max_tokens: int = DEFAULT_MAX_TOKENS) -> 
             f"{c:<{w}}" if t == "way" else f"{c:>{w}}" for c, (t, w) in zip(cells, _COLUMNS, strict=True)
         )
         lines.append(f"{conc}  {body}".rstrip())
-    lines += _wrap("= " + verdict_line(row))
-    lines += _wrap("= " + why_line(row, max_tokens, scale))
+    lines += _wrap("verdict: " + verdict_line(row))
+    lines += _wrap("why: " + why_line(row, max_tokens, scale))
     return "\n".join(lines)
 
 
 README_SECTION = 'README "When specroute helps"'
 
 
-def summary_sentence(rows: Sequence[Row]) -> str:
+def eagle_lead(profile: Profile) -> float | None:
+    """How much faster the profile's EAGLE-3 mode decodes a lone stream than its plain mode."""
+    try:
+        plain, eagle = (profile.mode(m).points[0] for m in POOLS)
+    except (KeyError, IndexError, ProfileError):
+        return None
+    return eagle.decode_tok_s / plain.decode_tok_s - 1.0
+
+
+def summary_sentence(rows: Sequence[Row], lead: float | None = None) -> str:
     """What the comparison shows (specroute against 2x baseline, level by level) and where a
-    pair would win, pointing to the README's section."""
+    pair would win, pointing to the README's section; `lead`: `eagle_lead` of the profile."""
     counts: dict[str, list[int]] = {"faster": [], "not distinguishable": [], "slower": []}
     for r in rows:
         v = specroute_verdict(r)
@@ -368,13 +381,16 @@ def summary_sentence(rows: Sequence[Row]) -> str:
         levels = counts[v]
         return f"{len(levels)}" + (f" ({', '.join(map(str, levels))})" if levels else "")
 
+    profile_lead = ""
+    if lead is not None:
+        profile_lead = f" (this profile's EAGLE-3 decodes a lone stream {lead:+.1%} faster)"
     return (
         "This compares specroute (one plain and one EAGLE-3 server) with 2x baseline (two plain servers, "
         f"the same hardware) on end-to-end time: specroute is faster at {at('faster')} of {len(rows)} "
         f"concurrency levels, not distinguishable at {at('not distinguishable')}, slower at {at('slower')}. "
         "A pair wins where EAGLE-3 is much faster than plain for a few requests at a time and the plain "
-        "server's throughput is needed under load; on this profile EAGLE-3's lead is small. "
-        f"{README_SECTION} shows where a pair pays and how to check your own servers with `specroute plan`."
+        f"server's throughput is needed under load{profile_lead}. {README_SECTION} shows where a pair "
+        "pays and how to check your own servers with `specroute plan`."
     )
 
 
@@ -529,7 +545,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     took = time.monotonic() - t0
     print()
-    for line in textwrap.wrap(summary_sentence(rows), WIDTH):
+    for line in textwrap.wrap(summary_sentence(rows, eagle_lead(resolve_profile(args.profile))), WIDTH):
         print(line)
     print(f"done in {took:.0f} s; n = measured requests per way and level; ± is a 95% t-interval;")
     print("verdicts as `specroute compare` judges them: not distinguishable when the intervals overlap;")

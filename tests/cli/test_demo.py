@@ -87,15 +87,15 @@ async def test_quick_demo_prints_its_table_and_writes_the_plot(tmp_path: Path) -
             for est in (decode, ttft, e2e):
                 mean, half = (float(x) for x in est.split("±"))
                 assert mean > 0 and half >= 0, w
-        block = " ".join(lines[b + 4 : b + 9])
-        assert "specroute vs 2x baseline, end-to-end: " in block and "n=" in block
+        block = " ".join(ln.strip() for ln in lines[b + 4 : b + 9])
+        assert "verdict: specroute vs 2x baseline, end-to-end: " in block and "n=" in block
         assert any(v in block for v in ("faster (", "slower (", "not distinguishable ("))
-        assert "chose eagle " in block and "the EAGLE-3 server alone" in block and "TTFT" in block
+        assert "why: chose eagle " in block and "the EAGLE-3 server alone" in block and "TTFT" in block
     assert "When specroute helps" in out and "This compares specroute" in out
     assert "time-scale" in out and "`specroute compare`" in out
-    # the four ways ran with a progress line each (stderr, as on a terminal)
+    # the four ways ran with progress (stderr is a pipe here: lines, not a bar)
     for way in ("baseline", "eagle", "specroute", "2x baseline"):
-        assert f"{way}: concurrency 10" in err, err[-2000:]
+        assert f"bench {way}: level 1/1 concurrency 10 " in err, err[-2000:]
     assert png.is_file() and png.stat().st_size > 1000
     assert f"plot written to {png}" in out
 
@@ -173,13 +173,13 @@ def test_table_verdicts_are_compares_on_e2e_and_say_why_eagle_was_chosen() -> No
         assert [ln.split()[1 if i == 0 else 0] for i, ln in enumerate(lines[:4])] == [
             "baseline", "eagle", "specroute", "2x"]  # fmt: skip
         assert f"specroute vs 2x baseline, end-to-end: {expected} (" in text and "n=30 and 30" in text
-        why = " ".join(lines[4:])
-        assert "chose eagle 25%" in why and "answers later than the plain one" in why
+        why = " ".join(ln.strip() for ln in lines[4:])
+        assert "why: chose eagle 25%" in why and "answers later than the plain one" in why
         assert "TTFT +300 ms" in why and "TTFT decides on 128-token answers" in why
         rows.append(row)
-    sentence = demo.summary_sentence(rows)
+    sentence = demo.summary_sentence(rows, demo.eagle_lead(demo.resolve_profile("kimi-k25-int4-8gpu")))
     assert "faster at 1 (10) of 3" in sentence and "slower at 1 (10)" in sentence
-    assert 'README "When specroute helps"' in sentence
+    assert "lone stream +3.7% faster" in sentence and 'README "When specroute helps"' in sentence
 
 
 def test_plot_has_the_tables_columns_for_the_four_ways() -> None:
