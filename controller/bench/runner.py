@@ -172,6 +172,8 @@ class BenchRunner:
         }
         if c.ignore_eos:
             body["ignore_eos"] = True
+        if self.prompts.categorized:  # per-category acceptance: SGLang's per-request details
+            body["return_spec_tokens_details"] = True
         body.update(self.prompts.pick(self._next_prompt).body(c.endpoint))
         self._next_prompt += 1
         return body
@@ -235,12 +237,14 @@ class BenchRunner:
                 if phase == "measured":
                     state.measured_started = measured_started
                     state.measured_starts[key] = time.perf_counter()
+                prompt = self.prompts.pick(self._next_prompt)
                 try:
                     r = await one_request(session, url, self._body(model), c.endpoint, phase, t0, c.timeout_s)
                 finally:
                     state.in_flight -= 1
                     state.measured_starts.pop(key, None)
                     state.starts.pop(key, None)
+                r.category = prompt.category
                 results.append(r)
                 state.finished.append(r)
                 completed += 1

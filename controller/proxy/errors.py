@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("specroute.errors")
@@ -199,7 +200,7 @@ async def expect_handler(request: web.Request) -> web.StreamResponse | None:
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Render our errors, and every error aiohttp raises itself (404, 405, 413, 400 ...), in
     OpenAI's shape; other HTTP exceptions (redirects) pass."""
     try:

@@ -9,8 +9,9 @@ backend for a while after consecutive failures; routing needs both (`load.py`).
 Which endpoint: by default `/ready`. SGLang's `/health` (and `/health_generate`) run a one-token
 generation on an idle server and take at least a second, so probing them every few seconds costs
 GPU work and holds a connection; `/ready` answers from the HTTP server's state, without
-generating (SGLANG.md). A backend that answers the configured path with 404 (an SGLang release
-without `/ready`) is probed on `/health` from then on, logged once. Redirects are not followed.
+generating (docs/SGLANG_PROTOCOL.md, "Health and server info"). A backend that answers the
+configured path with 404 (an SGLang release without `/ready`) is probed on `/health` from then
+on, logged once. Redirects are not followed.
 """
 
 from __future__ import annotations
