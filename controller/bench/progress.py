@@ -62,6 +62,16 @@ clients (the built-in Kimi profile: x2 at 10 clients plain, x3.3 EAGLE-3); from 
 the levels say."""
 
 
+STEP_SPREAD_FLOOR = 0.03
+"""The least relative spread of per-request decode steps assumed when weighting a level."""
+SETTLED_REQUESTS = 10
+SETTLED_ROUNDS = 2
+"""A running level speaks for itself (its mean e2e, its point for the later levels) once it has
+finished at least SETTLED_REQUESTS requests and SETTLED_ROUNDS x its concurrency: its first
+finishers are its shortest requests, and its first round starts all at once (prefills collide),
+either of which would misstate it."""
+
+
 @dataclass(frozen=True)
 class LevelPoint:
     """What a level run says about the server at its concurrency."""
@@ -102,7 +112,9 @@ def level_point(concurrency: int, requests: Iterable[Any]) -> LevelPoint | None:
     step = spent / decoded
     mean = sum(steps) / len(steps)
     var = sum((x - mean) ** 2 for x in steps) / len(steps) / len(steps)
-    return LevelPoint(concurrency, sum(ttfts) / len(ttfts), step, var / step**2, sum(tokens) / len(tokens))
+    # a few requests can agree by chance: never trust a level more than a 3% spread would allow
+    rel_var = max(var / step**2, STEP_SPREAD_FLOOR**2 / len(steps))
+    return LevelPoint(concurrency, sum(ttfts) / len(ttfts), step, rel_var, sum(tokens) / len(tokens))
 
 
 def _line(xs: Sequence[float], ys: Sequence[float], ws: Sequence[float]) -> Callable[[float], float]:
@@ -256,10 +268,16 @@ class SweepProgress:
 
     # -- the estimates --
 
-    def _points(self) -> list[LevelPoint]:
-        """The finished levels' points, plus the running level's so far."""
+    def _settled(self) -> bool:
         lv = self.level
-        here = level_point(lv.concurrency, lv.finished) if lv is not None else None
+        return lv is not None and len(lv.finished) >= max(SETTLED_REQUESTS, SETTLED_ROUNDS * lv.concurrency)
+
+    def _points(self) -> list[LevelPoint]:
+        """The finished levels' points, plus the running level's so far once it has settled (or
+        while it is the first)."""
+        lv = self.level
+        settled = self._settled() or not self.known  # the first level: better early than nothing
+        here = level_point(lv.concurrency, lv.finished) if lv is not None and settled else None
         return [*self.known, here] if here is not None else list(self.known)
 
     def _rounds(self, concurrency: int) -> float:
@@ -274,7 +292,10 @@ class SweepProgress:
         if lv is None:
             return None
         now = self.clock()
-        d = lv.e2e_sum_s / lv.e2e_n if lv.e2e_n else predict_e2e_s(self.known, lv.concurrency, self.cap)
+        if lv.e2e_n and (self._settled() or not self.known):
+            d: float | None = lv.e2e_sum_s / lv.e2e_n
+        else:
+            d = predict_e2e_s(self.known, lv.concurrency, self.cap)
         if d is None:
             return None
         # the requests in flight need at least the rest of their time
