@@ -72,6 +72,8 @@ class Row:
     concurrency: int
     summaries: dict[str, LevelSummary] = field(default_factory=dict)
     chosen: dict[Pool, int] = field(default_factory=dict)
+    eagle_cap: int | None = None
+    """The EAGLE-3 server's max_running_requests (from the profile), for the why line."""
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
@@ -212,6 +214,7 @@ async def run_demo(args: argparse.Namespace) -> list[Row]:
     )
     max_tokens = args.max_tokens or (QUICK_MAX_TOKENS if args.quick else DEFAULT_MAX_TOKENS)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
+    eagle_cap = resolve_profile(args.profile).mode("eagle").max_running_requests
     with tempfile.TemporaryDirectory(prefix="specroute-demo-") as tmp:
         kids = Children(Path(tmp))
         try:
@@ -219,7 +222,7 @@ async def run_demo(args: argparse.Namespace) -> list[Row]:
             print(header(scale, max_tokens), flush=True)
             rows: list[Row] = []
             for c in levels:
-                row = Row(c)
+                row = Row(c, eagle_cap=eagle_cap)
                 for way in WAYS:
                     before = await _decisions(urls[way]) if way == "specroute" else None
                     result = await run_sweep(
@@ -322,6 +325,9 @@ def why_line(row: Row, max_tokens: int, scale: float = 1.0) -> str:
         f"(e2e {_rel(plain.e2e_s, eagle.e2e_s)}, {n}): decode {decode}, TTFT {ttft}"
     )
     eagle_decodes_faster = verdict(plain.decode_tok_s, eagle.decode_tok_s, True) == "faster"
+    if plain.ttft_s is not None and eagle.ttft_s is not None and eagle.ttft_s.mean > 5 * plain.ttft_s.mean:
+        cap = f" (it runs at most {row.eagle_cap} at once)" if row.eagle_cap else ""
+        out += f"; its requests wait in its queue{cap}"
     if e2e != "faster" and eagle_decodes_faster:
         out += f"; TTFT decides on {max_tokens}-token answers, not decode"
     elif e2e != "faster" and _rel(plain.decode_tok_s, eagle.decode_tok_s).startswith("-"):
