@@ -20,6 +20,7 @@ import aiohttp
 from controller.bench.prompts import Endpoint
 from controller.bench.result import Phase, RequestResult
 from controller.bench.sglang_import import parse_server_info
+from controller.proxy.spec_details import accept_length
 
 
 def base_url(url: str) -> str:
@@ -107,6 +108,7 @@ async def one_request(
     """Send one streaming request; never raises for server or network trouble."""
     start = time.perf_counter()
     r = RequestResult(phase=phase, start_s=start - t0)
+    spec: Any = None
     done = False
     events = 0
     try:
@@ -149,6 +151,9 @@ async def one_request(
                     if choice.get("finish_reason") == "abort":
                         r.error = "request aborted by the server"
                         return r
+                ext = obj.get("sglext")
+                if isinstance(ext, dict) and "spec_tokens_details" in ext:
+                    spec = ext["spec_tokens_details"]
                 usage = obj.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                     r.completion_tokens = usage["completion_tokens"]
@@ -165,6 +170,8 @@ async def one_request(
         r.error = f"stream read error: {e}"
     finally:
         r.end_s = time.perf_counter() - t0
+    if spec is not None:
+        r.accept_length = accept_length(spec, r.completion_tokens)
     if r.error is None:
         if events == 0:
             r.error = "no SSE events in the response (does the server stream?)"

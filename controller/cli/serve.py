@@ -16,6 +16,7 @@ from pydantic.fields import FieldInfo
 from controller.cli.args import CommandError, add_model_flags, run_async
 from controller.cli.sighup import EarlyReload
 from controller.proxy.config import ConfigError, Settings, load_settings
+from controller.proxy.redact import Redactor, install, secrets_in_env, secrets_in_values
 from policies.base import Policy
 from policies.params import parse_assignments
 from policies.profile import ProfileError
@@ -154,13 +155,17 @@ def run_serve(args: argparse.Namespace) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Every log line passes this filter: no secret reaches stderr, whoever logs it.
+    redactor = Redactor(secrets_in_env(os.environ))
+    install(redactor)
     try:
         settings, registry, context, policy = _build(args)
     except (ConfigError, PolicyError, ProfileError) as e:
         raise CommandError(e) from None
+    redactor.add(secrets_in_values(dict(settings)))
     raise_open_files_limit()
     try:
-        run_async(_serve(args, settings, registry, context, policy, early_reload))
+        run_async(_serve(args, settings, registry, context, policy, early_reload, redactor))
     except OSError as e:
         raise CommandError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
     return 0
@@ -173,10 +178,12 @@ async def _serve(
     context: PolicyContext,
     policy: Policy,
     early_reload: EarlyReload,
+    redactor: Redactor,
 ) -> None:
     from aiohttp import web
 
-    from controller.proxy.app import ADMIN, create_app, drain, make_runner
+    from controller.cli.reload import ConfigReloader, ReloadMetrics
+    from controller.proxy.app import ADMIN, METRICS, create_app, drain, make_runner, reopen_decision_log
 
     app = create_app(settings, policy, registry=registry, context=context)
     # `drain` below does the waiting; aiohttp's own shutdown then has only idle connections left.
@@ -207,21 +214,21 @@ async def _serve(
             [b.name for b in settings.eagle],
         )
 
-        def reload() -> None:
-            if args.config is None:
-                log.warning("SIGHUP: no --config file to re-read; policy unchanged")
-                return
-            try:
-                fresh = load_settings(cli_settings(args), os.environ, args.config)
-                app[ADMIN].reload(fresh)
-            except (ConfigError, PolicyError, ProfileError) as e:
-                log.error("SIGHUP: reload failed, policy unchanged: %s", e)
-
-        loop.add_signal_handler(signal.SIGHUP, reload)
+        reloader = ConfigReloader(
+            args.config,
+            lambda text: load_settings(cli_settings(args), os.environ, args.config, config_text=text),
+            app[ADMIN].reload,
+            ReloadMetrics(app[METRICS].registry),
+            settle_s=settings.reload_settle_s,
+            redactor=redactor,
+            hooks=[lambda: reopen_decision_log(app)],
+        )
+        loop.add_signal_handler(signal.SIGHUP, reloader.request)
         if early_reload.pending:
             log.warning("SIGHUP during start-up: re-reading the config now")
-            reload()
+            reloader.request()
         await stop.wait()
+        reloader.cancel()
         log.warning(
             "shutting down: draining %d in-flight request(s) for up to %g s",
             app[ADMIN].fwd.tracker.total_in_flight,

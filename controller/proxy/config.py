@@ -32,7 +32,15 @@ from pydantic import (
     model_validator,
 )
 
+from controller.proxy.redact import (
+    Redactor,
+    mask_userinfo,
+    secrets_in_env,
+    secrets_in_values,
+    secrets_in_yaml,
+)
 from policies.base import POOLS, Pool
+from policies.view import STALE_AFTER_S
 
 ENV_PREFIX = "SPECROUTE_"
 
@@ -89,15 +97,17 @@ def _normalise_url(url: str) -> str:
             "backend expects"
         )
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
+        raise ValueError(f"{mask_userinfo(repr(url))} is not an http(s)://host[:port] URL")
     try:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
-        raise ValueError(f"{url!r} has an invalid port") from None
+        raise ValueError(f"{mask_userinfo(repr(url))} has an invalid port") from None
     if parts.query or parts.fragment:
-        raise ValueError(f"{url!r}: query strings and fragments are not allowed")
+        raise ValueError(f"{mask_userinfo(repr(url))}: query strings and fragments are not allowed")
     if parts.path not in ("", "/"):
-        raise ValueError(f"{url!r}: give the server's base URL without a path (specroute adds /v1/...)")
+        raise ValueError(
+            f"{mask_userinfo(repr(url))}: give the server's base URL without a path (specroute adds /v1/...)"
+        )
     return url.rstrip("/")
 
 
@@ -167,7 +177,8 @@ class Settings(BaseModel):
     backend_header: bool = Field(
         default=True,
         description="Send x-specroute-backend (the serving backend's name) in responses; off: clients "
-        "learn nothing about the backends but the pool.",
+        "learn nothing about the backends but the pool (error messages, stream error events, /ready and "
+        "/server_info name none; logs and /metrics still do).",
     )
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
@@ -321,6 +332,13 @@ class Settings(BaseModel):
     eagle_api_key: SecretStr | None = Field(
         default=None, description="API key sent to eagle backends (else the client's is forwarded)."
     )
+    reload_settle_s: float = Field(
+        default=0.25,
+        ge=0,
+        le=30,
+        description="On SIGHUP the config file is applied only once two reads this many seconds apart "
+        "agree (bytes, size, mtime, inode), so a file still being written is not applied half way.",
+    )
     log_bodies: bool = Field(default=False, description="Log request bodies (debugging only).")
     decision_log: str | None = Field(default=None, description="Path of the JSONL decision log.")
     shadow_policies: list[ShadowPolicy] = Field(
@@ -328,7 +346,7 @@ class Settings(BaseModel):
     )
     scrape_interval_s: float = Field(default=1.0, gt=0, description="Seconds between backend scrapes.")
     scrape_stale_after_s: float = Field(
-        default=5.0, gt=0, description="Scraped samples older than this are ignored."
+        default=STALE_AFTER_S, gt=0, description="Scraped samples older than this are ignored."
     )
     prefix_tracking: bool = Field(
         default=True,
@@ -420,23 +438,48 @@ FIELDS = frozenset(Settings.model_fields)
 _JSON_FIELDS = frozenset({"policy_params", "shadow_policies"})
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+def read_text(path: str | Path) -> str:
+    """A config file's text (ConfigError when it cannot be read)."""
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"config file {path}: cannot read: {e.strerror or e}") from None
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
+        raise ConfigError(f"config file {path}: cannot read: {why}") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error without the snippet of the offending line it quotes (the line may hold a
+    secret): the problem, its line and column, and the context it was found in."""
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return type(e).__name__
+    parts = []
+    if e.problem_mark is not None:
+        parts.append(f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}:")
+    parts.append(e.problem or "syntax error")
+    if e.context:
+        where = f" at line {e.context_mark.line + 1}" if e.context_mark is not None else ""
+        parts.append(f"({e.context}{where})")
+    return " ".join(parts)
+
+
+def parse_yaml(text: str, path: str | Path) -> dict[str, Any]:
+    """The settings of a config file's text (`path` names it in errors)."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path}: not valid YAML: {e}") from None
+        raise ConfigError(f"config file {path}: not valid YAML: {_yaml_problem(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of settings at the top level")
-    unknown = sorted(str(k) for k in data if k not in FIELDS)
+    unknown = sorted(str(k)[:64] for k in data if k not in FIELDS)
     if unknown:
         raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}")
     return {str(k): v for k, v in data.items()}
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    return parse_yaml(read_text(path), path)
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -470,17 +513,43 @@ def load_settings(
     cli: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     config_file: str | Path | None = None,
+    *,
+    config_text: str | None = None,
 ) -> Settings:
     """Merge the sources (CLI > env > file > defaults) and validate once.
 
-    `cli` holds only the flags the user actually gave (None values are ignored).
+    `cli` holds only the flags the user actually gave (None values are ignored). `config_text`:
+    the file's text when the caller read it already (a reload reads it until it is stable); it is
+    then named `config_file` in errors. No `ConfigError` raised here holds a secret value found in
+    these sources (see `controller.proxy.redact`), even one from a file that does not parse.
     """
-    layers: list[tuple[str, dict[str, Any]]] = []
-    if config_file is not None:
-        layers.append((f"config file {config_file}", read_yaml(config_file)))
-    layers.append(("environment", read_env(os.environ if environ is None else environ)))
-    layers.append(("command line", {k: v for k, v in (cli or {}).items() if v is not None}))
+    env = os.environ if environ is None else environ
+    redact = Redactor(secrets_in_env(env) | secrets_in_values(cli or {}))
+    try:
+        if config_file is not None and config_text is None:
+            config_text = read_text(config_file)
+        if config_text is not None:
+            redact.add(secrets_in_yaml(config_text))
+        return _load(cli, env, config_file, config_text, redact)
+    except ConfigError as e:
+        raise ConfigError(redact(str(e))) from None
 
+
+def _load(
+    cli: Mapping[str, Any] | None,
+    environ: Mapping[str, str],
+    config_file: str | Path | None,
+    config_text: str | None,
+    redact: Redactor,
+) -> Settings:
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if config_text is not None:
+        source = f"config file {config_file if config_file is not None else '(text)'}"
+        data = parse_yaml(config_text, config_file if config_file is not None else "(text)")
+        redact.add(secrets_in_values(data))
+        layers.append((source, data))
+    layers.append(("environment", read_env(environ)))
+    layers.append(("command line", {k: v for k, v in (cli or {}).items() if v is not None}))
     merged: dict[str, Any] = {}
     origin: dict[str, str] = {}
     params: dict[str, Any] = {}

@@ -74,6 +74,8 @@ SPECROUTE_METRICS = frozenset(
         "specroute_prompt_tokens_total",
         "specroute_prefix_prediction_ratio",
         "specroute_prefix_false_hits_total",
+        "specroute_accept_factor_ratio",
+        "specroute_acceptance_families",
     }
 )
 # Further metrics the proxy exports (controller/proxy/metrics.py), shown but not part of the list above.

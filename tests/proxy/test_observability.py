@@ -47,12 +47,14 @@ PUBLIC_METRICS = {
     "specroute_backend_spec_accept_length": "gauge",
     "specroute_proxy_overhead_seconds": "histogram",
     "specroute_shadow_decisions": "counter",
+    "specroute_accept_factor_ratio": "histogram",
+    "specroute_acceptance_families": "gauge",
 }
 LOG_FIELDS = {
     "ts", "endpoint", "stream", "prompt_tokens", "max_tokens", "hint", "forced_pool", "load", "policy",
     "pool", "backend", "reason", "chosen_pool", "chosen_backend", "predicted_ttft_s", "predicted_e2e_s",
     "ttft_s", "completion_tokens", "duration_s", "status", "http_status", "shadow",
-    "believed_cached_tokens", "cached_tokens",
+    "believed_cached_tokens", "cached_tokens", "accept_factor_predicted", "accept_factor_reported",
 }  # fmt: skip
 
 
@@ -325,6 +327,10 @@ async def test_decision_log_fields_no_text_and_simulator_replay(fake_backend, pr
     assert all(r["completion_tokens"] == min(r["max_tokens"], 8) for r in routed)  # the fake sends <= 8
     assert [r["ttft_s"] is not None for r in routed].count(True) == 4  # the streamed ones
     assert all(r["shadow"][0]["pool"] == "eagle" for r in routed)
+    # content-aware cost_model: the eagle factor it used (nothing learned yet: the pool average,
+    # the hint's); the fake backend reports no accept length, so nothing is reported
+    assert all(r["accept_factor_predicted"] > 0 for r in routed)
+    assert all(r["accept_factor_reported"] is None for r in lines)
     assert all(set(r["shadow"][1]["predicted_e2e_s"]) == {"baseline", "eagle"} for r in routed)
     (forced,) = [r for r in lines if r["forced_pool"] is not None]
     assert (forced["pool"], forced["reason"]) == ("baseline", "client_override")
