@@ -51,11 +51,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
 
-from policies.base import BackendLoad, Decision, LoadView, NoHealthyBackend, Outcome, Pool, RequestInfo
+from policies.base import BackendLoad, Decision, LoadView, Outcome, Pool, RequestInfo
 from policies.calibration import SpeedCalibration, check_bounds
 from policies.content import ContentAcceptance
 from policies.profile import SpeedModel
-from policies.routing import backend_counts, cheapest_backend, first_least_loaded, pool_decision
+from policies.routing import (
+    backend_counts,
+    cheapest_backend,
+    fallback,
+    first_least_loaded,
+    pool_decision,
+    teaches,
+)
 from policies.spec import PolicyContext, PolicyError, PolicySpec
 
 Objective = Literal["e2e", "ttft"]
@@ -208,7 +215,6 @@ class CostModelPolicy:
         self._prefill_ends: dict[str, deque[float]] = {}
         """Per backend: when the prefills this policy sent there and that have not ended yet end
         (its own estimate; one prefill at a time, FIFO, so the times increase)."""
-        self._last_now = -math.inf
         # hint priors: the profile's measured categories (`specroute bench --prompts`), then the params'
         self._hint_priors = {**(context.profile.mode("eagle").categories or {}), **params.hint_speedup}
         self.calibration: SpeedCalibration | None = None
@@ -335,36 +341,32 @@ class CostModelPolicy:
                     break
         return decision
 
+    def reset(self) -> None:
+        """A new segment (clock at 0): the prefills booked on the old clock are gone."""
+        self._prefill_ends.clear()
+
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
-        if now < self._last_now:  # the clock restarted (a new simulated segment): nothing is queued
-            self._prefill_ends.clear()
-        self._last_now = now
         content = self.content
         self._content_own = (
             None if content is None or request.features is None else content.factor(request, self.calibration)
         )
         on_b = self._backend("baseline", view, request, n, now)
         on_e = self._backend("eagle", view, request, n, now)
-        if on_b is None or on_e is None:
-            sides: tuple[tuple[Pool, Pool, tuple[str, Prediction] | None], ...] = (
-                ("baseline", "eagle", on_b),
-                ("eagle", "baseline", on_e),
+        if on_b is None or on_e is None:  # the routing core's fallback (rule 4)
+            only, reason = fallback({"baseline": on_b, "eagle": on_e})
+            on = on_b if only == "baseline" else on_e
+            assert on is not None
+            ttft, e2e = on[1][:2]
+            decision = pool_decision(
+                only,
+                reason,
+                policy=self.name,
+                predicted_ttft_s={only: ttft},
+                predicted_e2e_s={only: e2e},
+                backend=on[0],
             )
-            for only, other, on in sides:
-                if on is None:
-                    continue
-                ttft, e2e = on[1][:2]
-                decision = pool_decision(
-                    only,
-                    f"{other}_unavailable",
-                    policy=self.name,
-                    predicted_ttft_s={only: ttft},
-                    predicted_e2e_s={only: e2e},
-                )
-                decision.backend = on[0]
-                return self._sent(decision, request, view, now)
-            raise NoHealthyBackend("no healthy backend in either pool")
+            return self._sent(decision, request, view, now)
         tb, eb, cb, qb, pb = on_b[1]
         te, ee, ce, qe, pe = on_e[1]
         # the smaller cost wins: system scope compares marginal costs (e2e) or, for TTFT, avoids
@@ -398,19 +400,16 @@ class CostModelPolicy:
             policy=self.name,
             predicted_ttft_s={"baseline": tb, "eagle": te},
             predicted_e2e_s={"baseline": eb, "eagle": ee},
+            backend=on_b[0] if pool == "baseline" else on_e[0],
+            accept_factor=None if self._content_own is None else self._content_own[1],
         )
-        decision.backend = on_b[0] if pool == "baseline" else on_e[0]
-        if self._content_own is not None:
-            decision.accept_factor = self._content_own[1]
         return self._sent(decision, request, view, now)
 
     def observe(self, outcome: Outcome) -> None:
         cal = self.calibration
-        if cal is None or outcome.status != "ok" or outcome.request.forced_pool is not None:
-            return  # only requests this policy routed teach it (a client cannot steer it)
+        if cal is None or not teaches(outcome):
+            return  # only requests this policy routed to where they ran teach it
         decision = outcome.decision
-        if decision.reason == "failover":
-            return  # its load at decision time was another backend's
         rate = outcome.decode_tok_s
         pool = decision.pool
         model = self._baseline if pool == "baseline" else self._eagle

@@ -42,10 +42,10 @@ from controller.proxy.limits import read_bounded
 from controller.proxy.load import LoadTracker
 from controller.proxy.metrics import Metrics
 from controller.proxy.outlier import OutlierDetector
-from controller.proxy.prefixes import DEFAULT_CACHE_TOKENS
 from controller.proxy.scrape import ScrapeLoop
 from controller.proxy.shadow import ShadowPolicies, build_shadows
 from policies.base import POOLS, Policy
+from policies.prefix import DEFAULT_CACHE_TOKENS
 from policies.profile import Profile, resolve_profile
 from policies.registry import PolicyRegistry
 from policies.spec import PolicyContext

@@ -40,6 +40,7 @@ from controller.proxy.redact import (
     secrets_in_yaml,
 )
 from policies.base import POOLS, Pool
+from policies.view import STALE_AFTER_S
 
 ENV_PREFIX = "SPECROUTE_"
 
@@ -345,7 +346,7 @@ class Settings(BaseModel):
     )
     scrape_interval_s: float = Field(default=1.0, gt=0, description="Seconds between backend scrapes.")
     scrape_stale_after_s: float = Field(
-        default=5.0, gt=0, description="Scraped samples older than this are ignored."
+        default=STALE_AFTER_S, gt=0, description="Scraped samples older than this are ignored."
     )
     prefix_tracking: bool = Field(
         default=True,

@@ -55,7 +55,7 @@ def _pool_summary(pool: PoolLoad) -> dict[str, Any]:
     accepts = []
     healthy = 0
     for b in pool.backends:
-        healthy += b.healthy
+        healthy += b.admits  # as before the healthy/admits split: may take a request
         s = b.scraped
         if s is not None:
             scraped = s if scraped is None else scraped + s

@@ -567,6 +567,7 @@ class Forwarder:
                 status=run.status,
                 accept_length=run.accept_length,
                 cached_tokens=run.cached_tokens,
+                failed_over=run.decision.backend != chosen.backend,
             )
             try:
                 policy.observe(outcome)

@@ -5,13 +5,11 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.base import Pool
+from policies.prefix import DEFAULT_CACHE_TOKENS
 from policies.profile import Profile
 from simulator.emulator.accept_rules import AcceptRules
 
 DEFAULT_MAX_RUNNING = {"baseline": 256, "eagle": 48}
-DEFAULT_CACHE_TOKENS = 1_000_000
-"""Prefix cache capacity when neither the config nor the profile's mode gives one (also the
-KV pool size the emulator reports as `max_total_num_tokens`)."""
 
 
 class FaultConfig(BaseModel):

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from policies.base import HINT_HEADER
 from simulator.emulator import shapes
 from simulator.emulator.batching import Event, FinishReason, QueueFull, Tokens
 from simulator.emulator.info import loads_body, server_info_body
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-_HINT_HEADER = "x-specroute-hint"
 _UNAUTHENTICATED = ("/health", "/ready", "/metrics")
 
 
@@ -228,7 +228,7 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
         if refused is not None:
             return refused
         try:
-            return _submit(e, g, request.headers.get(_HINT_HEADER))
+            return _submit(e, g, request.headers.get(HINT_HEADER))
         except QueueFull:
             return await queue_full()
 

@@ -12,9 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
+from policies.prefix import DEFAULT_CACHE_TOKENS
 from simulator.emulator.batching import BatchEngine, EngineRequest, Event
 from simulator.emulator.cache import PrefixCache
-from simulator.emulator.config import DEFAULT_CACHE_TOKENS, EmulatorConfig
+from simulator.emulator.config import EmulatorConfig
 from simulator.emulator.metrics import EmulatorMetrics
 from simulator.emulator.prompt_text import sequence_text
 

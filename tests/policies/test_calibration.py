@@ -111,7 +111,17 @@ def test_only_outcomes_of_the_policy_s_own_decisions_teach_it() -> None:
 
     def outcome(reason: str, forced: bool = False, status: str = "ok") -> Outcome:
         req = RequestInfo(max_tokens=101, forced_pool="eagle" if forced else None)
-        return Outcome(req, Decision("eagle", "e0", reason), 0.0, 0.2, 101, 0.2 + 100 / slow, status)  # type: ignore[arg-type]
+        failed_over = reason == "failover"
+        return Outcome(
+            req,
+            Decision("eagle", "e0", reason),
+            0.0,
+            0.2,
+            101,
+            0.2 + 100 / slow,
+            status,
+            failed_over=failed_over,
+        )  # type: ignore[arg-type]
 
     for _ in range(20):
         policy.observe(outcome("client_override", forced=True))

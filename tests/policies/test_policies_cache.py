@@ -10,6 +10,7 @@ from helpers import KIMI, Routed
 from policies.base import BackendLoad, LoadView, NoHealthyBackend, Policy, PoolLoad, RequestInfo
 from policies.profile import parse_profile, resolve_profile
 from policies.registry import PolicyContext, default_registry
+from policies.routing import reset
 
 LONG = RequestInfo(prompt_tokens=32_000, max_tokens=256)
 
@@ -137,10 +138,11 @@ def test_cache_only_takes_the_longest_prefix_then_the_least_loaded() -> None:
         p.choose(LONG, view([], [b("e0", healthy=False)]), 0.0)
 
 
-def test_a_clock_that_restarts_drops_the_booked_prefill() -> None:
+def test_a_segment_start_drops_the_booked_prefill() -> None:
     p = policy()
     idle = view([b("b0"), b("b1")], [b("e0", running=48)])
     first = p.choose(LONG, idle, 50.0)
     assert p.choose(LONG, idle, 50.0).backend == "b1"  # b0 prefills until 54 s
-    again = p.choose(LONG, idle, 0.0)  # the simulator starts its next segment at 0
+    reset(p)  # the simulator starts its next segment (clock at 0)
+    again = p.choose(LONG, idle, 0.0)
     assert again.backend == "b0" and again.predicted_ttft_s == first.predicted_ttft_s

@@ -13,8 +13,9 @@ from helpers import run_main
 from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, RequestInfo
 from policies.profile import resolve_profile
-from policies.replicas import believed_counts, combined_load
+from policies.replicas import believed_counts
 from policies.routing import pool_decision
+from policies.view import backend_load
 from simulator.engine.loop import RequestBatch, simulate
 from simulator.engine.routers import RouterGroup, RouterSetup
 from simulator.engine.runner import PolicyChoice, run
@@ -99,8 +100,8 @@ def test_the_proxy_and_the_simulator_combine_a_sample_the_same_way() -> None:
         tracker.reserve("e")
     tracker.record_sample("e", running=10, queued=2, taken_at=100.0, in_flight_at_sample=1)
     got = tracker.view(101.0).eagle.backends[0]
-    want = combined_load(
-        "e", "eagle", True, 4, 0, running=10, queued=2, sample_time=100.0, sample_in_flight=1,
+    want = backend_load(
+        "e", "eagle", 4, 0, running=10, queued=2, sample_time=100.0, sample_in_flight=1,
         accept_length=None, now=101.0, stale_after_s=5.0, replicas=3,
     )  # fmt: skip
     assert got == want
