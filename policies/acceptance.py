@@ -28,7 +28,7 @@ predicted at `F`; a request with nothing known is predicted at `F`: never-seen t
 routed as content-blind routing routes it.
 
 Deterministic (no randomness, insertion-ordered tables) and bounded: `dim` weights and counts,
-`max_families` families. Pure: no I/O, no clock.
+`param_dim` parameter weights, `max_families` families. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
