@@ -66,6 +66,8 @@ async def fetch_server_info(session: aiohttp.ClientSession, base: str) -> dict[s
         return out
     accepted, drafts = aggregate(found.get(VLLM_ACCEPTED, ())), aggregate(found.get(VLLM_DRAFTS, ()))
     out.update(endpoint="/metrics", engine="vllm", spec_accepted_tokens=accepted, spec_drafts=drafts)
+    if drafts is not None:  # vLLM exports the spec-decode counters only with --speculative-config
+        out["speculative_algorithm"] = "vllm speculative decoding"
     if accepted is not None and drafts:
         out["avg_spec_accept_length"] = 1.0 + accepted / drafts
     return out
