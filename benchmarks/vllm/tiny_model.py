@@ -50,7 +50,8 @@ def corpus(seed: int = SEED, words: int = 120_000) -> list[str]:
                 for message in json.loads(raw).get("messages", []):
                     lines.append(str(message.get("content", "")))
     rng = random.Random(seed)
-    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "ch"]
+    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w"]
+    onsets += ["st", "tr", "ch"]
     vowels = ["a", "e", "i", "o", "u", "ai", "ou", "ea"]
     codas = ["", "", "n", "r", "s", "t", "l", "nd", "ck"]
     lexicon = [

@@ -30,7 +30,7 @@ from controller.proxy.config import Settings
 from controller.proxy.decision_record import open_decision_log
 from controller.proxy.engines import Engine
 from controller.proxy.errors import NoBackendAvailable, NotFound, error_middleware, http_log
-from controller.proxy.forward import Forwarder, Observer
+from controller.proxy.forward import Forwarder, Observer, RequestRecord
 from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
 from controller.proxy.health import HealthChecker
 from controller.proxy.info import model_info, server_info
@@ -42,6 +42,7 @@ from controller.proxy.prefixes import DEFAULT_CACHE_TOKENS
 from controller.proxy.scrape import ScrapeLoop, apply_reported_cap
 from controller.proxy.shadow import ShadowPolicies, build_shadows
 from policies.base import Policy, Pool
+from policies.calibration import MISMATCH_AFTER
 from policies.profile import Profile, resolve_profile
 from policies.registry import PolicyRegistry
 from policies.spec import PolicyContext
@@ -117,6 +118,7 @@ def create_app(
             clock=clock,
         ),
     )
+    fwd.observers.append(MismatchWatch(metrics))
     app[SETTINGS] = settings
     app[TRACKER] = tracker
     app[METRICS] = metrics
@@ -239,6 +241,35 @@ def create_app(
     app.router.add_get("/metrics", metrics_route)
     app.router.add_routes(admin_routes(app[ADMIN]))
     return app
+
+
+class MismatchWatch:
+    """Reports a policy's profile mismatches (`policies.calibration`: a pool rebased because its
+    speeds were off by more than 2x) as a metric and a log line, once each."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._seen: dict[tuple[int, Pool], int] = {}
+
+    def __call__(self, record: RequestRecord) -> None:
+        calibration = getattr(record.policy, "calibration", None)
+        counts = getattr(calibration, "mismatches", None)
+        if not isinstance(counts, dict):
+            return
+        name = record.chosen.policy or type(record.policy).__name__
+        for pool, count in counts.items():
+            key = (id(calibration), pool)
+            seen = self._seen.get(key, 0)
+            if count > seen:
+                self._seen[key] = count
+                self.metrics.profile_mismatches.labels(name, pool).inc(count - seen)
+                factor = calibration.mismatch_factor.get(pool)  # type: ignore[union-attr]
+                log.warning(
+                    "policy %s: the %s pool runs %.2fx the speed its profile says (median of its last "
+                    "%d+ outcomes): the profile does not fit these servers; calibration rebased to the "
+                    "observed speed (measure them with `specroute bench --profile-out`)",
+                    name, pool, factor or 0.0, MISMATCH_AFTER,
+                )  # fmt: skip
 
 
 def _reported_cap(settings: Settings, fwd: Forwarder, name: str, cap: int) -> None:

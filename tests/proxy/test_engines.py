@@ -217,3 +217,32 @@ async def test_proxy_in_front_of_vllm_backends(
     assert "backend spec runs vLLM (detected from /metrics)" in logs
     assert "spec_details is on but eagle backend spec runs vLLM" in logs
     assert "start SGLang" not in logs
+
+
+async def test_a_profile_far_from_the_servers_is_reported(
+    emulator: Callable[..., Awaitable[Any]],
+    proxy: Callable[..., Awaitable[Any]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The emulators run the Kimi profile 20x faster (time_scale 0.05) than the proxy believes it.
+    base = await emulator("baseline")
+    spec = await emulator("eagle")
+    rp = await proxy(baseline=[base.url], eagle=[spec.url], policy="cost_model", profile="kimi-k25-int4-8gpu")
+    c = rp.client()
+    for i in range(60):  # streamed: an outcome's decode rate needs its token times
+        stream = await c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=24, temperature=0,
+            stream=True,
+        )  # fmt: skip
+        async for _ in stream:
+            pass
+    await c.close()
+    counts = {
+        pool: rp.sample("specroute_profile_mismatches_total", policy="cost_model", pool=pool) or 0.0
+        for pool in ("baseline", "eagle")
+    }
+    assert sum(counts.values()) >= 1, counts
+    assert "runs" in caplog.text and "the speed its profile says" in caplog.text
+    cal = rp.forwarder.policy.calibration
+    pool = max(counts, key=lambda p: counts[p])
+    assert cal.mismatch_factor[pool] > 4
