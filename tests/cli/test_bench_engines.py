@@ -152,3 +152,30 @@ def test_profile_from_a_vllm_sweep_records_the_engine_and_its_accept_length(tmp_
         and result.levels[0].summary.decode_tok_s.mean > 1000
     )
     assert json.loads(path.read_text())["engine"] == "vllm"
+
+
+async def test_bench_together_measures_both_servers_at_once(emulator: Any, tmp_path: Path) -> None:
+    base = await emulator(profile=flat_profile(), time_scale=0.5)
+    spec = await emulator(profile=flat_profile(SPEED * 2), time_scale=0.5)
+    out, prof = tmp_path / "run.json", tmp_path / "pair.json"
+    code, stdout, stderr = await run_specroute(
+        "bench", base.url, "--together", spec.url, "--mode", "baseline", "--concurrency", "1", "2",
+        "--requests-per-level", "4", "--warmup-requests", "1", "--max-tokens", "16", "--ignore-eos",
+        "--out", str(out), "--profile-out", str(prof), "--no-progress",
+    )  # fmt: skip
+    assert code == 0, stderr
+    assert f"together with {spec.url} (eagle)" in stdout
+    first, second = json.loads(out.read_text()), json.loads((tmp_path / "run.together.json").read_text())
+    assert (
+        [lv["concurrency"] for lv in first["levels"]]
+        == [1, 2]
+        == [lv["concurrency"] for lv in second["levels"]]
+    )
+    assert first["metadata"]["together_with"] == spec.url and second["metadata"]["url"] == spec.url
+    for a, b in zip(first["levels"], second["levels"], strict=True):
+        assert a["summary"]["errors"] == b["summary"]["errors"] == 0
+    profile = load_profile(str(prof))
+    assert set(profile.modes) == {"baseline", "eagle"}
+    fast = profile.mode("eagle").points[0].decode_tok_s
+    slow = profile.mode("baseline").points[0].decode_tok_s
+    assert fast / slow == pytest.approx(2.0, rel=0.1)  # each server's own speed, measured side by side
