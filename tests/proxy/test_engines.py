@@ -4,6 +4,7 @@ vLLM-shaped backend (health path, SGLang-only routes, warnings naming the engine
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -171,6 +172,37 @@ async def test_a_large_metrics_answer_is_filtered_and_an_oversized_one_refused()
             assert scraper.engine is VLLM and scraper.has_loads is False
             state["body"] = filler * (SCRAPE_LIMIT_BYTES // len(filler) + 1)
             assert await scraper.scrape(session, 2.0) is None
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_oversized_v1_loads_is_not_parsed_and_metrics_still_count() -> None:
+    """SGLang's /v1/loads is a few hundred bytes per rank: a 7.8 MB one is refused unparsed (JSON
+    is parsed in one call, so its size bounds the loop stall) and /metrics is used alone."""
+    rank = {"num_running_reqs": 99, "num_waiting_reqs": 0, "padding": "x" * 1000}
+    huge = json.dumps({"loads": [rank] * 7800}).encode()
+    metrics = b'sglang:num_running_reqs{tp_rank="0"} 5\nsglang:num_queue_reqs{tp_rank="0"} 1\n'
+
+    async def loads(request: web.Request) -> web.Response:
+        return web.Response(body=huge, content_type="application/json")
+
+    async def prom(request: web.Request) -> web.Response:
+        return web.Response(body=metrics, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/v1/loads", loads)
+    app.router.add_get("/metrics", prom)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        scraper = BackendScraper(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        async with aiohttp.ClientSession() as session:
+            sample = await scraper.scrape(session, 1.0)
+        assert len(huge) > 7_800_000
+        assert sample is not None and (sample.running, sample.queued, sample.source) == (5.0, 1.0, "metrics")
+        assert scraper.engine is SGLANG and scraper.has_loads is False
     finally:
         await runner.cleanup()
 

@@ -32,6 +32,7 @@ import openai
 import pytest
 from helpers import ROOT, free_port, run_specroute, wait_until
 
+from controller.bench.prompts import load_prompts
 from controller.proxy.app import SCRAPER
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -156,29 +157,30 @@ def client(base: str) -> openai.AsyncOpenAI:
 
 
 async def direct_rate(
-    url: str, n: int, max_tokens: int = MAX_TOKENS
-) -> tuple[float, list[float], list[float]]:
+    url: str, first: int, n: int, max_tokens: int = MAX_TOKENS
+) -> tuple[float, list[float]]:
     """A request's decode rate measured with the official client, without streaming (so the
-    client's own parsing of chunks cannot be what limits it): `n` pairs of the same prompt asked
-    for 1 token and for `max_tokens` (the usage confirms the counts), one request at a time; the
-    rate is (max_tokens - 1) / (median e2e of the long ones - median e2e of the short ones).
-    Independent of specroute's bench code. Returns it with both lists of e2e seconds."""
+    client's own parsing of chunks cannot be what limits it): bench's prompts `first`..`first+n`
+    (the same ones its c=1 level measured: an ngram drafter's acceptance depends on the prompt),
+    each asked for 1 token and for `max_tokens` (the usage confirms the counts), one request at a
+    time; per prompt (max_tokens - 1) / (e2e of the long answer - e2e of the short one). Returns
+    the median over the prompts, and all of them. Independent of specroute's bench code."""
     c = client(url)
-    short: list[float] = []
-    long: list[float] = []
-    for i in range(n):
-        for tokens, into in ((1, short), (max_tokens, long)):
+    prompts = load_prompts("coding")
+    rates = []
+    for i in range(first, first + n):
+        messages = prompts.pick(i).body("chat")["messages"]
+        e2e = []
+        for tokens in (1, max_tokens):
             started = time.perf_counter()
             answer = await c.chat.completions.create(
-                model="tiny-llama",
-                messages=[{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} ({i})"}],
-                max_tokens=tokens,
-                temperature=0,
+                model="tiny-llama", messages=messages, max_tokens=tokens, temperature=0
             )
-            into.append(time.perf_counter() - started)
+            e2e.append(time.perf_counter() - started)
             assert answer.usage is not None and answer.usage.completion_tokens == tokens
+        rates.append((max_tokens - 1) / (e2e[1] - e2e[0]))
     await c.close()
-    return (max_tokens - 1) / (statistics.median(long) - statistics.median(short)), short, long
+    return statistics.median(rates), rates
 
 
 async def test_answers_through_serve_are_the_direct_answers(vllm_pair: VllmPair, spawn_serve: Any) -> None:
@@ -278,12 +280,11 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
         )  # fmt: skip
         assert code == 0, stderr
         assert "warning: --mode" not in stderr
-        direct, short, long = await direct_rate(url, 16)
+        direct, rates = await direct_rate(url, first=2, n=16)  # after bench's 2 warm-up requests
         profiles[mode] = json.loads(out.read_text())
         benched = profiles[mode]["modes"][mode]["points"][0]["decode_tok_s"]
-        print(f"\n{stdout}{mode}: bench c=1 {benched:.1f} tok/s, direct {direct:.1f} (from {len(short)} "
-              f"pairs; e2e 1 token {min(short):.4f}..{max(short):.4f} s, {MAX_TOKENS} tokens "
-              f"{min(long):.4f}..{max(long):.4f} s)")  # fmt: skip
+        print(f"\n{stdout}{mode}: bench c=1 {benched:.1f} tok/s, direct {direct:.1f} (median of "
+              f"{len(rates)} prompts, {min(rates):.0f}..{max(rates):.0f})")  # fmt: skip
         assert benched == pytest.approx(direct, rel=0.15)
     assert profiles["eagle"]["engine"] == "vllm" and profiles["eagle"]["modes"]["eagle"]["accept_length"] > 1
     merged = tmp_path / "pair.json"
