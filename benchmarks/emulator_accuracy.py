@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import aiohttp
 
+from controller.cli import spawn
 from policies.base import Pool
 from policies.profile import SpeedModel, resolve_profile
 
@@ -109,17 +110,15 @@ async def run_level(
 async def start_emulator(
     mode: str, profile: str, time_scale: float
 ) -> tuple[asyncio.subprocess.Process, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "controller.cli.emulate", "--mode", mode, "--profile", profile,
-        "--port", "0", "--time-scale", str(time_scale),
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
-    if " listening on " not in line:
-        proc.kill()
-        raise SystemExit(f"emulator did not start: {line!r}")
-    return proc, line.rsplit(" ", 1)[1]
+    try:
+        proc, line = await spawn.start(
+            [sys.executable, "-m", "controller.cli.emulate", "--mode", mode, "--profile", profile,
+             "--port", "0", "--time-scale", str(time_scale)],
+            stderr=None, timeout_s=30,
+        )  # fmt: skip
+    except spawn.StartError as e:
+        raise SystemExit(f"emulator did not start: {e}") from None
+    return proc, spawn.url_of(line)
 
 
 async def measure(args: argparse.Namespace) -> list[Level]:

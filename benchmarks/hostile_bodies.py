@@ -39,6 +39,8 @@ from typing import TextIO
 import aiohttp
 from aiohttp import web
 
+from controller.cli import spawn
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPLETION = {
     "id": "x",
@@ -196,11 +198,11 @@ def measure(args: argparse.Namespace) -> None:
     me = [sys.executable, str(Path(__file__).resolve())]
     procs: list[subprocess.Popen[str]] = []
 
-    def spawn(cmd: list[str]) -> tuple[subprocess.Popen[str], str]:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    def child(cmd: list[str], marker: str = spawn.MARKER) -> tuple[subprocess.Popen[str], str]:
+        """Started by the shared spawn helper; the text after `marker` in its readiness line."""
+        proc, line = spawn.start_sync(cmd, marker=marker, stderr=None, cwd=str(ROOT))
         procs.append(proc)
-        assert proc.stdout is not None
-        return proc, proc.stdout.readline().strip()
+        return proc, spawn.url_of(line, marker)
 
     targets = ("aiohttp minimal", "specroute")
     outs = {t: f"/tmp/specroute-hostile-{os.getpid()}-{i}.txt" for i, t in enumerate(targets)}
@@ -209,19 +211,17 @@ def measure(args: argparse.Namespace) -> None:
     rss_before: dict[tuple[str, str], int] = {}
     pids = {}
     try:
-        _, sink = spawn([*me, "--role", "sink"])
-        serve, line = spawn(
+        _, sink = child([*me, "--role", "sink"])
+        serve, serve_url = child(
             [sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--baseline",
-             sink.split("listening on ", 1)[1], "--policy", "fixed", "--log-level", "ERROR"]
+             sink, "--policy", "fixed", "--log-level", "ERROR"]
         )  # fmt: skip
-        refuser, line2 = spawn([*me, "--role", "refuser"])
-        urls = {
-            "specroute": line.split("listening on ", 1)[1],
-            "aiohttp minimal": line2.split("listening on ", 1)[1],
-        }
+        refuser, refuser_url = child([*me, "--role", "refuser"])
+        urls = {"specroute": serve_url, "aiohttp minimal": refuser_url}
         pids = {"specroute": serve.pid, "aiohttp minimal": refuser.pid}
         for t in targets:
-            spawn([*me, "--role", "probe", "--url", urls[t], "--pid", str(pids[t]), "--out", outs[t]])
+            probe = [*me, "--role", "probe", "--url", urls[t], "--pid", str(pids[t]), "--out", outs[t]]
+            child(probe, "ready")
         time.sleep(1.0)
         for r in range(args.rounds):
             for kind in SCENARIOS:

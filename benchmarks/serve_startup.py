@@ -17,10 +17,11 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from controller.cli import spawn
 
 HERE = Path(__file__).resolve().parent.parent
 HEAVY = ("simulator", "tqdm", "matplotlib")
@@ -41,16 +42,12 @@ def start(tree: Path, importtime: bool = False) -> tuple[float, int, list[str]]:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(tree)}
     flags = ["-X", "importtime"] if importtime else []
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, *flags, "-m", "controller.cli", *SERVE],
-        cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
+    try:
+        cmd = [sys.executable, *flags, "-m", "controller.cli", *SERVE]
+        proc, _ = spawn.start_sync(cmd, cwd=str(tree), env=env)
+    except spawn.StartError as e:
+        raise SystemExit(f"{tree}: serve did not start: {e}") from None
     took = time.perf_counter() - t0
-    if "listening" not in line:
-        proc.kill()
-        raise SystemExit(f"{tree}: serve did not start: {line!r} {proc.communicate()[1][-2000:]}")
     time.sleep(0.3)  # let the first health probes and scrapes run
     rss = rss_kb(proc.pid)
     proc.send_signal(signal.SIGTERM)

@@ -28,11 +28,8 @@ import argparse
 import asyncio
 import contextlib
 import os
-import queue
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -42,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.bench.result import LevelSummary
 from controller.bench.runner import run_sweep
+from controller.cli import spawn
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
 from simulator.engine.loop import NOT_SENT, RawRun, simulate
@@ -53,49 +51,25 @@ TARGET = 0.10
 
 
 class Proc:
-    """A `specroute` subprocess that prints its URL on its first stdout line."""
+    """A `specroute` subprocess, started by the shared spawn helper (`controller.cli.spawn`)."""
 
     def __init__(self, args: list[str], marker: str) -> None:
         self.args = args
         # stderr goes to a file: an unread pipe would fill up and stall the server.
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controller.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        lines: queue.Queue[str] = queue.Queue()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                lines.put(line)
-
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                self.stop()
-                self.log.seek(0)
-                tail = self.log.read()[-2000:]
-                raise RuntimeError(
-                    f"specroute {' '.join(args)}: no '{marker}' line in 30 s; stderr:\n{tail}"
-                ) from None
-            if marker in line:
-                self.url = line.strip().rsplit(" ", 1)[-1]
-                return
+        try:
+            self.proc, line = spawn.start_sync(
+                [sys.executable, "-m", "controller.cli", *args], marker=marker, stderr=self.log, timeout_s=30
+            )
+        except spawn.StartError as e:
+            self.log.seek(0)
+            tail = self.log.read()[-2000:]
+            self.log.close()
+            raise RuntimeError(f"specroute {' '.join(args)}: {e}; stderr:\n{tail}") from None
+        self.url = spawn.url_of(line, marker)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        spawn.stop_sync(self.proc)
         self.log.close()
 
 

@@ -43,6 +43,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from controller.cli import spawn
+
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 PROFILE = "kimi-k25-int4-8gpu"
@@ -61,7 +63,7 @@ def run_backend(mode: str, time_scale: float, seed: int) -> None:
     async def main() -> None:
         config = EmulatorConfig(mode=mode, profile=resolve_profile(PROFILE), time_scale=time_scale, seed=seed)  # type: ignore[arg-type]
         async with run_emulator(config) as server:
-            print(server.url, flush=True)
+            print(f"listening on {server.url}", flush=True)
             loop = asyncio.get_running_loop()
             reader = asyncio.StreamReader()
             await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -80,9 +82,8 @@ class Backend:
     def __init__(self, mode: str, time_scale: float, seed: int) -> None:
         cmd = [sys.executable, str(HERE / "soak.py"), "--role", "backend", "--mode", mode,
                "--time-scale", str(time_scale), "--seed", str(seed)]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        assert self.proc.stdout is not None
-        self.url = self.proc.stdout.readline().strip()
+        self.proc, line = spawn.start_sync(cmd, stdin=subprocess.PIPE, stderr=None, cwd=str(ROOT))
+        self.url = spawn.url_of(line)
         self.mode = mode
 
     def fault(self, line: str) -> None:
@@ -314,26 +315,23 @@ def main() -> int:
     eagle = Backend("eagle", args.time_scale, 2)
     procs += [base.proc, eagle.proc]
     try:
-        serve = subprocess.Popen(
+        serve, line = spawn.start_sync(
             [sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--baseline", base.url,
              "--eagle", eagle.url, "--policy", "cost_model", "--profile", PROFILE, "--log-level", "ERROR",
              "--first-byte-timeout-s", "5", "--idle-timeout-s", "5", "--client-write-timeout-s", "5",
              "--connect-timeout-s", "1", "--health-check-interval-s", "1", "--health-check-timeout-s", "1",
              "--outlier-base-ejection-s", "5", "--eagle-backend-max-in-flight", "10",
              "--baseline-backend-max-in-flight", "32", "--admission-wait-s", "2"],
-            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            stderr=None, cwd=str(ROOT),
         )  # fmt: skip
         procs.append(serve)
-        assert serve.stdout is not None
-        url = serve.stdout.readline().strip().removeprefix("specroute listening on ")
-        probe = subprocess.Popen(
+        url = spawn.url_of(line)
+        probe, _ = spawn.start_sync(
             [sys.executable, str(HERE / "hostile_bodies.py"), "--role", "probe", "--url", url,
              "--pid", str(serve.pid), "--out", out],
-            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            marker="ready", stderr=None, cwd=str(ROOT),
         )  # fmt: skip
         procs.append(probe)
-        assert probe.stdout is not None
-        probe.stdout.readline()
         started = time.monotonic()
         tally, log = asyncio.run(soak(args, url, base, eagle))
         base.fault("clear")

@@ -7,10 +7,16 @@ the request has ended feed an `Outcome` back through `policy.observe`. Nothing i
 `random.Random` that the caller seeds. That is what lets the simulator run the very same
 policy objects as the proxy and reproduce a run to the bit.
 
-The types are slotted dataclasses, not frozen ones: a policy is handed one `LoadView` per
-decision (the simulator builds millions), and a frozen dataclass costs four times as much to
-build. They are values all the same: whoever receives one reads it and never changes it (the
-simulator hands the same `BackendLoad` to several decisions while its server is unchanged).
+Values, built once (the constructor-only rule). `BackendLoad`, `PoolLoad`, `LoadView`,
+`Decision` and `Outcome` are slotted dataclasses, not frozen ones: the simulator builds millions
+of them, and a frozen dataclass costs about four times as much to build (1.07 against 0.25 us
+for a `BackendLoad`, 5-8 times as much on a loaded machine: `benchmarks/value_build_cost.py`), which alone
+would take a third off the simulator's speed. They are values all the same: every field is set
+by the constructor and never assigned again; a variant is a new value (`dataclasses.replace`).
+Whoever receives one may keep it (the simulator hands the same `BackendLoad` to several decisions
+while its server is unchanged). `tests/policies/test_values.py` enforces the rule: it makes the
+classes refuse a second assignment to a field and runs the routing core, every policy, the
+simulator and the proxy's view through them.
 """
 
 from __future__ import annotations
@@ -81,13 +87,20 @@ class RequestInfo:
     without text); `hint` above stays the client's own word and is a feature too."""
 
 
+HINT_HEADER = "x-specroute-hint"
+"""The request header that carries `RequestInfo.hint` (read by the proxy and the emulator)."""
+
+
 @dataclass(slots=True)
 class BackendLoad:
-    """Load of one backend as seen at decision time."""
+    """Load of one backend as seen at decision time (built by `policies.view`, for the proxy and
+    the simulator alike)."""
 
     name: str
     pool: Pool
     healthy: bool = True
+    """Health-wise usable: its probes pass and the outlier detector has not ejected it (or the
+    proxy is in panic mode). Whether it takes a request now is `admits`."""
     in_flight: int = 0
     """Requests this proxy replica has in flight on the backend (exact)."""
     in_flight_tokens: int = 0
@@ -103,6 +116,14 @@ class BackendLoad:
     """Tokens of THIS request's prompt the router believes the backend holds in its prefix cache
     (the longest prefix of the request's block fingerprint in the backend's prefix index, in
     tokens); 0 when unknown or when prefix tracking is off. Set per decision."""
+    full: bool = False
+    """At its admission bound (its own or its pool's in-flight bound): it takes no request now."""
+
+    @property
+    def admits(self) -> bool:
+        """Whether this backend may take a request now: healthy and not full. The routing core
+        and the policies route only to backends that admit."""
+        return self.healthy and not self.full
 
     @property
     def scraped(self) -> int | None:
@@ -128,7 +149,13 @@ class PoolLoad:
 
     @property
     def healthy(self) -> tuple[BackendLoad, ...]:
+        """Backends that pass their health checks (full or not)."""
         return tuple(b for b in self.backends if b.healthy)
+
+    @property
+    def admitting(self) -> tuple[BackendLoad, ...]:
+        """Backends that may take a request now (`BackendLoad.admits`)."""
+        return tuple(b for b in self.backends if b.admits)
 
     @property
     def in_flight(self) -> int:
@@ -152,15 +179,19 @@ class LoadView:
     def has_healthy(self, pool: Pool) -> bool:
         return any(b.healthy for b in self.pool(pool).backends)
 
+    def admits(self, pool: Pool) -> bool:
+        """Whether some backend of `pool` may take a request now."""
+        return any(b.admits for b in self.pool(pool).backends)
+
 
 @dataclass(slots=True)
 class Decision:
     """What a policy decided. `reason` is a short, bounded string (a metric label).
 
     A policy picks the pool; it may leave `backend` empty ("") and the routing core
-    (`policies.routing.Router`) picks the backend within the pool and fills in `backend` and
-    `backend_load` (and moves the decision to the other pool when its pool has no healthy
-    backend). A policy that names a healthy backend of its pool keeps it."""
+    (`policies.routing.Router`) returns a completed copy with the backend within the pool and
+    its `backend_load` (moved to the other pool, reason `<pool>_unavailable`, when its pool has
+    no backend that admits). A policy that names an admitting backend of its pool keeps it."""
 
     pool: Pool
     backend: str
@@ -205,6 +236,15 @@ class Outcome:
     cached_tokens: int | None = None
     """Prompt tokens the backend reported it served from its prefix cache
     (`usage.prompt_tokens_details.cached_tokens`, SGLang's `--enable-cache-report`), or None."""
+    failed_over: bool = False
+    """The request was moved to another backend after `decision` (its first backend failed
+    before the first byte): `decision.backend_load` is not the load of the backend that served
+    it. Such an outcome does not teach (`policies.routing.teaches`)."""
+
+    @property
+    def forced(self) -> bool:
+        """The client forced the pool (`x-specroute-mode`): the policy did not choose it."""
+        return self.request.forced_pool is not None
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -236,5 +276,18 @@ class Policy(Protocol):
         ...
 
     def observe(self, outcome: Outcome) -> None:
-        """Feedback once a request chosen by this policy has ended."""
+        """Feedback once a request chosen by this policy has ended (`policies.routing.teaches`
+        says whether it is one a policy should learn speeds from)."""
+        ...
+
+
+@runtime_checkable
+class Resettable(Protocol):
+    """A policy with state tied to the clock (optional: `policies.routing.reset` calls it)."""
+
+    def reset(self) -> None:
+        """A new run on an empty deployment begins (the simulator calls it at the start of
+        every segment, whose clock restarts at 0): forget what is in flight or queued (state
+        tied to the old clock), keep what was learned. The proxy never calls it (its clock
+        does not restart)."""
         ...

@@ -23,7 +23,7 @@ class CacheOnlyPolicy:
         best: list[BackendLoad] = []
         best_key = (0, 0)
         for b in view.baseline.backends + view.eagle.backends:
-            if b.healthy:
+            if b.admits:
                 key = (-b.cached_tokens, b.load)
                 if not best or key < best_key:
                     best, best_key = [b], key

@@ -19,7 +19,12 @@ is not chosen while the other is predicted to meet it.
 Calibration (`calibrate`, on by default): the profile is a prior. Every outcome of a request
 this policy routed teaches `policies.calibration.SpeedCalibration` how far the pool's real
 decode rate is from the profile's at that load, and (eagle) how a hint's acceptance differs;
-predictions use the corrected speeds. `hint_speedup` factors are priors for the hints named.
+predictions use the corrected speeds. `hint_speedup` factors are priors for the hints named,
+over the profile's measured `categories` (which `specroute bench --prompts` writes).
+
+Content (`content_aware`, on by default): a request with content features (`RequestInfo.features`)
+gets its own eagle speed factor, predicted by `policies.content.ContentAcceptance` from what it
+asks and learned from outcomes; it replaces the hint's factor (the hint stays one of its features).
 The predictions for both pools go into the `Decision`, so predicted-vs-actual can be measured.
 
 Prefix caches (`prefix_aware`, on by default): a backend's prediction counts only the prefill of
@@ -46,10 +51,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
 
-from policies.base import BackendLoad, Decision, LoadView, NoHealthyBackend, Outcome, Pool, RequestInfo
+from policies.base import BackendLoad, Decision, LoadView, Outcome, Pool, RequestInfo
 from policies.calibration import SpeedCalibration, check_bounds
+from policies.content import ContentAcceptance
 from policies.profile import SpeedModel
-from policies.routing import backend_counts, cheapest_backend, first_least_loaded, pool_decision
+from policies.routing import (
+    backend_counts,
+    cheapest_backend,
+    fallback,
+    first_least_loaded,
+    pool_decision,
+    teaches,
+)
 from policies.spec import PolicyContext, PolicyError, PolicySpec
 
 Objective = Literal["e2e", "ttft"]
@@ -157,6 +170,12 @@ class CostModelParams(BaseModel):
         description="Prefill rate (prompt tokens/s) that prices cached tokens when the profile gives no "
         "prefill_tok_s (the profile's own rate wins).",
     )
+    content_aware: bool = Field(
+        default=True,
+        description="Predict each request's eagle speed factor from its content features (text grams, "
+        "sampling parameters, hint), learned online from outcomes (policies/acceptance.py); false: one "
+        "eagle rate per hint (content-blind).",
+    )
     hint_idle: int = Field(
         default=1000,
         ge=1,
@@ -196,7 +215,8 @@ class CostModelPolicy:
         self._prefill_ends: dict[str, deque[float]] = {}
         """Per backend: when the prefills this policy sent there and that have not ended yet end
         (its own estimate; one prefill at a time, FIFO, so the times increase)."""
-        self._last_now = -math.inf
+        # hint priors: the profile's measured categories (`specroute bench --prompts`), then the params'
+        self._hint_priors = {**(context.profile.mode("eagle").categories or {}), **params.hint_speedup}
         self.calibration: SpeedCalibration | None = None
         if params.calibrate:
             self.calibration = SpeedCalibration(
@@ -206,9 +226,14 @@ class CostModelPolicy:
                 clip=params.calibration_clip,
                 max_hints=params.max_hints,
                 hint_idle=params.hint_idle,
-                hint_priors=params.hint_speedup,
+                hint_priors=self._hint_priors,
                 accept_length=self._profile_accept,
             )
+        self.content: ContentAcceptance | None = None
+        if params.content_aware:
+            self.content = ContentAcceptance(self._hint_priors, self._profile_accept)
+        self._content_own: tuple[float, float] | None = None
+        """(eagle rate multiplier, speed factor) of the request being decided, from its content."""
 
     def _predict(
         self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int, now: float = 0.0
@@ -224,11 +249,13 @@ class CostModelPolicy:
         own = 1.0
         if pool == "eagle":
             hint = request.hint
-            if cal is not None:
+            if self._content_own is not None:
+                own = self._content_own[0]
+            elif cal is not None:
                 if hint is not None or cal.accept_reported:
                     own = math.exp(cal.log_hint(hint))
             elif hint is not None:
-                own = self.params.hint_speedup.get(hint, 1.0)
+                own = self._hint_priors.get(hint, 1.0)
             if (
                 self._scraped_accept
                 and backend.accept_length is not None
@@ -314,32 +341,32 @@ class CostModelPolicy:
                     break
         return decision
 
+    def reset(self) -> None:
+        """A new segment (clock at 0): the prefills booked on the old clock are gone."""
+        self._prefill_ends.clear()
+
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
-        if now < self._last_now:  # the clock restarted (a new simulated segment): nothing is queued
-            self._prefill_ends.clear()
-        self._last_now = now
+        content = self.content
+        self._content_own = (
+            None if content is None or request.features is None else content.factor(request, self.calibration)
+        )
         on_b = self._backend("baseline", view, request, n, now)
         on_e = self._backend("eagle", view, request, n, now)
-        if on_b is None or on_e is None:
-            sides: tuple[tuple[Pool, Pool, tuple[str, Prediction] | None], ...] = (
-                ("baseline", "eagle", on_b),
-                ("eagle", "baseline", on_e),
+        if on_b is None or on_e is None:  # the routing core's fallback (rule 4) names the reason
+            only = fallback({"baseline": on_b, "eagle": on_e})
+            on = on_b if only == "baseline" else on_e
+            assert on is not None
+            ttft, e2e = on[1][:2]
+            decision = pool_decision(
+                only,
+                "faster_" + only,
+                policy=self.name,
+                predicted_ttft_s={only: ttft},
+                predicted_e2e_s={only: e2e},
+                backend=on[0],
             )
-            for only, other, on in sides:
-                if on is None:
-                    continue
-                ttft, e2e = on[1][:2]
-                decision = pool_decision(
-                    only,
-                    f"{other}_unavailable",
-                    policy=self.name,
-                    predicted_ttft_s={only: ttft},
-                    predicted_e2e_s={only: e2e},
-                )
-                decision.backend = on[0]
-                return self._sent(decision, request, view, now)
-            raise NoHealthyBackend("no healthy backend in either pool")
+            return self._sent(decision, request, view, now)
         tb, eb, cb, qb, pb = on_b[1]
         te, ee, ce, qe, pe = on_e[1]
         # the smaller cost wins: system scope compares marginal costs (e2e) or, for TTFT, avoids
@@ -373,27 +400,29 @@ class CostModelPolicy:
             policy=self.name,
             predicted_ttft_s={"baseline": tb, "eagle": te},
             predicted_e2e_s={"baseline": eb, "eagle": ee},
+            backend=on_b[0] if pool == "baseline" else on_e[0],
+            accept_factor=None if self._content_own is None else self._content_own[1],
         )
-        decision.backend = on_b[0] if pool == "baseline" else on_e[0]
         return self._sent(decision, request, view, now)
 
     def observe(self, outcome: Outcome) -> None:
         cal = self.calibration
-        if cal is None or outcome.status != "ok" or outcome.request.forced_pool is not None:
-            return  # only requests this policy routed teach it (a client cannot steer it)
+        if cal is None or not teaches(outcome):
+            return  # only requests this policy routed to where they ran teach it
         decision = outcome.decision
-        if decision.reason == "failover":
-            return  # its load at decision time was another backend's
         rate = outcome.decode_tok_s
-        if rate is None:
-            return
         pool = decision.pool
         model = self._baseline if pool == "baseline" else self._eagle
         batch = decision.backend_load + 1
         cap = model.max_running_requests
         if cap is not None and batch > cap:
             batch = cap
-        cal.observe(pool, batch, outcome.request.hint, rate * model.step_time(batch), outcome.accept_length)
+        ratio = None if rate is None else rate * model.step_time(batch)
+        if pool == "eagle" and self.content is not None and outcome.request.features is not None:
+            # (a reported accept length teaches the content model even without a rate)
+            ratio = self.content.observe(outcome, cal, batch, ratio)
+        if ratio is not None:
+            cal.observe(pool, batch, outcome.request.hint, ratio, outcome.accept_length)
 
 
 SPEC = PolicySpec(

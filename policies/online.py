@@ -39,10 +39,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from policies.base import Decision, LoadView, NoHealthyBackend, Outcome, Pool, RequestInfo
+from policies.base import Decision, LoadView, Outcome, Pool, RequestInfo
 from policies.calibration import HintSlots, ShrunkMean, check_bounds
 from policies.profile import ProfileError, SpeedModel
-from policies.routing import first_least_loaded, pool_decision
+from policies.routing import fallback, first_least_loaded, pool_decision, teaches
 from policies.spec import PolicyContext, PolicySpec
 
 _POOLS: tuple[Pool, Pool] = ("baseline", "eagle")
@@ -261,11 +261,9 @@ class OnlinePolicy:
             backend = first_least_loaded(view.pool(pool))
             if backend is not None:
                 ttft[pool], e2e[pool], buckets[pool] = self._predict(pool, backend.load, n, request)
-        if len(e2e) < 2:
-            if not e2e:
-                raise NoHealthyBackend("no healthy backend in either pool")
-            pool = "eagle" if "eagle" in e2e else "baseline"
-            reason = f"{'baseline' if pool == 'eagle' else 'eagle'}_unavailable"
+        if len(e2e) < 2:  # the routing core's fallback (rule 4) names the reason
+            pool = fallback(e2e)
+            reason = "faster_" + pool
         else:
             cost = ttft if self._ttft_objective else e2e
             ce, cb = cost["eagle"], cost["baseline"]
@@ -280,11 +278,9 @@ class OnlinePolicy:
         return pool_decision(pool, reason, policy=self.name, predicted_ttft_s=ttft, predicted_e2e_s=e2e)
 
     def observe(self, outcome: Outcome) -> None:
-        if outcome.status != "ok" or outcome.request.forced_pool is not None:
-            return  # only requests this policy routed teach it
+        if not teaches(outcome):
+            return  # only requests this policy routed to where they ran teach it
         decision = outcome.decision
-        if decision.reason == "failover":
-            return  # filed under the load of the backend that failed, not of the one that served
         p = self.params
         pool = decision.pool
         batch = decision.backend_load + 1

@@ -39,6 +39,9 @@ from hashlib import blake2b
 from typing import Any
 
 DEFAULT_BLOCK_TOKENS = 512
+DEFAULT_CACHE_TOKENS = 1_000_000
+"""A server's prefix-cache capacity in tokens when neither the config nor the profile gives one:
+what the proxy's index assumes and the KV pool the emulator reports (`max_total_num_tokens`)."""
 CHARS_PER_TOKEN = 4
 """The proxy's prompt-length estimate (characters / 4) also sizes its text blocks."""
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
 
 from policies.base import Pool
 
@@ -58,6 +58,12 @@ class ModeProfile(BaseModel):
         default=None,
         ge=0,
         description="Prefix (KV) cache capacity of one server in tokens (optional; None: unknown).",
+    )
+    categories: dict[str, PositiveFloat] | None = Field(
+        default=None,
+        description="EAGLE speed factor per prompt category (its accept length over accept_length), as "
+        "`specroute bench --prompts FILE` with categories measures it; cost_model's prior for requests "
+        "whose x-specroute-hint names the category.",
     )
     points: list[ProfilePoint] = Field(min_length=1)
 

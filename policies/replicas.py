@@ -6,8 +6,8 @@ requests). Between scrapes the backend changes by what every replica dispatched 
 finish; a replica sees only its own part of that: `in_flight - sample_in_flight`, the requests
 it dispatched (+1) and saw finish (-1) since the sample. `believed_counts` adds that part to
 the sample. The proxy (`controller.proxy.load`) and the simulator's routers
-(`simulator.engine.routers`) both build their `BackendLoad` with `combined_load`, so a
-simulated replica sees exactly what a live one would.
+(`simulator.engine.routers`) both build their `BackendLoad` with `policies.view.backend_load`,
+which applies it, so a simulated replica sees exactly what a live one would.
 
 Herding: while a backend looks idle, every replica sends there until its next scrape, each
 seeing only its own share of the rush. With `replicas` = R > 1 a replica assumes the others
@@ -18,8 +18,6 @@ replicas.
 """
 
 from __future__ import annotations
-
-from policies.base import BackendLoad, Pool
 
 
 def corrected(running: int, queued: int, delta: int) -> tuple[int, int]:
@@ -46,30 +44,3 @@ def believed_counts(
     if replicas != 1.0 and delta:
         delta = round(delta * replicas)
     return corrected(running, queued, delta)
-
-
-def combined_load(
-    name: str,
-    pool: Pool,
-    healthy: bool,
-    in_flight: int,
-    in_flight_tokens: int,
-    *,
-    running: int | None,
-    queued: int | None,
-    sample_time: float | None,
-    sample_in_flight: int | None,
-    accept_length: float | None,
-    now: float,
-    stale_after_s: float,
-    replicas: float = 1.0,
-) -> BackendLoad:
-    """A backend's `BackendLoad` as one replica sees it at `now`: its own in-flight counts, and
-    the last sample (taken at `sample_time`) corrected by `believed_counts`; a sample older than
-    `stale_after_s` (or none) leaves `running` None (own in-flight counts only)."""
-    if sample_time is None or running is None or now - sample_time > stale_after_s:
-        return BackendLoad(name, pool, healthy, in_flight, in_flight_tokens)
-    r, q = believed_counts(running, queued or 0, in_flight, sample_in_flight, replicas)
-    return BackendLoad(
-        name, pool, healthy, in_flight, in_flight_tokens, r, q, accept_length, now - sample_time
-    )

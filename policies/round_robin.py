@@ -21,7 +21,7 @@ class RoundRobinPolicy:
         count = len(backends)
         for k in range(count):
             b = backends[(self._next + k) % count]
-            if b.healthy:
+            if b.admits:
                 self._next = (self._next + k + 1) % count
                 return Decision(b.pool, b.name, "round_robin", {}, {}, 0, self.name)
         raise NoHealthyBackend("no healthy backend in either pool")

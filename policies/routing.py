@@ -17,11 +17,22 @@ state, request, `LoadView` and seed, both get the same `Decision`. The rules:
    predicts per backend (cost_model when the prefix index says some backend of the pool holds
    part of the prompt) names the one `cheapest_backend` picks: least predicted cost, then least
    load, then deployment order.
-4. **Fallback:** when the chosen pool has no healthy backend, rule 3 in the other pool, with
-   reason `<pool>_unavailable`; when neither has one, `NoHealthyBackend`.
+4. **Fallback:** when the chosen pool has no backend that admits, rule 3 in the other pool,
+   with reason `<pool>_unavailable`; when neither has one, `NoHealthyBackend`. A policy never
+   handles this itself: it may predict only the pool that admits (`fallback`) and return that
+   pool, and the core names the reason.
 5. **Failover** (the proxy, before the first byte reached the client): rule 3 among the
    healthy backends not tried yet, in the same pool first, then -- unless the pool was
    forced -- in the other pool.
+6. **Which outcomes teach** (`teaches`): a policy learns speeds only from requests it routed
+   that ended "ok" on the backend it chose: not forced by the client (`Outcome.forced`), not
+   failed over (`Outcome.failed_over`; its load at decision time was another backend's).
+7. **Segment start** (`reset`): the simulator calls it on every policy when a segment (a run
+   from an empty deployment, clock at 0) begins, so state tied to the clock (queued prefill
+   estimates) is dropped; what was learned is kept.
+
+"Admits" (`BackendLoad.admits`) is healthy and not full; a decision's `Decision` is a new value
+(the policy's is never changed).
 """
 
 from __future__ import annotations
@@ -37,10 +48,12 @@ from policies.base import (
     InvalidDecision,
     LoadView,
     NoHealthyBackend,
+    Outcome,
     Policy,
     Pool,
     PoolLoad,
     RequestInfo,
+    Resettable,
     other_pool,
 )
 
@@ -55,29 +68,29 @@ def least_loaded_index(loads: Sequence[int], rng: random.Random) -> int:
 
 
 def pick_backend(pool: PoolLoad, rng: random.Random, exclude: Collection[str] = ()) -> BackendLoad | None:
-    """Rule 3: the least-loaded healthy backend of `pool` not in `exclude`; None when none."""
+    """Rule 3: the least-loaded admitting backend of `pool` not in `exclude`; None when none."""
     backends = pool.backends
     if len(backends) == 1:  # the common deployment: no ties, no rng draw
         only = backends[0]
-        return only if only.healthy and only.name not in exclude else None
-    candidates = [b for b in backends if b.healthy and b.name not in exclude]
+        return only if only.healthy and not only.full and only.name not in exclude else None
+    candidates = [b for b in backends if b.healthy and not b.full and b.name not in exclude]
     if not candidates:
         return None
     return candidates[least_loaded_index([b.load for b in candidates], rng)]
 
 
 def first_least_loaded(pool: PoolLoad) -> BackendLoad | None:
-    """The healthy backend with the smallest `load`, the first one on ties, or None.
+    """The admitting backend with the smallest `load`, the first one on ties, or None.
 
     What policies predict for: its load is the load of whichever backend rule 3 picks."""
     backends = pool.backends
     if len(backends) == 1:
         only = backends[0]
-        return only if only.healthy else None
+        return only if only.healthy and not only.full else None
     best: BackendLoad | None = None
     best_load = 0
     for b in backends:
-        if b.healthy:
+        if b.healthy and not b.full:
             load = b.load
             if best is None or load < best_load:
                 best, best_load = b, load
@@ -87,12 +100,12 @@ def first_least_loaded(pool: PoolLoad) -> BackendLoad | None:
 def cheapest_backend(
     pool: PoolLoad, cost: Callable[[BackendLoad], float]
 ) -> tuple[BackendLoad, float] | None:
-    """The healthy backend of `pool` with the least `cost` (then the least `load`, then the first
-    in deployment order) and its cost, or None when the pool has no healthy backend."""
+    """The admitting backend of `pool` with the least `cost` (then the least `load`, then the
+    first in deployment order) and its cost, or None when no backend of the pool admits."""
     best: BackendLoad | None = None
     best_key = (math.inf, 0)
     for b in pool.backends:
-        if b.healthy:
+        if b.healthy and not b.full:
             key = (cost(b), b.load)
             if best is None or key < best_key:
                 best, best_key = b, key
@@ -119,9 +132,35 @@ def pool_decision(
     policy: str = "",
     predicted_ttft_s: Mapping[Pool, float] | None = None,
     predicted_e2e_s: Mapping[Pool, float] | None = None,
+    backend: str = "",
+    accept_factor: float | None = None,
 ) -> Decision:
-    """A decision for `pool` whose backend the router picks (rule 3)."""
-    return Decision(pool, "", reason, predicted_ttft_s or {}, predicted_e2e_s or {}, 0, policy)
+    """A decision for `pool`; with `backend` "" the router picks the backend (rule 3)."""
+    return Decision(
+        pool, backend, reason, predicted_ttft_s or {}, predicted_e2e_s or {}, 0, policy, accept_factor
+    )
+
+
+def fallback(on: Mapping[Pool, object | None]) -> Pool:
+    """Rule 4 for a policy that predicted per pool: the one pool whose prediction `on` holds
+    (the other pool has no backend that admits); `NoHealthyBackend` when neither has one. The
+    routing core names the reason `<other pool>_unavailable`."""
+    for pool in POOLS:
+        if on.get(pool) is not None:
+            return pool
+    raise NoHealthyBackend("no healthy backend in either pool")
+
+
+def teaches(outcome: Outcome) -> bool:
+    """Rule 6: whether a policy should learn from `outcome`: it ended "ok" on the backend the
+    policy chose for it, the policy chose it (not forced) and it was not failed over."""
+    return outcome.status == "ok" and not outcome.failed_over and outcome.request.forced_pool is None
+
+
+def reset(policy: object) -> None:
+    """Rule 7: a new segment begins; the policy drops state tied to the clock (if it has any)."""
+    if isinstance(policy, Resettable):
+        policy.reset()
 
 
 def route(
@@ -142,42 +181,62 @@ def route(
     return _complete(decision, view, rng)
 
 
+def _completed(d: Decision, pool: Pool, backend: BackendLoad, reason: str) -> Decision:
+    """`d` sent to `backend` of `pool` (a new value; `d` is left as it is)."""
+    return Decision(
+        pool,
+        backend.name,
+        reason,
+        d.predicted_ttft_s,
+        d.predicted_e2e_s,
+        backend.load,
+        d.policy,
+        d.accept_factor,
+    )
+
+
+def _admits(pool: PoolLoad) -> bool:
+    for b in pool.backends:
+        if b.healthy and not b.full:
+            return True
+    return False
+
+
 def _complete(decision: Decision, view: LoadView, rng: random.Random) -> Decision:
-    """Rules 3 and 4 on a policy's decision, in place."""
+    """Rules 3 and 4 on a policy's decision: the completed decision (a new value). When the
+    other pool has no backend that admits, the reason is `<other pool>_unavailable` (the
+    request had no choice), whatever the policy called it."""
     pool = decision.pool
     if pool == "baseline":
-        members = view.baseline
+        members, other = view.baseline, view.eagle
     elif pool == "eagle":
-        members = view.eagle
+        members, other = view.eagle, view.baseline
     else:
         raise InvalidDecision(f"chose pool {pool!r} (expected one of {', '.join(POOLS)})")
     name = decision.backend
     backends = members.backends
-    if not name and len(backends) == 1 and backends[0].healthy:  # the common case, inlined
+    chosen: BackendLoad | None = None
+    if len(backends) == 1 and (not name or name == backends[0].name):  # the common case, inlined
         only = backends[0]
-        decision.backend = only.name
-        decision.backend_load = only.load
-        return decision
-    if name:
-        for b in members.backends:
+        if only.healthy and not only.full:
+            chosen = only
+    elif name:
+        for b in backends:
             if b.name == name:
-                if b.healthy:
-                    decision.backend_load = b.load
-                    return decision
+                if b.healthy and not b.full:
+                    chosen = b
                 break
         else:
             raise InvalidDecision(f"chose backend {name!r}, which is not in the {pool} pool")
-    backend = pick_backend(members, rng)
-    if backend is None:
-        fallback = other_pool(pool)
-        backend = pick_backend(view.pool(fallback), rng)
-        if backend is None:
-            raise NoHealthyBackend("no healthy backend in either pool")
-        decision.pool = fallback
-        decision.reason = f"{pool}_unavailable"
-    decision.backend = backend.name
-    decision.backend_load = backend.load
-    return decision
+    if chosen is None:
+        chosen = pick_backend(members, rng)
+    if chosen is not None:
+        reason = decision.reason if _admits(other) else f"{other_pool(pool)}_unavailable"
+        return _completed(decision, pool, chosen, reason)
+    chosen = pick_backend(other, rng)
+    if chosen is None:
+        raise NoHealthyBackend("no healthy backend in either pool")
+    return _completed(decision, other_pool(pool), chosen, f"{pool}_unavailable")
 
 
 class Router:

@@ -27,19 +27,18 @@ import openai
 import pytest
 from aiohttp import web
 from fakes import FakeBackend, RawAnswer, RawBackend
-from helpers import start_module, wait_until
+from helpers import KIMI, start_module, wait_until
 from prometheus_client import CollectorRegistry
 
+from controller.cli import spawn
 from controller.proxy.app import FORWARDER, TRACKER, create_app, make_runner, policy_context
 from controller.proxy.config import Settings
 from controller.proxy.forward import Forwarder, Observer, RequestRecord
 from controller.proxy.load import LoadTracker
 from policies.base import Policy
-from policies.profile import Profile, resolve_profile
+from policies.profile import Profile
 from policies.registry import default_registry
 from simulator.emulator.app import EmulatorConfig, EmulatorServer, run_emulator
-
-KIMI = resolve_profile("kimi-k25-int4-8gpu")
 
 
 @dataclass
@@ -217,15 +216,11 @@ async def start_serve(
 ) -> ServeProcess:
     """Run `specroute serve --port 0 ARGS` and wait for its listening line. `stderr` is piped
     unless DEVNULL is passed (a test that does not read it and makes serve log a lot)."""
-    proc, text = await start_module(
-        "controller.cli", "serve", "--port", "0", *args,
+    proc, line = await start_module(
+        "controller.cli", "serve", "--port", "0", *args, marker="specroute listening on ",
         stderr=stderr, env={**os.environ, **(env or {})}, preexec_fn=preexec_fn, timeout_s=timeout_s,
     )  # fmt: skip
-    if not text.startswith("specroute listening on "):
-        err = await proc.stderr.read() if proc.stderr is not None else b""
-        await proc.wait()
-        raise RuntimeError(f"specroute serve did not start: {text!r} {err.decode()!r}")
-    return ServeProcess(proc, text.removeprefix("specroute listening on "))
+    return ServeProcess(proc, spawn.url_of(line))
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
 """A fake SGLang-like backend: a small real aiohttp app on 127.0.0.1:0.
 
-It answers `/v1/chat/completions` and `/v1/completions` (streaming and not) with exactly the
-shapes of SGLANG.md: role chunk, content chunks, a finish chunk, the speculative details chunk
-(`choices: []`, `sglext.spec_tokens_details`) when `return_spec_tokens_details` and the backend is
-`speculative`, the usage chunk (`choices: []`) when `stream_options.include_usage`, then
-`data: [DONE]`. Answers are deterministic (the id is a
-hash of the request body, `created` is fixed) so a response fetched directly and one fetched
+It answers `/v1/chat/completions` and `/v1/completions` (streaming and not) with exactly
+SGLang's shapes (docs/SGLANG_PROTOCOL.md, "Streaming answers"): role chunk, content chunks, a
+finish chunk, the speculative details chunk (`choices: []`, `sglext.spec_tokens_details`) when
+`return_spec_tokens_details` and the backend is `speculative`, the usage chunk (`choices: []`)
+when `stream_options.include_usage`, then `data: [DONE]`. Answers are deterministic (the id is
+a hash of the request body, `created` is fixed) so a response fetched directly and one fetched
 through the proxy can be compared byte for byte.
 
 Behaviour is switched at run time through `mode` (or per request by a body field `fake_mode`,

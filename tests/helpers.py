@@ -1,14 +1,19 @@
 """Small helpers shared by the test modules (imported as `from helpers import ...`).
 
+- Request bodies and profiles many modules use: `CHAT` (one user message), `BODY` (a streaming
+  chat request of it), `FRANCE` (a question with a short factual answer) and `KIMI` (the built-in
+  kimi-k25-int4-8gpu profile). Read them, never change them: they are shared by every test.
+- `post_bytes(url, path, body)`: a JSON POST that must answer 200; the raw response bytes.
+- `run_main(capsys, *args)`: `specroute ARGS` in this process; exit code, stdout and stderr.
 - `wait_until(predicate)`: poll a plain or async predicate for a bounded time; its last value.
 - `metric_samples(url, name)`: one metric's samples from a live `/metrics`, keyed by sorted labels.
 - `emulator_running(url)`: requests an emulated SGLang server runs or queues (`/v1/loads`).
 - `assert_in_flight_zero(url)`: every `specroute_in_flight_requests` sample on a proxy's `/metrics` is 0.
 - `assert_openai_error(body, code)`: an OpenAI-shaped error body with that code and no traceback.
 - `run_command(*args)` / `run_specroute(*args)`: a subprocess run to its end without blocking the loop.
-- `start_module(module, *args)`: `python -m MODULE ARGS` started, its first stdout line read (a
-  server's "listening on URL").
-- `listening_url(popen)`: the URL a synchronously started server prints when it listens.
+- `start_module(module, *args)`: `python -m MODULE ARGS` started, its "listening on URL" line read
+  (by `controller.cli.spawn`, the spawn helper the tests, the benchmarks and the demo share; its
+  `start_sync`/`read_listening_sync` serve synchronous tests).
 - `free_port()`, `raise_open_files_limit(n)`.
 - `port_of(url)`, `raw_post(path, body)` (a POST's bytes) and `raw_exchange(port, data)`: raw HTTP
   for the tests that speak it broken.
@@ -26,9 +31,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import resource
-import select
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +43,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from controller.cli import main, spawn
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.routing import Router
@@ -47,6 +51,27 @@ from policies.routing import Router
 ROOT = Path(__file__).resolve().parent.parent
 
 Labels = tuple[tuple[str, str], ...]
+
+CHAT: list[dict[str, str]] = [{"role": "user", "content": "hello"}]
+BODY: dict[str, Any] = {"model": "m", "messages": CHAT, "stream": True}
+FRANCE: list[dict[str, str]] = [{"role": "user", "content": "What is the capital of France?"}]
+KIMI = resolve_profile("kimi-k25-int4-8gpu")  # prefill 8000 (baseline) / 7600 (eagle) tok/s
+
+
+async def post_bytes(
+    url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> bytes:
+    """POST `body` as JSON to `url + path`; asserts 200 and returns the response's bytes unchanged."""
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body, headers=headers) as r:
+        assert r.status == 200
+        return await r.read()
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`specroute ARGS` run in this process (`controller.cli.main`): exit code, stdout, stderr."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 async def wait_until(
@@ -139,43 +164,18 @@ async def run_specroute(*args: str, **kw: Any) -> tuple[int, str, str]:
 async def start_module(
     module: str,
     *args: str,
+    marker: str = spawn.MARKER,
     stderr: Any = asyncio.subprocess.PIPE,
     env: dict[str, str] | None = None,
     preexec_fn: Callable[[], Any] | None = None,
     timeout_s: float = 30.0,
 ) -> tuple[asyncio.subprocess.Process, str]:
-    """Start `python -m MODULE ARGS` with stdout piped and return it with its first stdout line
-    (stripped); the process is killed if that line does not come within `timeout_s`."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", module, *args, stdout=asyncio.subprocess.PIPE, stderr=stderr, env=env,
-        preexec_fn=preexec_fn,
+    """`python -m MODULE ARGS` started by the one spawn helper (`controller.cli.spawn.start`): the
+    process and its listening line (stripped); `spawn.StartError` if it never says it listens."""
+    return await spawn.start(
+        [sys.executable, "-m", module, *args],
+        marker=marker, stderr=stderr, stdin=None, env=env, preexec_fn=preexec_fn, timeout_s=timeout_s,
     )  # fmt: skip
-    assert proc.stdout is not None
-    try:
-        line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
-    except BaseException:
-        proc.kill()
-        await proc.wait()
-        raise
-    return proc, line.decode().strip()
-
-
-def listening_url(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> str | None:
-    """Read a text-mode `Popen`'s stdout until a line says "listening on URL"; that URL, or None
-    when the process ends or `timeout_s` passes first (for synchronous tests)."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if ready:
-            line = proc.stdout.readline()
-            if "listening on " in line:
-                return line.split("listening on ", 1)[1].strip()
-            if line:
-                continue
-        if proc.poll() is not None:
-            return None
-    return None
 
 
 def free_port() -> int:

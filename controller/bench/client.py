@@ -28,6 +28,7 @@ from controller.bench.sglang_import import parse_server_info
 from controller.proxy.engines import VLLM, VLLM_ACCEPTED, VLLM_DRAFTS, VLLM_RUNNING, aggregate, read_samples
 from controller.proxy.limits import ResponseTooLarge, read_bounded
 from controller.proxy.scrape import SCRAPE_LIMIT_BYTES
+from controller.proxy.spec_details import accept_length
 
 
 def base_url(url: str) -> str:
@@ -144,6 +145,7 @@ async def one_request(
     """Send one streaming request; never raises for server or network trouble."""
     start = time.perf_counter()
     r = RequestResult(phase=phase, start_s=start - t0)
+    spec: Any = None
     done = False
     events = 0
     try:
@@ -186,6 +188,9 @@ async def one_request(
                     if choice.get("finish_reason") == "abort":
                         r.error = "request aborted by the server"
                         return r
+                ext = obj.get("sglext")
+                if isinstance(ext, dict) and "spec_tokens_details" in ext:
+                    spec = ext["spec_tokens_details"]
                 usage = obj.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                     r.completion_tokens = usage["completion_tokens"]
@@ -202,6 +207,8 @@ async def one_request(
         r.error = f"stream read error: {e}"
     finally:
         r.end_s = time.perf_counter() - t0
+    if spec is not None:
+        r.accept_length = accept_length(spec, r.completion_tokens)
     if r.error is None:
         if events == 0:
             r.error = "no SSE events in the response (does the server stream?)"

@@ -8,7 +8,7 @@ drafters are trained on such data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +30,8 @@ class Prompt:
 
     messages: tuple[dict[str, str], ...] | None = None
     prompt: str | None = None
+    category: str | None = None
+    """The line's `category` (e.g. "code"): bench reports acceptance and speed per category."""
 
     def body(self, endpoint: Endpoint) -> dict[str, Any]:
         """The request fields carrying this prompt for `endpoint`."""
@@ -51,6 +53,11 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    @property
+    def categorized(self) -> bool:
+        """Some prompt has a `category` (bench then asks for per-request acceptance)."""
+        return any(p.category is not None for p in self.prompts)
+
     def pick(self, index: int) -> Prompt:
         """Prompts in order, wrapping around: concurrent requests get distinct prompts as
         long as the set is at least as large as the concurrency."""
@@ -60,6 +67,13 @@ class PromptSet:
 def _parse_line(obj: Any, where: str) -> Prompt:
     if not isinstance(obj, dict):
         raise PromptError(f"{where}: expected a JSON object with 'messages' or 'prompt'")
+    category = obj.get("category")
+    if category is not None and (not isinstance(category, str) or not 0 < len(category) <= 64):
+        raise PromptError(f"{where}: 'category' must be a string of 1 to 64 characters")
+    return replace(_parse_prompt(obj, where), category=category)
+
+
+def _parse_prompt(obj: dict[str, Any], where: str) -> Prompt:
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:

@@ -48,6 +48,11 @@ class RequestResult:
     """`usage.prompt_tokens_details.cached_tokens` (SGLang's `--enable-cache-report`), when sent."""
     status: int | None = None
     error: str | None = None
+    category: str | None = None
+    """The prompt's `category` (prompt files with categories)."""
+    accept_length: float | None = None
+    """Tokens per verify step the server reported for this request (SGLang's
+    `spec_tokens_details`, asked for when the prompts have categories)."""
 
     @property
     def ok(self) -> bool:
@@ -273,6 +278,9 @@ class BenchResult:
             accept = info.get("avg_spec_accept_length")
         if mode == "eagle" and isinstance(accept, int | float) and accept > 0:
             mode_data["accept_length"] = round(float(accept), 4)
+        categories = self.metadata.get("category_factors")
+        if mode == "eagle" and isinstance(categories, dict) and categories:
+            mode_data["categories"] = categories
         md = self.metadata
         source = (
             f"specroute bench {md.get('specroute_version', '?')} against {md.get('url')} "

@@ -158,6 +158,8 @@ class BenchRunner:
         }
         if c.ignore_eos:
             body["ignore_eos"] = True
+        if self.prompts.categorized:  # per-category acceptance: SGLang's per-request details
+            body["return_spec_tokens_details"] = True
         body.update(self.prompts.pick(self._next_prompt).body(c.endpoint))
         self._next_prompt += 1
         return body
@@ -219,7 +221,9 @@ class BenchRunner:
                     phase = "filler"
                 else:
                     return
+                prompt = self.prompts.pick(self._next_prompt)
                 r = await one_request(session, url, self._body(model), c.endpoint, phase, t0, c.timeout_s)
+                r.category = prompt.category
                 results.append(r)
                 completed += 1
                 if phase == "measured":

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import importlib.util
 import math
+import operator
 import types
 import typing
 from collections.abc import Callable, Coroutine, Iterable, Mapping
@@ -60,12 +61,13 @@ def bounded(
             raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
         if isinstance(value, float) and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-        for bound, ok, word in (
-            (ge, lambda v, b: v >= b, ">="),
-            (gt, lambda v, b: v > b, ">"),
-            (le, lambda v, b: v <= b, "<="),
-            (lt, lambda v, b: v < b, "<"),
-        ):
+        checks: tuple[tuple[float | None, Callable[[float, float], bool], str], ...] = (
+            (ge, operator.ge, ">="),
+            (gt, operator.gt, ">"),
+            (le, operator.le, "<="),
+            (lt, operator.lt, "<"),
+        )
+        for bound, ok, word in checks:
             if bound is not None and not ok(value, bound):
                 raise argparse.ArgumentTypeError(f"must be {word} {bound:g}, got {text.strip()}")
         return value
@@ -195,7 +197,7 @@ def add_model_flags(
         parser.add_argument(
             flag,
             dest=dest,
-            type=field_type(field) if typed else None,
+            type=(field_type(field) if typed else None) or str,  # str: the text as given
             choices=choices,
             required=field.is_required() and typed,
             metavar=(metavars or {}).get(name) or _METAVAR.get(kind) if choices is None else None,

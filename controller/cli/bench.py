@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from controller.bench.categories import by_category, category_factors, describe
 from controller.bench.compare import MIN_REQUESTS, compare_table, describe_runs, setting_warnings
 from controller.bench.prefill import DEFAULT_PREFILL_LENGTHS, DEFAULT_PREFILL_REPEATS
 from controller.bench.prompts import PromptError, load_prompts
@@ -75,7 +76,8 @@ def configure_bench(b: argparse.ArgumentParser) -> None:
         default="coding",
         metavar="SET|FILE",
         help="built-in set 'coding' (default) or 'general', or a JSONL file with "
-        '{"messages": [...]} or {"prompt": "..."} per line',
+        '{"messages": [...]} or {"prompt": "..."} per line; lines with a "category" get accept length '
+        "and decode speed per category (95%% CIs), written as priors into the eagle profile",
     )
     b.add_argument(
         "--endpoint",
@@ -154,7 +156,12 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
     m.add_argument("-o", "--out", required=True, metavar="FILE")
     m.add_argument("--name", default=None)
     m.set_defaults(func=run_profile_merge)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+    def usage(args: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(func=usage)
 
 
 def _fmt(e: Estimate | None, digits: int) -> str:
@@ -290,6 +297,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 f"warning: --mode baseline, but the server runs {info.get('speculative_algorithm')}",
                 file=sys.stderr,
             )
+    if prompts.categorized:
+        report_categories(result)
     return _write_outputs(args, result, interrupted)
 
 
@@ -329,6 +338,17 @@ def _run_together(args: argparse.Namespace, config: BenchConfig) -> int:
             return 1
         print(f"wrote {args.profile_out}: modes {', '.join(profile.modes)}")
     return code
+
+
+def report_categories(result: BenchResult) -> None:
+    """Per-category acceptance and speed (`controller.bench.categories`): printed, and kept in the
+    result's metadata (the profile's eagle mode gets the speed factors as `categories`)."""
+    summaries = by_category(result.levels)
+    accept = (result.metadata.get("server_info") or {}).get("avg_spec_accept_length")
+    factors = category_factors(summaries, accept if isinstance(accept, int | float) else None)
+    result.metadata["categories"] = [s.to_json() for s in summaries]
+    result.metadata["category_factors"] = factors
+    print(describe(summaries, factors))
 
 
 def _write_outputs(args: argparse.Namespace, result: BenchResult, interrupted: bool) -> int:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -80,7 +80,7 @@ class Children:
         self.log_dir = log_dir
         self.procs: list[tuple[str, asyncio.subprocess.Process]] = []
         self._drains: list[asyncio.Task[None]] = []
-        self._logs: list[Any] = []
+        self._logs: list[BinaryIO] = []
 
     async def start(self, name: str, args: Sequence[str], marker: str, timeout_s: float = 60.0) -> str:
         """Run `specroute ARGS`; return the URL at the end of its first line containing `marker`."""
@@ -123,11 +123,11 @@ class Children:
             log.close()
 
 
-def _open_log(path: Path) -> Any:
+def _open_log(path: Path) -> BinaryIO:
     return open(path, "wb")  # a small local file; closed by the drain task or Children.stop
 
 
-async def _drain(stream: asyncio.StreamReader, log: Any) -> None:
+async def _drain(stream: asyncio.StreamReader, log: BinaryIO) -> None:
     try:
         while chunk := await stream.read(65536):
             log.write(chunk)

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from controller.cli.args import CommandError, add_model_flags, model_values, port, run_async
 from policies.profile import ProfileError, resolve_profile
+from simulator.emulator.accept_rules import AcceptRules, AcceptRulesError, load_accept_rules
 from simulator.emulator.app import run_emulator
 from simulator.emulator.config import EmulatorConfig, FaultConfig
 
@@ -57,17 +58,26 @@ def configure_emulate(p: argparse.ArgumentParser) -> None:
         metavar="TAG=FACTOR",
         help="Acceptance factor for requests with x-specroute-hint: TAG (repeatable), e.g. code=1.2.",
     )
-    fields = add_model_flags(p, EmulatorConfig, skip=("profile", "hint_factors"))
+    p.add_argument(
+        "--accept-rules",
+        metavar="FILE",
+        help='Acceptance by prompt content (eagle): a JSON list of {"match": REGEX, "factor": F} searched in '
+        "order in the canonical prompt text (first match wins, default 1), and optionally "
+        '{"temperature_slope": S} (factor x (1 - S x temperature), floored at 0.3).',
+    )
+    fields = add_model_flags(p, EmulatorConfig, skip=("profile", "hint_factors", "accept_rules"))
     f = p.add_argument_group("fault knobs (for tests)")
     faults = add_model_flags(f, FaultConfig, dest_prefix=_FAULT)
     p.set_defaults(func=run, config_fields=fields, fault_fields=faults)
 
 
 def build_config(args: argparse.Namespace) -> EmulatorConfig:
-    """Raises ProfileError or ValidationError with a readable message."""
+    """Raises ProfileError, AcceptRulesError or ValidationError with a readable message."""
+    rules = load_accept_rules(args.accept_rules) if args.accept_rules else AcceptRules()
     return EmulatorConfig(
         profile=resolve_profile(args.profile),
         hint_factors=dict(args.hint_factor),
+        accept_rules=rules,
         faults=FaultConfig(**model_values(args, args.fault_fields, _FAULT)),
         **model_values(args, args.config_fields),
     )
@@ -93,7 +103,7 @@ async def serve(config: EmulatorConfig, host: str, port: int) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
-    except ProfileError as e:
+    except (ProfileError, AcceptRulesError) as e:
         raise CommandError(e) from None
     except ValidationError as e:
         raise CommandError(_describe(e)) from None

@@ -11,14 +11,17 @@ import signal
 from typing import Any
 
 import yaml
+from pydantic.fields import FieldInfo
 
 from controller.cli.args import CommandError, add_model_flags, run_async
 from controller.cli.sighup import EarlyReload
 from controller.proxy.config import ConfigError, Settings, load_settings
+from controller.proxy.redact import Redactor, install, secrets_in_env, secrets_in_values
+from policies.base import Policy
 from policies.params import parse_assignments
 from policies.profile import ProfileError
-from policies.registry import default_registry
-from policies.spec import PolicyError
+from policies.registry import PolicyRegistry, default_registry
+from policies.spec import PolicyContext, PolicyError
 
 log = logging.getLogger("specroute")
 
@@ -40,7 +43,7 @@ ACCEPT_BACKLOG = 2048
 """Listen backlog of the proxy's socket (see `_serve`)."""
 
 
-def _help_suffix(name: str, field: Any) -> str:
+def _help_suffix(name: str, field: FieldInfo) -> str:
     return f" (env SPECROUTE_{name.upper()}; default {field.default!r})"
 
 
@@ -103,7 +106,7 @@ def configure_check_config(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run_check_config)
 
 
-def _build(args: argparse.Namespace) -> tuple[Settings, Any, Any, Any]:
+def _build(args: argparse.Namespace) -> tuple[Settings, PolicyRegistry, PolicyContext, Policy]:
     from controller.proxy.app import policy_context
 
     settings = load_settings(cli_settings(args), os.environ, args.config)
@@ -115,7 +118,7 @@ def _build(args: argparse.Namespace) -> tuple[Settings, Any, Any, Any]:
     return settings, registry, context, policy
 
 
-def _check_observability(settings: Settings, registry: Any, context: Any) -> None:
+def _check_observability(settings: Settings, registry: PolicyRegistry, context: PolicyContext) -> None:
     """Fail at start-up, with the setting's name, on a bad shadow policy or decision log path."""
     from controller.proxy.shadow import build_shadows
 
@@ -152,13 +155,17 @@ def run_serve(args: argparse.Namespace) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Every log line passes this filter: no secret reaches stderr, whoever logs it.
+    redactor = Redactor(secrets_in_env(os.environ))
+    install(redactor)
     try:
         settings, registry, context, policy = _build(args)
     except (ConfigError, PolicyError, ProfileError) as e:
         raise CommandError(e) from None
+    redactor.add(secrets_in_values(dict(settings)))
     raise_open_files_limit()
     try:
-        run_async(_serve(args, settings, registry, context, policy, early_reload))
+        run_async(_serve(args, settings, registry, context, policy, early_reload, redactor))
     except OSError as e:
         raise CommandError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
     return 0
@@ -167,14 +174,16 @@ def run_serve(args: argparse.Namespace) -> int:
 async def _serve(
     args: argparse.Namespace,
     settings: Settings,
-    registry: Any,
-    context: Any,
-    policy: Any,
+    registry: PolicyRegistry,
+    context: PolicyContext,
+    policy: Policy,
     early_reload: EarlyReload,
+    redactor: Redactor,
 ) -> None:
     from aiohttp import web
 
-    from controller.proxy.app import ADMIN, create_app, drain, make_runner
+    from controller.cli.reload import ConfigReloader, ReloadMetrics
+    from controller.proxy.app import ADMIN, METRICS, create_app, drain, make_runner, reopen_decision_log
 
     app = create_app(settings, policy, registry=registry, context=context)
     # `drain` below does the waiting; aiohttp's own shutdown then has only idle connections left.
@@ -198,23 +207,28 @@ async def _serve(
             loop.add_signal_handler(sig, stop.set)
         # Only now say so: a supervisor may send SIGTERM as soon as it reads this line.
         print(f"specroute listening on http://{host}:{port}", flush=True)
-        log.info("policy %s, baseline %s, eagle %s", settings.policy, settings.baseline, settings.eagle)
+        log.info(
+            "policy %s, baseline %s, eagle %s",
+            settings.policy,
+            [b.name for b in settings.baseline],
+            [b.name for b in settings.eagle],
+        )
 
-        def reload() -> None:
-            if args.config is None:
-                log.warning("SIGHUP: no --config file to re-read; policy unchanged")
-                return
-            try:
-                fresh = load_settings(cli_settings(args), os.environ, args.config)
-                app[ADMIN].reload(fresh)
-            except (ConfigError, PolicyError, ProfileError) as e:
-                log.error("SIGHUP: reload failed, policy unchanged: %s", e)
-
-        loop.add_signal_handler(signal.SIGHUP, reload)
+        reloader = ConfigReloader(
+            args.config,
+            lambda text: load_settings(cli_settings(args), os.environ, args.config, config_text=text),
+            app[ADMIN].reload,
+            ReloadMetrics(app[METRICS].registry),
+            settle_s=settings.reload_settle_s,
+            redactor=redactor,
+            hooks=[lambda: reopen_decision_log(app)],
+        )
+        loop.add_signal_handler(signal.SIGHUP, reloader.request)
         if early_reload.pending:
             log.warning("SIGHUP during start-up: re-reading the config now")
-            reload()
+            reloader.request()
         await stop.wait()
+        reloader.cancel()
         log.warning(
             "shutting down: draining %d in-flight request(s) for up to %g s",
             app[ADMIN].fwd.tracker.total_in_flight,

@@ -62,7 +62,8 @@ def add_workload_args(
         choices=WORKLOAD_KINDS,
         default="sweep",
         help="Closed-loop concurrency sweep, open-loop Poisson or bursty arrivals, a trace replay, or "
-        "multi-turn conversations sharing a system prompt (multiturn) (default sweep).",
+        "multi-turn conversations sharing a system prompt (multiturn), or real prompts from a file "
+        "(prompts: --prompts FILE) (default sweep).",
     )
     w.add_argument(
         "--concurrency",
@@ -129,7 +130,7 @@ def add_workload_args(
         "--requests",
         type=positive_int,
         default=None,
-        help="Requests (poisson/bursty/multiturn: default 1000; trace: the first N, default all).",
+        help="Requests (poisson/bursty/multiturn/prompts: default 1000; trace: the first N, default all).",
     )
     w.add_argument(
         "--burst-factor", type=positive_float, default=4.0, help="Bursty: high-state rate / low-state rate."
@@ -141,6 +142,13 @@ def add_workload_args(
         "--trace",
         help="Trace file (Azure LLM inference CSV, Mooncake JSONL with hash_ids, or specroute decision log "
         "JSONL).",
+    )
+    w.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="Prompts workload: JSONL, one request a line with messages or prompt, optional "
+        "output_tokens, temperature, hint and accept (the TRUE eagle speed factor, default 1); Poisson at "
+        "--rate, --requests cycling through the file in a seeded shuffled order.",
     )
     w.add_argument("--trace-format", choices=TRACE_FORMATS, help="Trace format (default: detected).")
     w.add_argument(
@@ -250,6 +258,7 @@ def workload_from_args(
         turns=LengthSpec.parse(args.turns) if args.turns else None,
         think_time_s=args.think_time,
         system_prompt_tokens=args.system_prompt_tokens,
+        prompts=args.prompts,
     )
 
 
@@ -288,6 +297,8 @@ def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
             f"multiturn, rate {spec.rate:g}/s, turns {turns}, think time {spec.think_time_s:g} s, "
             f"system prompt {spec.system_prompt_tokens} tokens"
         )
+    elif spec.kind == "prompts":
+        what = f"prompts {spec.prompts}, rate {spec.rate:g}/s"
     else:
         what = f"{spec.kind}, rate {spec.rate:g}/s"
     if spec.output_tokens:

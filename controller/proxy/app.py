@@ -4,7 +4,10 @@
 session, clock, metrics registry) so tests build the real app around fakes. One `cleanup_ctx`
 opens the shared `ClientSession` (unless one was passed in), runs the health checker and the
 backend scraper (`controller.proxy.scrape.ScrapeLoop`, samples into `app[TRACKER]`), and opens and
-closes the decision log (`settings.decision_log`, written by `controller.proxy.decision_record`).
+closes the decision log (`settings.decision_log`, written by `controller.proxy.decision_record`;
+`reopen_decision_log` makes it open its path anew). Inside the error middleware,
+`identity_middleware` passes specroute's error messages through `controller.proxy.identity`
+(backend names hidden from clients with `backend_header: false`).
 
 Shadow policies (`settings.shadow_policies`, or built ones passed as `shadows=`) are asked by
 the `Forwarder` on every request. Further observers: pass `observers=[callable]`, or append to
@@ -21,28 +24,30 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from controller.proxy.acceptance_metrics import AcceptanceMetrics
 from controller.proxy.admin import PolicyAdmin, admin_routes
 from controller.proxy.admission import Admission, AdmissionMetrics, in_flight_bounds
 from controller.proxy.config import Settings
-from controller.proxy.decision_record import open_decision_log
+from controller.proxy.decision_record import DecisionLogger, open_decision_log
 from controller.proxy.engines import Engine
 from controller.proxy.errors import NoBackendAvailable, NotFound, error_middleware, http_log
 from controller.proxy.forward import Forwarder, Observer, RequestRecord
 from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
 from controller.proxy.health import HealthChecker
+from controller.proxy.identity import IDENTITY, identity_middleware
 from controller.proxy.info import model_info, server_info
 from controller.proxy.limits import read_bounded
 from controller.proxy.load import LoadTracker
 from controller.proxy.metrics import Metrics
 from controller.proxy.outlier import OutlierDetector
-from controller.proxy.prefixes import DEFAULT_CACHE_TOKENS
 from controller.proxy.scrape import ScrapeLoop, apply_reported_cap
 from controller.proxy.shadow import ShadowPolicies, build_shadows
-from policies.base import Policy, Pool
+from policies.base import POOLS, Policy, Pool
 from policies.calibration import MISMATCH_AFTER
+from policies.prefix import DEFAULT_CACHE_TOKENS
 from policies.profile import Profile, resolve_profile
 from policies.registry import PolicyRegistry
 from policies.spec import PolicyContext
@@ -56,6 +61,8 @@ METRICS = web.AppKey("metrics", Metrics)
 ADMIN = web.AppKey("admin", PolicyAdmin)
 HEALTH = web.AppKey("health", HealthChecker)
 SCRAPER = web.AppKey("scraper", ScrapeLoop)
+DECISION_LOGS = web.AppKey("decision_logs", list[DecisionLogger])
+"""The open decision log (none, or one while the app runs)."""
 
 
 def policy_context(settings: Settings) -> PolicyContext:
@@ -79,7 +86,9 @@ def create_app(
     shadows: Sequence[tuple[str, Policy]] | None = None,
 ) -> web.Application:
     """`shadows`: (label, policy) pairs; None builds `settings.shadow_policies` (PolicyError)."""
-    app = web.Application(client_max_size=settings.body_limit_bytes, middlewares=[error_middleware])
+    app = web.Application(
+        client_max_size=settings.body_limit_bytes, middlewares=[error_middleware, identity_middleware]
+    )
     ctx = context if context is not None else policy_context(settings)
     tracker = LoadTracker(
         settings.baseline,
@@ -118,12 +127,24 @@ def create_app(
             clock=clock,
         ),
     )
+    fwd.observers.append(AcceptanceMetrics(registry_, lambda: fwd.policy))
     fwd.observers.append(MismatchWatch(metrics))
     app[SETTINGS] = settings
+    app[IDENTITY] = fwd.identity
     app[TRACKER] = tracker
     app[METRICS] = metrics
     app[FORWARDER] = fwd
     app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
+    app[DECISION_LOGS] = open_logs = []
+    dropped = Counter(
+        "specroute_decision_log_dropped_records",
+        "Decision-log records not written, by reason (queue_full: the writer fell behind; "
+        "write_error: the disk failed or is full; unencodable).",
+        ["reason"],
+        registry=registry_,
+    )
+    for reason in ("queue_full", "write_error", "unencodable"):
+        dropped.labels(reason)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         own = session is None
@@ -158,9 +179,13 @@ def create_app(
             engine_of=scraper.engine,
         )
         app[HEALTH] = checker
-        decisions = open_decision_log(settings.decision_log, clock) if settings.decision_log else None
-        if decisions is not None:
+        decisions = None
+        if settings.decision_log:
+            decisions = open_decision_log(
+                settings.decision_log, clock, on_drop=lambda reason, n: dropped.labels(reason).inc(n)
+            )
             fwd.observers.append(decisions)
+            open_logs.append(decisions)
         tasks = []
         if health_checks:
             tasks.append(asyncio.create_task(checker.run()))
@@ -176,6 +201,7 @@ def create_app(
                     await task
             if decisions is not None:
                 fwd.observers.remove(decisions)
+                open_logs.remove(decisions)
                 await asyncio.to_thread(decisions.log.close)
             if own:
                 await fwd.session.close()
@@ -218,10 +244,17 @@ def create_app(
 
     async def ready(request: web.Request) -> web.Response:
         now = clock()
-        healthy = [b.name for b in tracker if b.healthy and not b.ejected(now)]
+        healthy = [b for b in tracker if b.healthy and not b.ejected(now)]
         if not healthy:
             raise NoBackendAvailable("no healthy backend")
-        return web.json_response({"status": "ready", "healthy_backends": healthy})
+        body: dict[str, object] = {
+            "status": "ready",
+            "healthy": {pool: sum(b.pool == pool for b in healthy) for pool in POOLS},
+        }
+        names = fwd.identity.names([b.name for b in healthy])
+        if names is not None:  # `backend_header: false`: the counts per pool only
+            body["healthy_backends"] = names
+        return web.json_response(body)
 
     async def metrics_route(request: web.Request) -> web.Response:
         body = generate_latest(metrics.registry)
@@ -294,6 +327,12 @@ def _engine_found(settings: Settings, tracker: LoadTracker, name: str, engine: E
         )  # fmt: skip
 
 
+def reopen_decision_log(app: web.Application) -> None:
+    """Have the decision log open its path anew (SIGHUP, after an external rotation)."""
+    for decisions in app[DECISION_LOGS]:
+        decisions.log.reopen()
+
+
 def prefix_capacities(settings: Settings, profile: Profile | None, tracker: LoadTracker) -> dict[str, int]:
     """Each backend's prefix index capacity in tokens: `prefix_cache_tokens`, else its pool's
     `cache_tokens` in the profile, else `prefixes.DEFAULT_CACHE_TOKENS`."""
@@ -327,7 +366,7 @@ async def list_models(fwd: Forwarder, request: web.Request) -> web.StreamRespons
                 body = await read_bounded(resp, fwd.settings.response_limit_bytes)
                 if resp.status >= 500 or 300 <= resp.status < 400:
                     continue
-                shown = {POOL_HEADER: b.pool}
+                shown: dict[str, str] = {POOL_HEADER: b.pool}
                 if fwd.settings.backend_header:
                     shown[BACKEND_HEADER] = b.name
                 return web.Response(

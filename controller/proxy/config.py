@@ -26,11 +26,21 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
 
+from controller.proxy.redact import (
+    Redactor,
+    mask_userinfo,
+    secrets_in_env,
+    secrets_in_values,
+    secrets_in_yaml,
+)
 from policies.base import POOLS, Pool
+from policies.view import STALE_AFTER_S
 
 ENV_PREFIX = "SPECROUTE_"
 
@@ -87,28 +97,40 @@ def _normalise_url(url: str) -> str:
             "backend expects"
         )
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
+        raise ValueError(f"{mask_userinfo(repr(url))} is not an http(s)://host[:port] URL")
     try:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
-        raise ValueError(f"{url!r} has an invalid port") from None
+        raise ValueError(f"{mask_userinfo(repr(url))} has an invalid port") from None
     if parts.query or parts.fragment:
-        raise ValueError(f"{url!r}: query strings and fragments are not allowed")
+        raise ValueError(f"{mask_userinfo(repr(url))}: query strings and fragments are not allowed")
     if parts.path not in ("", "/"):
-        raise ValueError(f"{url!r}: give the server's base URL without a path (specroute adds /v1/...)")
+        raise ValueError(
+            f"{mask_userinfo(repr(url))}: give the server's base URL without a path (specroute adds /v1/...)"
+        )
     return url.rstrip("/")
 
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    """One configured backend: the name clients, metrics and logs see, and the URL it is reached at."""
+    """One configured backend, parsed once when `Settings` is validated: the name clients, metrics
+    and logs see, the URL it is reached at and its pool. Settings hold these (`Settings.baseline`,
+    `Settings.eagle`) and write them back as text (`NAME=URL`, or the bare URL when unnamed), so a
+    dumped config reads back the same. Per-backend facts added later (an engine kind, say) are
+    fields here, with a default, so every existing entry stays valid."""
 
     name: str
     url: str
+    pool: Pool
+
+    @property
+    def entry(self) -> str:
+        """The config text this backend is written as: `NAME=URL`, or the URL when unnamed."""
+        return self.url if self.name == self.url else f"{self.name}={self.url}"
 
 
-def parse_backend(entry: str) -> BackendSpec:
-    """`NAME=URL` or a bare `URL` (whose name is then the URL itself)."""
+def parse_backend(entry: str, pool: Pool = "baseline") -> BackendSpec:
+    """`NAME=URL` or a bare `URL` (whose name is then the URL itself), a backend of `pool`."""
     head, sep, rest = entry.partition("=")
     if sep and "://" not in head:
         name = head.strip()
@@ -117,14 +139,26 @@ def parse_backend(entry: str) -> BackendSpec:
                 f"backend name {name[:70]!r}: use 1-64 letters, digits, '_', '.', '-' "
                 "(the first a letter or digit)"
             )
-        return BackendSpec(name, _normalise_url(rest.strip()))
+        return BackendSpec(name, _normalise_url(rest.strip()), pool)
     url = _normalise_url(entry.strip())
-    return BackendSpec(url, url)
+    return BackendSpec(url, url, pool)
 
 
-def _backend_entry(entry: str) -> str:
-    spec = parse_backend(entry)
-    return spec.url if spec.name == spec.url else f"{spec.name}={spec.url}"
+def _backend_specs(entries: Any, info: ValidationInfo) -> list[BackendSpec]:
+    """The entries of the `baseline` or `eagle` setting (text, or specs already parsed) as specs."""
+    pool: Pool = "eagle" if info.field_name == "eagle" else "baseline"
+    entries = _split_list(entries)
+    if not isinstance(entries, list | tuple):
+        raise ValueError("expected a list of URL or NAME=URL entries (or one comma-separated string)")
+    specs = []
+    for entry in entries:
+        if isinstance(entry, BackendSpec):
+            specs.append(entry if entry.pool == pool else BackendSpec(entry.name, entry.url, pool))
+        elif isinstance(entry, str):
+            specs.append(parse_backend(entry, pool))
+        else:
+            raise ValueError(f"expected a URL or NAME=URL, got {type(entry).__name__} {str(entry)[:70]!r}")
+    return specs
 
 
 class Settings(BaseModel):
@@ -132,18 +166,19 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    baseline: list[str] = Field(
+    baseline: list[BackendSpec] = Field(
         default_factory=list,
         description="The plain SGLang backends: URL, or NAME=URL to show NAME instead of the URL in "
         "headers, errors, metrics and logs.",
     )
-    eagle: list[str] = Field(
+    eagle: list[BackendSpec] = Field(
         default_factory=list, description="The EAGLE-3 SGLang backends: URL or NAME=URL, as `baseline`."
     )
     backend_header: bool = Field(
         default=True,
         description="Send x-specroute-backend (the serving backend's name) in responses; off: clients "
-        "learn nothing about the backends but the pool.",
+        "learn nothing about the backends but the pool (error messages, stream error events, /ready and "
+        "/server_info name none; logs and /metrics still do).",
     )
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
@@ -297,6 +332,13 @@ class Settings(BaseModel):
     eagle_api_key: SecretStr | None = Field(
         default=None, description="API key sent to eagle backends (else the client's is forwarded)."
     )
+    reload_settle_s: float = Field(
+        default=0.25,
+        ge=0,
+        le=30,
+        description="On SIGHUP the config file is applied only once two reads this many seconds apart "
+        "agree (bytes, size, mtime, inode), so a file still being written is not applied half way.",
+    )
     log_bodies: bool = Field(default=False, description="Log request bodies (debugging only).")
     decision_log: str | None = Field(default=None, description="Path of the JSONL decision log.")
     shadow_policies: list[ShadowPolicy] = Field(
@@ -304,7 +346,7 @@ class Settings(BaseModel):
     )
     scrape_interval_s: float = Field(default=1.0, gt=0, description="Seconds between backend scrapes.")
     scrape_stale_after_s: float = Field(
-        default=5.0, gt=0, description="Scraped samples older than this are ignored."
+        default=STALE_AFTER_S, gt=0, description="Scraped samples older than this are ignored."
     )
     prefix_tracking: bool = Field(
         default=True,
@@ -345,7 +387,8 @@ class Settings(BaseModel):
         '(YAML mapping; JSON in the environment: {"b1": "vllm"}).',
     )
 
-    _split = field_validator("baseline", "eagle", "admin_policy_modules", mode="before")(_split_list)
+    _split = field_validator("admin_policy_modules", mode="before")(_split_list)
+    _specs = field_validator("baseline", "eagle", mode="before")(_backend_specs)
     _blank = field_validator(
         "profile", "decision_log", "admin_token", "baseline_model", "eagle_model",
         "baseline_api_key", "eagle_api_key", mode="before",
@@ -358,10 +401,9 @@ class Settings(BaseModel):
             return {**data, "policy": default_policy(data.get("profile"))}
         return data
 
-    @field_validator("baseline", "eagle")
-    @classmethod
-    def _urls(cls, entries: list[str]) -> list[str]:
-        return [_backend_entry(e) for e in entries]
+    @field_serializer("baseline", "eagle")
+    def _entries(self, specs: list[BackendSpec]) -> list[str]:
+        return [b.entry for b in specs]
 
     @field_validator("health_check_path")
     @classmethod
@@ -394,9 +436,9 @@ class Settings(BaseModel):
 
     def backends(self, pool: Pool | None = None) -> list[BackendSpec]:
         """The configured backends (of one pool, or of both: baseline first)."""
-        entries = {"baseline": self.baseline, "eagle": self.eagle}
+        specs = {"baseline": self.baseline, "eagle": self.eagle}
         pools: tuple[Pool, ...] = POOLS if pool is None else (pool,)
-        return [parse_backend(e) for p in pools for e in entries[p]]
+        return [b for p in pools for b in specs[p]]
 
     def engine_of(self, name: str) -> Literal["auto", "sglang", "vllm"]:
         """The configured engine of the backend named `name` ("auto": detect it)."""
@@ -415,23 +457,48 @@ FIELDS = frozenset(Settings.model_fields)
 _JSON_FIELDS = frozenset({"policy_params", "shadow_policies", "backend_engines"})
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+def read_text(path: str | Path) -> str:
+    """A config file's text (ConfigError when it cannot be read)."""
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"config file {path}: cannot read: {e.strerror or e}") from None
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
+        raise ConfigError(f"config file {path}: cannot read: {why}") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error without the snippet of the offending line it quotes (the line may hold a
+    secret): the problem, its line and column, and the context it was found in."""
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return type(e).__name__
+    parts = []
+    if e.problem_mark is not None:
+        parts.append(f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}:")
+    parts.append(e.problem or "syntax error")
+    if e.context:
+        where = f" at line {e.context_mark.line + 1}" if e.context_mark is not None else ""
+        parts.append(f"({e.context}{where})")
+    return " ".join(parts)
+
+
+def parse_yaml(text: str, path: str | Path) -> dict[str, Any]:
+    """The settings of a config file's text (`path` names it in errors)."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path}: not valid YAML: {e}") from None
+        raise ConfigError(f"config file {path}: not valid YAML: {_yaml_problem(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of settings at the top level")
-    unknown = sorted(str(k) for k in data if k not in FIELDS)
+    unknown = sorted(str(k)[:64] for k in data if k not in FIELDS)
     if unknown:
         raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}")
     return {str(k): v for k, v in data.items()}
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    return parse_yaml(read_text(path), path)
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -465,17 +532,43 @@ def load_settings(
     cli: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     config_file: str | Path | None = None,
+    *,
+    config_text: str | None = None,
 ) -> Settings:
     """Merge the sources (CLI > env > file > defaults) and validate once.
 
-    `cli` holds only the flags the user actually gave (None values are ignored).
+    `cli` holds only the flags the user actually gave (None values are ignored). `config_text`:
+    the file's text when the caller read it already (a reload reads it until it is stable); it is
+    then named `config_file` in errors. No `ConfigError` raised here holds a secret value found in
+    these sources (see `controller.proxy.redact`), even one from a file that does not parse.
     """
-    layers: list[tuple[str, dict[str, Any]]] = []
-    if config_file is not None:
-        layers.append((f"config file {config_file}", read_yaml(config_file)))
-    layers.append(("environment", read_env(os.environ if environ is None else environ)))
-    layers.append(("command line", {k: v for k, v in (cli or {}).items() if v is not None}))
+    env = os.environ if environ is None else environ
+    redact = Redactor(secrets_in_env(env) | secrets_in_values(cli or {}))
+    try:
+        if config_file is not None and config_text is None:
+            config_text = read_text(config_file)
+        if config_text is not None:
+            redact.add(secrets_in_yaml(config_text))
+        return _load(cli, env, config_file, config_text, redact)
+    except ConfigError as e:
+        raise ConfigError(redact(str(e))) from None
 
+
+def _load(
+    cli: Mapping[str, Any] | None,
+    environ: Mapping[str, str],
+    config_file: str | Path | None,
+    config_text: str | None,
+    redact: Redactor,
+) -> Settings:
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if config_text is not None:
+        source = f"config file {config_file if config_file is not None else '(text)'}"
+        data = parse_yaml(config_text, config_file if config_file is not None else "(text)")
+        redact.add(secrets_in_values(data))
+        layers.append((source, data))
+    layers.append(("environment", read_env(environ)))
+    layers.append(("command line", {k: v for k, v in (cli or {}).items() if v is not None}))
     merged: dict[str, Any] = {}
     origin: dict[str, str] = {}
     params: dict[str, Any] = {}

@@ -3,15 +3,25 @@
 How it works: the request path only appends an item to a queue (no I/O, no JSON encoding on
 the event loop). A daemon thread wakes at most every `batch_interval_s` under load, turns the
 queued items into dicts (`transform`, e.g. building the record from immutable request data),
-encodes and writes the lines, flushes once per batch, and rotates the file by size (`FILE` ->
-`FILE.1` -> ... keeping `backups` old files). When the disk falls behind by more than
-`max_queued` items, new items are dropped and counted rather than letting memory grow.
-`close()` drains what is queued and joins the thread. The records hold routing facts only:
-never prompt or answer text.
+encodes them and appends the batch's lines to the file in one `write` of whole lines. The file
+is rotated by size (`FILE` -> `FILE.1` -> ... keeping `backups` old files).
+
+What the file always holds is whole lines: a write that fails part way (the disk is full, an
+I/O error) is cut back (`ftruncate`) to the end of the last line it wrote completely, and the
+records of that batch that did not make it are dropped and counted; the next batch tries again,
+so writing resumes by itself once there is room, and serving never waits for the disk. Before
+each batch the writer checks that `path` is still the file it has open (same device and
+inode): a file removed or moved away (external rotation, `logrotate` without `copytruncate`)
+is noticed and `path` is opened anew; `reopen()` (serve calls it on SIGHUP) does the same at
+once. When the disk falls behind by more than `max_queued` items, new items are dropped and
+counted rather than letting memory grow. Every drop is reported to `on_drop(reason, n)`
+(reasons: `queue_full`, `write_error`, `unencodable`). `close()` drains what is queued and joins
+the thread. The records hold routing facts only: never prompt or answer text.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -24,6 +34,11 @@ from typing import Any
 log = logging.getLogger("specroute.decision_log")
 
 _STOP = object()
+_REOPEN = object()
+_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+
+Writer = Callable[[int, memoryview], int]
+"""`os.write`'s shape: the file system seam (tests inject ENOSPC through it)."""
 
 
 class DecisionLog:
@@ -36,6 +51,8 @@ class DecisionLog:
         transform: Callable[[Any], Any] | None = None,
         max_queued: int = 100_000,
         batch_interval_s: float = 0.05,
+        on_drop: Callable[[str, int], None] | None = None,
+        write: Writer = os.write,
     ) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
@@ -43,79 +60,200 @@ class DecisionLog:
         self.transform = transform
         self.max_queued = max_queued
         self.batch_interval_s = batch_interval_s
+        self.on_drop = on_drop
+        self._write = write
         self._stopping = threading.Event()
+        self._lock = threading.Lock()
         self.dropped = 0
+        """Records dropped so far, for every reason."""
+        self._failing = 0  # records dropped since writes began failing (0: writes succeed)
+        self._torn: int | None = None  # size to cut the open file back to before the next write
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
-        self._size = self._file.tell()
+        self._fd = self._open()
         self._thread = threading.Thread(target=self._run, name="specroute-decision-log", daemon=True)
         self._thread.start()
+
+    # -- the event loop's side --
 
     def write(self, record: Any) -> None:
         """Queue one record (called on the event loop: never blocks)."""
         if self._queue.qsize() >= self.max_queued:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 10_000 == 0:
-                log.warning("decision log: writer behind, %d record(s) dropped so far", self.dropped)
+            n = self._drop("queue_full", 1)
+            if n == 1 or n % 10_000 == 0:
+                log.warning("decision log: writer behind, %d record(s) dropped so far", n)
             return
         self._queue.put(record)
+
+    def reopen(self) -> None:
+        """Open `path` anew before the next write (after an external rotation: SIGHUP)."""
+        self._queue.put(_REOPEN)
 
     def close(self, timeout: float = 10.0) -> None:
         self._stopping.set()
         self._queue.put(_STOP)
         self._thread.join(timeout)
 
-    def _rotate(self) -> None:
-        self._file.close()
-        for i in range(self.backups - 1, 0, -1):
-            src = self.path.with_name(f"{self.path.name}.{i}")
-            if src.exists():
-                os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
-        if self.backups > 0:
-            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
-        else:
-            self.path.unlink(missing_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
-        self._size = 0
+    # -- the writer thread --
 
-    def _write_line(self, record: Any) -> None:
+    def _drop(self, reason: str, n: int) -> int:
+        with self._lock:
+            self.dropped += n
+            total = self.dropped
+        if self.on_drop is not None:
+            self.on_drop(reason, n)
+        return total
+
+    def _open(self) -> int:
+        return os.open(self.path, _FLAGS, 0o644)
+
+    def _reopen(self, why: str) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = self._open()
+        except OSError as e:
+            log.error("decision log: cannot reopen %s (%s): %s", self.path, why, e.strerror or e)
+            return  # keep the old descriptor; the next batch tries again
+        old, self._fd = self._fd, fd
+        if os.fstat(old).st_ino != os.fstat(fd).st_ino:
+            self._torn = None  # a torn line left in the old file stays out of the new one
+        os.close(old)
+        log.info("decision log: %s %s: reopened", self.path, why)
+
+    def _check_path(self) -> None:
+        """Reopen when `path` is no longer the file that is open (removed, or moved away)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            self._reopen("was removed")
+            return
+        except OSError:
+            return
+        mine = os.fstat(self._fd)
+        if (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+            self._reopen("was replaced (rotated)")
+
+    def _rotate(self) -> None:
+        try:
+            for i in range(self.backups - 1, 0, -1):
+                src = self.path.with_name(f"{self.path.name}.{i}")
+                if src.exists():
+                    os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
+            if self.backups > 0:
+                os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+            else:
+                self.path.unlink(missing_ok=True)
+        except OSError as e:  # keep writing where we are: a log past max_bytes beats lost records
+            log.error("decision log: cannot rotate %s: %s", self.path, e.strerror or e)
+            return
+        self._reopen("reached max_bytes")
+
+    def _encode(self, record: Any) -> bytes | None:
         try:
             if self.transform is not None:
                 record = self.transform(record)
-            line = json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
-        except (TypeError, ValueError, AttributeError, KeyError) as e:
-            self.dropped += 1
-            log.warning("decision log: record dropped (%s)", e)
-            return
-        size = len(line.encode("utf-8"))
-        if self._size and self._size + size > self.max_bytes:
-            self._rotate()
-        self._file.write(line)
-        self._size += size
+            return (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
+        except Exception as e:  # a record that cannot be written must not cost the others
+            self._drop("unencodable", 1)
+            log.warning("decision log: record dropped (%s: %s)", type(e).__name__, e)
+            return None
+
+    def _append(self, lines: list[bytes]) -> None:
+        """Append whole lines, rotating by size between lines."""
+        if self._torn is not None:
+            try:
+                os.ftruncate(self._fd, self._torn)
+            except OSError:
+                self._drop("write_error", len(lines))
+                self._failing += len(lines)
+                return
+            self._torn = None
+        size = os.fstat(self._fd).st_size
+        segment: list[bytes] = []
+        seg_bytes = 0
+        for line in lines:
+            if size + seg_bytes and size + seg_bytes + len(line) > self.max_bytes:
+                if segment and not self._append_whole(segment, size):
+                    self._drop("write_error", len(lines) - len(segment))
+                    self._failing += len(lines) - len(segment)
+                    return
+                lines = lines[len(segment) :]
+                segment, seg_bytes = [], 0
+                self._rotate()
+                size = os.fstat(self._fd).st_size
+            segment.append(line)
+            seg_bytes += len(line)
+        if self._append_whole(segment, size) and self._failing:
+            log.warning("decision log: writing again; %d record(s) were dropped", self._failing)
+            self._failing = 0
+
+    def _append_whole(self, lines: list[bytes], start: int) -> bool:
+        """One write of whole lines at the end of a file of `start` bytes; on a failure the file
+        is cut back to its last whole line and the lines that did not make it are counted."""
+        buf = memoryview(b"".join(lines))
+        done = 0
+        try:
+            while done < len(buf):
+                n = self._write(self._fd, buf[done:])
+                if n <= 0:
+                    raise OSError(errno.EIO, "write wrote nothing")
+                done += n
+        except OSError as e:
+            kept, whole = 0, 0
+            for line in lines:
+                if whole + len(line) > done:
+                    break
+                whole += len(line)
+                kept += 1
+            if done > whole:
+                try:
+                    os.ftruncate(self._fd, start + whole)  # the torn line goes
+                except OSError as e2:
+                    # Nothing is appended until it is cut: a line written after it would be torn too.
+                    self._torn = start + whole
+                    log.error("decision log: cannot cut a torn line off %s: %s", self.path, e2.strerror or e2)
+            lost = len(lines) - kept
+            self._drop("write_error", lost)
+            if not self._failing:
+                log.error(
+                    "decision log: write to %s failed (%s): dropping records until it works again",
+                    self.path,
+                    e.strerror or e,
+                )
+            self._failing += lost
+            return False
+        return True
+
+    def _batch(self) -> tuple[list[Any], bool, bool]:
+        """The next batch: (records, reopen asked for, stop asked for)."""
+        item = self._queue.get()
+        if item is not _STOP and self.batch_interval_s > 0:
+            # Let a batch gather: one wake-up (and one GIL hand-off) per interval under load
+            # instead of one per request.
+            self._stopping.wait(self.batch_interval_s)
+        items = [item]
+        while True:  # drain whatever else is queued, then write once
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        reopen = any(x is _REOPEN for x in items)
+        stop = any(x is _STOP for x in items)
+        return [x for x in items if x is not _REOPEN and x is not _STOP], reopen, stop
 
     def _run(self) -> None:
         stop = False
         while not stop:
-            item = self._queue.get()
-            if item is not _STOP and self.batch_interval_s > 0:
-                # Let a batch gather: one wake-up (and one GIL hand-off) per interval under load
-                # instead of one per request.
-                self._stopping.wait(self.batch_interval_s)
-            batch = [item]
-            while True:  # drain whatever else is queued, then flush once
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            records, reopen, stop = self._batch()
             try:
-                for record in batch:
-                    if record is _STOP:
-                        stop = True
-                        continue
-                    self._write_line(record)
-                self._file.flush()
-            except OSError as e:
-                self.dropped += len(batch)
-                log.error("decision log: write failed: %s", e)
-        self._file.close()
+                if reopen:
+                    self._reopen("asked to (SIGHUP)")
+                else:
+                    self._check_path()
+                lines = [line for line in map(self._encode, records) if line is not None]
+                if lines:
+                    self._append(lines)
+            except Exception as e:  # the writer must outlive any one batch
+                self._drop("write_error", len(records))
+                log.error("decision log: batch dropped: %s: %s", type(e).__name__, e)
+        os.close(self._fd)

@@ -24,6 +24,10 @@ writer thread. Fields (stable; `simulator/traces.py` replays `ts`, `prompt_token
     cached_tokens      the prompt tokens the backend reported cached (null when it did not say)
     duration_s, status, http_status
     shadow             [{policy, pool, backend, reason, predicted_ttft_s, predicted_e2e_s}]
+    accept_factor_predicted   the eagle speed factor the policy used for this request (its
+                       content prediction, 1 = the profile's speed; null when it made none)
+    accept_factor_reported    the request's accept length over the profile's, as the eagle
+                       backend reported it (spec_details on); null without a report
 
 Never the prompt or the answer text: `RequestRecord` does not carry them.
 """
@@ -35,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from controller.proxy.acceptance_metrics import reported_factor
 from controller.proxy.decision_log import DecisionLog
 from controller.proxy.forward import RequestRecord, believed_cached
 from policies.base import Decision, LoadView, PoolLoad
@@ -50,7 +55,7 @@ def _pool_summary(pool: PoolLoad) -> dict[str, Any]:
     accepts = []
     healthy = 0
     for b in pool.backends:
-        healthy += b.healthy
+        healthy += b.admits  # as before the healthy/admits split: may take a request
         s = b.scraped
         if s is not None:
             scraped = s if scraped is None else scraped + s
@@ -110,7 +115,13 @@ def decision_record(item: tuple[RequestRecord, float]) -> dict[str, Any]:
         "status": out.status,
         "http_status": r.http_status,
         "shadow": [_shadow(s.label, s.decision) for s in r.shadow],
+        "accept_factor_predicted": _factor(r.chosen.accept_factor),
+        "accept_factor_reported": _factor(reported_factor(r.policy, out)),
     }
+
+
+def _factor(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(value, 4)
 
 
 class DecisionLogger:
@@ -129,5 +140,6 @@ class DecisionLogger:
 
 
 def open_decision_log(path: str, clock: Callable[[], float], **kwargs: Any) -> DecisionLogger:
-    """Open (append to) the decision log at `path`; raises OSError when it cannot be opened."""
+    """Open (append to) the decision log at `path`; raises OSError when it cannot be opened.
+    `kwargs` go to `DecisionLog` (`on_drop=` counts dropped records)."""
     return DecisionLogger(DecisionLog(path, transform=decision_record, **kwargs), clock)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("specroute.errors")
@@ -146,7 +147,7 @@ class StreamBroken(SpecrouteError):
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Render our errors, and aiohttp's own 404/405/413, in OpenAI's shape."""
     try:
         resp: web.StreamResponse = await handler(request)

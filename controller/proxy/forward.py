@@ -56,6 +56,7 @@ from controller.proxy.errors import (
     StreamBroken,
 )
 from controller.proxy.headers import HINT_HEADER, MODE_HEADER, client_headers, upstream_headers
+from controller.proxy.identity import BackendIdentity
 from controller.proxy.limits import (
     JsonBudget,
     ResponseTooLarge,
@@ -102,6 +103,7 @@ from policies.base import (
     RequestInfo,
     parse_pool,
 )
+from policies.features import extract_features
 from policies.routing import Router
 
 log = logging.getLogger("specroute.forward")
@@ -216,6 +218,7 @@ def request_info(
         max_tokens=max_tokens,
         hint=hint,
         forced_pool=forced,
+        features=extract_features(body, endpoint),
     )
 
 
@@ -373,6 +376,8 @@ class Forwarder:
             "baseline": settings.baseline_model,
             "eagle": settings.eagle_model,
         }
+        self.identity = BackendIdentity.from_settings(settings)
+        """What clients may learn of the backends: every client-bound message passes it."""
         self._auth: dict[str, str | None] = {
             pool: f"Bearer {key.get_secret_value()}" if key is not None else None
             for pool, key in (("baseline", settings.baseline_api_key), ("eagle", settings.eagle_api_key))
@@ -562,6 +567,7 @@ class Forwarder:
                 status=run.status,
                 accept_length=run.accept_length,
                 cached_tokens=run.cached_tokens,
+                failed_over=run.decision.backend != chosen.backend,
             )
             try:
                 policy.observe(outcome)
@@ -872,7 +878,8 @@ class _Run:
     async def _break(self, sr: web.StreamResponse, message: str) -> None:
         log.warning("%s", message)
         try:
-            if await self._write_or_give_up(sr, StreamBroken(message).sse_event()):
+            event = StreamBroken(self.fwd.identity.for_clients(message)).sse_event()
+            if await self._write_or_give_up(sr, event):
                 await self._write_or_give_up(sr, b"", eof=True)
         except ConnectionResetError:
             self.status = "client_closed"

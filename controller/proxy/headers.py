@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from multidict import CIMultiDict
 
 from controller.proxy.errors import BadRequest
+from policies.base import HINT_HEADER as HINT_HEADER  # its one home; re-exported for the proxy
 from policies.base import Decision
 
 MODE_HEADER = "x-specroute-mode"
-HINT_HEADER = "x-specroute-hint"
 POOL_HEADER = "x-specroute-pool"
 BACKEND_HEADER = "x-specroute-backend"
 REASON_HEADER = "x-specroute-reason"

@@ -10,8 +10,9 @@ Which endpoint: by default the backend's engine's cheap probe (`controller.proxy
 the engine is known (configured, or detected by the scraper), and `/ready` before that. SGLang's
 `/health` (and `/health_generate`) run a one-token generation on an idle server and take at least
 a second, so probing them every few seconds costs GPU work and holds a connection; `/ready`
-answers from the HTTP server's state, without generating (SGLANG.md). vLLM has no `/ready`; its
-`/health` checks that the engine process is alive, without generating. A backend that answers the
+answers from the HTTP server's state, without generating (docs/SGLANG_PROTOCOL.md, "Health and
+server info"). vLLM has no `/ready`; its `/health` checks that the engine process is alive,
+without generating. A backend that answers the
 path with 404 (vLLM before its engine is known, an SGLang release without `/ready`) is probed on
 `/health` from then on, logged once. Redirects are not followed.
 """

@@ -117,7 +117,7 @@ async def server_info(fwd: Forwarder, request: web.Request) -> web.Response:
             return _relay(answers[0])  # a backend's own 4xx (e.g. a wrong API key)
         raise NoBackendAvailable("no healthy backend answered /server_info")
     source = usable[0]
-    body: dict[str, Any] = source.json()
+    body: dict[str, Any] = fwd.identity.server_info(source.json())
     lengths = [x for x in (_accept_length(a.json()) for a in usable) if x is not None]
     if len(lengths) > 1:
         states = [dict(s) if isinstance(s, dict) else s for s in body["internal_states"]]

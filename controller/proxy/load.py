@@ -13,13 +13,14 @@ replica's in-flight count when the scrape was sent, so the requests dispatched (
 corrected by that difference (the backend's count already includes the other replicas'
 requests), and drops samples older than `stale_after_s`.
 
-Availability, as policies see it in `BackendLoad.healthy`: a backend is *usable* when its health
+The view is built by `policies.view` (the builder every simulated router uses too); this module
+supplies the facts. Availability: a backend is *usable* (`BackendLoad.healthy`) when its health
 probes pass (`healthy`) and the outlier detector has not ejected it (`ejected_until`); when no
 backend of either pool is usable and `panic` is on, all of them are (Envoy's panic mode: try
 them rather than refuse). A usable backend takes a request only while it and its pool are below
-their in-flight bounds (`max_in_flight`, `pool_max_in_flight`; None = unbounded): a full one
-appears unhealthy in the view, so policies route around it, and when every backend a request
-may use is full the request waits in `controller.proxy.admission`.
+their in-flight bounds (`max_in_flight`, `pool_max_in_flight`; None = unbounded): a full one is
+`full` in the view (it does not admit), so policies route around it, and when every backend a
+request may use is full the request waits in `controller.proxy.admission`.
 
 Prefixes (`controller.proxy.prefixes`): each backend may carry a `PrefixIndex` of the prompt
 blocks it was sent. `view(now, blocks)` reports each backend's matched prefix of the request's
@@ -35,10 +36,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from controller.proxy.config import parse_backend
-from policies.base import POOLS, BackendLoad, LoadView, Pool, PoolLoad
+from controller.proxy.config import BackendSpec, parse_backend
+from policies.base import POOLS, BackendLoad, LoadView, Pool
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
-from policies.replicas import combined_load
+from policies.view import STALE_AFTER_S, backend_load, believed_cached, dispatched, load_view
 
 
 @dataclass(slots=True)
@@ -77,16 +78,25 @@ class BackendState:
         return bound is None or self.in_flight < bound
 
     def load(
-        self, now: float, stale_after_s: float, available: bool = True, replicas: float = 1.0
+        self,
+        now: float,
+        stale_after_s: float,
+        available: bool = True,
+        replicas: float = 1.0,
+        *,
+        full: bool = False,
+        cached_tokens: int = 0,
     ) -> BackendLoad:
-        """This backend's load at `now`; `available` becomes the view's `healthy` (the sample
-        combined with this replica's traffic by `policies.replicas.combined_load`)."""
-        return combined_load(
+        """This backend's load at `now` (`policies.view.backend_load`); `available` becomes the
+        view's `healthy`, `full` says it takes no request now."""
+        return backend_load(
             self.name,
             self.pool,
-            available,
             self.in_flight,
             self.in_flight_tokens,
+            healthy=available,
+            full=full,
+            cached_tokens=cached_tokens,
             running=self.running,
             queued=self.queued,
             sample_time=self.sample_time,
@@ -112,21 +122,28 @@ class LoadTracker:
 
     def __init__(
         self,
-        baseline: Iterable[str],
-        eagle: Iterable[str],
+        baseline: Iterable[BackendSpec | str],
+        eagle: Iterable[BackendSpec | str],
         *,
-        stale_after_s: float = 5.0,
+        stale_after_s: float = STALE_AFTER_S,
         panic: bool = True,
         replicas: float = 1.0,
     ) -> None:
-        """`baseline`, `eagle`: backends as `URL` or `NAME=URL`."""
+        """`baseline`, `eagle`: the backends of each pool, as parsed by `Settings` (or as text,
+        `URL` or `NAME=URL`, which tests and benchmarks find handier)."""
         self.backends: dict[str, BackendState] = {}
-        for pool, entries in (("baseline", baseline), ("eagle", eagle)):
+        pools: tuple[tuple[Pool, Iterable[BackendSpec | str]], ...] = (
+            ("baseline", baseline),
+            ("eagle", eagle),
+        )
+        for pool, entries in pools:
             for entry in entries:
-                spec = parse_backend(entry)
+                spec = parse_backend(entry, pool) if isinstance(entry, str) else entry
+                if spec.pool != pool:
+                    raise ValueError(f"backend {spec.name} of pool {spec.pool} given as a {pool} backend")
                 if spec.name in self.backends:
                     raise ValueError(f"backend {spec.name} listed twice")
-                self.backends[spec.name] = BackendState(name=spec.name, pool=pool, url=spec.url)  # type: ignore[arg-type]
+                self.backends[spec.name] = BackendState(name=spec.name, pool=pool, url=spec.url)
         self.stale_after_s = stale_after_s
         self.panic = panic
         self.replicas = replicas
@@ -172,21 +189,25 @@ class LoadTracker:
             self.backends[name].prefixes = PrefixIndex(tokens // DEFAULT_BLOCK_TOKENS)
 
     def view(self, now: float, blocks: tuple[int, ...] = (), prompt_tokens: int | None = None) -> LoadView:
-        """Every backend's load; `healthy` in the view means "may take this request now";
-        `cached_tokens`: the matched prefix of the request's prompt `blocks` on each backend, at
-        most `prompt_tokens` (the request's estimate: blocks of canonical text also hold the
-        chat roles, which the estimate does not count)."""
-        base: list[BackendLoad] = []
-        eagle: list[BackendLoad] = []
+        """Every backend's load (`policies.view`): `healthy` = usable, `full` = at its own or its
+        pool's bound (`admits`: may take this request now); `cached_tokens`: the matched prefix
+        of the request's prompt `blocks` on each backend, at most `prompt_tokens` (the request's
+        estimate: blocks of canonical text also hold the chat roles, which the estimate does
+        not count)."""
         stale = self.stale_after_s
-        takers = {b.name for b in self.takers(now)}
-        for b in self.backends.values():
-            load = b.load(now, stale, b.name in takers, self.replicas)
-            if blocks and b.prefixes is not None:
-                cached = b.prefixes.match(blocks) * DEFAULT_BLOCK_TOKENS
-                load.cached_tokens = cached if prompt_tokens is None else min(cached, prompt_tokens)
-            (base if b.pool == "baseline" else eagle).append(load)
-        return LoadView(baseline=PoolLoad("baseline", tuple(base)), eagle=PoolLoad("eagle", tuple(eagle)))
+        usable = {b.name for b in self.usable(now)}
+        room = {p: self.pool_has_room(p) for p in POOLS}
+        return load_view(
+            b.load(
+                now,
+                stale,
+                b.name in usable,
+                self.replicas,
+                full=not (room[b.pool] and b.has_room()),
+                cached_tokens=believed_cached(b.prefixes, blocks, prompt_tokens),
+            )
+            for b in self.backends.values()
+        )
 
     def reserve(self, name: str, tokens: int = 0, blocks: tuple[int, ...] = ()) -> Reservation:
         """Take a slot on `name` for a request whose prompt fingerprint is `blocks` (recorded in
@@ -194,8 +215,7 @@ class LoadTracker:
         b = self.backends[name]
         b.in_flight += 1
         b.in_flight_tokens += tokens
-        if blocks and b.prefixes is not None:
-            b.prefixes.insert(blocks)
+        dispatched(b.prefixes, blocks)
         return Reservation(b, tokens, blocks=blocks)
 
     def release(self, r: Reservation) -> None:

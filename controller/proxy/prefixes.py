@@ -29,13 +29,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from policies.base import EndpointKind
-from policies.prefix import CHARS_PER_TOKEN, DEFAULT_BLOCK_TOKENS, chat_text, fingerprint, ids_text
+from policies.prefix import (
+    CHARS_PER_TOKEN,
+    DEFAULT_BLOCK_TOKENS,
+    chat_text,
+    fingerprint,
+    ids_text,
+)
 
 BLOCK_TOKENS = DEFAULT_BLOCK_TOKENS
 """Tokens one index block stands for (its text is `BLOCK_TOKENS * CHARS_PER_TOKEN` characters)."""
 BLOCK_CHARS = BLOCK_TOKENS * CHARS_PER_TOKEN
-DEFAULT_CACHE_TOKENS = 1_000_000
-"""A backend's cache capacity when neither `prefix_cache_tokens` nor the profile gives one."""
 THREAD_FROM_CHARS = 1 << 20
 """Prompts of at least this many characters (about 256k tokens) are hashed off the event loop."""
 

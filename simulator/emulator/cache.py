@@ -1,4 +1,4 @@
-"""The emulated server's prefix cache: RadixAttention as seen from outside, in fixed-size blocks.
+"""The emulated server's prefix cache: the simulator's cache model over blocks of text.
 
 How it works. A prompt is the chain of hashes of its `block_tokens`-token blocks of canonical
 text (`policies.prefix.fingerprint` with `block_tokens * 4` characters per block: the emulator
@@ -6,29 +6,24 @@ counts four characters per token), so prompts with the same leading text share t
 blocks and a hash names a whole prefix. A partial last block is never cached, as in a paged KV
 cache. The cache holds at most `capacity_tokens // block_tokens` blocks.
 
-- `admit(blocks)`: the request's longest cached prefix is a hit; every block of the prompt is
-  then referenced (the rest is computed by this request's prefill and cached from now on) and
-  touched deepest first, so each block is more recent than every block below it.
-- `release(handle, blocks)`: the request ended; its references go, and the blocks of its whole
-  sequence (prompt and output, the text a follow-up turn starts with) are cached, as SGLang
-  caches a finished request's tokens.
-- Eviction (to stay within capacity): least recently used *unreferenced* blocks first. A
-  referenced block's ancestors are referenced too, and a block is more recent than its
-  descendants, so the first unreferenced block in LRU order is always a leaf: leaves go first,
-  as RadixAttention evicts. When every block is referenced the cache stays over capacity until
-  requests end (the emulator does not bound admission by KV memory).
+The rules are `simulator.engine.cache.BlockCache`'s, the one true-cache model the simulated
+servers run too (admission references a prompt's blocks and reports its matched prefix, at most
+`prompt_tokens - 1`; a finished request's blocks stay cached, least recently used and
+unreferenced ones go first, leaves before their parents). On top of it, this class counts what
+it served (`hit_tokens`, `prompt_tokens`) and caches a finished request's answer: `release(handle,
+sequence)` caches the blocks of its whole sequence (prompt and output, the text a follow-up turn
+starts with), as SGLang caches a finished request's tokens.
 
 Pure bookkeeping: no clock, no I/O.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import takewhile
 
 from policies.prefix import CHARS_PER_TOKEN, fingerprint
+from simulator.engine.cache import BlockCache, cached_prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +44,7 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.capacity_tokens = capacity_tokens
         self.capacity_blocks = capacity_tokens // block_tokens
-        self._refs: OrderedDict[int, int] = OrderedDict()
-        """block hash -> running requests referencing it; LRU order (oldest first)."""
+        self._cache = BlockCache(self.capacity_blocks) if self.capacity_blocks else None
         self.hit_tokens = 0
         """Lifetime prompt tokens served from the cache (what `cached_tokens` reported)."""
         self.prompt_tokens = 0
@@ -63,19 +57,19 @@ class PrefixCache:
         return fingerprint(text, self.block_tokens * CHARS_PER_TOKEN)
 
     def __len__(self) -> int:
-        return len(self._refs)
+        return 0 if self._cache is None else len(self._cache)
 
     @property
     def cached_tokens(self) -> int:
         """Tokens the cache holds (whole blocks)."""
-        return len(self._refs) * self.block_tokens
+        return len(self) * self.block_tokens
 
     def match(self, blocks: Sequence[int]) -> int:
         """Leading blocks of `blocks` the cache holds (nothing is touched)."""
-        return sum(1 for _ in takewhile(self._refs.__contains__, blocks))
+        return 0 if self._cache is None else self._cache.match(blocks)
 
     def referenced(self, block: int) -> bool:
-        return self._refs.get(block, 0) > 0
+        return self._cache is not None and self._cache.referenced(block)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -84,51 +78,22 @@ class PrefixCache:
 
         At least one prompt token is always computed (its logits give the first output token),
         so a fully cached prompt reports `prompt_tokens - 1`, as SGLang does."""
-        hit = self.match(blocks) * self.block_tokens
-        cached = max(0, min(hit, prompt_tokens - 1))
-        self.hit_tokens += cached
         self.prompt_tokens += max(0, prompt_tokens)
-        if not self.capacity_blocks:
-            return cached, CacheHandle(())
-        held = tuple(blocks[: self.capacity_blocks])
-        refs = self._refs
-        for b in reversed(held):
-            refs[b] = refs.get(b, 0) + 1
-            refs.move_to_end(b)
-        self._evict()
-        return cached, CacheHandle(held)
+        if self._cache is None:
+            return 0, CacheHandle(())
+        cached = cached_prompt_tokens(self._cache.acquire(blocks), self.block_tokens, prompt_tokens)
+        self.hit_tokens += cached
+        return cached, CacheHandle(tuple(blocks))
 
     def release(self, handle: CacheHandle, sequence: Sequence[int] = ()) -> None:
         """The request ended: drop its references and cache the blocks of `sequence` (its
         prompt followed by its output; empty: cache nothing more)."""
-        refs = self._refs
-        for b in handle.blocks:
-            n = refs.get(b)
-            if n is not None:
-                refs[b] = n - 1 if n > 0 else 0
-        if self.capacity_blocks and sequence:
-            for b in reversed(sequence[: self.capacity_blocks]):
-                refs[b] = refs.get(b, 0)
-                refs.move_to_end(b)
-        self._evict()
+        if self._cache is None:
+            return
+        self._cache.release(handle.blocks)
+        if sequence:
+            self._cache.insert(sequence)
 
     def flush(self) -> bool:
         """Empty the cache; False (nothing done) while any block is referenced."""
-        if any(n > 0 for n in self._refs.values()):
-            return False
-        self._refs.clear()
-        return True
-
-    def _evict(self) -> None:
-        refs = self._refs
-        excess = len(refs) - self.capacity_blocks
-        if excess <= 0:
-            return
-        victims = []
-        for b, n in refs.items():  # oldest first; the first unreferenced ones are leaves
-            if n == 0:
-                victims.append(b)
-                if len(victims) == excess:
-                    break
-        for b in victims:
-            del refs[b]
+        return self._cache is None or self._cache.flush()

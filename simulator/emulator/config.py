@@ -5,12 +5,11 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.base import Pool
+from policies.prefix import DEFAULT_CACHE_TOKENS
 from policies.profile import Profile
+from simulator.emulator.accept_rules import AcceptRules
 
 DEFAULT_MAX_RUNNING = {"baseline": 256, "eagle": 48}
-DEFAULT_CACHE_TOKENS = 1_000_000
-"""Prefix cache capacity when neither the config nor the profile's mode gives one (also the
-KV pool size the emulator reports as `max_total_num_tokens`)."""
 
 
 class FaultConfig(BaseModel):
@@ -50,6 +49,10 @@ class EmulatorConfig(BaseModel):
     speculative_num_steps: int = Field(default=3, ge=1, le=16, description="Draft steps per verify (eagle).")
     hint_factors: dict[str, float] = Field(
         default_factory=dict, description="Acceptance factor per x-specroute-hint value (eagle)."
+    )
+    accept_rules: AcceptRules = Field(
+        default_factory=AcceptRules,
+        description="Acceptance factor by prompt text and temperature (eagle; see accept_rules.py).",
     )
     output_tokens_mean: float = Field(
         default=256.0, ge=1, description="Mean natural output length (no max_tokens)."

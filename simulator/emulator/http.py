@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from policies.base import HINT_HEADER
 from simulator.emulator import shapes
 from simulator.emulator.batching import Event, FinishReason, QueueFull, Tokens
 from simulator.emulator.info import loads_body, server_info_body
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-_HINT_HEADER = "x-specroute-hint"
 _UNAUTHENTICATED = ("/health", "/ready", "/metrics")
 
 
@@ -130,7 +130,7 @@ def _submit(e: Emulator, g: GenRequest, hint: str | None) -> list[Sample]:
         for i, rid in enumerate(_sample_rids(g)):
             req = e.new_request(
                 rid, g.prompt_of(i), g.max_tokens, g.ignore_eos, hint, events=queue, index=i,
-                text=g.text_of(i), chat=g.kind == "chat", ids_prompt=g.ids_prompt,
+                text=g.text_of(i), chat=g.kind == "chat", ids_prompt=g.ids_prompt, temperature=g.temperature,
             )  # fmt: skip
             engine.submit(req)
             samples.append(Sample(i, req))
@@ -228,7 +228,7 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
         if refused is not None:
             return refused
         try:
-            return _submit(e, g, request.headers.get(_HINT_HEADER))
+            return _submit(e, g, request.headers.get(HINT_HEADER))
         except QueueFull:
             return await queue_full()
 

@@ -69,6 +69,8 @@ class GenRequest:
     nothing is cached."""
     ids_prompt: bool = False
     """The prompts are token ids (their answers are cached as ids too)."""
+    temperature: float | None = None
+    """Sampling temperature as sent (None: not a number, or not sent); acceptance rules use it."""
 
     @property
     def samples(self) -> int:
@@ -220,7 +222,14 @@ def parse_openai(body: Any, kind: Kind, default_model: str) -> GenRequest:
         logprobs=_openai_logprobs(body, kind),
         texts=texts,
         ids_prompt=ids_prompt,
+        temperature=_temperature(body.get("temperature")),
     )
+
+
+def _temperature(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 # -- /generate ------------------------------------------------------------------------------
@@ -309,6 +318,7 @@ def parse_generate(body: Any) -> GenRequest:
         logprobs=logprobs,
         texts=texts,
         ids_prompt=ids_prompt,
+        temperature=_temperature(params.get("temperature")),
     )
 
 

@@ -12,9 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
+from policies.prefix import DEFAULT_CACHE_TOKENS
 from simulator.emulator.batching import BatchEngine, EngineRequest, Event
 from simulator.emulator.cache import PrefixCache
-from simulator.emulator.config import DEFAULT_CACHE_TOKENS, EmulatorConfig
+from simulator.emulator.config import EmulatorConfig
 from simulator.emulator.metrics import EmulatorMetrics
 from simulator.emulator.prompt_text import sequence_text
 
@@ -95,6 +96,7 @@ class Emulator:
         text: str = "",
         chat: bool = False,
         ids_prompt: bool = False,
+        temperature: float | None = None,
     ) -> EngineRequest:
         """An engine request with its output length drawn; the samples of one HTTP request pass
         the same `events` queue and their own `index`. `text` is the prompt's canonical text
@@ -104,6 +106,9 @@ class Emulator:
         accept = self.config.effective_accept_length or 1.0
         if hint is not None:
             accept *= self.config.hint_factors.get(hint, 1.0)
+        rules = self.config.accept_rules
+        if self.config.mode == "eagle" and (rules.rules or rules.temperature_slope):
+            accept *= rules.factor(text, temperature)
         return EngineRequest(
             rid=rid or uuid.uuid4().hex,
             prompt_tokens=prompt_tokens,

@@ -1,4 +1,6 @@
-"""The true prefix cache of one simulated server, with RadixAttention's rules on whole blocks.
+"""The true prefix cache of a server, with RadixAttention's rules on whole blocks: the one model
+the simulator's servers (`simulator.engine.server`) and the emulator (`simulator.emulator.cache`)
+both run.
 
 How it works. A prompt is a sequence of block ids (chained hashes: an id names its whole prefix,
 as Mooncake's `hash_ids` do). A request that is admitted matches its leading blocks against
@@ -10,6 +12,14 @@ recent than its children and eviction takes leaves first, as RadixAttention's do
 running requests may exceed the capacity for a while (SGLang would hold the request back
 instead); nothing is evicted until they are released.
 
+What a request reports (`cached_prompt_tokens`): its matched blocks in tokens, at most
+`prompt_tokens - 1`: at least one prompt token is always computed (its logits give the first
+output token), so a fully cached prompt reports `prompt_tokens - 1`, as SGLang does, and that
+token's prefill is still done. A finished request's answer is cached as SGLang caches a
+finished request's tokens (`insert`), when the caller knows its blocks: the emulator does (it
+has the text); the simulator's workloads carry prompt blocks only, so there a follow-up turn
+hits its predecessor's prompt, not its answer.
+
 The router's belief is a separate `policies.prefix.PrefixIndex` (fed when a request is routed);
 this is what the server really holds.
 """
@@ -18,6 +28,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+
+
+def cached_prompt_tokens(hit_blocks: int, block_tokens: int, prompt_tokens: int) -> int:
+    """Prompt tokens served from the cache for a prompt whose first `hit_blocks` blocks are
+    cached: at most `prompt_tokens - 1` (the last prompt token is always computed)."""
+    hit = hit_blocks * block_tokens
+    last = prompt_tokens - 1
+    return hit if hit < last else (last if last > 0 else 0)
 
 
 class BlockCache:
@@ -76,6 +94,29 @@ class BlockCache:
                 del held[b]
                 free[b] = None
         self._evict()
+
+    def insert(self, blocks: Sequence[int]) -> None:
+        """Cache `blocks` (a finished request's prompt and answer) without referencing them, the
+        first block most recent; referenced blocks stay referenced."""
+        held, free = self._held, self._free
+        for b in reversed(blocks):
+            if b in held:
+                continue
+            if b in free:
+                free.move_to_end(b)
+            else:
+                free[b] = None
+        self._evict()
+
+    def referenced(self, block: int) -> bool:
+        return block in self._held
+
+    def flush(self) -> bool:
+        """Empty the cache; False (nothing done) while any block is referenced."""
+        if self._held:
+            return False
+        self._free.clear()
+        return True
 
     def _evict(self) -> None:
         free = self._free

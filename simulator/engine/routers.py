@@ -5,7 +5,7 @@ How it works: arrivals are split across `routers` routers, at random or round-ro
 Kubernetes Service's kube-proxy does: iptables mode picks at random, IPVS round-robin). Each
 router has its own policy instance and its own `policies.routing.Router`, all with the same seed
 (replicas of one Deployment share their configuration). A router sees each backend as the
-live proxy does (`policies.replicas.combined_load`, the very rule `controller.proxy.load`
+live proxy does (`policies.view.backend_load`, the very builder `controller.proxy.load`
 uses): the server's true running/queued counts as of its last scrape, plus the requests this
 router dispatched and saw finish since. Router r scrapes every `scrape_interval_s`, first at
 its own phase in (0, S] (seeded), after an initial sample of the empty deployment at t = 0.
@@ -31,13 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from policies.base import BackendLoad, Decision, LoadView, Outcome, Policy, Pool, PoolLoad, RequestInfo
-from policies.replicas import believed_counts, combined_load
+from policies.replicas import believed_counts
 from policies.routing import Router
+from policies.view import STALE_AFTER_S, backend_load
 
 Split = Literal["random", "round-robin"]
 SPLITS: tuple[Split, ...] = ("random", "round-robin")
-STALE_AFTER_S = 5.0
-"""serve's `scrape_stale_after_s` default: older samples are ignored."""
 
 
 @dataclass(frozen=True)
@@ -180,16 +179,16 @@ class Routers:
         total = running + queued
         return total if total > own else own
 
-    def view(self, r: int, t: float) -> LoadView:
-        """Router `r`'s `LoadView` at `t`."""
+    def view(self, r: int, t: float, cached: Sequence[int] | None = None) -> LoadView:
+        """Router `r`'s `LoadView` at `t`; `cached`: per server, the tokens of this request's
+        prompt the router believes it holds."""
         base: list[BackendLoad] = []
         eagle: list[BackendLoad] = []
         setup = self.setup
         for i, (name, pool, accept) in enumerate(self.servers):
-            bl = combined_load(
+            bl = backend_load(
                 name,
                 pool,
-                True,
                 self.in_flight[r][i],
                 self.tokens[r][i],
                 running=self.s_running[r][i],
@@ -200,6 +199,7 @@ class Routers:
                 now=t,
                 stale_after_s=setup.stale_after_s,
                 replicas=setup.replicas,
+                cached_tokens=0 if cached is None else cached[i],
             )
             (base if pool == "baseline" else eagle).append(bl)
         return LoadView(PoolLoad("baseline", tuple(base)), PoolLoad("eagle", tuple(eagle)))
@@ -218,17 +218,15 @@ class Routers:
         a: int,
         info: RequestInfo,
         t: float,
-        believe: Callable[[int, LoadView], None] | None = None,
+        believe: Callable[[int], Sequence[int]] | None = None,
     ) -> Decision:
         """Route request `a` through one router; records it as that router's dispatch.
-        `believe(r, view)` completes router `r`'s view for this request (its prefix index's
-        `cached_tokens`) before the policy sees it."""
+        `believe(r)` gives, per server, the tokens of this request's prompt router `r`'s prefix
+        index believes it holds (`BackendLoad.cached_tokens`)."""
         r = self._pick_router()
         if self.live:
             self.scrape(r, t)
-        view = self.view(r, t)
-        if believe is not None:
-            believe(r, view)
+        view = self.view(r, t, None if believe is None else believe(r))
         self._account(r, view, t)
         decision = self.routers[r].decide(self.policies[r], info, view, t)
         i = self.index[decision.backend]

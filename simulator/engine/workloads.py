@@ -22,6 +22,9 @@ simulated from an empty deployment: one per concurrency level for `sweep`, one o
   one system prompt, and every turn resends the whole context so far (system prompt, earlier
   user messages and answers) plus a new user message, `think_time_s` (exponential mean) after
   the previous turn arrived. Prompts carry 512-token block ids, so prefix caches see the reuse.
+- `prompts`: real request bodies from a JSONL file (`simulator.engine.prompts`), Poisson at
+  `rate`; each request carries its content features (`policies.features`, as the proxy
+  extracts them) and its TRUE eagle speed factor (`accept`, which the policy never sees).
 
 Length specs: `const:N`, `exp:MEAN`, `lognormal:MEAN,SIGMA` (MEAN is the distribution's mean);
 draws are rounded to integers >= 1.
@@ -39,10 +42,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from simulator.engine.loop import RequestBatch
+from simulator.engine.prompts import PromptsError, read_prompts
 from simulator.engine.traces import MOONCAKE_BLOCK_TOKENS, TraceFormat, read_trace
 
-WorkloadKind = Literal["sweep", "poisson", "bursty", "trace", "multiturn"]
-WORKLOAD_KINDS: tuple[WorkloadKind, ...] = ("sweep", "poisson", "bursty", "trace", "multiturn")
+WorkloadKind = Literal["sweep", "poisson", "bursty", "trace", "multiturn", "prompts"]
+WORKLOAD_KINDS: tuple[WorkloadKind, ...] = ("sweep", "poisson", "bursty", "trace", "multiturn", "prompts")
 DEFAULT_LEVELS: tuple[int, ...] = (1, 2, 5, 10, 30, 70, 100, 250)
 
 
@@ -148,6 +152,8 @@ class WorkloadSpec:
     """Multiturn: mean seconds between the arrivals of a session's turns (exponential)."""
     system_prompt_tokens: int = 1024
     """Multiturn: tokens of the system prompt every session starts with."""
+    prompts: str | None = None
+    """Prompts: the JSONL file of requests (see `simulator.engine.prompts`)."""
 
     def level_sizes(self, concurrency: int) -> tuple[int, int]:
         """(measured, warm-up) requests of the sweep level with `concurrency` clients."""
@@ -175,6 +181,8 @@ class WorkloadSpec:
             raise WorkloadError("time scale must be > 0")
         if self.kind == "trace" and not self.trace:
             raise WorkloadError("the trace workload needs --trace FILE")
+        if self.kind == "prompts" and not self.prompts:
+            raise WorkloadError("the prompts workload needs --prompts FILE")
         if not (self.think_time_s >= 0 and math.isfinite(self.think_time_s)):
             raise WorkloadError("think time must be >= 0 seconds")
         if self.system_prompt_tokens < 0:
@@ -337,6 +345,33 @@ def multiturn(spec: WorkloadSpec, rng: random.Random, n: int) -> RequestBatch:
     )
 
 
+def _prompts(spec: WorkloadSpec, rng: random.Random, n: int) -> RequestBatch:
+    """`n` requests cycling through the file in a seeded shuffled order, Poisson at `rate`."""
+    assert spec.prompts is not None
+    try:
+        lines = read_prompts(spec.prompts)
+    except PromptsError as e:
+        raise WorkloadError(str(e)) from None
+    order = list(range(len(lines)))
+    rng.shuffle(order)
+    picked = [lines[order[i % len(order)]] for i in range(n)]
+    drawn = (spec.output_tokens or LengthSpec("const", 200)).draw(rng, n)
+    out = [p.output_tokens if p.output_tokens is not None else d for p, d in zip(picked, drawn, strict=True)]
+    hints = [p.hint for p in picked]
+    noise = spec.accept.draw(rng, hints)
+    accept = [p.accept * f for p, f in zip(picked, noise, strict=True)]
+    arrivals = _poisson_arrivals(rng, spec.rate, n)
+    return RequestBatch(
+        [p.prompt_tokens for p in picked],
+        out,
+        list[int | None](out),
+        hints,
+        accept,
+        arrivals,
+        features=[p.features for p in picked],
+    )
+
+
 def generate(spec: WorkloadSpec, seed: int) -> list[Segment]:
     """The workload's segments; the same spec and seed always give the same requests."""
     if spec.kind == "sweep":
@@ -358,6 +393,8 @@ def generate(spec: WorkloadSpec, seed: int) -> list[Segment]:
         batch = _synthetic(spec, rng, n, _bursty_arrivals(rng, spec, n))
     elif spec.kind == "multiturn":
         batch = multiturn(spec, rng, n)
+    elif spec.kind == "prompts":
+        batch = _prompts(spec, rng, n)
     else:
         batch = _trace(spec, rng)
     return [Segment(batch)]

@@ -16,9 +16,9 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from helpers import free_port, listening_url
+from helpers import free_port
 
-from controller.cli import build_parser
+from controller.cli import build_parser, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -135,8 +135,7 @@ def readme_stack() -> Iterator[int]:
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
             procs.append(proc)
-            if listening_url(proc, 60) is None:
-                pytest.fail(f"{proc.args!r} did not start")
+            spawn.read_listening_sync(proc, timeout_s=60, what=cmd)
         yield int(ports["8000"])
     finally:
         for proc in procs:

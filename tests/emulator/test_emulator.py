@@ -12,14 +12,12 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from helpers import run_specroute, start_module, wait_until
+from helpers import KIMI, run_specroute, start_module, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from policies.profile import resolve_profile
 from simulator.emulator import synthetic
 from simulator.emulator.app import EmulatorConfig, EmulatorServer, FaultConfig
 
-KIMI = resolve_profile("kimi-k25-int4-8gpu")
 MakeEmu = Callable[..., Awaitable[EmulatorServer]]
 
 

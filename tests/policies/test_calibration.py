@@ -8,15 +8,13 @@ import json
 import math
 
 import pytest
+from helpers import KIMI
 
 from controller.cli import main
 from policies.base import Decision, Outcome, RequestInfo
 from policies.calibration import HintSlots, ShrunkMean, SpeedCalibration
 from policies.cost_model import CostModelPolicy
-from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
-
-KIMI = resolve_profile("kimi-k25-int4-8gpu")
 
 
 def calibration(**kw: object) -> SpeedCalibration:
@@ -113,7 +111,17 @@ def test_only_outcomes_of_the_policy_s_own_decisions_teach_it() -> None:
 
     def outcome(reason: str, forced: bool = False, status: str = "ok") -> Outcome:
         req = RequestInfo(max_tokens=101, forced_pool="eagle" if forced else None)
-        return Outcome(req, Decision("eagle", "e0", reason), 0.0, 0.2, 101, 0.2 + 100 / slow, status)  # type: ignore[arg-type]
+        failed_over = reason == "failover"
+        return Outcome(
+            req,
+            Decision("eagle", "e0", reason),
+            0.0,
+            0.2,
+            101,
+            0.2 + 100 / slow,
+            status,
+            failed_over=failed_over,
+        )  # type: ignore[arg-type]
 
     for _ in range(20):
         policy.observe(outcome("client_override", forced=True))

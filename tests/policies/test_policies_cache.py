@@ -5,13 +5,13 @@ ignores cached_tokens; the comparison routers round_robin and cache_only."""
 from __future__ import annotations
 
 import pytest
-from helpers import Routed
+from helpers import KIMI, Routed
 
 from policies.base import BackendLoad, LoadView, NoHealthyBackend, Policy, PoolLoad, RequestInfo
 from policies.profile import parse_profile, resolve_profile
 from policies.registry import PolicyContext, default_registry
+from policies.routing import reset
 
-KIMI = resolve_profile("kimi-k25-int4-8gpu")  # prefill 8000 (baseline) / 7600 (eagle) tok/s
 LONG = RequestInfo(prompt_tokens=32_000, max_tokens=256)
 
 
@@ -138,10 +138,11 @@ def test_cache_only_takes_the_longest_prefix_then_the_least_loaded() -> None:
         p.choose(LONG, view([], [b("e0", healthy=False)]), 0.0)
 
 
-def test_a_clock_that_restarts_drops_the_booked_prefill() -> None:
+def test_a_segment_start_drops_the_booked_prefill() -> None:
     p = policy()
     idle = view([b("b0"), b("b1")], [b("e0", running=48)])
     first = p.choose(LONG, idle, 50.0)
     assert p.choose(LONG, idle, 50.0).backend == "b1"  # b0 prefills until 54 s
-    again = p.choose(LONG, idle, 0.0)  # the simulator starts its next segment at 0
+    reset(p)  # the simulator starts its next segment (clock at 0)
+    again = p.choose(LONG, idle, 0.0)
     assert again.backend == "b0" and again.predicted_ttft_s == first.predicted_ttft_s

@@ -9,7 +9,7 @@ import math
 import random
 
 import pytest
-from helpers import Routed
+from helpers import KIMI, Routed
 
 from policies.base import (
     BackendLoad,
@@ -24,7 +24,6 @@ from policies.base import (
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.registry import PolicyContext, PolicyError, default_registry
 
-KIMI = resolve_profile("kimi-k25-int4-8gpu")
 LLAMA = resolve_profile("llama31-8b-h100-eagle3")
 REASONS = {
     "faster_eagle", "faster_baseline", "slo_eagle", "slo_baseline", "client_override", "eagle_unavailable",

@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable
 
 import pytest
-from helpers import Routed
+from helpers import KIMI, Routed
 
 from policies.base import (
     BackendLoad,
@@ -20,10 +20,7 @@ from policies.base import (
     PoolLoad,
     RequestInfo,
 )
-from policies.profile import resolve_profile
 from policies.registry import PolicyContext, PolicyError, default_registry
-
-KIMI = resolve_profile("kimi-k25-int4-8gpu")
 
 
 def online(profile: bool = False, seed: int = 0, **params: object) -> Policy:
@@ -45,8 +42,9 @@ def outcome(
     ttft: float = 0.1,
     tokens: int = 101,
     status: OutcomeStatus = "ok",
+    failed_over: bool = False,
 ) -> Outcome:
-    return Outcome(req, d, 0.0, ttft, tokens, ttft + (tokens - 1) / rate, status)
+    return Outcome(req, d, 0.0, ttft, tokens, ttft + (tokens - 1) / rate, status, failed_over=failed_over)
 
 
 def run(
@@ -172,7 +170,12 @@ def test_forced_and_failed_over_requests_teach_nothing() -> None:
     for _ in range(50):
         policy.observe(outcome(req, d, 5.0))
         policy.observe(
-            outcome(RequestInfo(max_tokens=101, hint="x"), Decision("eagle", "e0", "failover"), 5.0)
+            outcome(
+                RequestInfo(max_tokens=101, hint="x"),
+                Decision("eagle", "e0", "failover"),
+                5.0,
+                failed_over=True,
+            )
         )
     state = policy.state()  # type: ignore[attr-defined]
     assert state["hint_factors"] == {} and all(b["rate_samples"] == 0 for b in state["buckets"]["eagle"])

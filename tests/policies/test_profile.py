@@ -114,7 +114,7 @@ def test_missing_mode_is_a_clear_error() -> None:
         p.speed("eagle")
 
 
-# -- interpolation exactly as DESIGN.md says ----------------------------------------------
+# -- interpolation exactly as policies/profile.py's opening says ---------------------------
 
 
 def test_step_time_linear_between_constant_below_slope_beyond() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,16 @@ def test_ruff_format_clean() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_mypy_strict_on_policies_and_simulator() -> None:
-    proc = _run([sys.executable, "-m", "mypy", "--strict", "policies", "simulator"])
+STRICT = ["controller", "policies", "simulator"]
+"""The packages `mypy --strict` must pass on (pyproject's [tool.mypy] packages)."""
+
+
+def test_mypy_strict_on_controller_policies_and_simulator() -> None:
+    proc = _run([sys.executable, "-m", "mypy", "--strict", *STRICT])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_mypy_config_covers_the_strict_packages() -> None:
+    """A bare `mypy` (pyproject's config) checks the same packages as the test above."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]
+    assert config["strict"] is True and sorted(config["packages"]) == STRICT

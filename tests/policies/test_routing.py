@@ -7,6 +7,7 @@ import random
 
 import aiohttp
 import pytest
+from helpers import KIMI
 from prometheus_client import CollectorRegistry
 
 from controller.proxy.config import Settings
@@ -25,14 +26,11 @@ from policies.base import (
     PoolLoad,
     RequestInfo,
 )
-from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
 from policies.routing import Router, least_loaded_index, pick_backend
 from simulator.engine.loop import simulate
 from simulator.engine.servers import build_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
-
-KIMI = resolve_profile("kimi-k25-int4-8gpu")
 
 
 class Refuses:

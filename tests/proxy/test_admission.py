@@ -11,9 +11,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from helpers import assert_openai_error, wait_until
-
-CHAT = [{"role": "user", "content": "hi"}]
+from helpers import CHAT, assert_openai_error, wait_until
 
 
 async def _hold(c: openai.AsyncOpenAI, **kw: Any) -> Any:

@@ -9,11 +9,10 @@ import aiohttp
 import openai
 import pytest
 from fakes import closed_port_url
-from helpers import run_specroute
+from helpers import BODY, run_specroute
 
 from controller.proxy.config import ConfigError, load_settings
 
-BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 SECRET = "pw-5c1f9e0b"
 
 

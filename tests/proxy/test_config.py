@@ -57,8 +57,8 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     assert s.port == 7200  # cli
     assert s.idle_timeout_s == 8.0  # env
     assert s.host == "0.0.0.0" and s.seed == 3  # file
-    assert s.baseline == ["http://cli-b:1"]  # trailing slash normalised
-    assert s.eagle == ["http://file-e:1", "http://file-e:2"]  # comma-separated string in the file
+    assert [b.entry for b in s.baseline] == ["http://cli-b:1"]  # trailing slash normalised
+    assert [b.entry for b in s.eagle] == ["http://file-e:1", "http://file-e:2"]  # comma-separated in the file
     assert s.connect_timeout_s == Settings.model_fields["connect_timeout_s"].default
 
 

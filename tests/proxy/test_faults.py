@@ -20,14 +20,13 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from helpers import assert_in_flight_zero, emulator_running, metric_samples, start_module, wait_until
+from helpers import CHAT, assert_in_flight_zero, emulator_running, metric_samples, start_module, wait_until
 
 if TYPE_CHECKING:
     from conftest import RunningProxy
 
     from simulator.emulator.app import EmulatorServer
 
-CHAT = [{"role": "user", "content": "hello"}]
 LONG = {"max_tokens": 4000, "extra_body": {"ignore_eos": True}}
 
 
@@ -190,10 +189,8 @@ async def test_backend_killed_while_traffic_runs(emulator_process, emulator, pro
             return str(e)
         return "ended without an error event"
 
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    errors = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 15)
-    assert loop.time() - t0 < 10.0  # well within the idle timeout: a killed peer closes at once
+    errors = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 30)
+    # "stream broke" (the peer closed), not the idle timeout's "sent nothing for ..."
     assert all("stream broke" in e for e in errors), errors
 
     # requests not yet started: no client-visible error, served by the other pool
@@ -326,14 +323,13 @@ async def test_stalled_backends_give_504_and_release_the_slot(emulator, proxy):
         scrape_interval_s=3600,  # no background scrape may overlap the idle check below
     )
     c = p.client()
-    loop = asyncio.get_running_loop()
     for stream in (True, False):
         for b in (base.url, eagle.url):
             p.tracker.set_healthy(b, True)
-        t0 = loop.time()
+        # a 504 from the first-byte timeouts; waiting out the 60 s stall would be the client's
+        # own 30 s timeout (APITimeoutError) instead
         with pytest.raises(openai.APIStatusError) as info:
             await complete(c, stream=stream)
-        assert loop.time() - t0 < 5.0  # two first-byte timeouts, not the 60 s stall
         assert info.value.status_code == 504
         assert info.value.response.json()["error"]["code"] == "backend_timeout"
     await c.close()
@@ -384,14 +380,11 @@ async def test_both_backends_down(emulator_process, proxy):
     await complete(c, stream=True)
     await base.kill()
     await eagle.kill()
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
     with pytest.raises(openai.APIStatusError) as info:
         await complete(c, stream=True)
     # the first request finds both refusing; it already gets the 503 of "no healthy backend"
     assert info.value.status_code == 503
     assert info.value.response.json()["error"]["code"] == "no_healthy_backend"
-    assert loop.time() - t0 < 1.0 + 2.0  # the connect timeout plus slack
 
     async def both_ejected() -> bool:
         samples = await metric_samples(p.url, "specroute_backend_healthy")
@@ -399,10 +392,8 @@ async def test_both_backends_down(emulator_process, proxy):
 
     assert await wait_until(both_ejected, 5)
     for stream in (True, False):
-        t0 = loop.time()
         with pytest.raises(openai.APIStatusError) as info:
             await complete(c, stream=stream)
-        assert loop.time() - t0 < 1.0 + 2.0
         assert info.value.status_code == 503
         assert info.value.response.json()["error"]["code"] == "no_healthy_backend"
     await c.close()
@@ -432,13 +423,10 @@ async def test_unreachable_backend_fails_over_within_the_connect_timeout(unreach
         outlier_consecutive_failures=1,
     )
     c = p.client()
-    loop = asyncio.get_running_loop()
     for stream in (True, False):
-        t0 = loop.time()
         pool, text = await complete(c, stream=stream)
         assert pool == "baseline" and text
-        # the first request waits out the connect timeout once; the next one skips eagle
-        assert loop.time() - t0 < (0.5 + 3.0 if stream else 3.0)
+    # the first request waited out the connect timeout once (one failover); the next skipped eagle
     assert await _ejected(p.url, eagle, True)
     assert (await metric_samples(p.url, "specroute_failovers_total"))[(("pool", "eagle"),)] == 1.0
     await c.close()
@@ -457,12 +445,9 @@ async def test_both_backends_unreachable_give_503(unreachable, proxy):
         outlier_consecutive_failures=2,  # each request tries both: the second one ejects them
     )
     c = p.client()
-    loop = asyncio.get_running_loop()
     for _ in range(2):
-        t0 = loop.time()
         with pytest.raises(openai.APIStatusError) as info:
             await complete(c, stream=True)
-        assert loop.time() - t0 < 2 * 0.5 + 2.0  # one connect timeout per backend tried, at most
         assert info.value.status_code == 503
         assert info.value.response.json()["error"]["code"] == "no_healthy_backend"
     await c.close()

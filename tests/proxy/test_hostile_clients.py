@@ -14,10 +14,7 @@ import time
 import aiohttp
 import openai
 import pytest
-from helpers import assert_openai_error, port_of, raw_exchange, raw_post, wait_until
-
-CHAT = [{"role": "user", "content": "hello"}]
-BODY = {"model": "m", "messages": CHAT, "stream": True}
+from helpers import BODY, assert_openai_error, port_of, raw_exchange, raw_post, wait_until
 
 
 async def _health_ms(url: str) -> float:

@@ -9,14 +9,13 @@ import random
 import signal
 
 import aiohttp
-from helpers import wait_until
+from helpers import BODY, wait_until
 from pydantic import BaseModel, ConfigDict
 
 from policies.base import Decision, LoadView, Outcome, RequestInfo
 from policies.registry import PolicyContext
 from policies.routing import route
 
-BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 TOKEN = "admin-secret-token"
 
 

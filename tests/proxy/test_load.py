@@ -20,6 +20,8 @@ import aiohttp
 import pytest
 from helpers import emulator_running, metric_samples, raise_open_files_limit, start_module, wait_until
 
+from controller.cli import spawn
+
 pytestmark = pytest.mark.load
 
 MAX_TOKENS = 24
@@ -70,12 +72,11 @@ class Stack:
 
 async def _spawn(args: list[str], stderr_path: Path, marker: str) -> tuple[asyncio.subprocess.Process, str]:
     with stderr_path.open("wb") as err:  # a file, not a pipe: an unread pipe could stall the server
-        proc, line = await start_module("controller.cli", *args, stderr=err, timeout_s=60)
-    if marker not in line:
-        proc.kill()
-        await proc.wait()
-        raise AssertionError(f"{args[0]} did not start: {line!r}\n{_read(stderr_path)}")
-    return proc, line.rsplit(" ", 1)[1]
+        try:
+            proc, line = await start_module("controller.cli", *args, marker=marker, stderr=err, timeout_s=60)
+        except spawn.StartError as e:
+            raise AssertionError(f"{args[0]} did not start: {e}\n{_read(stderr_path)}") from None
+    return proc, spawn.url_of(line, marker)
 
 
 def _read(path: Path) -> str:

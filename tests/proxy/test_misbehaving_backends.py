@@ -14,10 +14,8 @@ import aiohttp
 import openai
 import pytest
 from fakes import RawBackend, RawRequest
-from helpers import assert_openai_error
+from helpers import BODY, CHAT, assert_openai_error
 
-CHAT = [{"role": "user", "content": "hello"}]
-BODY = {"model": "m", "messages": CHAT, "stream": True}
 CHUNK = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "a"}}]}
 EVENT = b"data: " + json.dumps(CHUNK).encode() + b"\n\n"
 COMPLETION = {

@@ -32,7 +32,7 @@ PROFILE = "kimi-k25-int4-8gpu"
 SECRET = "SECRET-PROMPT-zebra-quartz"
 CHAT = [{"role": "user", "content": f"{SECRET} write a haiku about routers"}]
 
-DESIGN_METRICS = {
+PUBLIC_METRICS = {
     "specroute_requests": "counter",
     "specroute_in_flight_requests": "gauge",
     "specroute_decisions": "counter",
@@ -47,12 +47,14 @@ DESIGN_METRICS = {
     "specroute_backend_spec_accept_length": "gauge",
     "specroute_proxy_overhead_seconds": "histogram",
     "specroute_shadow_decisions": "counter",
+    "specroute_accept_factor_ratio": "histogram",
+    "specroute_acceptance_families": "gauge",
 }
 LOG_FIELDS = {
     "ts", "endpoint", "stream", "prompt_tokens", "max_tokens", "hint", "forced_pool", "load", "policy",
     "pool", "backend", "reason", "chosen_pool", "chosen_backend", "predicted_ttft_s", "predicted_e2e_s",
     "ttft_s", "completion_tokens", "duration_s", "status", "http_status", "shadow",
-    "believed_cached_tokens", "cached_tokens",
+    "believed_cached_tokens", "cached_tokens", "accept_factor_predicted", "accept_factor_reported",
 }  # fmt: skip
 
 
@@ -121,7 +123,7 @@ async def test_metrics_under_traffic_pass_promtool_and_parse(fake_backend, proxy
     text = await p.metrics_text()
 
     found = families(text)
-    for name, kind in DESIGN_METRICS.items():
+    for name, kind in PUBLIC_METRICS.items():
         assert name in found, f"{name} missing from /metrics"
         assert found[name].type == kind, name
     for family in found.values():  # bounded labels: never a prompt, an id or free text
@@ -199,7 +201,7 @@ async def test_emulated_backend_load_from_other_clients_moves_the_threshold_poli
         view = p.tracker.view(p.forwarder.clock())
         (e,) = view.eagle.backends
         assert (e.in_flight, e.running, e.queued, e.load) == (0, 5, 0, 5)
-        assert e.sample_age_s is not None and 0 <= e.sample_age_s < 5
+        assert e.sample_age_s is not None and e.sample_age_s >= 0  # fresh: a stale one has no counts
         assert await chat(client, stream=True) == "baseline"  # 5 >= threshold 4
         text = await p.metrics_text()
         assert f'specroute_backend_running_requests{{backend="{eagle.url}",pool="eagle"}} 5.0' in text
@@ -317,7 +319,7 @@ async def test_decision_log_fields_no_text_and_simulator_replay(fake_backend, pr
         assert set(rec["load"]) == {"baseline", "eagle"}
         assert rec["load"]["eagle"]["backends"] == 1
         assert rec["backend"] in (base.url, eagle.url) and rec["pool"] == rec["chosen_pool"]
-        assert rec["duration_s"] >= 0 and abs(rec["ts"] - lines[0]["ts"]) < 120
+        assert rec["duration_s"] >= 0 and 1.6e9 < rec["ts"] < 4.1e9  # wall-clock epoch seconds
         assert [s["policy"] for s in rec["shadow"]] == ["always-eagle", "online"]
     routed = [r for r in lines if r["forced_pool"] is None]
     assert {r["max_tokens"] for r in routed} == set(range(4, 12))
@@ -325,6 +327,10 @@ async def test_decision_log_fields_no_text_and_simulator_replay(fake_backend, pr
     assert all(r["completion_tokens"] == min(r["max_tokens"], 8) for r in routed)  # the fake sends <= 8
     assert [r["ttft_s"] is not None for r in routed].count(True) == 4  # the streamed ones
     assert all(r["shadow"][0]["pool"] == "eagle" for r in routed)
+    # content-aware cost_model: the eagle factor it used (nothing learned yet: the pool average,
+    # the hint's); the fake backend reports no accept length, so nothing is reported
+    assert all(r["accept_factor_predicted"] > 0 for r in routed)
+    assert all(r["accept_factor_reported"] is None for r in lines)
     assert all(set(r["shadow"][1]["predicted_e2e_s"]) == {"baseline", "eagle"} for r in routed)
     (forced,) = [r for r in lines if r["forced_pool"] is not None]
     assert (forced["pool"], forced["reason"]) == ("baseline", "client_override")

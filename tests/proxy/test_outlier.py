@@ -9,12 +9,10 @@ import asyncio
 
 import aiohttp
 import openai
-from helpers import wait_until
+from helpers import BODY, wait_until
 
 from controller.proxy.load import LoadTracker
 from controller.proxy.outlier import OutlierDetector
-
-BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
 
 def _detector(baseline: int = 1, eagle: int = 1, **kw: float) -> tuple[LoadTracker, OutlierDetector]:

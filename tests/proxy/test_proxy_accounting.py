@@ -11,14 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import openai
-from helpers import wait_until
+from helpers import BODY, CHAT, wait_until
 
 if TYPE_CHECKING:
     from conftest import RunningProxy
     from fakes import FakeBackend
-
-CHAT = [{"role": "user", "content": "hello"}]
-BODY = {"model": "m", "messages": CHAT, "stream": True}
 
 
 async def _open_stream(session: aiohttp.ClientSession, url: str) -> aiohttp.ClientResponse:

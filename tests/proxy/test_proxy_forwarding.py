@@ -11,15 +11,9 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from helpers import run_command
+from helpers import FRANCE, post_bytes, run_command
 
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-async def _raw(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> bytes:
-    async with aiohttp.ClientSession() as s, s.post(url + path, json=body, headers=headers) as r:
-        assert r.status == 200
-        return await r.read()
+CHAT = FRANCE
 
 
 async def test_async_client_streaming_chat_identical_to_direct(fake_backend, proxy):
@@ -53,8 +47,8 @@ async def test_raw_sse_bytes_pass_through_unchanged(fake_backend, proxy):
         ("/v1/completions", {"model": "m", "prompt": "The capital of France is"}),
     ]:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        direct = await _raw(fb.url, path, body)
-        proxied = await _raw(p.url, path, body)
+        direct = await post_bytes(fb.url, path, body)
+        proxied = await post_bytes(p.url, path, body)
         assert proxied == direct
         assert proxied.endswith(
             b'"completion_tokens":5,"prompt_tokens_details":null,'
@@ -76,8 +70,8 @@ async def test_streams_without_include_usage_still_count_tokens(fake_backend, pr
         ("/v1/chat/completions", {"model": "m", "messages": CHAT, "stream": True, "ignore_eos": True}),
         ("/v1/completions", {"model": "m", "prompt": "The capital of France is", "stream": True}),
     ]:
-        direct = await _raw(fb.url, path, body)
-        proxied = await _raw(p.url, path, body)
+        direct = await post_bytes(fb.url, path, body)
+        proxied = await post_bytes(p.url, path, body)
         assert proxied == direct
         assert b'"usage":{' not in proxied and proxied.endswith(b"data: [DONE]\n\n")
         assert fb.requests[-1] == {**body, "stream_options": {"include_usage": True}}
@@ -92,7 +86,7 @@ async def test_streams_without_include_usage_still_count_tokens(fake_backend, pr
         (None, False),
     ):
         body = {"model": "m", "messages": CHAT, "stream": True, "stream_options": options}
-        proxied = await _raw(p.url, "/v1/chat/completions", body)
+        proxied = await post_bytes(p.url, "/v1/chat/completions", body)
         assert (b'"usage":{' in proxied) is relayed
         assert fb.requests[-1]["stream_options"] == {**(options or {}), "include_usage": True}
         await p.wait_idle()

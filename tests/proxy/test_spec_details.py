@@ -4,24 +4,16 @@ would have got without asking -- streaming or not, with or without the usage chu
 
 from __future__ import annotations
 
-from typing import Any
-
-import aiohttp
 import pytest
+from helpers import FRANCE, post_bytes
 
 from controller.proxy.spec_details import SpecEvents, accept_length, drop_sglext_member
 
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT = FRANCE
 CASES = [
     ("/v1/chat/completions", {"model": "m", "messages": CHAT}),
     ("/v1/completions", {"model": "m", "prompt": "The capital of France is"}),
 ]
-
-
-async def _raw(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> bytes:
-    async with aiohttp.ClientSession() as s, s.post(url + path, json=body, headers=headers) as r:
-        assert r.status == 200
-        return await r.read()
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -43,9 +35,9 @@ async def test_asked_on_eagle_and_stripped_byte_for_byte(
         body = {**body, "stream": stream}
         if usage and stream:
             body["stream_options"] = {"include_usage": True}
-        direct = await _raw(eagle.url, path, body)
+        direct = await post_bytes(eagle.url, path, body)
         assert b"sglext" not in direct
-        proxied = await _raw(p.url, path, body)
+        proxied = await post_bytes(p.url, path, body)
         assert proxied == direct
         assert eagle.requests[-1]["return_spec_tokens_details"] is True  # asked for, on the client's behalf
         record = p.records[-1]
@@ -54,7 +46,7 @@ async def test_asked_on_eagle_and_stripped_byte_for_byte(
         assert record.outcome.completion_tokens == 5
     # a baseline backend is never asked (a plain server has no speculative stats)
     body = {"model": "m", "messages": CHAT, "stream": stream}
-    assert await _raw(p.url, "/v1/chat/completions", body, {"x-specroute-mode": "baseline"})
+    assert await post_bytes(p.url, "/v1/chat/completions", body, {"x-specroute-mode": "baseline"})
     assert "return_spec_tokens_details" not in base.requests[-1]
     assert p.records[-1].outcome.accept_length is None
 
@@ -65,9 +57,9 @@ async def test_a_client_that_asks_gets_the_details_untouched(fake_backend, proxy
     p = await proxy(eagle=[eagle.url], policy="fixed", policy_params={"pool": "eagle"}, spec_details=True)
     # (with its own rid: the fake's ids otherwise hash the client's bytes, which end like specroute's ask)
     body = {"model": "m", "messages": CHAT, "stream": stream, "return_spec_tokens_details": True, "rid": "r1"}
-    direct = await _raw(eagle.url, "/v1/chat/completions", body)
+    direct = await post_bytes(eagle.url, "/v1/chat/completions", body)
     assert b'"spec_tokens_details"' in direct
-    assert await _raw(p.url, "/v1/chat/completions", body) == direct
+    assert await post_bytes(p.url, "/v1/chat/completions", body) == direct
     assert p.records[-1].outcome.accept_length == pytest.approx(2.5)
 
 
@@ -75,7 +67,7 @@ async def test_off_by_default(fake_backend, proxy) -> None:  # type: ignore[no-u
     eagle = await fake_backend(chunks=5, speculative=True)
     p = await proxy(eagle=[eagle.url], policy="fixed", policy_params={"pool": "eagle"})
     body = {"model": "m", "messages": CHAT, "stream": True}
-    assert await _raw(p.url, "/v1/chat/completions", body) == await _raw(
+    assert await post_bytes(p.url, "/v1/chat/completions", body) == await post_bytes(
         eagle.url, "/v1/chat/completions", body
     )
     assert "return_spec_tokens_details" not in eagle.requests[-1]

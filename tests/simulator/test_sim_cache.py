@@ -89,7 +89,8 @@ def test_eviction_at_capacity_costs_the_next_turn_its_hit() -> None:
     raw = simulate(servers, None, b)
     assert raw.cached_tokens == [0, 0, 10]
     unlimited = build_deployment(profile(cache_tokens=1000), parse_deployment("baseline=1"))
-    assert simulate(unlimited, None, b).cached_tokens == [0, 0, 20]
+    # a whole prompt cached: its last token is still computed, as SGLang reports
+    assert simulate(unlimited, None, b).cached_tokens == [0, 0, 19]
     none = build_deployment(profile(cache_tokens=None), parse_deployment("baseline=1"))
     assert simulate(none, None, b).cached_tokens is None  # no cache modelled
 
@@ -107,11 +108,9 @@ class Recorder:
         backends = view.baseline.backends + view.eagle.backends
         self.seen.append({b.name: b.cached_tokens for b in backends})
         name = self.targets[len(self.seen) - 1]
-        decision = pool_decision(
-            "eagle" if name.startswith("eagle") else "baseline", "test", policy=self.name
+        return pool_decision(
+            "eagle" if name.startswith("eagle") else "baseline", "test", policy=self.name, backend=name
         )
-        decision.backend = name
-        return decision
 
     def observe(self, outcome: Outcome) -> None:
         pass
@@ -128,7 +127,7 @@ def test_router_index_sets_cached_tokens_per_decision() -> None:
         {"baseline-0": 20, "eagle-0": 30},
         {"baseline-0": 12, "eagle-0": 12},  # never more than the prompt (a partial last block)
     ]
-    assert raw.cached_tokens == [0, 0, 30, 12]  # the server cache agrees
+    assert raw.cached_tokens == [0, 0, 30, 11]  # the server cache agrees (its last token is computed)
 
 
 def test_the_simulation_with_caches_is_deterministic() -> None:

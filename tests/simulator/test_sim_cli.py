@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-from controller.cli import main
+from helpers import run_main
 
 TRACES = Path("/work/shared/data/traces")
 AZURE_CODE = TRACES / "AzureLLMInferenceTrace_code.csv"
@@ -30,14 +29,8 @@ SUMMARY_KEYS = {
 PROFILE = "kimi-k25-int4-8gpu"
 
 
-def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def sim_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
-    code, out, err = cli(capsys, "simulate", "--profile", PROFILE, "--json", *args)
+    code, out, err = run_main(capsys, "simulate", "--profile", PROFILE, "--json", *args)
     assert code == 0, err
     doc: dict[str, Any] = json.loads(out)
     return doc
@@ -76,7 +69,7 @@ def test_sweep_json_schema_and_side_by_side_policies(capsys: pytest.CaptureFixtu
 
 
 def test_table_output_and_reference_deployments(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = cli(
+    code, out, err = run_main(
         capsys, "simulate", "--profile", PROFILE, "--policy", "threshold", "--concurrency", "5",
         "--deployment", "baseline=1,eagle=1", "--deployment", "adaptive=2", "--deployment", "baseline=2",
     )  # fmt: skip
@@ -192,7 +185,7 @@ def test_json_is_byte_identical_across_processes(tmp_path: Path) -> None:
 def test_bad_input_is_a_clear_error(
     capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
-    code, _out, err = cli(capsys, "simulate", *args)
+    code, _out, err = run_main(capsys, "simulate", *args)
     assert code == 2
     assert message in err
     assert "Traceback" not in err
@@ -201,19 +194,23 @@ def test_bad_input_is_a_clear_error(
 def test_bad_trace_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "bad.jsonl"
     log.write_text('{"ts": 1.0, "prompt_tokens": 5, "completion_tokens": 3}\n{"ts": "x"}\n')
-    code, _, err = cli(capsys, "simulate", "--profile", PROFILE, "--workload", "trace", "--trace", str(log))
+    code, _, err = run_main(
+        capsys, "simulate", "--profile", PROFILE, "--workload", "trace", "--trace", str(log)
+    )
     assert code == 2
     assert "bad.jsonl:2" in err
     csv = tmp_path / "bad.csv"
     csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,10,x\n")
-    code, _, err = cli(capsys, "simulate", "--profile", PROFILE, "--workload", "trace", "--trace", str(csv))
+    code, _, err = run_main(
+        capsys, "simulate", "--profile", PROFILE, "--workload", "trace", "--trace", str(csv)
+    )
     assert code == 2
     assert "bad.csv:2" in err
 
 
 def test_report_writes_markdown_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
-    code, _, err = cli(
+    code, _, err = run_main(
         capsys, "simulate", "--profile", PROFILE, "--policy", "threshold", "--policy", "fixed",
         "--concurrency", "1", "10", "--report", str(tmp_path / "rep"),
     )  # fmt: skip
@@ -233,7 +230,7 @@ def tune_args(out: Path, jobs: int) -> list[str]:
 
 
 def test_tune_ranks_and_writes_a_serve_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = cli(capsys, *tune_args(tmp_path / "best.yaml", 1))
+    code, out, err = run_main(capsys, *tune_args(tmp_path / "best.yaml", 1))
     assert code == 0, err
     assert "rank" in out and "best: threshold" in out
     config = yaml.safe_load((tmp_path / "best.yaml").read_text())
@@ -254,9 +251,9 @@ def test_tune_ranks_and_writes_a_serve_config(tmp_path: Path, capsys: pytest.Cap
 def test_tune_is_identical_whatever_the_number_of_jobs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out1, err = cli(capsys, *tune_args(tmp_path / "a.yaml", 1))
+    code, out1, err = run_main(capsys, *tune_args(tmp_path / "a.yaml", 1))
     assert code == 0, err
-    code, out2, err = cli(capsys, *tune_args(tmp_path / "b.yaml", 2))
+    code, out2, err = run_main(capsys, *tune_args(tmp_path / "b.yaml", 2))
     assert code == 0, err
     assert out1.replace("a.yaml", "x") == out2.replace("b.yaml", "x")
     body = [(tmp_path / f).read_text().split("\n", 2)[2] for f in ("a.yaml", "b.yaml")]
@@ -266,9 +263,9 @@ def test_tune_is_identical_whatever_the_number_of_jobs(
 def test_tune_goodput_needs_an_slo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = tune_args(tmp_path / "g.yaml", 1)
     args[args.index("mean_e2e_s")] = "goodput"
-    code, _, err = cli(capsys, *args)
+    code, _, err = run_main(capsys, *args)
     assert code == 2 and "--slo-ttft" in err
-    code, out, err = cli(capsys, *args, "--slo-ttft", "0.3", "--slo-tpot", "0.05")
+    code, out, err = run_main(capsys, *args, "--slo-ttft", "0.3", "--slo-tpot", "0.05")
     assert code == 0, err
     assert "higher is better" in out
 
@@ -282,7 +279,7 @@ def test_tune_skips_combinations_the_policy_rejects(
     ]  # fmt: skip
     out_file = tmp_path / "t.yaml"
     # threshold's hysteresis must be smaller than its threshold: (1, 1) is not a valid point
-    code, out, err = cli(
+    code, out, err = run_main(
         capsys, *base, "--grid", "threshold=1,2", "--grid", "hysteresis=0,1", "--out", str(out_file)
     )
     assert code == 0, err
@@ -291,10 +288,10 @@ def test_tune_skips_combinations_the_policy_rejects(
     assert "warning: grid point threshold=1,hysteresis=1 skipped" in err
     assert yaml.safe_load(out_file.read_text())["policy_params"]["hysteresis"] in (0, 1)
     # a value valid in no combination is still the user's error
-    code, _, err = cli(capsys, *base, "--grid", "threshold=0,2", "--out", str(tmp_path / "u.yaml"))
+    code, _, err = run_main(capsys, *base, "--grid", "threshold=0,2", "--out", str(tmp_path / "u.yaml"))
     assert code == 2 and "--grid threshold=0 is valid in no combination" in err
     assert "grid points" not in err  # reported before the progress bar starts
-    code, _, err = cli(
+    code, _, err = run_main(
         capsys, *base, "--grid", "threshold=1", "--grid", "hysteresis=1", "--out", str(tmp_path / "v.yaml")
     )
     assert code == 2 and "hysteresis must be smaller than threshold" in err
@@ -305,7 +302,7 @@ def test_tune_out_below_a_file_names_the_file(tmp_path: Path, capsys: pytest.Cap
     blocker = tmp_path / "afile"
     blocker.write_text("")
     args = tune_args(blocker / "best.yaml", 1)
-    code, _, err = cli(capsys, *args)
+    code, _, err = run_main(capsys, *args)
     assert code == 2 and f"cannot write config: {blocker} is not a directory" in err
 
 

@@ -8,13 +8,14 @@ import sys
 from typing import Any
 
 import pytest
+from helpers import run_main
 
-from controller.cli import main
 from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, RequestInfo
 from policies.profile import resolve_profile
-from policies.replicas import believed_counts, combined_load
+from policies.replicas import believed_counts
 from policies.routing import pool_decision
+from policies.view import backend_load
 from simulator.engine.loop import RequestBatch, simulate
 from simulator.engine.routers import RouterGroup, RouterSetup
 from simulator.engine.runner import PolicyChoice, run
@@ -99,8 +100,8 @@ def test_the_proxy_and_the_simulator_combine_a_sample_the_same_way() -> None:
         tracker.reserve("e")
     tracker.record_sample("e", running=10, queued=2, taken_at=100.0, in_flight_at_sample=1)
     got = tracker.view(101.0).eagle.backends[0]
-    want = combined_load(
-        "e", "eagle", True, 4, 0, running=10, queued=2, sample_time=100.0, sample_in_flight=1,
+    want = backend_load(
+        "e", "eagle", 4, 0, running=10, queued=2, sample_time=100.0, sample_in_flight=1,
         accept_length=None, now=101.0, stale_after_s=5.0, replicas=3,
     )  # fmt: skip
     assert got == want
@@ -145,9 +146,7 @@ def test_several_routers_are_deterministic_to_the_bit() -> None:
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = main(["simulate", "--profile", PROFILE, *args])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_main(capsys, "simulate", "--profile", PROFILE, *args)
 
 
 def test_the_default_is_one_router_with_the_perfect_view(capsys: pytest.CaptureFixture[str]) -> None:

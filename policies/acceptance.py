@@ -1,0 +1,206 @@
+"""Predicting a request's EAGLE speed factor from what it asks, learned online.
+
+How it works. The quantity learned is `y`, the log of a request's speed factor on EAGLE: its
+accept length over the profile's when the backend reports it (SGLang's `spec_tokens_details`),
+else its decode rate over the calibrated prediction at its load. Three estimates are combined:
+
+- a hashed additive model over the request's tokens -- its text grams
+  (`RequestFeatures.grams`), its sampling parameters in buckets (temperature, top_p, top_k),
+  `response_format`, tools, `n`, the model, the client's hint and a bias -- each token a weight
+  in a table of `dim` floats (`id mod dim`). The estimate is the mean of the weights of the
+  request's tokens seen before, each weighted by how often it was taught (up to `seen_after`);
+  an outcome moves every token's weight by `rate` times the error (a new token starts at the
+  request's estimate), so frequent tokens carry the average and distinctive ones the contrast;
+- a per-family offset (`RequestFeatures.family`: the system prompt's first block) learned on
+  what the token model misses for that family, shrunk toward 0 with a prior of `family_prior`
+  samples; at most `max_families`, least recently taught out;
+- the caller's fallback `F` (the pool average for requests of that hint: what content-blind
+  routing uses).
+
+The prediction is `F + c * (yhat - F)`: `c` is the regression coefficient of the observed
+`y - F` on the model's `yhat - F`, measured out of sample (before each outcome teaches the
+model) as running means, clipped to [0, 1], and lowered for a request whose tokens are mostly
+unseen. A model that does not beat the pool average gets `c` near 0 and the request is
+predicted at `F`; a request with nothing known is predicted at `F`: never-seen traffic is
+routed as content-blind routing routes it.
+
+Deterministic (no randomness, insertion-ordered tables) and bounded: `dim` weights and counts,
+`max_families` families. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import OrderedDict
+
+from policies.base import RequestFeatures
+from policies.calibration import ShrunkMean
+
+MAX_LOG = math.log(4.0)
+"""A prediction and a target stay within [1/4, 4] times the profile's speed."""
+
+
+def _tok(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+_BIAS = _tok("bias")
+
+
+def _bucket(value: float | None, edges: tuple[float, ...]) -> int:
+    if value is None:
+        return -1
+    for i, e in enumerate(edges):
+        if value <= e:
+            return i
+    return len(edges)
+
+
+_TEMP_EDGES = (0.0, 0.3, 0.6, 0.9, 1.2)
+_TOP_P_EDGES = (0.5, 0.9, 0.99)
+_TOP_K_EDGES = (1.0, 20.0, 100.0)
+
+
+def param_tokens(features: RequestFeatures, hint: str | None) -> list[int]:
+    """Token ids of the request's parameters and hint (the grams are the text's)."""
+    f = features
+    out = [
+        _BIAS,
+        _tok(f"temperature:{_bucket(f.temperature, _TEMP_EDGES)}"),
+        _tok(f"top_p:{_bucket(f.top_p, _TOP_P_EDGES)}"),
+        _tok(f"top_k:{_bucket(None if f.top_k is None else float(f.top_k), _TOP_K_EDGES)}"),
+        _tok(f"model:{f.model}"),
+    ]
+    if f.response_format is not None:
+        out.append(_tok(f"response_format:{f.response_format}"))
+    if f.tools:
+        out.append(_tok("tools"))
+    if f.n > 1:
+        out.append(_tok("n>1"))
+    if hint is not None:
+        out.append(_tok(f"hint:{hint}"))
+    return out
+
+
+class _Family:
+    __slots__ = ("n", "offset")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.offset = 0.0
+
+
+class AcceptanceModel:
+    """Online predictor of `log(speed factor)` per request; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        dim: int = 1 << 14,
+        rate: float = 0.1,
+        family_prior: float = 4.0,
+        max_families: int = 4096,
+        window: int = 200,
+        seen_after: int = 8,
+    ) -> None:
+        if dim < 1 or dim & (dim - 1):
+            raise ValueError("dim must be a power of two")
+        self._mask = dim - 1
+        self._w = [0.0] * dim
+        self._count = [0] * dim
+        self._rate = rate
+        self._family_prior = family_prior
+        self._max_families = max_families
+        self._window = float(window)
+        self._seen_after = seen_after
+        self._families: OrderedDict[int, _Family] = OrderedDict()
+        # out of sample: mean of (y - F)(yhat - F) and of (yhat - F)^2; the model starts untrusted
+        self.cov = ShrunkMean(0.0)
+        self.var = ShrunkMean(0.01)
+        self.taught = 0
+
+    @property
+    def families(self) -> int:
+        """Families tracked (at most `max_families`)."""
+        return len(self._families)
+
+    def _indices(self, features: RequestFeatures, hint: str | None) -> list[int]:
+        mask = self._mask
+        return [g & mask for g in features.grams] + [t & mask for t in param_tokens(features, hint)]
+
+    def _estimate(self, idx: list[int], family: int) -> tuple[float, float, _Family | None]:
+        """(model estimate, evidence in [0, 1], family state)."""
+        w, count, cap = self._w, self._count, self._seen_after
+        total = weight = 0.0
+        for i in idx:
+            c = count[i]
+            if c:
+                c = c if c < cap else cap
+                total += c * w[i]
+                weight += c
+        lin = total / weight if weight else 0.0
+        seen = weight / (cap * len(idx))
+        fam = self._families.get(family) if family else None
+        if fam is not None and fam.n:
+            shrink = fam.n / (fam.n + self._family_prior)
+            lin += shrink * fam.offset
+            seen = max(seen, shrink)
+        return lin, seen, fam
+
+    def predict(self, features: RequestFeatures, hint: str | None, fallback: float) -> float:
+        """log speed factor for the request, between the model and `fallback` by confidence."""
+        if not self.taught:
+            return fallback
+        yhat, seen, _ = self._estimate(self._indices(features, hint), features.family)
+        return _clip(fallback + self.confidence(seen) * (yhat - fallback))
+
+    def confidence(self, seen: float) -> float:
+        """How far to trust the model over the fallback: the regression coefficient of the
+        observed `y - F` on the model's `yhat - F` (out of sample, in [0, 1]), times the
+        evidence (a request whose tokens are mostly unseen leans on the fallback)."""
+        cov, var = self.cov.value, self.var.value
+        beta = cov / var if var > 0 else 0.0
+        beta = 0.0 if beta < 0 else 1.0 if beta > 1 else beta
+        return beta * (1.0 if seen > 0.5 else 2.0 * seen)
+
+    def learn(self, features: RequestFeatures, hint: str | None, target: float, fallback: float) -> None:
+        """Learn from one outcome: `target` is its observed log speed factor, `fallback` what the
+        pool average predicted for it."""
+        if not math.isfinite(target) or not math.isfinite(fallback):
+            return
+        y = _clip(target)
+        idx = self._indices(features, hint)
+        yhat, _, fam = self._estimate(idx, features.family)
+        window = self._window
+        if self.taught:
+            d = max(-1.0, min(1.0, yhat - fallback))
+            self.cov.add(max(-1.0, min(1.0, y - fallback)) * d, 10.0, window)
+            self.var.add(d * d, 10.0, window)
+        self.taught += 1
+        err = max(-1.0, min(1.0, y - yhat))
+        step = self._rate * err
+        w, count = self._w, self._count
+        for i in idx:
+            if count[i]:
+                w[i] += step
+            else:
+                w[i] = yhat + step  # a new token starts where the request was predicted
+            count[i] += 1
+        if features.family:
+            families = self._families
+            if fam is None:
+                fam = families[features.family] = _Family()
+                if len(families) > self._max_families:
+                    families.popitem(last=False)
+            else:
+                families.move_to_end(features.family)
+            # the family learns what the linear model (after this step) still misses
+            lin = self._estimate(idx, 0)[0]
+            fam.n += 1
+            a = max(1.0 / fam.n, 1.0 / window)
+            fam.offset += a * (y - lin - fam.offset)
+
+
+def _clip(x: float) -> float:
+    return MAX_LOG if x > MAX_LOG else -MAX_LOG if x < -MAX_LOG else x

@@ -1,0 +1,103 @@
+"""`specroute bench --prompts FILE` with a `category` per line, against an emulated EAGLE server
+whose acceptance follows content rules: per category accept length and decode speed with 95%
+CIs, and the categories written as priors into the eagle profile, which cost_model uses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run_specroute
+
+from controller.bench.categories import by_category, category_factors
+from controller.bench.prompts import PromptError, load_prompts
+from controller.bench.result import BenchResult, LevelResult, RequestResult, summarize
+from policies.base import BackendLoad, LoadView, PoolLoad, RequestInfo
+from policies.profile import load_profile, resolve_profile
+from policies.registry import PolicyContext, default_registry
+from simulator.emulator.accept_rules import parse_accept_rules
+from simulator.emulator.app import EmulatorConfig, run_emulator
+
+KIMI = resolve_profile("kimi-k25-int4-8gpu")
+pytestmark = pytest.mark.timeout(180)
+
+
+def prompt_file(path: Path) -> Path:
+    lines = []
+    for i in range(6):
+        lines.append(
+            {"category": "code", "messages": [{"role": "user", "content": f"def f{i}(x): complete it"}]}
+        )
+        lines.append(
+            {"category": "prose", "messages": [{"role": "user", "content": f"A poem about tide {i}"}]}
+        )
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+async def test_bench_reports_categories_and_writes_priors(tmp_path: Path) -> None:
+    rules = parse_accept_rules([{"match": "def ", "factor": 1.4}, {"match": "poem", "factor": 0.6}])
+    config = EmulatorConfig(mode="eagle", profile=KIMI, time_scale=0.02, accept_rules=rules)
+    out, prof = tmp_path / "r.json", tmp_path / "eagle.json"
+    async with run_emulator(config) as srv:
+        code, stdout, stderr = await run_specroute(
+            "bench", srv.url, "--prompts", str(prompt_file(tmp_path / "p.jsonl")), "--concurrency", "1", "4",
+            "--requests-per-level", "24", "--warmup-requests", "2", "--max-tokens", "120", "--ignore-eos",
+            "--out", str(out), "--profile-out", str(prof), "--mode", "eagle", "--no-progress", timeout_s=150,
+        )  # fmt: skip
+    assert code == 0, stderr
+    assert "per category" in stdout and "code" in stdout and "prose" in stdout
+    cats = {c["category"]: c for c in json.loads(out.read_text())["metadata"]["categories"]}
+    assert cats["code"]["n"] == cats["prose"]["n"] == 24  # half of 2 x 24 measured requests each
+    code_accept, prose_accept = cats["code"]["accept_length"], cats["prose"]["accept_length"]
+    assert code_accept["mean"] == pytest.approx(1.4 * 2.4, rel=0.1)
+    assert prose_accept["mean"] == pytest.approx(0.6 * 2.4, rel=0.1)
+    assert code_accept["half_width"] > 0 and cats["code"]["decode_tok_s"]["half_width"] > 0
+    # acceptance is speed: code decodes faster than prose on the same server
+    assert cats["code"]["decode_tok_s"]["mean"] > 1.5 * cats["prose"]["decode_tok_s"]["mean"]
+    # the profile's eagle mode carries the categories, relative to its accept length
+    eagle = load_profile(prof).mode("eagle")
+    assert eagle.categories is not None and eagle.accept_length is not None
+    assert eagle.categories["code"] / eagle.categories["prose"] == pytest.approx(1.4 / 0.6, rel=0.15)
+    # ... and cost_model takes them as the priors of requests hinted with the category
+    merged = KIMI.model_copy(update={"modes": {**KIMI.modes, "eagle": KIMI.modes["eagle"].model_copy(
+        update={"categories": eagle.categories})}})  # fmt: skip
+    policy = default_registry(entry_points=False).create("cost_model", {}, PolicyContext(merged, 0))
+    view = LoadView(
+        PoolLoad("baseline", (BackendLoad("b", "baseline", running=3, queued=0),)),
+        PoolLoad("eagle", (BackendLoad("e", "eagle", running=3, queued=0),)),
+    )
+    code_e2e = policy.choose(RequestInfo(max_tokens=100, hint="code"), view, 0.0).predicted_e2e_s["eagle"]
+    prose_e2e = policy.choose(RequestInfo(max_tokens=100, hint="prose"), view, 0.0).predicted_e2e_s["eagle"]
+    assert prose_e2e > 1.5 * code_e2e
+
+
+def test_category_summaries_and_factors() -> None:
+    reqs = [
+        RequestResult("measured", 0.0, 0.1, 0.1, 1.1, 1.2, 11, category=c, accept_length=a)
+        for c, a in [("a", 3.0), ("a", 3.2), ("b", 1.5), ("b", 1.7), (None, 2.0)]
+    ]
+    reqs.append(RequestResult("warmup", 0.0, 0.1, 0.1, 1.1, 1.2, 11, category="a", accept_length=9.0))
+    level = LevelResult(concurrency=1, requests=reqs, summary=summarize(1, reqs))
+    summaries = by_category([level])
+    assert [(s.category, s.n) for s in summaries] == [("a", 2), ("b", 2)]
+    assert summaries[0].accept_length is not None and summaries[0].accept_length.mean == pytest.approx(3.1)
+    assert category_factors(summaries, 2.0) == {"a": 1.55, "b": 0.8}
+    assert category_factors(summaries, None) == {
+        "a": pytest.approx(3.1 / 2.35, abs=1e-4),
+        "b": pytest.approx(1.6 / 2.35, abs=1e-4),
+    }
+    # old result files (no category fields) still read
+    doc = BenchResult(metadata={}, levels=[level]).to_json()
+    for lv in doc["levels"]:
+        for r in lv["requests"]:
+            r.pop("category"), r.pop("accept_length")
+    assert BenchResult.from_json(doc).levels[0].requests[0].category is None
+
+
+def test_a_bad_category_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"category": 3, "prompt": "x"}\n')
+    with pytest.raises(PromptError, match="'category' must be a string"):
+        load_prompts(path)

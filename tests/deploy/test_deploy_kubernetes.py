@@ -1,0 +1,94 @@
+"""deploy/kubernetes/: the manifests validate against the Kubernetes JSON schemas
+(kubernetes-validate, offline, strict, where installed); the Deployment, Service, ConfigMap and
+ServiceMonitors agree with each other and with the config (ports, probes, grace period, replicas,
+mounts); and the container's `specroute serve` args parse with the real CLI."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from deploy_files import K8S, arg_value, check_specroute_command, configmap_config, k8s_deployment, yaml_docs
+
+from controller.proxy.config import load_settings
+
+
+def _manifests() -> Iterator[tuple[str, dict[str, Any]]]:
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml_docs(path):
+            yield path.name, doc
+
+
+def test_kubernetes_manifests_validate_against_schemas() -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    checked = []
+    for name, doc in _manifests():
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: no schema in the Kubernetes set; see the structural test
+        try:
+            kv.validate(doc, "1.30", strict=True)
+        except kv.ValidationError as e:
+            pytest.fail(f"{name} {doc['kind']}: {e}")
+        checked.append(doc["kind"])
+    assert sorted(checked) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+
+
+def test_kubernetes_structure(tmp_path: Path) -> None:
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for _, doc in _manifests():
+        assert doc.get("apiVersion") and doc.get("kind") and doc["metadata"]["name"]
+        kinds.setdefault(doc["kind"], []).append(doc)
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    for resource in kustomization["resources"]:
+        assert (K8S / resource).is_file(), resource
+    assert {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"} == set(kustomization["resources"])
+
+    dep = k8s_deployment()
+    assert dep["apiVersion"] == "apps/v1"
+    pod = dep["spec"]["template"]["spec"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (container,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] in ports
+    assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+    settings = load_settings(environ={}, config_file=configmap_config(tmp_path))
+    assert settings.port in ports.values()
+    assert settings.replicas == dep["spec"]["replicas"]  # each replica is told how many there are
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    pause = float(pre_stop[1]) if pre_stop[0] == "sleep" else 0.0
+    assert pod["terminationGracePeriodSeconds"] > pause + settings.drain_timeout_s
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    (config_volume,) = [v for v in pod["volumes"] if "configMap" in v]
+    assert config_volume["configMap"]["name"] == kinds["ConfigMap"][0]["metadata"]["name"]
+    assert arg_value(container["args"], "--config").startswith(mounts[config_volume["name"]] + "/")
+    assert settings.decision_log is not None
+    assert Path(settings.decision_log).parent == Path(mounts["logs"])
+
+    (service,) = kinds["Service"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    (sport,) = service["spec"]["ports"]
+    assert sport["targetPort"] in ports
+
+    monitors = {m["metadata"]["name"]: m for m in kinds["ServiceMonitor"]}
+    own = monitors["specroute"]
+    assert own["apiVersion"] == "monitoring.coreos.com/v1"
+    assert own["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert [e["port"] for e in own["spec"]["endpoints"]] == [sport["name"]]
+    assert all(e["path"] == "/metrics" for m in monitors.values() for e in m["spec"]["endpoints"])
+
+
+def test_kubernetes_command_is_accepted() -> None:
+    (container,) = k8s_deployment()["spec"]["template"]["spec"]["containers"]
+    assert "command" not in container, "the image's entrypoint (specroute serve) is expected"
+    check_specroute_command("serve", container["args"], "deployment.yaml args")

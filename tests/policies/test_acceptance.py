@@ -1,0 +1,141 @@
+"""`policies.acceptance` and cost_model's content hook: the eagle speed factor of a request is
+learned from what it asks; unsure or content-independent traffic falls back to the pool average;
+deterministic, bounded; content_aware=false is today's behaviour."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from helpers import Routed
+
+from policies.acceptance import AcceptanceModel
+from policies.base import BackendLoad, Decision, LoadView, Outcome, PoolLoad, RequestFeatures, RequestInfo
+from policies.features import extract_features
+from policies.profile import resolve_profile
+from policies.registry import PolicyContext, default_registry
+
+KIMI = resolve_profile("kimi-k25-int4-8gpu")
+ACCEPT = KIMI.mode("eagle").accept_length or 1.0
+WORDS = {
+    "code": "def return import class lambda yield self print list dict int str for while".split(),
+    "prose": "explain the history river poem story describe friendly why people world".split(),
+}
+
+
+def prompt(kind: str, rng: random.Random) -> RequestFeatures:
+    words = [rng.choice(WORDS[kind]) for _ in range(12)] + [f"x{rng.randrange(10**6)}" for _ in range(4)]
+    return extract_features({"messages": [{"role": "user", "content": " ".join(words)}]}, "chat")
+
+
+def test_learns_per_content_factors_to_a_few_percent() -> None:
+    rng = random.Random(1)
+    m = AcceptanceModel()
+    truth = {"code": math.log(1.5), "prose": math.log(0.8)}
+    for _ in range(400):
+        kind = rng.choice(("code", "prose"))
+        m.learn(prompt(kind, rng), None, truth[kind] + rng.gauss(0, 0.05), 0.0)
+    for kind, y in truth.items():
+        errors = [abs(math.exp(m.predict(prompt(kind, rng), None, 0.0) - y) - 1) for _ in range(50)]
+        assert sorted(errors)[25] < 0.06, kind
+
+
+def test_unknown_or_content_independent_traffic_is_predicted_at_the_fallback() -> None:
+    rng = random.Random(2)
+    fresh = AcceptanceModel()
+    assert fresh.predict(prompt("code", rng), None, 0.3) == 0.3  # nothing learned: the pool average
+    m = AcceptanceModel()
+    for _ in range(400):  # acceptance that does not depend on content: noise around the fallback
+        m.learn(prompt(rng.choice(("code", "prose")), rng), None, rng.gauss(0.1, 0.1), 0.1)
+    preds = [m.predict(prompt(k, rng), None, 0.1) for k in ("code", "prose") for _ in range(20)]
+    assert max(abs(p - 0.1) for p in preds) < 0.05
+
+
+def test_deterministic_and_bounded() -> None:
+    def run() -> list[float]:
+        rng = random.Random(3)
+        m = AcceptanceModel(dim=256, max_families=8)
+        out = []
+        for i in range(300):
+            f = RequestFeatures(family=i + 1, grams=tuple(rng.randrange(2**32) for _ in range(20)))
+            m.learn(f, "h", rng.gauss(0, 0.3), 0.0)
+            out.append(m.predict(f, "h", 0.0))
+        assert m.families == 8
+        return out
+
+    assert run() == run()
+    assert AcceptanceModel().predict(RequestFeatures(), None, 10.0) == 10.0  # nothing learned
+    m = AcceptanceModel()
+    f = RequestFeatures(grams=(1, 2))
+    for _ in range(50):
+        m.learn(f, None, 50.0, 0.0)  # an absurd target is clipped
+        m.learn(f, None, float("nan"), 0.0)  # and a non-number ignored
+    assert m.predict(f, None, 0.0) <= math.log(4.0)
+
+
+# --- through cost_model ------------------------------------------------------------------
+
+
+def cost_model(**params: object) -> Routed:
+    registry = default_registry(entry_points=False)
+    return Routed(registry.create("cost_model", params, PolicyContext(KIMI, 0)), 0)
+
+
+def idle() -> LoadView:
+    return LoadView(
+        PoolLoad("baseline", (BackendLoad("b0", "baseline", running=8, queued=0),)),
+        PoolLoad("eagle", (BackendLoad("e0", "eagle", running=8, queued=0),)),
+    )
+
+
+def teach(policy: Routed, info: RequestInfo, factor: float, *, spec: bool) -> Decision:
+    d = policy.choose(info, idle(), 0.0)
+    rate = factor / KIMI.speed("eagle").step_time(9)  # the profile's eagle rate at 9 running x factor
+    n = 201
+    out = Outcome(
+        info,
+        Decision("eagle", "e0", "faster_eagle", backend_load=8),
+        0.0,
+        0.1,
+        n,
+        0.1 + (n - 1) / rate,
+        "ok",
+        ACCEPT * factor if spec else None,
+    )
+    policy.observe(out)
+    return d
+
+
+def test_cost_model_learns_the_factor_from_spec_details_and_from_timing() -> None:
+    rng = random.Random(4)
+    for spec in (True, False):
+        policy = cost_model()
+        truth = {"code": 1.5, "prose": 0.8}
+        for _ in range(300):
+            kind = rng.choice(("code", "prose"))
+            teach(policy, RequestInfo(max_tokens=200, features=prompt(kind, rng)), truth[kind], spec=spec)
+        for kind, factor in truth.items():
+            d = policy.choose(RequestInfo(max_tokens=200, features=prompt(kind, rng)), idle(), 0.0)
+            assert d.accept_factor is not None and abs(d.accept_factor / factor - 1) < 0.08, (spec, kind)
+        # the prediction drives the decision: code where eagle is fast, prose where it is slow
+        e_code = policy.choose(RequestInfo(max_tokens=200, features=prompt("code", rng)), idle(), 0.0)
+        e_prose = policy.choose(RequestInfo(max_tokens=200, features=prompt("prose", rng)), idle(), 0.0)
+        assert e_code.predicted_e2e_s["eagle"] < e_prose.predicted_e2e_s["eagle"]
+
+
+def test_content_aware_false_is_content_blind() -> None:
+    rng = random.Random(5)
+    aware, blind = cost_model(), cost_model(content_aware=False)
+    for _ in range(100):
+        info = RequestInfo(max_tokens=200, features=prompt("code", rng))
+        teach(aware, info, 1.5, spec=True)
+        d = teach(blind, info, 1.5, spec=True)
+        assert d.accept_factor is None
+    assert blind.policy.content is None  # type: ignore[attr-defined]
+    # requests without features (traces, synthetic workloads) are routed as before
+    plain = cost_model()
+    info = RequestInfo(max_tokens=200)
+    assert (
+        plain.choose(info, idle(), 0.0).predicted_e2e_s
+        == cost_model(content_aware=False).choose(info, idle(), 0.0).predicted_e2e_s
+    )

@@ -1,0 +1,100 @@
+"""The constructor-only rule of `policies.base`: `BackendLoad`, `PoolLoad`, `LoadView`, `Decision`
+and `Outcome` are values; every field is set once, by the constructor, and never assigned again.
+
+They are slotted dataclasses, not frozen ones, because a frozen dataclass costs about four times
+as much to build (`benchmarks/value_build_cost.py`). Here they are made to refuse a second
+assignment, and the routing core, every built-in policy, the simulator (one router, several
+routers, prefix caches, closed and open loops) and the proxy's view and failover path run through
+them: any code that changes a value after building it fails these tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from controller.proxy.load import LoadTracker
+from policies.base import BackendLoad, Decision, LoadView, Outcome, PoolLoad, RequestInfo
+from policies.profile import resolve_profile
+from policies.registry import PolicyContext, default_registry
+from policies.routing import Router
+from simulator.engine.routers import PERFECT_VIEW, RouterSetup
+from simulator.engine.runner import PolicyChoice, run
+from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
+
+VALUES = (BackendLoad, PoolLoad, LoadView, Decision, Outcome)
+POLICIES = ["cost_model", "online", "threshold", "round_robin", "cache_only", "fixed"]
+PROFILE = "kimi-k25-int4-8gpu"
+
+
+def _set_once(self: Any, name: str, value: Any) -> None:
+    try:
+        getattr(self, name)
+    except AttributeError:
+        object.__setattr__(self, name, value)
+        return
+    raise AssertionError(f"{type(self).__name__}.{name} assigned after construction")
+
+
+@pytest.fixture
+def set_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for cls in VALUES:
+        monkeypatch.setattr(cls, "__setattr__", _set_once)
+    yield
+
+
+def test_the_guard_catches_a_mutation(set_once: None) -> None:
+    d = Decision("eagle", "", "x")
+    with pytest.raises(AssertionError, match=r"Decision\.backend assigned after construction"):
+        d.backend = "e0"
+    b = BackendLoad("b0", "baseline")
+    with pytest.raises(AssertionError, match="cached_tokens"):
+        b.cached_tokens = 5
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(
+    "workload",
+    [
+        WorkloadSpec(kind="poisson", rate=6.0, requests=400, output_tokens=LengthSpec("exp", 100)),
+        WorkloadSpec(kind="multiturn", rate=1.0, requests=200),
+        WorkloadSpec(kind="sweep", levels=(2, 40), requests_per_level=30),
+    ],
+    ids=["poisson", "multiturn", "sweep"],
+)
+@pytest.mark.parametrize("routers", [PERFECT_VIEW, RouterSetup(2, 1.0)], ids=["one_router", "two_routers"])
+def test_the_simulator_and_every_policy_build_values_once(
+    set_once: None, policy: str, workload: WorkloadSpec, routers: RouterSetup
+) -> None:
+    result = run(
+        resolve_profile(PROFILE),
+        PolicyChoice(policy),
+        [("baseline", 2), ("eagle", 1)],
+        generate(workload, 1),
+        routers=routers,
+    )
+    assert result.to_json()["summary"]["requests"] > 0
+
+
+def test_the_proxy_view_and_routing_core_build_values_once(set_once: None) -> None:
+    tracker = LoadTracker(["b0=http://127.0.0.1:1", "b1=http://127.0.0.1:2"], ["e0=http://127.0.0.1:3"])
+    tracker.track_prefixes({"b0": 4096, "b1": 4096, "e0": 4096})
+    tracker.set_bounds({"b0": 1, "b1": None, "e0": None}, {"baseline": None, "eagle": None})
+    tracker.record_sample("e0", 3, 1, 0.0, 0, 3.1)
+    router = Router(0)
+    registry = default_registry(entry_points=False)
+    context = PolicyContext(resolve_profile(PROFILE))
+    for i, policy in enumerate(registry.create(name, {}, context) for name in POLICIES):
+        blocks = (1, 2, 3)
+        view = tracker.view(1.0, blocks, 2000)
+        info = RequestInfo(prompt_tokens=2000, max_tokens=50, forced_pool="eagle" if i == 0 else None)
+        decision = router.decide(policy, info, view, 1.0)
+        reservation = tracker.reserve(decision.backend, 50, blocks)
+        alt = router.failover(tracker.view(1.0), decision.backend, {decision.backend}, False)
+        if alt is not None:
+            reservation = tracker.move(reservation, alt.name)
+        policy.observe(Outcome(info, decision, 1.0, 0.2, 50, 2.0, "ok", failed_over=alt is not None))
+        tracker.release(reservation)
+    assert tracker.total_in_flight == 0
