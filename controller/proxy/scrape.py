@@ -280,7 +280,7 @@ class BackendScraper:
 
 
 CapacityHook = Callable[[str, int], None]
-"""Called with a backend's name and the running-request cap it reported (when it changes)."""
+"""Called with a backend's name and the running-request cap it reported, on every sample that has one."""
 EngineHook = Callable[[str, Engine], None]
 """Called once per backend with the engine it was found (or configured) to run."""
 
@@ -322,7 +322,6 @@ class ScrapeLoop:
         self.on_engine = on_engine
         self._announced: set[str] = set()
         self.latest: dict[str, BackendSample] = {}
-        self._caps: dict[str, int] = {}
         self.samples = 0
         """Samples stored so far (all backends)."""
 
@@ -363,10 +362,9 @@ class ScrapeLoop:
             self.latest[name] = sample
             self.samples += 1
             cap = sample.max_running
-            if cap is not None and cap != self._caps.get(name):
-                self._caps[name] = cap
-                if self.on_capacity is not None:
-                    self.on_capacity(name, cap)
+            if cap is not None and self.on_capacity is not None:
+                # every sample, not only on a change: a config reload resets the bounds
+                self.on_capacity(name, cap)
         return sample
 
     def _warn_no_metrics(self, name: str, scraper: BackendScraper) -> None:
@@ -405,15 +403,16 @@ def apply_reported_cap(
 ) -> int | None:
     """Set backend `name`'s admission bound from the running-request cap it reports:
     `ceil(cap x (1 + margin))`, unless its pool's bound is set explicitly (`bounded(pool)`).
-    Returns the new bound (None when left alone)."""
+    Returns the new bound when it changed (None when left alone)."""
     backend = tracker.get(name)
     if bounded(backend.pool):
         return None
     bound = math.ceil(cap * (1 + margin))
-    if bound != backend.max_in_flight:
-        log.info(
-            "backend %s reports %d running requests at most: admission bound %d (was %s)",
-            name, cap, bound, backend.max_in_flight if backend.max_in_flight is not None else "unbounded",
-        )  # fmt: skip
-        backend.max_in_flight = bound
+    if bound == backend.max_in_flight:
+        return None
+    log.info(
+        "backend %s reports %d running requests at most: admission bound %d (was %s)",
+        name, cap, bound, backend.max_in_flight if backend.max_in_flight is not None else "unbounded",
+    )  # fmt: skip
+    backend.max_in_flight = bound
     return bound
