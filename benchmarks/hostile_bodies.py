@@ -13,6 +13,12 @@ specroute. This process sends the bodies, six at once, in rounds, per scenario:
   numbers      30 MB bodies of tiny numbers `0,0,...`
   prose        30 MB bodies holding one long string each (legitimate, within the budget: parsed
                and forwarded by specroute)
+  L            issue 25's row L: 40 clients posting 30 MB prose bodies at once
+  L2           row L2: 50 clients posting gzip bodies that inflate to 30 MB each
+  H            row H: 24 streams whose backend sends a 50 MB first event (the sink does)
+
+For L, L2 and H it also prints whether specroute's peak RSS stayed within
+`memory_budget_bytes` + 150 MiB, and how long RSS took to get back below 2x its idle RSS.
 
 Six senders post bodies back to back for a few seconds per run; targets alternate run by run.
 Printed per target and scenario, side by side: probes n, /health p50 / p99 / max (ms), p99 over
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import statistics
@@ -52,6 +59,16 @@ COMPLETION = {
 }
 
 
+FIRST_EVENT = (
+    b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"'
+    + b"y" * (50 << 20)
+    + b'"}}]}\n\n'
+)
+BUDGET = 512 * 1024 * 1024
+"""specroute's default memory_budget_bytes."""
+PARALLEL = {"L": 40, "L2": 50, "H": 24}
+
+
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -67,8 +84,14 @@ def run_server(max_body_bytes: int) -> None:
     answers a fixed completion; GET /health and /ready answer 200. Prints its URL, serves forever.
     The sink behind specroute (a large limit) and the minimal reference server (1 MiB)."""
 
-    async def answer(request: web.Request) -> web.Response:
-        await request.read()
+    async def answer(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if b'"stream": true' in raw and max_body_bytes > 1024 * 1024:  # row H: a huge first event
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(FIRST_EVENT)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
         return web.json_response(COMPLETION)
 
     async def ok(request: web.Request) -> web.Response:
@@ -129,11 +152,12 @@ def body(kind: str, size: int) -> bytes:
     return head + json.dumps([{"role": "user", "content": text}]).encode() + b"}"
 
 
-async def send(session: aiohttp.ClientSession, url: str, data: bytes) -> str:
+async def send(session: aiohttp.ClientSession, url: str, data: bytes, gz: bool = False) -> str:
+    headers = {"Content-Type": "application/json"}
+    if gz:
+        headers["Content-Encoding"] = "gzip"
     try:
-        async with session.post(
-            url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
-        ) as r:
+        async with session.post(url + "/v1/chat/completions", data=data, headers=headers) as r:
             await r.read()
             return str(r.status)
     except aiohttp.ClientError as e:
@@ -152,15 +176,26 @@ async def scenario(url: str, kind: str, args: argparse.Namespace) -> tuple[float
 
     async def sender(s: aiohttp.ClientSession) -> None:
         while time.monotonic() < end:
-            statuses[await send(s, url, data)] += 1
+            statuses[await send(s, url, data, gz=kind == "L2")] += 1
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-        await asyncio.gather(*(sender(s) for _ in range(args.parallel)))
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as s:
+        await asyncio.gather(*(sender(s) for _ in range(PARALLEL.get(kind, args.parallel))))
     return start, time.monotonic(), statuses
 
 
-SCENARIOS = ("idle", "lists", "numbers", "prose")
+SCENARIOS = ("idle", "lists", "numbers", "prose", "L", "L2", "H")
 BODIES: dict[str, bytes] = {}
+
+
+def back_below(pid: int, kib: float, within_s: float) -> float | None:
+    """Seconds until the process's RSS is below `kib` (None: not within `within_s`)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        if rss_kib(pid) < kib:
+            return time.monotonic() - t0
+        time.sleep(0.25)
+    return None
 
 
 def pct(values: list[float], q: float) -> float:
@@ -174,6 +209,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="Length of one scenario run.")
     ap.add_argument("--mb", type=int, default=30, help="Body size in MiB.")
     ap.add_argument("--parallel", type=int, default=6, help="Bodies in flight at once.")
+    ap.add_argument(
+        "--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), help="Which to run (idle always)."
+    )
     ap.add_argument("--role", choices=["sink", "probe", "refuser"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--pid", type=int, help=argparse.SUPPRESS)
@@ -188,14 +226,20 @@ def main() -> int:
     if args.role == "refuser":
         run_server(1024 * 1024)
         return 0
-    for kind in SCENARIOS[1:]:
+    for kind in ("lists", "numbers", "prose"):
         BODIES[kind] = body(kind, args.mb * 1024 * 1024)
+    BODIES["L"] = BODIES["prose"]
+    BODIES["L2"] = gzip.compress(body("prose", 30 * 1024 * 1024), 9)
+    BODIES["H"] = json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    ).encode()
     measure(args)
     return 0
 
 
 def measure(args: argparse.Namespace) -> None:
     me = [sys.executable, str(Path(__file__).resolve())]
+    kinds = ["idle", *(k for k in SCENARIOS if k in args.scenarios and k != "idle")]
     procs: list[subprocess.Popen[str]] = []
 
     def child(cmd: list[str], marker: str = spawn.MARKER) -> tuple[subprocess.Popen[str], str]:
@@ -209,6 +253,7 @@ def measure(args: argparse.Namespace) -> None:
     windows: dict[tuple[str, str], list[tuple[float, float]]] = {}
     statuses: dict[tuple[str, str], Counter[str]] = {}
     rss_before: dict[tuple[str, str], int] = {}
+    recovery: dict[tuple[str, str], list[float | None]] = {}
     pids = {}
     try:
         _, sink = child([*me, "--role", "sink"])
@@ -223,14 +268,17 @@ def measure(args: argparse.Namespace) -> None:
             probe = [*me, "--role", "probe", "--url", urls[t], "--pid", str(pids[t]), "--out", outs[t]]
             child(probe, "ready")
         time.sleep(1.0)
+        idle_rss = {t: rss_kib(pids[t]) for t in targets}
         for r in range(args.rounds):
-            for kind in SCENARIOS:
+            for kind in kinds:
                 for t in targets if r % 2 == 0 else reversed(targets):  # alternate the order
                     key = (t, kind)
                     rss_before.setdefault(key, rss_kib(pids[t]))
                     start, end, got = asyncio.run(scenario(urls[t], kind, args))
                     windows.setdefault(key, []).append((start, end))
                     statuses.setdefault(key, Counter()).update(got)
+                    if kind in PARALLEL:
+                        recovery.setdefault(key, []).append(back_below(pids[t], 2 * idle_rss[t], 30.0))
                     time.sleep(0.5)
         hwm = {t: rss_kib(pids[t], "VmHWM") for t in targets}
     finally:
@@ -256,7 +304,7 @@ def measure(args: argparse.Namespace) -> None:
         f"{'p99/idle':>8} {'RSS MiB start/peak':>18}  statuses"
     )
     p99s: dict[tuple[str, str], float] = {}
-    for kind in SCENARIOS:
+    for kind in kinds:
         for t in targets:
             key = (t, kind)
             inside = [s for s in samples[t] if any(a <= s[0] <= b for a, b in windows[key])]
@@ -270,9 +318,20 @@ def measure(args: argparse.Namespace) -> None:
                 f"{t:16} {kind:8} {len(lat):5d} {p50:7.1f} {p99:7.1f} {worst:7.1f} {ratio:8.1f} "
                 f"{rss_before[key] / 1024:8.0f} / {peak / 1024:6.0f}  {shown}"
             )
-    for kind in SCENARIOS:
+    for kind in kinds:
         ratio = p99s[("specroute", kind)] / p99s[("aiohttp minimal", kind)]
         print(f"p99 specroute / aiohttp minimal, {kind}: {ratio:.2f}")
+    for kind in (k for k in PARALLEL if k in kinds):
+        key = ("specroute", kind)
+        inside = [x for x in samples["specroute"] if any(a <= x[0] <= b for a, b in windows[key])]
+        peak = max((x[2] for x in inside), default=0) * 1024
+        back = ", ".join("not within 30 s" if x is None else f"{x:.1f} s" for x in recovery[key])
+        print(
+            f"{kind}: specroute peak RSS {peak / 2**20:.0f} MiB, budget + 150 MiB = "
+            f"{(BUDGET >> 20) + 150} MiB: "
+            f"{'within' if peak <= BUDGET + (150 << 20) else 'OVER'}; back below 2x idle "
+            f"({2 * idle_rss['specroute'] / 1024:.0f} MiB) after {back}"
+        )
     print("VmHWM (peak RSS since start): " + ", ".join(f"{t} {hwm[t] / 1024:.0f} MiB" for t in targets))
 
 

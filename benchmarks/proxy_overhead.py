@@ -11,6 +11,8 @@ sample sizes and the spread over rounds; then the specroute/minimal CPU ratio.
     python benchmarks/proxy_overhead.py [--concurrency 1 64 256] [--requests 2000] [--rounds 3]
         [--config extra.yaml]   # e.g. decision_log + shadow_policies, to measure their cost
         [--compare-config b.yaml]  # a second specroute ("specroute-b") with these settings instead
+        [--compare-root DIR]    # a second specroute ("specroute-b") run from another checkout,
+                                # e.g. `git worktree add /tmp/old main`: old and new code side by side
         [--fingerprint-only]    # only the prompt fingerprint's cost (below)
         [--features-only]       # only the content features' cost (below)
 
@@ -386,10 +388,12 @@ def features_cost(reps: int) -> None:
     print()
 
 
-def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    """A child started by the shared spawn helper; the URL(s) of its listening line."""
+def _spawn(args: list[str], root: str | None = None) -> tuple[subprocess.Popen[str], str]:
+    """A child started by the shared spawn helper; the URL(s) of its listening line. With `root`,
+    it runs from that checkout (its code first on the path)."""
+    env = None if root is None else {**os.environ, "PYTHONPATH": str(Path(root).resolve())}
     try:
-        proc, line = spawn.start_sync(args, cwd=str(ROOT), stderr=None)
+        proc, line = spawn.start_sync(args, cwd=root or str(ROOT), stderr=None, env=env)
     except spawn.StartError as e:
         raise SystemExit(f"child {args} did not start: {e}") from None
     return proc, spawn.url_of(line)
@@ -409,6 +413,11 @@ def main() -> int:
         "--compare-config",
         help="Settings (YAML) of a second specroute, 'specroute-b', measured in the same rounds, e.g. "
         "prefix_tracking: false to isolate what prefix tracking costs.",
+    )
+    ap.add_argument(
+        "--compare-root",
+        help="A checkout whose specroute runs as 'specroute-b' (same settings), e.g. the main branch: "
+        "CPU per request of two versions in the same rounds.",
     )
     ap.add_argument("--fingerprint-only", action="store_true", help="Only the fingerprint's cost.")
     ap.add_argument("--features-only", action="store_true", help="Only the content features' cost.")
@@ -448,9 +457,10 @@ def main() -> int:
             "minimal": (minimal_url, minimal.pid),
             "specroute": (sr_url, sr.pid),
         }
-        if args.compare_config:
+        if args.compare_config or args.compare_root:
+            more = ["--config", args.compare_config] if args.compare_config else extra
             srb, line = _spawn(
-                [sys.executable, "-m", "controller.cli", *serve, *policy, "--config", args.compare_config]
+                [sys.executable, "-m", "controller.cli", *serve, *policy, *more], root=args.compare_root
             )
             procs.append(srb)
             targets["specroute-b"] = (line, srb.pid)

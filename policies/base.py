@@ -215,7 +215,8 @@ class InvalidDecision(Exception):
     """A policy returned a decision the routing core cannot act on (an unknown pool or backend)."""
 
 
-OutcomeStatus = Literal["ok", "error", "timeout", "client_closed"]
+OutcomeStatus = Literal["ok", "error", "timeout", "client_closed", "client_error"]
+"""`client_error`: the backend answered 4xx (the client's mistake, not the backend's)."""
 
 
 @dataclass(slots=True)

@@ -353,14 +353,14 @@ class CostModelPolicy:
         )
         on_b = self._backend("baseline", view, request, n, now)
         on_e = self._backend("eagle", view, request, n, now)
-        if on_b is None or on_e is None:  # the routing core's fallback (rule 4) names the reason
-            only = fallback({"baseline": on_b, "eagle": on_e})
+        if on_b is None or on_e is None:  # the routing core's fallback (rule 4)
+            only, reason = fallback({"baseline": on_b, "eagle": on_e})
             on = on_b if only == "baseline" else on_e
             assert on is not None
             ttft, e2e = on[1][:2]
             decision = pool_decision(
                 only,
-                "faster_" + only,
+                reason,
                 policy=self.name,
                 predicted_ttft_s={only: ttft},
                 predicted_e2e_s={only: e2e},

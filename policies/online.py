@@ -261,9 +261,8 @@ class OnlinePolicy:
             backend = first_least_loaded(view.pool(pool))
             if backend is not None:
                 ttft[pool], e2e[pool], buckets[pool] = self._predict(pool, backend.load, n, request)
-        if len(e2e) < 2:  # the routing core's fallback (rule 4) names the reason
-            pool = fallback(e2e)
-            reason = "faster_" + pool
+        if len(e2e) < 2:  # the routing core's fallback (rule 4)
+            pool, reason = fallback(e2e)
         else:
             cost = ttft if self._ttft_objective else e2e
             ce, cb = cost["eagle"], cost["baseline"]

@@ -18,9 +18,9 @@ state, request, `LoadView` and seed, both get the same `Decision`. The rules:
    part of the prompt) names the one `cheapest_backend` picks: least predicted cost, then least
    load, then deployment order.
 4. **Fallback:** when the chosen pool has no backend that admits, rule 3 in the other pool,
-   with reason `<pool>_unavailable`; when neither has one, `NoHealthyBackend`. A policy never
-   handles this itself: it may predict only the pool that admits (`fallback`) and return that
-   pool, and the core names the reason.
+   with reason `<pool>_unavailable`; when neither has one, `NoHealthyBackend`. A policy that
+   predicts per pool and finds one pool without an admitting backend asks `fallback` for the
+   other pool and the reason, so the rule and its reason are written here only.
 5. **Failover** (the proxy, before the first byte reached the client): rule 3 among the
    healthy backends not tried yet, in the same pool first, then -- unless the pool was
    forced -- in the other pool.
@@ -141,13 +141,18 @@ def pool_decision(
     )
 
 
-def fallback(on: Mapping[Pool, object | None]) -> Pool:
-    """Rule 4 for a policy that predicted per pool: the one pool whose prediction `on` holds
-    (the other pool has no backend that admits); `NoHealthyBackend` when neither has one. The
-    routing core names the reason `<other pool>_unavailable`."""
+def unavailable(pool: Pool) -> str:
+    """Rule 4's reason: `pool` had no backend that admits."""
+    return f"{pool}_unavailable"
+
+
+def fallback(on: Mapping[Pool, object | None]) -> tuple[Pool, str]:
+    """Rule 4 for a policy that predicted per pool: the first pool (deployment order) whose
+    prediction `on` holds and the reason `<other pool>_unavailable`; `NoHealthyBackend` when
+    neither pool has one."""
     for pool in POOLS:
         if on.get(pool) is not None:
-            return pool
+            return pool, unavailable(other_pool(pool))
     raise NoHealthyBackend("no healthy backend in either pool")
 
 
@@ -195,17 +200,8 @@ def _completed(d: Decision, pool: Pool, backend: BackendLoad, reason: str) -> De
     )
 
 
-def _admits(pool: PoolLoad) -> bool:
-    for b in pool.backends:
-        if b.healthy and not b.full:
-            return True
-    return False
-
-
 def _complete(decision: Decision, view: LoadView, rng: random.Random) -> Decision:
-    """Rules 3 and 4 on a policy's decision: the completed decision (a new value). When the
-    other pool has no backend that admits, the reason is `<other pool>_unavailable` (the
-    request had no choice), whatever the policy called it."""
+    """Rules 3 and 4 on a policy's decision: the completed decision (a new value)."""
     pool = decision.pool
     if pool == "baseline":
         members, other = view.baseline, view.eagle
@@ -231,12 +227,21 @@ def _complete(decision: Decision, view: LoadView, rng: random.Random) -> Decisio
     if chosen is None:
         chosen = pick_backend(members, rng)
     if chosen is not None:
-        reason = decision.reason if _admits(other) else f"{other_pool(pool)}_unavailable"
-        return _completed(decision, pool, chosen, reason)
+        d = decision
+        return Decision(
+            pool,
+            chosen.name,
+            d.reason,
+            d.predicted_ttft_s,
+            d.predicted_e2e_s,
+            chosen.load,
+            d.policy,
+            d.accept_factor,
+        )
     chosen = pick_backend(other, rng)
     if chosen is None:
         raise NoHealthyBackend("no healthy backend in either pool")
-    return _completed(decision, other_pool(pool), chosen, f"{pool}_unavailable")
+    return _completed(decision, other_pool(pool), chosen, unavailable(pool))
 
 
 class Router:

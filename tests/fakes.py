@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -407,3 +408,17 @@ class RawBackend:
         finally:
             self._writers.discard(writer)
             writer.close()
+
+
+class ShiftedClock:
+    """The proxy's clock for tests that need time to pass: `time.monotonic()` plus what
+    `advance` added, so a test moves a deadline (a back-off, an ejection) instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds

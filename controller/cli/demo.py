@@ -37,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.bench.compare import METRICS
 from controller.bench.result import LevelSummary
 from controller.bench.runner import run_sweep
+from controller.cli import spawn
 from controller.cli.args import CommandError, bounded, positive_float, positive_int, run_async
 from policies.base import POOLS, Pool
 from policies.profile import ProfileError, resolve_profile
@@ -83,7 +84,8 @@ class Children:
         self._logs: list[BinaryIO] = []
 
     async def start(self, name: str, args: Sequence[str], marker: str, timeout_s: float = 60.0) -> str:
-        """Run `specroute ARGS`; return the URL at the end of its first line containing `marker`."""
+        """Run `specroute ARGS`; the URL at the end of its first line containing `marker`
+        (`controller.cli.spawn.read_listening`)."""
         log = _open_log(self.log_dir / f"{name}.log")
         self._logs.append(log)
         proc = await asyncio.create_subprocess_exec(
@@ -92,15 +94,12 @@ class Children:
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )  # fmt: skip
         self.procs.append((name, proc))
-        assert proc.stdout is not None
         try:
-            line = (await asyncio.wait_for(proc.stdout.readline(), timeout_s)).decode().strip()
-        except TimeoutError:
-            line = ""
-        if marker not in line:
-            await asyncio.sleep(0.2)
+            line = await spawn.read_listening(proc, marker=marker, timeout_s=timeout_s, what=name)
+        except spawn.StartError as e:
             tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
-            raise DemoError(f"{name} did not start (first line {line!r}); its log ends:\n{tail}")
+            raise DemoError(f"{name} did not start ({e}); its log ends:\n{tail}") from None
+        assert proc.stdout is not None
         self._drains.append(asyncio.create_task(_drain(proc.stdout, log)))
         return line.rsplit(" ", 1)[1]
 

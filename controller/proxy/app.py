@@ -29,7 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.proxy.acceptance_metrics import AcceptanceMetrics
 from controller.proxy.admin import PolicyAdmin, admin_routes
-from controller.proxy.admission import Admission, AdmissionMetrics, in_flight_bounds
+from controller.proxy.capacity import AdmissionMetrics, Capacity, in_flight_bounds
 from controller.proxy.config import Settings
 from controller.proxy.decision_record import DecisionLogger, open_decision_log
 from controller.proxy.engines import Engine
@@ -41,6 +41,7 @@ from controller.proxy.identity import IDENTITY, identity_middleware
 from controller.proxy.info import model_info, server_info
 from controller.proxy.limits import read_bounded
 from controller.proxy.load import LoadTracker
+from controller.proxy.memory import keep_heap_small
 from controller.proxy.metrics import Metrics
 from controller.proxy.outlier import OutlierDetector
 from controller.proxy.scrape import ScrapeLoop, apply_reported_cap
@@ -86,6 +87,7 @@ def create_app(
     shadows: Sequence[tuple[str, Policy]] | None = None,
 ) -> web.Application:
     """`shadows`: (label, policy) pairs; None builds `settings.shadow_policies` (PolicyError)."""
+    keep_heap_small()  # what a request held goes back to the OS when it ends (the memory budget)
     app = web.Application(
         client_max_size=settings.body_limit_bytes, middlewares=[error_middleware, identity_middleware]
     )
@@ -119,12 +121,13 @@ def create_app(
             max_s=settings.outlier_max_ejection_s,
             max_ejected_percent=settings.outlier_max_ejected_percent,
         ),
-        admission=Admission(
+        capacity=Capacity(
             tracker,
             AdmissionMetrics(registry_),
             wait_s=settings.admission_wait_s,
             max_waiting=settings.admission_max_waiting,
             clock=clock,
+            backoff_s=settings.overload_backoff_s,
         ),
     )
     fwd.observers.append(AcceptanceMetrics(registry_, lambda: fwd.policy))
@@ -313,8 +316,7 @@ def _reported_cap(settings: Settings, fwd: Forwarder, name: str, cap: int) -> No
         return getattr(settings, f"{pool}_backend_max_in_flight") is not None
 
     if apply_reported_cap(fwd.tracker, bounded, settings.admission_margin, name, cap) is not None:
-        if fwd.admission is not None:
-            fwd.admission.released(fwd.tracker.get(name).pool)
+        fwd.capacity.released(fwd.tracker.get(name).pool)
 
 
 def _engine_found(settings: Settings, tracker: LoadTracker, name: str, engine: Engine) -> None:

@@ -214,6 +214,20 @@ class Settings(BaseModel):
         description="Largest backend answer specroute holds in memory: a non-streaming body, or the "
         "first event of a stream (both are read whole before committing); larger gets 502.",
     )
+    memory_budget_bytes: int = Field(
+        default=512 * 1024 * 1024,
+        gt=0,
+        description="What all requests together may hold in memory: request bodies (after "
+        "decompression), streams' first events and held-back bytes, non-streaming answers. Over it, "
+        "new requests get 503 with Retry-After and a backend answer that does not fit gets 502 "
+        "(the default suits a 1 GiB container).",
+    )
+    body_max_compression_ratio: float = Field(
+        default=100.0,
+        gt=1,
+        description="Largest decompressed/compressed size of a compressed request body with a "
+        "Content-Length (else 413): a small gzip bomb is refused early.",
+    )
     client_write_timeout_s: float = Field(
         default=30.0,
         gt=0,
@@ -233,7 +247,19 @@ class Settings(BaseModel):
     first_byte_timeout_s: float = Field(
         default=300.0,
         gt=0,
-        description="Time allowed until the first body byte (non-streaming: the whole answer).",
+        description="Time allowed until a stream's first event (non-streaming: see request_timeout_s).",
+    )
+    request_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Time a non-streaming request may take on its backend, whole answer included "
+        "(then 504); such a request is never sent to a second backend once one has taken it.",
+    )
+    overload_backoff_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="How long a backend that answered 'queue full' (or 503/429) takes no new requests "
+        "from this replica: overload is backed off, never counted as a failure.",
     )
     idle_timeout_s: float = Field(
         default=120.0,

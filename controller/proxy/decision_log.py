@@ -148,17 +148,17 @@ class DecisionLog:
             return
         self._reopen("reached max_bytes")
 
-    def _encode(self, record: Any) -> bytes | None:
+    def _encode(self, record: Any) -> str | None:
         try:
             if self.transform is not None:
                 record = self.transform(record)
-            return (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
+            return json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
         except Exception as e:  # a record that cannot be written must not cost the others
             self._drop("unencodable", 1)
             log.warning("decision log: record dropped (%s: %s)", type(e).__name__, e)
             return None
 
-    def _append(self, lines: list[bytes]) -> None:
+    def _append(self, lines: list[str]) -> None:
         """Append whole lines, rotating by size between lines."""
         if self._torn is not None:
             try:
@@ -169,11 +169,16 @@ class DecisionLog:
                 return
             self._torn = None
         size = os.fstat(self._fd).st_size
-        segment: list[bytes] = []
+        data = "".join(lines).encode("utf-8")
+        if size + len(data) <= self.max_bytes:  # the usual case: no rotation inside the batch
+            self._resumed(self._append_whole(lines, data, size))
+            return
+        segment: list[str] = []
         seg_bytes = 0
         for line in lines:
-            if size + seg_bytes and size + seg_bytes + len(line) > self.max_bytes:
-                if segment and not self._append_whole(segment, size):
+            n = len(line.encode("utf-8"))
+            if size + seg_bytes and size + seg_bytes + n > self.max_bytes:
+                if segment and not self._append_whole(segment, "".join(segment).encode("utf-8"), size):
                     self._drop("write_error", len(lines) - len(segment))
                     self._failing += len(lines) - len(segment)
                     return
@@ -182,15 +187,19 @@ class DecisionLog:
                 self._rotate()
                 size = os.fstat(self._fd).st_size
             segment.append(line)
-            seg_bytes += len(line)
-        if self._append_whole(segment, size) and self._failing:
+            seg_bytes += n
+        self._resumed(self._append_whole(segment, "".join(segment).encode("utf-8"), size))
+
+    def _resumed(self, ok: bool) -> None:
+        if ok and self._failing:
             log.warning("decision log: writing again; %d record(s) were dropped", self._failing)
             self._failing = 0
 
-    def _append_whole(self, lines: list[bytes], start: int) -> bool:
-        """One write of whole lines at the end of a file of `start` bytes; on a failure the file
-        is cut back to its last whole line and the lines that did not make it are counted."""
-        buf = memoryview(b"".join(lines))
+    def _append_whole(self, lines: list[str], data: bytes, start: int) -> bool:
+        """One write of `data` (the whole `lines`) at the end of a file of `start` bytes; on a
+        failure the file is cut back to its last whole line and the lines that did not make it
+        are counted."""
+        buf = memoryview(data)
         done = 0
         try:
             while done < len(buf):
@@ -201,9 +210,10 @@ class DecisionLog:
         except OSError as e:
             kept, whole = 0, 0
             for line in lines:
-                if whole + len(line) > done:
+                n = len(line.encode("utf-8"))
+                if whole + n > done:
                     break
-                whole += len(line)
+                whole += n
                 kept += 1
             if done > whole:
                 try:

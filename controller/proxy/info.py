@@ -17,7 +17,6 @@ client's `Authorization` header is forwarded unless a pool has its own key confi
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import aiohttp
@@ -28,6 +27,7 @@ from controller.proxy.forward import Forwarder
 from controller.proxy.headers import POOL_HEADER, forwardable
 from controller.proxy.limits import ResponseTooLarge, read_bounded
 from controller.proxy.load import BackendState
+from controller.proxy.sse import parse_json
 from policies.base import Pool
 
 
@@ -39,10 +39,8 @@ class _Answer:
         self.content_type = content_type
 
     def json(self) -> Any:
-        try:
-            return json.loads(self.body)
-        except ValueError:
-            return None
+        """The body parsed within `sse.parse_json`'s bounds (None: not JSON, or too deep)."""
+        return parse_json(self.body, max_bytes=len(self.body))
 
 
 async def _get(fwd: Forwarder, request: web.Request, b: BackendState, path: str) -> _Answer | None:

@@ -1,5 +1,5 @@
-"""Bounded work per request: request bodies read and parsed within limits, backend answers read
-within a byte bound.
+"""Bounded work per request: request bodies read and parsed within limits (bytes, JSON structure,
+compression ratio, the memory budget), backend answers of the info routes read within a byte bound.
 
 How it works: what a JSON body costs to parse is set by how many values it holds, not by its
 size -- 30 MB of one string parse in ~40 ms, 30 MB of `[],[],...` take ~1 s and ~0.8 GB. So
@@ -23,7 +23,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from controller.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from controller.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout, SpecrouteError
+from controller.proxy.memory import BODY_COPIES, Charge
 
 SLICE = 128 * 1024
 """Bytes scanned per step (a few ms at worst)."""
@@ -89,12 +90,24 @@ class JsonBudget:
             raise PayloadTooLarge(f"request body has more than {self.max_values} JSON values")
 
 
-async def read_body(request: web.Request, *, limit: int, budget: JsonBudget, timeout_s: float) -> bytes:
+async def read_body(
+    request: web.Request,
+    *,
+    limit: int,
+    budget: JsonBudget,
+    timeout_s: float,
+    charge: Charge | None = None,
+    max_ratio: float | None = None,
+) -> bytes:
     """The request body, refused with 413 past `limit` bytes (decoded, so a compressed bomb is
-    cut early) or past `budget`, with 408 when not complete within `timeout_s`."""
+    cut early), past `max_ratio` times its declared compressed length or past `budget`; with 503
+    when `charge` cannot take it from the memory budget (`BODY_COPIES` bytes per byte read), with
+    408 when not complete within `timeout_s`."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"request body too large: {declared} bytes declared, the limit is {limit}")
+    if declared is not None and max_ratio is not None and request.headers.get("Content-Encoding"):
+        limit = min(limit, max(SLICE, int(declared * max_ratio)))  # a compressed body's inflation
     buf = bytearray()
     content = request.content
     try:
@@ -103,9 +116,15 @@ async def read_body(request: web.Request, *, limit: int, budget: JsonBudget, tim
                 buf += chunk
                 if len(buf) > limit:
                     raise PayloadTooLarge(f"request body too large: more than {limit} bytes")
+                if charge is not None and not charge.grow_to(BODY_COPIES * len(buf)):
+                    raise MemoryBusy("specroute is holding as much request data as its memory budget allows")
                 budget.feed(buf, final=False)
     except TimeoutError:
+        buf.clear()
         raise RequestTimeout(f"request body not received within {timeout_s:g} s") from None
+    except BaseException:
+        buf.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
+        raise
     budget.feed(buf, final=True)
     return bytes(buf)
 
@@ -118,6 +137,17 @@ def load_json(raw: bytes) -> Any:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise BadRequest("request body is nested too deeply") from None
+
+
+class MemoryBusy(SpecrouteError):
+    """The memory budget cannot hold this request now (others hold it): retry shortly."""
+
+    status = 503
+    type = "server_error"
+    code = "memory_budget_exceeded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Retry-After": "1"})
 
 
 class ResponseTooLarge(aiohttp.ClientPayloadError):
@@ -135,28 +165,3 @@ async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
         if len(buf) > limit:
             raise ResponseTooLarge(f"answer larger than {limit} bytes")
     return bytes(buf)
-
-
-async def read_first_event(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """A stream's bytes up to the end of its first SSE event (a blank line), plus whatever else is
-    buffered already; fewer at the end of the stream. Each byte is searched once, and past `limit`
-    bytes without a blank line `ResponseTooLarge` is raised."""
-    buf = bytearray()
-    searched = 0
-    while True:
-        chunk = await resp.content.readany()
-        if not chunk:
-            return bytes(buf)
-        buf += chunk
-        start = max(0, searched - 3)  # a separator may straddle two chunks
-        if (
-            buf.find(b"\n\n", start) >= 0
-            or buf.find(b"\r\n\r\n", start) >= 0
-            or buf.find(b"\r\r", start) >= 0
-        ):
-            if not resp.content.at_eof():
-                buf += resp.content.read_nowait()  # what is already buffered: one write, not two
-            return bytes(buf)
-        searched = len(buf)
-        if searched > limit:
-            raise ResponseTooLarge(f"first event larger than {limit} bytes")

@@ -20,7 +20,7 @@ backend of either pool is usable and `panic` is on, all of them are (Envoy's pan
 them rather than refuse). A usable backend takes a request only while it and its pool are below
 their in-flight bounds (`max_in_flight`, `pool_max_in_flight`; None = unbounded): a full one is
 `full` in the view (it does not admit), so policies route around it, and when every backend a
-request may use is full the request waits in `controller.proxy.admission`.
+request may use is full the request waits in `controller.proxy.capacity`.
 
 Prefixes (`controller.proxy.prefixes`): each backend may carry a `PrefixIndex` of the prompt
 blocks it was sent. `view(now, blocks)` reports each backend's matched prefix of the request's
@@ -55,6 +55,8 @@ class BackendState:
     """Set by the outlier detector: no requests until then (the proxy's clock)."""
     max_in_flight: int | None = None
     """Admission bound of this backend; None: unbounded."""
+    backoff_until: float | None = None
+    """Set by `controller.proxy.capacity` after a "queue full": takes no requests until then."""
     in_flight: int = 0
     in_flight_tokens: int = 0
     running: int | None = None
@@ -73,7 +75,10 @@ class BackendState:
         until = self.ejected_until
         return until is not None and now < until
 
-    def has_room(self) -> bool:
+    def has_room(self, now: float | None = None) -> bool:
+        """Below its bound (and, given `now`, not backing off a "queue full")."""
+        if now is not None and self.backoff_until is not None and now < self.backoff_until:
+            return False
         bound = self.max_in_flight
         return bound is None or self.in_flight < bound
 
@@ -181,7 +186,7 @@ class LoadTracker:
     def takers(self, now: float) -> list[BackendState]:
         """Usable backends with room for one more request (theirs and their pool's)."""
         room = {p: self.pool_has_room(p) for p in POOLS}
-        return [b for b in self.usable(now) if room[b.pool] and b.has_room()]
+        return [b for b in self.usable(now) if room[b.pool] and b.has_room(now)]
 
     def track_prefixes(self, capacity_tokens: Mapping[str, int]) -> None:
         """Give each named backend a prefix index holding `capacity_tokens` tokens (in blocks)."""
@@ -203,7 +208,7 @@ class LoadTracker:
                 stale,
                 b.name in usable,
                 self.replicas,
-                full=not (room[b.pool] and b.has_room()),
+                full=not (room[b.pool] and b.has_room(now)),
                 cached_tokens=believed_cached(b.prefixes, blocks, prompt_tokens),
             )
             for b in self.backends.values()

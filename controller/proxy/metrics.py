@@ -107,7 +107,8 @@ class Metrics:
         r = registry
         self.requests = Counter(
             "specroute_requests",
-            "Routed requests by pool, backend and outcome status (ok|error|timeout|client_closed).",
+            "Routed requests by pool, backend and outcome status (ok|error|timeout|client_closed|"
+            "client_error; client_error: the backend answered 4xx, the client's mistake).",
             ["pool", "backend", "status"],
             registry=r,
         )

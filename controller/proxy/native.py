@@ -16,21 +16,21 @@ metrics, decision log); only these facts differ:
   A streamed n > 1 answer is counted from the samples whose last output is among the last bytes
   read (the forwarder keeps a short tail), so it may count fewer than all samples.
 - SGLang reports a full queue on a streamed `/generate` as HTTP 200 whose one output is an abort
-  with `status_code` 503 (not an `{"error": ...}` event): that first output makes the request
-  retryable like the OpenAI routes' queue-full event.
+  with `status_code` 503 (not an `{"error": ...}` event): `controller.proxy.sse.first_event`
+  reads it as overload, like the OpenAI routes' queue-full event.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from controller.proxy.errors import BadRequest
+from controller.proxy.sse import as_count, parse_json
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
-_COUNT_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_COUNT_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,15})(?![\d.eE])')
 _BATCH = (
     "a batch /generate (a list of prompts) is not routed: specroute decides per request, so send "
     "each prompt as its own request"
@@ -94,10 +94,7 @@ def generate_completion_tokens(data: bytes) -> int | None:
     or the tail of a stream (`data:` events; per sample the last count seen, added up)."""
     stripped = data.strip()
     if stripped[:1] in (b"{", b"["):
-        try:
-            whole = json.loads(stripped)
-        except ValueError:
-            whole = None
+        whole = parse_json(stripped, max_bytes=len(stripped))
         outputs = whole if isinstance(whole, list) else [whole]
         counts = [_count(o) for o in outputs]
         if whole is not None and all(c is not None for c in counts):
@@ -107,9 +104,8 @@ def generate_completion_tokens(data: bytes) -> int | None:
         line = line.strip()
         if not line.startswith(b"data:") or b"completion_tokens" not in line:
             continue
-        try:
-            event = json.loads(line[5:])
-        except ValueError:
+        event = parse_json(line[5:])
+        if not isinstance(event, dict):
             continue  # the torn start of the tail
         count = _count(event)
         if count is not None:
@@ -125,21 +121,4 @@ def _count(output: Any) -> int | None:
     if not isinstance(output, dict):
         return None
     meta = output.get("meta_info")
-    count = meta.get("completion_tokens") if isinstance(meta, dict) else None
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
-
-
-def failed_first_output(event: bytes) -> bool:
-    """The first streamed output is an abort with a server-side status (queue full: 503)."""
-    if b'"abort"' not in event:
-        return False
-    try:
-        obj = json.loads(event.strip()[5:])
-    except ValueError:
-        return False
-    meta = obj.get("meta_info") if isinstance(obj, dict) else None
-    reason = meta.get("finish_reason") if isinstance(meta, dict) else None
-    if not isinstance(reason, dict) or reason.get("type") != "abort":
-        return False
-    status = reason.get("status_code")
-    return isinstance(status, int) and status >= 500
+    return as_count(meta.get("completion_tokens")) if isinstance(meta, dict) else None

@@ -1,8 +1,14 @@
 """Outlier detection in the spirit of Envoy's: consecutive failures eject a backend for a while.
 
 How it works: the forwarder reports every upstream attempt once its fate is known -- `failure`
-(connection refused or timed out, no first byte in time, a 5xx, SGLang's queue-full event, a
-stream that broke or went silent) or `success` (any other answer, a stream read to its end).
+(connection refused or not accepted in time, a 5xx other than 503, a stream that broke, a
+protocol error: a bad first event, a stream that ended without `[DONE]`, an oversize answer) or
+`success` (any other answer, a 4xx included: the client's mistake is no backend fault). What a
+client can cause does not count, so no client can get a healthy backend ejected: SGLang's
+queue-full (and 503/429) is overload, backed off in `controller.proxy.capacity`, never reported
+here; a timeout (`timeout`) counts only when the backend is also slow for others -- it made no
+progress (a first byte, an answer, a stream's end) for any request since the timed-out one was
+sent -- because a long generation that outlasts a timeout is the request's size, not a fault.
 `consecutive_failures` failures in a row eject the backend: `BackendState.ejected_until` is set,
 and the tracker leaves it out of routing until then. The n-th ejection lasts `n x base_s`
 (capped at `max_s`), where n counts the backend's ejections, less one for every `base_s` it has
@@ -35,6 +41,8 @@ class _Record:
     """Ejection multiplier (decays while the backend serves)."""
     back_at: float | None = None
     """When the last ejection ended (for the decay)."""
+    progress_at: float | None = None
+    """When the backend last made progress for some request (a first byte, an answer)."""
 
 
 class OutlierDetector:
@@ -56,8 +64,24 @@ class OutlierDetector:
         self.ejections_total = 0
         """Ejections made so far (a metric reads it)."""
 
-    def success(self, backend: BackendState) -> None:
-        self._records[backend.name].failures = 0
+    def success(self, backend: BackendState, now: float | None = None) -> None:
+        rec = self._records[backend.name]
+        rec.failures = 0
+        if now is not None:
+            rec.progress_at = now
+
+    def progress(self, backend: BackendState, now: float) -> None:
+        """The backend sent a first byte or an answer: it is serving (timeouts of others are theirs)."""
+        self._records[backend.name].progress_at = now
+
+    def timeout(self, backend: BackendState, sent_at: float, now: float, why: str) -> bool:
+        """A request sent at `sent_at` timed out on `backend`: a failure only if the backend made
+        no progress for any request since; True when it ejected the backend."""
+        progress = self._records[backend.name].progress_at
+        if progress is not None and progress >= sent_at:
+            log.info("backend %s: %s, but it served others meanwhile: not counted", backend.name, why)
+            return False
+        return self.failure(backend, now, why)
 
     def failure(self, backend: BackendState, now: float, why: str) -> bool:
         """Count a failed attempt; True when it ejected the backend."""

@@ -43,7 +43,8 @@ BLOCK_CHARS = BLOCK_TOKENS * CHARS_PER_TOKEN
 THREAD_FROM_CHARS = 1 << 20
 """Prompts of at least this many characters (about 256k tokens) are hashed off the event loop."""
 
-_NUMBER = re.compile(rb"\s*:\s*(\d+)")
+_NUMBER = re.compile(rb"\s*:\s*(\d{1,15})(?![\d.eE])")
+"""A count: at most 15 digits (a longer or fractional number is no count a backend reports)."""
 
 
 def _is_ids(value: Any) -> bool:

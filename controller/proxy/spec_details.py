@@ -15,6 +15,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from controller.proxy.sse import SpecEvents, only_spec_details, parse_json
+
+__all__ = ["FIELD", "SUFFIX", "SpecEvents", "accept_length", "ask_for_spec_details", "drop_sglext_member"]
+
 FIELD = "return_spec_tokens_details"
 SUFFIX = b', "return_spec_tokens_details": true}'
 """What specroute appends to a request body that does not ask for the details itself."""
@@ -29,7 +33,8 @@ def ask_for_spec_details(raw: bytes, body: dict[str, Any]) -> bytes | None:
     head = raw.strip()
     if head.startswith(b"{") and head.endswith(b"}"):
         return head[:-1] + SUFFIX
-    return json.dumps({**json.loads(raw), FIELD: True}).encode()
+    parsed = parse_json(raw, max_bytes=len(raw))
+    return json.dumps({**(parsed if isinstance(parsed, dict) else body), FIELD: True}).encode()
 
 
 def accept_length(details: Any, completion_tokens: int | None) -> float | None:
@@ -45,58 +50,6 @@ def accept_length(details: Any, completion_tokens: int | None) -> float | None:
     return None
 
 
-def event_span(data: bytes, at: int) -> tuple[int, int]:
-    """(start, end) of the SSE event (ending in a blank line) of `data` that holds offset `at`."""
-    begin = data.rfind(b"\n\n", 0, at)
-    stop = data.find(b"\n\n", at)
-    return 0 if begin < 0 else begin + 2, len(data) if stop < 0 else stop + 2
-
-
-def _only_spec(obj: Any) -> dict[str, Any] | None:
-    """The details of an object whose `sglext` holds nothing but them, else None."""
-    if not isinstance(obj, dict):
-        return None
-    ext = obj.get("sglext")
-    if isinstance(ext, dict) and set(ext) == {"spec_tokens_details"}:
-        details = ext["spec_tokens_details"]
-        return details if isinstance(details, dict) else None
-    return None
-
-
-class SpecEvents:
-    """Finds the details event of a streamed answer (whole SSE events in) and keeps the details
-    it carried; with `strip` (specroute asked for them, not the client) removes the event, every
-    other byte unchanged."""
-
-    __slots__ = ("details", "strip_event")
-
-    def __init__(self, strip: bool) -> None:
-        self.strip_event = strip
-        self.details: dict[str, Any] | None = None
-
-    def strip(self, data: bytes) -> bytes:
-        at = data.find(b'"sglext"')
-        while at >= 0:
-            begin, stop = event_span(data, at)
-            event = data[begin:stop].strip()
-            details = None
-            if event.startswith(b"data:"):
-                try:
-                    obj = json.loads(event[5:])
-                except ValueError:
-                    obj = None
-                if isinstance(obj, dict) and obj.get("choices") == [] and obj.get("usage") is None:
-                    details = _only_spec(obj)
-            if details is not None:
-                self.details = details
-                if self.strip_event:
-                    data = data[:begin] + data[stop:]
-                    at = data.find(b'"sglext"', begin)
-                    continue
-            at = data.find(b'"sglext"', stop)
-        return data
-
-
 def drop_sglext_member(body: bytes) -> tuple[bytes, dict[str, Any] | None]:
     """A whole JSON answer without its top-level `"sglext"` member when that member holds only
     the details (every other byte unchanged), and the details; the answer as is otherwise."""
@@ -110,7 +63,7 @@ def drop_sglext_member(body: bytes) -> tuple[bytes, dict[str, Any] | None]:
     if span is None:
         return body, None
     start, _, end, parsed = span
-    details = _only_spec({"sglext": parsed})
+    details = only_spec_details({"sglext": parsed})
     if details is None:
         return body, None
     # remove the member together with one of the commas around it
@@ -145,7 +98,7 @@ def _member_span(text: str, key: str) -> tuple[int, int, int, Any] | None:
                         k += 1
                     try:
                         value, end = decoder.raw_decode(text, k)
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         return None
                     return i, k, end, value
             i = j + 1

@@ -8,6 +8,7 @@ Each request's phase says whether it is measured.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 from simulator.engine.events import EventQueue, Handler
@@ -33,7 +34,10 @@ class OpenLoop:
 
     def arrived(self, a: int) -> None:
         if a + 1 < self.n:
-            self.events.at(self.arrivals[a + 1], self.fire, a + 1)
+            events = self.events
+            seq = events.seq
+            events.seq = seq + 1
+            heapq.heappush(events.heap, (self.arrivals[a + 1], seq, self.fire, a + 1))
 
     def finished(self, done: Sequence[int], t: float) -> None:
         pass

@@ -229,8 +229,8 @@ def simulate(
         assert concurrency is not None
         source = ClosedLoop(n, concurrency, warmup, measure, events, engine.arrive)
     engine.connect(source)
-    for s in states:
-        s.finished = engine.finished
+    for s in states:  # an open loop is not told of completions: the routers are told directly
+        s.finished = dispatcher.finished if isinstance(source, OpenLoop) else engine.finished
     source.start()
     if multi is not None:
         _Scraper(multi, events).start()

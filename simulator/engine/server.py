@@ -180,13 +180,6 @@ class Server:
         """Key of this server's earliest entry in the queue (-1: none); it pops no later than
         the live event and pushes it when it is not in the queue yet."""
 
-    def _rate(self) -> float:
-        running = self.running
-        rate = self.rate = (
-            self.rate_table[running] if running < self.table_size else self.model.rate_at(running)
-        )
-        return rate
-
     def _reschedule(self, done_t: float) -> None:
         """The live completion is now at `done_t`: push it unless the carrier will."""
         events = self.events
@@ -201,9 +194,8 @@ class Server:
     def admit(self, r: int, t: float) -> None:
         """Request `r` starts running at `t`: its prefill, then its first token `ttft(b)` later."""
         running = self.running = self.running + 1
-        ft = self.prompts.prefill_end(self, r, t) + (
-            self.ttft_table[running] if running < self.table_size else self.ttft_table[-1]
-        )
+        end = t if self.prefill is None and self.cache is None else self.prompts.prefill_end(self, r, t)
+        ft = end + (self.ttft_table[running] if running < self.table_size else self.ttft_table[-1])
         events = self.events
         seq = events.seq
         events.seq = seq + 1
@@ -248,7 +240,8 @@ class Server:
 
     def completion(self, seq: int, t: float) -> None:
         """The completion event `seq` fired at `t`: when it is the live one, the requests whose
-        work is done finish (the engine is told); a carrier pushes the live one."""
+        work is done finish, queued ones are admitted, and the engine is told; a carrier pushes
+        the live one."""
         if seq != self.done_seq:
             if seq == self.carrier_seq:
                 if self.done_seq >= 0:  # the live event, deferred: it pops no earlier than now
@@ -258,14 +251,6 @@ class Server:
                 else:
                     self.carrier_seq = -1
             return
-        done = self._complete(t)
-        finish = self.finish
-        for r in done:
-            finish[r] = t
-        self.finished(done, self, t)
-
-    def _complete(self, t: float) -> list[int] | tuple[int]:
-        """The live completion at `t`: the requests that finished; queued ones are admitted."""
         self.done_seq = self.carrier_seq = -1
         dheap = self.dheap
         pop = heapq.heappop
@@ -279,8 +264,9 @@ class Server:
                 done.append(pop(dheap)[1])
         else:
             done = (r,)
-        budget = self.budget
+        budget, finish = self.budget, self.finish
         for r in done:
+            finish[r] = t
             self.running -= 1
             self.tokens -= budget[r]
         if self.cache is not None:
@@ -289,10 +275,13 @@ class Server:
         queue = self.queue
         while queue and self.running < self.cap:
             self.admit(queue.popleft(), t)
-        rate = self._rate()
+        running = self.running
+        rate = self.rate = (
+            self.rate_table[running] if running < self.table_size else self.model.rate_at(running)
+        )
         if dheap:  # no carrier: the live event just popped
             self._reschedule(t + (dheap[0][0] - fv) / rate)
-        return done
+        self.finished(done, self, t)
 
 
 def _nobody(done: Sequence[int], s: Server, t: float) -> None:

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from helpers import WHOLE_BODY as BODY
 from helpers import metric_samples, wait_until
 
 from controller.proxy.decision_log import DecisionLog
-
-BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 class FullDisk:
@@ -117,11 +116,14 @@ async def test_a_removed_or_rotated_file_is_noticed_and_reopened(tmp_path):
         assert await wait_until(path.exists)
         dlog.write(3)
         assert await wait_until(lambda: len(_lines(path)) == 1)
+        os.truncate(path, 0)  # logrotate's copytruncate: the next line starts the file, no hole
+        dlog.write(4)
+        assert await wait_until(lambda: len(_lines(path)) == 1)
     finally:
         dlog.close()
     assert [r["i"] for r in _lines(tmp_path / "d.jsonl.old")] == [1]
     assert [r["i"] for r in _lines(tmp_path / "d.jsonl.older")] == [2]
-    assert [r["i"] for r in _lines(path)] == [3]
+    assert [r["i"] for r in _lines(path)] == [4] and not path.read_bytes().startswith(b"\0")
 
 
 # --- through serve, on a real full file system ------------------------------------------------------

@@ -20,6 +20,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from fakes import ShiftedClock
 from helpers import CHAT, assert_in_flight_zero, emulator_running, metric_samples, start_module, wait_until
 
 if TYPE_CHECKING:
@@ -264,9 +265,11 @@ async def _running_is(url: str, n: int) -> bool:
 async def test_5xx_and_queue_full_are_retried_once_on_the_other_pool(emulator, proxy):
     base = await emulator("baseline")
     eagle = await emulator("eagle", max_running_requests=1)
+    clock = ShiftedClock()
     p = await proxy(
         baseline=[base.url], eagle=[eagle.url], policy="fixed", policy_params={"pool": "eagle"},
         outlier_consecutive_failures=100,  # every request meets eagle first: what this test is about
+        clock=clock,
     )  # fmt: skip
     c = p.client()
 
@@ -296,14 +299,19 @@ async def test_5xx_and_queue_full_are_retried_once_on_the_other_pool(emulator, p
         pool, text = await complete(c, stream=stream)
         assert pool == "baseline" and text
     assert await requests_total("baseline", "ok") == 4.0
-    assert (await metric_samples(p.url, "specroute_failovers_total"))[(("pool", "eagle"),)] == 4.0
+    # The first queue-full fails over; then eagle backs off (overload_backoff_s), so the second
+    # request is routed to baseline at once: no second failover, and eagle is not blamed.
+    assert (await metric_samples(p.url, "specroute_failovers_total"))[(("pool", "eagle"),)] == 3.0
     await hog.close()
 
-    # both pools failing: the second answer is relayed as the backend sent it, counted as error
+    # both pools failing: the second failure is answered with the backend's status, in OpenAI's
+    # shape with the backend's text, counted as error
     base.faults.error_rate = eagle.faults.error_rate = 1.0
+    clock.advance(p.settings.overload_backoff_s)  # eagle's back-off after the queue-full ends
     with pytest.raises(openai.InternalServerError) as info:
         await c.chat.completions.create(model="m", messages=CHAT, max_tokens=4)
-    assert info.value.status_code == 500
+    assert info.value.status_code == 500  # the backend's status, the backend's text
+    assert info.value.code == "backend_failed" and "HTTP 500" in info.value.message
     assert await requests_total("baseline", "error") == 1.0
     await c.close()
     await assert_in_flight_zero(p.url)
@@ -319,6 +327,7 @@ async def test_stalled_backends_give_504_and_release_the_slot(emulator, proxy):
         eagle=[eagle.url],
         policy="threshold",
         first_byte_timeout_s=0.3,
+        request_timeout_s=0.3,  # the non-streaming request's own timeout (never re-run elsewhere)
         health_check_interval_s=60,
         scrape_interval_s=3600,  # no background scrape may overlap the idle check below
     )

@@ -114,13 +114,14 @@ async def test_500_streams_30_percent_abandoned_leave_zero_in_flight(fake_backen
 async def test_release_on_every_failure_path(fake_backend, proxy):
     fb = await fake_backend(chunks=6)
     p = await proxy(
-        baseline=[fb.url], policy="fixed", first_byte_timeout_s=0.3, idle_timeout_s=0.3, health_checks=False
-    )
+        baseline=[fb.url], policy="fixed", first_byte_timeout_s=0.3, idle_timeout_s=0.3, health_checks=False,
+        request_timeout_s=0.3,
+    )  # fmt: skip
     expected = {
         "ok": 200,
-        "error500": 500,  # no other backend: relayed as the backend sent it
-        "bad_request": 400,
-        "queue_full": 200,  # relayed as sent: the 200 stream whose first event is the error
+        "error500": 500,  # no other backend: the backend's status, in OpenAI's shape
+        "bad_request": 400,  # the client's mistake: counted client_error, not error
+        "queue_full": 503,  # no other backend: 503 with Retry-After (overload, not a failure)
         "stall": 504,
         "die_mid": 200,
         "stall_mid": 200,
@@ -136,9 +137,9 @@ async def test_release_on_every_failure_path(fake_backend, proxy):
         assert p.in_flight_samples() == [0.0], mode
     by_status = {
         st: p.sample("specroute_requests_total", pool="baseline", backend=fb.url, status=st)
-        for st in ("ok", "error", "timeout")
+        for st in ("ok", "error", "timeout", "client_error")
     }
-    assert by_status == {"ok": 1.0, "error": 4.0, "timeout": 2.0}
+    assert by_status == {"ok": 1.0, "error": 3.0, "timeout": 2.0, "client_error": 1.0}
 
 
 async def test_client_disconnect_while_waiting_for_first_byte(fake_backend, proxy):
@@ -185,6 +186,7 @@ async def test_chaos_mix_of_failures_and_abandons_leaves_zero_in_flight(fake_bac
         chunks=6,
         threshold=6,
         first_byte_timeout_s=0.3,
+        request_timeout_s=0.3,
         idle_timeout_s=0.3,
         health_check_interval_s=0.1,
     )
@@ -216,6 +218,6 @@ async def test_chaos_mix_of_failures_and_abandons_leaves_zero_in_flight(fake_bac
     total = sum(
         p.sample("specroute_requests_total", pool=b.pool, backend=b.name, status=st) or 0.0
         for b in p.tracker
-        for st in ("ok", "error", "timeout", "client_closed")
+        for st in ("ok", "error", "timeout", "client_closed", "client_error")
     )
     assert total + (p.sample("specroute_rejected_requests_total", code="503") or 0.0) == 300

@@ -77,6 +77,7 @@ async def test_openai_client_sees_502_503_504(fake_backend, proxy):
             dict(
                 baseline=[stalled.url],
                 first_byte_timeout_s=0.2,
+                request_timeout_s=0.2,  # a non-streaming request's own total timeout
                 health_checks=False,
                 outlier_consecutive_failures=1,
                 panic_routing=False,
@@ -104,7 +105,7 @@ async def test_openai_client_sees_502_503_504(fake_backend, proxy):
     assert_openai_error(info.value.response.json(), "no_healthy_backend")
 
 
-async def test_backend_errors_are_relayed_as_sent(fake_backend, proxy):
+async def test_backend_errors_reach_the_client_in_openai_shape(fake_backend, proxy):
     fb = await fake_backend()
     fb.mode = "bad_request"
     p = await proxy(baseline=[fb.url], policy="fixed")
@@ -113,12 +114,13 @@ async def test_backend_errors_are_relayed_as_sent(fake_backend, proxy):
         s.post(p.url + "/v1/chat/completions", json={"model": "m", "messages": []}) as r,
     ):
         body = await r.json()
-    assert r.status == 400
+    assert r.status == 400  # the backend's status and text, in OpenAI's shape (issue 22)
     assert body == {
-        "object": "error",
-        "message": "fake bad_request",
-        "type": "Error",
-        "param": None,
-        "code": 400,
+        "error": {
+            "message": "fake bad_request",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_request",
+        }
     }
     assert r.headers["x-specroute-pool"] == "baseline"

@@ -85,14 +85,13 @@ async def test_queue_full_first_event_and_5xx_are_retried_once(fake_backend, pro
             assert r.headers["x-specroute-backend"] == b.url
             assert b"error" not in body
             assert p.tracker.get(a.url).healthy  # overload is not ill health
-    # both failing: the second answer is relayed as the backend sent it
+    # both full: 503 with Retry-After in OpenAI's shape (overload: the client may retry soon)
     a.mode = b.mode = "queue_full"
     async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
         body = await r.read()
-    assert r.status == 200
-    first = json.loads(body.split(b"\n\n")[0].removeprefix(b"data: "))
-    assert first["error"]["code"] == 503
-    assert body.endswith(b"data: [DONE]\n\n")
+    assert r.status == 503 and r.headers["Retry-After"] == "1"
+    assert json.loads(body)["error"]["code"] == "backend_overloaded"
+    assert p.tracker.get(a.url).healthy and p.tracker.get(b.url).healthy
     assert p.tracker.total_in_flight == 0
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
+from fakes import ShiftedClock
 from helpers import assert_in_flight_zero, assert_openai_error, wait_until
 from sglang_bench import generate_body, read_generate_stream
 
@@ -139,8 +140,9 @@ async def test_generate_fails_over_on_a_full_queue_and_a_dropped_connection(
     base = await emulator("baseline")
     eagle = await emulator("eagle", max_running_requests=1, time_scale=1.0,
                            faults=FaultConfig(max_queued_requests=0))  # fmt: skip
+    clock = ShiftedClock()
     p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="fixed", policy_params={"pool": "eagle"},
-                    health_checks=False)  # fmt: skip
+                    health_checks=False, overload_backoff_s=60, clock=clock)  # fmt: skip
     holder_body = {"text": "hold", "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
     async with aiohttp.ClientSession() as s:
         holder = asyncio.create_task(s.post(eagle.url + "/generate", json=holder_body))
@@ -152,14 +154,16 @@ async def test_generate_fails_over_on_a_full_queue_and_a_dropped_connection(
             got.headers["x-specroute-pool"] == "baseline" and got.headers["x-specroute-reason"] == "failover"
         )
         async with s.post(p.url + "/generate", json=generate_body(PROMPT, 8, stream=False)) as r:
-            assert r.status == 200 and r.headers["x-specroute-reason"] == "failover"
+            # eagle backs off its queue-full for overload_backoff_s: routed around, not tried
+            assert r.status == 200 and r.headers["x-specroute-reason"] == "eagle_unavailable"
         eagle.engine.abort_all()
         (await holder).close()
         eagle.faults.max_queued_requests = None
+        clock.advance(60)  # the back-off is over
         eagle.faults.refuse_connections = True  # the connection closes before any answer
         async with s.post(p.url + "/generate", json=generate_body(PROMPT, 8, stream=False)) as r:
             assert r.status == 200 and r.headers["x-specroute-pool"] == "baseline"
-    assert p.sample("specroute_failovers_total", pool="eagle") == 3
+    assert p.sample("specroute_failovers_total", pool="eagle") == 2
     assert [r.outcome.status for r in p.records] == ["ok"] * 3
     await assert_in_flight_zero(p.url)
 

@@ -15,6 +15,8 @@ import aiohttp
 import pytest
 from helpers import BODY, run_specroute, wait_until
 
+from controller.cli import spawn
+
 
 async def test_sigterm_drains_running_stream_to_completion(fake_backend, spawn_serve):
     fb = await fake_backend(chunks=10, delay_s=0.1)
@@ -162,10 +164,8 @@ async def test_sighup_during_start_up_is_remembered_not_fatal(fake_backend, tmp_
         await asyncio.sleep(0.2)
         os.write(fd, config)
         os.close(fd)
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
-        assert line.startswith(b"specroute listening on "), (line, proc.returncode)
-        url = line.decode().split("listening on ", 1)[1].strip()
+        line = await spawn.read_listening(proc, marker="specroute listening on ", timeout_s=30)
+        url = spawn.url_of(line)
         fd = await asyncio.wait_for(writer_fd(), 30)  # the remembered reload reads the config again
         os.write(fd, config)
         os.close(fd)

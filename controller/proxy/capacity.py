@@ -1,6 +1,13 @@
-"""Admission control: a bounded wait in specroute when every backend a request may use is full.
+"""Capacity: the in-flight slots of every backend and pool, and the requests waiting for one.
 
-How it works: each backend has an in-flight bound (by default its pool's `max_running_requests`
+One object owns every capacity decision of the live path: `reserve` takes a slot in the step
+that routes a request, `move` re-targets it for a failover (the old pool's waiters are woken),
+`release` frees it (once, from a `finally`) and wakes the oldest waiter that may use it,
+`back_off` keeps a backend that answered "queue full" out of routing for `backoff_s` (overload
+is capacity, not failure: the outlier detector never sees it), and `admit` is the bounded wait.
+The counts themselves live on `BackendState` (`controller.proxy.load`), which the load view reads.
+
+Admission: each backend has an in-flight bound (by default its pool's `max_running_requests`
 from the profile plus `admission_margin`), and so has each pool (by default the sum). A full
 backend appears unhealthy in the `LoadView` (`LoadTracker.takers`), so policies route around it
 to backends that still have room, in the same pool or the other. Only when none of the backends a
@@ -25,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controller.proxy.config import Settings
 from controller.proxy.errors import Overloaded
-from controller.proxy.load import LoadTracker
+from controller.proxy.load import BackendState, LoadTracker, Reservation
 from policies.base import POOLS, Pool
 from policies.profile import Profile
 
@@ -66,7 +73,7 @@ class AdmissionMetrics:
         )
 
 
-class Admission:
+class Capacity:
     def __init__(
         self,
         tracker: LoadTracker,
@@ -75,8 +82,10 @@ class Admission:
         wait_s: float,
         max_waiting: int,
         clock: Callable[[], float],
+        backoff_s: float = 1.0,
     ) -> None:
         self.tracker = tracker
+        self.backoff_s = backoff_s
         self.clock = clock
         self.metrics = metrics
         self.wait_s = wait_s
@@ -94,7 +103,7 @@ class Admission:
         if not usable:
             return False
         room = {p: self.tracker.pool_has_room(p) for p in POOLS}
-        return not any(room[b.pool] and b.has_room() for b in usable)
+        return not any(room[b.pool] and b.has_room(now) for b in usable)
 
     async def admit(self, forced: Pool | None, now: float) -> float:
         """Return once the request may be routed (at once in the usual case, without suspending);
@@ -108,7 +117,7 @@ class Admission:
                 retry_after_s=RETRY_AFTER_S,
             )
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = self.clock()
         deadline = started + self.wait_s
         waiter = _Waiter(frozenset(POOLS if forced is None else (forced,)))
         self._waiters.append(waiter)
@@ -117,7 +126,7 @@ class Admission:
         outcome = "client_closed"
         try:
             while True:
-                remaining = deadline - loop.time()
+                remaining = deadline - self.clock()
                 if remaining <= 0:
                     outcome = "rejected"
                     self.metrics.rejections.inc()
@@ -132,13 +141,35 @@ class Admission:
                     pass
                 if not self.blocked(forced, self.clock()):
                     outcome = "admitted"
-                    return loop.time() - started
+                    return self.clock() - started
                 if waiter.wake.done():
                     waiter.wake = loop.create_future()  # another request took the slot: wait on, in place
         finally:
             self._waiters.remove(waiter)
             self.metrics.waiting.dec()
-            self.metrics.wait_seconds.labels(outcome).observe(loop.time() - started)
+            self.metrics.wait_seconds.labels(outcome).observe(max(0.0, self.clock() - started))
+
+    def reserve(self, name: str, tokens: int = 0, blocks: tuple[int, ...] = ()) -> Reservation:
+        """A slot on backend `name` (call in the step that decided it: no await in between)."""
+        return self.tracker.reserve(name, tokens, blocks)
+
+    def release(self, reservation: Reservation) -> None:
+        """Free the slot (at most once) and let a request waiting for one have it."""
+        if reservation.released:
+            return
+        self.tracker.release(reservation)
+        self.released(reservation.backend.pool)
+
+    def move(self, reservation: Reservation, name: str) -> Reservation:
+        """The same request's slot moved to backend `name` (a failover), in one step."""
+        moved = self.tracker.move(reservation, name)
+        self.released(reservation.backend.pool)
+        return moved
+
+    def back_off(self, backend: BackendState, now: float) -> None:
+        """`backend` said its queue is full: no new request goes to it for `backoff_s`."""
+        if self.backoff_s > 0:
+            backend.backoff_until = now + self.backoff_s
 
     def released(self, pool: Pool) -> None:
         """A slot of `pool` freed: wake the oldest waiter that may use it."""

@@ -1,0 +1,95 @@
+"""One process-wide memory budget for what specroute holds per request.
+
+How it works: every place that holds a request's or an answer's bytes in memory takes them from
+this budget first, in the step that allocates them, and gives them back when it lets them go:
+request bodies as they are read (after decompression, charged `BODY_COPIES` times: the read
+buffer, its bytes and the parsed JSON live at once), a stream's first event and held-back bytes,
+and a non-streaming answer. `take` never waits: when the budget cannot cover the bytes, the
+caller refuses the work at once (a client gets 503 with `Retry-After`; a backend's answer that
+does not fit is answered 502), so the process stays up instead of running out of memory. A
+`Charge` belongs to one request and is released once, from a `finally`, whatever happened.
+
+`keep_heap_small` makes the memory of a request that ended go back to the OS at once.
+
+What is not counted: per-connection buffers of aiohttp (bounded by its flow control) and the
+interpreter itself; the default (`memory_budget_bytes`, 512 MiB) leaves room for those in a 1 GiB
+container.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+BODY_COPIES = 5
+"""A request body is held about five times at its peak: the read buffer and its bytes, the parsed
+JSON, the copy that asks for the usage chunk, the prompt's canonical text (measured with
+`benchmarks/hostile_bodies.py`, row L)."""
+ANSWER_COPIES = 4
+"""A first event or whole answer: the read buffer and its bytes, the chunked framing's copy and
+the client transport's buffer."""
+
+
+def keep_heap_small() -> None:
+    """Make freed large buffers go back to the OS at once (glibc): a fixed mmap threshold, so
+    every allocation over 128 KiB is its own mapping, unmapped when freed. glibc's default raises
+    the threshold after the first large free, after which 30 MB bodies come from the heap and
+    their pages stay resident long after the requests ended. Does nothing elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+        libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
+    except (OSError, AttributeError):
+        pass
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+class MemoryBudget:
+    __slots__ = ("limit", "refusals", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.refusals = 0
+        """How often `take` refused (a metric reads it)."""
+
+    def take(self, n: int) -> bool:
+        """Take `n` bytes if the budget has them; False (and nothing taken) otherwise."""
+        if self.used + n > self.limit:
+            self.refusals += 1
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used = max(0, self.used - n)
+
+
+class Charge:
+    """What one request holds of the budget; `grow` as its buffers grow, `release` once."""
+
+    __slots__ = ("budget", "held")
+
+    def __init__(self, budget: MemoryBudget) -> None:
+        self.budget = budget
+        self.held = 0
+
+    def grow_to(self, n: int) -> bool:
+        """Hold `n` bytes in all (more than now: take the difference); False when refused."""
+        more = n - self.held
+        if more <= 0:
+            return True
+        if not self.budget.take(more):
+            return False
+        self.held = n
+        return True
+
+    def shrink_to(self, n: int) -> None:
+        if n < self.held:
+            self.budget.give(self.held - n)
+            self.held = n
+
+    def release(self) -> None:
+        self.shrink_to(0)

@@ -1,0 +1,308 @@
+"""One attempt on one backend, up to the point where specroute commits to its answer.
+
+`open_upstream` sends the request and reads what must be seen before anything goes to the
+client: a stream's first event (`controller.proxy.sse.first_event` judges it), or a
+non-streaming answer whole. It returns an `Upstream` to relay, or raises `UpstreamFailure`
+whose `kind` says what the failure means for the rest of the request:
+
+| kind          | what happened                                          | outlier | failover |
+|---------------|--------------------------------------------------------|---------|----------|
+| `unreachable` | connection refused, or no TCP handshake in time        | counts  | yes      |
+| `failed`      | a 5xx (not 503), a redirect or 1xx, a reset            | counts  | yes      |
+| `protocol`    | a bad first event, a stream ended before `[DONE]`,     | counts  | yes      |
+|               | an answer over `response_limit_bytes`                  |         |          |
+| `overload`    | 503 or 429, or SGLang's queue-full first event         | never   | yes      |
+| `timeout`     | no first event in `first_byte_timeout_s` (a stream),   | if slow | streams  |
+|               | no whole answer in `request_timeout_s` (non-streaming) | for all | only     |
+| `budget`      | the answer does not fit in the memory budget           | never   | no       |
+
+Every byte held while reading is charged to the request's `Charge` (`controller.proxy.memory`).
+An error answer a backend gives (a 4xx for the client's mistake, or a 5xx with no backend left to
+try) reaches the client in OpenAI's shape, the backend's text kept in `message`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from controller.proxy.errors import BackendFailed, BackendTimeout, SpecrouteError
+from controller.proxy.memory import ANSWER_COPIES, Charge
+from controller.proxy.sse import (
+    FIRST_OK,
+    FIRST_OVERLOAD,
+    ends_with_done,
+    first_event,
+    last_event_end,
+    parse_json,
+)
+
+FailureKind = Literal["unreachable", "failed", "protocol", "overload", "timeout", "budget"]
+COUNTED: frozenset[FailureKind] = frozenset({"unreachable", "failed", "protocol"})
+"""Failures the outlier detector counts as they are (a timeout counts only if slow for others)."""
+
+
+class BackendOverloaded(SpecrouteError):
+    """Every backend the request could use said its queue is full: retry shortly."""
+
+    status = 503
+    type = "server_error"
+    code = "backend_overloaded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Retry-After": "1"})
+
+
+class MemoryBudgetExceeded(SpecrouteError):
+    """A backend's answer did not fit in the process-wide memory budget."""
+
+    status = 502
+    type = "server_error"
+    code = "answer_over_memory_budget"
+
+
+class BackendAnswered(BackendFailed):
+    """A backend's own 5xx answer, in OpenAI's shape with the backend's status and text."""
+
+    def __init__(self, message: str, backend_status: int) -> None:
+        super().__init__(message)
+        self.backend_status = backend_status
+
+    def response(self) -> web.Response:
+        resp = super().response()
+        resp.set_status(self.backend_status)
+        return resp
+
+
+class UpstreamFailure(Exception):
+    """The backend failed before anything was committed to the client."""
+
+    def __init__(self, error: SpecrouteError, kind: FailureKind, *, may_retry: bool = True) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.kind = kind
+        self.may_retry = may_retry
+
+
+@dataclass(slots=True)
+class Upstream:
+    resp: aiohttp.ClientResponse
+    head: bytes
+    """Streams: the bytes up to the end of the first event (and what was buffered). Otherwise
+    the body to send: the backend's, or its error translated into OpenAI's shape."""
+    streaming: bool
+    first_byte_at: float
+    opaque: bool = False
+    """A compressed stream: relayed byte for byte, its events not looked at."""
+    ended: bool = False
+    """A stream whose whole answer is in `head` (the backend's end included)."""
+
+
+_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found"}
+
+
+def openai_error(status: int, body: bytes, backend: str) -> dict[str, Any]:
+    """A backend's error answer as OpenAI's `{"error": {message, type, param, code}}`; the
+    backend's own text is kept in `message`."""
+    obj = parse_json(body)
+    inner = obj.get("error") if isinstance(obj, dict) else None
+    source = inner if isinstance(inner, dict) else obj if isinstance(obj, dict) else {}
+    message = source.get("message", source.get("detail"))
+    if not isinstance(message, str):
+        message = body[:2000].decode(errors="replace").strip() or f"HTTP {status}"
+    param = source.get("param")
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error" if 400 <= status < 500 else "server_error",
+            "param": param if isinstance(param, str) else None,
+            "code": _CODES.get(status, "rate_limit_exceeded" if status == 429 else f"backend_http_{status}"),
+        }
+    }
+
+
+def _os_reason(e: OSError) -> str:
+    return os.strerror(e.errno) if e.errno else type(e).__name__
+
+
+async def _read_whole(resp: aiohttp.ClientResponse, limit: int, charge: Charge) -> bytes:
+    declared = resp.content_length
+    if declared is not None and declared > limit:
+        raise _TooLarge(f"answer of {declared} bytes declared, the limit is {limit}")
+    buf = bytearray()
+    try:
+        while chunk := await resp.content.readany():
+            buf += chunk
+            if len(buf) > limit:
+                raise _TooLarge(f"answer larger than {limit} bytes")
+            if not charge.grow_to(ANSWER_COPIES * len(buf)):
+                raise _OverBudget
+        return bytes(buf)
+    except BaseException:
+        buf.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
+        raise
+
+
+async def _read_first_event(resp: aiohttp.ClientResponse, limit: int, charge: Charge) -> bytes:
+    """The bytes up to the end of the first event, plus what is buffered already; fewer at the
+    end of the stream. Each byte is searched once."""
+    buf = bytearray()
+    try:
+        while True:
+            chunk = await resp.content.readany()
+            if not chunk:
+                return bytes(buf)
+            searched = len(buf)
+            if not searched and last_event_end(chunk) >= 0:  # the usual case: one read, no copy
+                if not resp.content.at_eof():
+                    chunk += resp.content.read_nowait()
+                if not charge.grow_to(ANSWER_COPIES * len(chunk)):
+                    chunk = b""
+                    raise _OverBudget
+                return chunk
+            buf += chunk
+            if last_event_end(buf[max(0, searched - 3) :]) >= 0:
+                if not resp.content.at_eof():
+                    buf += resp.content.read_nowait()  # what is already buffered: one write, not two
+                if not charge.grow_to(ANSWER_COPIES * len(buf)):
+                    raise _OverBudget
+                return bytes(buf)
+            if len(buf) > limit:
+                raise _TooLarge(f"first event larger than {limit} bytes")
+            if not charge.grow_to(ANSWER_COPIES * len(buf)):
+                raise _OverBudget
+    except BaseException:
+        buf.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
+        raise
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _OverBudget(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """What `open_upstream` needs besides the session: where, what, and the bounds."""
+
+    url: str
+    name: str
+    data: bytes
+    headers: CIMultiDict[str]
+    stream: bool
+    timeout_s: float
+    """`first_byte_timeout_s` for a stream, `request_timeout_s` otherwise."""
+    limit: int
+    """`response_limit_bytes`."""
+
+
+async def open_upstream(
+    session: aiohttp.ClientSession,
+    attempt: Attempt,
+    client_timeout: aiohttp.ClientTimeout,
+    charge: Charge,
+    clock: Callable[[], float],
+) -> Upstream:
+    resp: aiohttp.ClientResponse | None = None
+    try:
+        async with asyncio.timeout(attempt.timeout_s):
+            resp = await session.post(
+                attempt.url,
+                data=attempt.data,
+                headers=attempt.headers,
+                timeout=client_timeout,
+                allow_redirects=False,
+            )
+            return await _judge(resp, attempt, charge, clock)
+    except BaseException as e:
+        if resp is not None:
+            resp.close()
+        raise _failure(e, attempt) from None
+
+
+async def _judge(
+    resp: aiohttp.ClientResponse, attempt: Attempt, charge: Charge, clock: Callable[[], float]
+) -> Upstream:
+    name, status = attempt.name, resp.status
+    if status < 200 or 300 <= status < 400:
+        # A 101 cannot be relayed over this proxy's HTTP/1.1 exchange, and a redirect would send
+        # the prompt (or, as a GET, lose it) where the backend says: both are backend errors.
+        where = " (a redirect, not followed: check the backend URL)" if "Location" in resp.headers else ""
+        raise UpstreamFailure(BackendFailed(f"backend {name} answered HTTP {status}{where}"), "failed")
+    encoded = resp.headers.get("Content-Encoding", "identity").lower() not in ("", "identity")
+    if attempt.stream and status == 200 and encoded:  # compressed despite identity: relayed as is
+        return Upstream(resp, await resp.content.readany(), True, clock(), opaque=True)
+    if attempt.stream and status == 200:
+        head = await _read_first_event(resp, attempt.limit, charge)
+        ended = resp.content.at_eof()
+        verdict, why = first_event(head)
+        if verdict == FIRST_OVERLOAD:
+            raise UpstreamFailure(BackendOverloaded(f"backend {name} is overloaded: {why}"), "overload")
+        if verdict != FIRST_OK:
+            raise UpstreamFailure(BackendFailed(f"backend {name} sent a bad stream: {why}"), "protocol")
+        if ended and not ends_with_done(head):
+            what = "an empty stream" if not head.strip() else "a stream that ended before [DONE]"
+            raise UpstreamFailure(BackendFailed(f"backend {name} sent {what}"), "protocol")
+        return Upstream(resp, head, True, clock(), ended=ended)
+    body = await _read_whole(resp, attempt.limit, charge)
+    if status in (429, 503):
+        error = openai_error(status, body, name)["error"]["message"]
+        raise UpstreamFailure(BackendOverloaded(f"backend {name} is overloaded: {error}"), "overload")
+    if status >= 500:
+        error = openai_error(status, body, name)["error"]["message"]
+        raise UpstreamFailure(
+            BackendAnswered(f"backend {name} answered HTTP {status}: {error}", status), "failed"
+        )
+    if status >= 400:
+        body = json.dumps(openai_error(status, body, name)).encode()
+    return Upstream(resp, body, False, clock())
+
+
+def _failure(e: BaseException, attempt: Attempt) -> BaseException:
+    """The failure an exception of an attempt means (a cancellation is passed on as it is)."""
+    name = attempt.name
+    if isinstance(e, UpstreamFailure | asyncio.CancelledError) or not isinstance(e, Exception):
+        return e
+    if isinstance(e, aiohttp.ConnectionTimeoutError):  # no TCP handshake: unreachable
+        return UpstreamFailure(
+            BackendFailed(f"backend {name} did not accept the connection in time"), "unreachable"
+        )
+    if isinstance(e, TimeoutError):
+        if attempt.stream:
+            return UpstreamFailure(
+                BackendTimeout(f"backend {name} timed out before the first byte"), "timeout"
+            )
+        return UpstreamFailure(
+            BackendTimeout(f"backend {name} did not answer within {attempt.timeout_s:g} s"),
+            "timeout",
+            may_retry=False,
+        )
+    if isinstance(e, aiohttp.ClientConnectorError):
+        reason = _os_reason(e.os_error)
+        return UpstreamFailure(
+            BackendFailed(f"backend {name} refused the connection: {reason}"), "unreachable"
+        )
+    if isinstance(e, _TooLarge):
+        return UpstreamFailure(BackendFailed(f"backend {name} sent an {e}"), "protocol")
+    if isinstance(e, _OverBudget):
+        what = "first event" if attempt.stream else "answer"
+        return UpstreamFailure(
+            MemoryBudgetExceeded(f"backend {name}'s {what} does not fit in specroute's memory budget now"),
+            "budget", may_retry=False,
+        )  # fmt: skip
+    if isinstance(e, aiohttp.ClientError | OSError):
+        return UpstreamFailure(
+            BackendFailed(f"backend {name} failed before the first byte: {type(e).__name__}"), "failed"
+        )
+    return e

@@ -1,0 +1,86 @@
+"""The capacity object, the memory budget and the outlier rules as plain code, with explicit
+times (no sleeps): a queue-full back-off keeps a backend out of routing until its deadline and
+is never an outlier failure; a timeout counts only when the backend served nobody since; a
+request's memory charge grows, is refused past the budget and is released once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from controller.proxy.capacity import AdmissionMetrics, Capacity
+from controller.proxy.load import LoadTracker
+from controller.proxy.memory import Charge, MemoryBudget
+from controller.proxy.outlier import OutlierDetector
+
+
+def _capacity(now: list[float], **kw: float) -> tuple[LoadTracker, Capacity]:
+    tracker = LoadTracker(["b0=http://10.0.0.1:1", "b1=http://10.0.0.2:1"], ["e0=http://10.0.1.1:1"])
+    params = {"wait_s": 5.0, "max_waiting": 10, "backoff_s": 1.0} | kw
+    cap = Capacity(
+        tracker,
+        AdmissionMetrics(CollectorRegistry()),
+        clock=lambda: now[0],
+        **params,  # type: ignore[arg-type]
+    )
+    return tracker, cap
+
+
+def test_a_queue_full_backs_the_backend_off_until_its_deadline():
+    now = [100.0]
+    tracker, cap = _capacity(now)
+    cap.back_off(tracker.get("b0"), now[0])
+    assert [b.name for b in tracker.takers(100.5)] == ["b1", "e0"]
+    assert not tracker.view(100.5).pool("baseline").backends[0].admits
+    assert [b.name for b in tracker.takers(101.0)] == ["b0", "b1", "e0"]  # back at its deadline
+    assert tracker.get("b0").healthy and not tracker.get("b0").ejected(100.5)  # never ill, never out
+
+
+def test_reserve_move_and_release_keep_exact_counts_and_release_once():
+    now = [0.0]
+    tracker, cap = _capacity(now)
+    r = cap.reserve("b0", 10)
+    r = cap.move(r, "e0")
+    assert (tracker.get("b0").in_flight, tracker.get("e0").in_flight) == (0, 1)
+    cap.release(r)
+    cap.release(r)
+    assert tracker.total_in_flight == 0 and tracker.get("e0").in_flight_tokens == 0
+
+
+async def test_a_released_slot_wakes_the_waiter_that_may_use_it():
+    now = [0.0]
+    tracker, cap = _capacity(now)
+    tracker.set_bounds({"b0": 1, "b1": 1, "e0": 1}, {"baseline": None, "eagle": None})
+    held = [cap.reserve(n) for n in ("b0", "b1", "e0")]
+    waiter = asyncio.create_task(cap.admit(None, now[0]))
+    await asyncio.sleep(0)  # let it queue (no time passes: the fake clock stands still)
+    assert cap.waiting == 1 and not waiter.done()
+    cap.release(held[1])
+    assert await waiter == 0.0  # woken by the release, not by a timer
+    for r in held:
+        cap.release(r)
+
+
+def test_a_timeout_counts_only_when_the_backend_served_nobody_since():
+    tracker = LoadTracker(["b0=http://10.0.0.1:1", "b1=http://10.0.0.2:1"], [])
+    d = OutlierDetector(tracker, consecutive_failures=1, base_s=10.0, max_s=300.0, max_ejected_percent=100.0)
+    b = tracker.get("b0")
+    d.progress(b, 5.0)  # another request's first byte at t=5
+    assert not d.timeout(b, sent_at=4.0, now=10.0, why="long generation")  # it served others meanwhile
+    assert b.ejected_until is None
+    assert d.timeout(b, sent_at=6.0, now=12.0, why="silent")  # nothing since t=6: slow for all
+    assert b.ejected_until == 22.0
+
+
+def test_the_memory_budget_refuses_past_its_limit_and_a_charge_releases_once():
+    budget = MemoryBudget(100)
+    a, b = Charge(budget), Charge(budget)
+    assert a.grow_to(60) and a.grow_to(80) and budget.used == 80
+    assert not b.grow_to(30) and budget.used == 80 and budget.refusals == 1
+    a.shrink_to(50)
+    assert b.grow_to(30) and budget.used == 80
+    a.release()
+    a.release()
+    b.release()
+    assert budget.used == 0

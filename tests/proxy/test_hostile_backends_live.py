@@ -1,0 +1,491 @@
+"""The hostile probe of issue 25, row by row, through the real `specroute serve` process:
+misbehaving backends on raw sockets (`RawBackend`), real clients (aiohttp for the bytes on the
+wire, the openai SDK where a client library is the point). Each test checks the bytes the client
+got, the status and outcome (`specroute_requests_total`), that no healthy backend was ejected and
+that no work was sent twice."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from fakes import FakeBackend, RawBackend, RawRequest
+from helpers import assert_in_flight_zero, assert_openai_error, metric_samples
+
+CHAT = [{"role": "user", "content": "hello"}]
+BODY: dict[str, Any] = {"model": "m", "messages": CHAT, "stream": True}
+OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+
+
+def chunk(text: str) -> bytes:
+    payload = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": text}}],
+    }
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+COMPLETION = {
+    "id": "x",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
+
+
+def whole(body: bytes, status: str = "200 OK") -> bytes:
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode() + body
+
+
+def posts(rb: RawBackend) -> list[RawRequest]:
+    return [r for r in rb.requests if r.method == "POST"]
+
+
+Serve = Callable[..., Awaitable[Any]]
+
+
+async def serve(spawn_serve: Serve, baseline: str, eagle: str | None = None, *extra: str) -> str:
+    args = ["--baseline", baseline, "--policy", "fixed", "--policy-param", "pool=baseline"]
+    if eagle is not None:
+        args += ["--eagle", eagle]
+    sp = await spawn_serve(*args, "--health-check-interval-s", "3600", "--log-level", "ERROR", *extra)
+    return str(sp.url)
+
+
+async def requests_total(url: str, backend: str, status: str) -> float:
+    samples = await metric_samples(url, "specroute_requests_total")
+    return sum(v for k, v in samples.items() if ("backend", backend) in k and ("status", status) in k)
+
+
+async def ejections(url: str) -> float:
+    return sum((await metric_samples(url, "specroute_backend_ejections_total")).values())
+
+
+async def post_raw(url: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        return r.status, await r.read()
+
+
+# --- K: a hostile usage event in a started stream -----------------------------------------
+
+
+@pytest.mark.parametrize("usage", ["deep", "digits"])
+async def test_k_a_hostile_usage_event_is_relayed_not_a_second_response(spawn_serve, raw_backend, usage):
+    count = "[" * 5000 + "]" * 5000 if usage == "deep" else "7" * 5000
+    hostile = b'data: {"id":"x","choices":[],"usage":{"completion_tokens":' + count.encode() + b"}}\n\n"
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD + chunk("a"))
+        await w.drain()
+        w.write(chunk("b") + hostile + DONE)
+
+    rb = await raw_backend(answer)
+    url = await serve(spawn_serve, rb.url)
+    status, body = await post_raw(url, BODY)
+    assert status == 200
+    assert body == chunk("a") + chunk("b") + hostile + DONE  # every byte, one response
+    assert b"HTTP/1.1" not in body
+    assert await requests_total(url, rb.url, "ok") == 1.0
+    await assert_in_flight_zero(url)
+
+
+async def test_k_a_non_streaming_answer_with_a_5000_digit_count_is_relayed(spawn_serve, raw_backend):
+    answer_body = json.dumps({**COMPLETION, "usage": {"completion_tokens": 0}}).replace(
+        "0}", "9" * 5000 + "}"
+    )
+    raw = answer_body.encode()
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(whole(raw))
+
+    rb = await raw_backend(answer)
+    url = await serve(spawn_serve, rb.url)
+    status, body = await post_raw(url, {**BODY, "stream": False})
+    assert (status, body) == (200, raw)
+    assert await requests_total(url, rb.url, "ok") == 1.0
+
+
+# --- I: a stream that ends before its end --------------------------------------------------
+
+
+async def test_i_an_empty_stream_fails_over(spawn_serve, raw_backend, fake_backend):
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD)  # then the connection closes: no event, no [DONE]
+
+    rb = await raw_backend(answer)
+    good: FakeBackend = await fake_backend()
+    url = await serve(spawn_serve, rb.url, good.url)
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+    stream = await c.chat.completions.create(model="m", messages=CHAT, stream=True)  # type: ignore[arg-type]
+    text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+    assert text  # the other backend's whole answer
+    assert len(posts(rb)) == 1 and len(good.requests) == 1
+    assert await requests_total(url, good.url, "ok") == 1.0
+    failovers = await metric_samples(url, "specroute_failovers_total")
+    assert failovers[(("pool", "baseline"),)] == 1.0
+    await c.close()
+
+
+async def test_i_one_event_then_close_fails_over_or_ends_with_an_error(
+    spawn_serve, raw_backend, fake_backend
+):
+    """Whether the close is seen before the first event went out depends on the network; either
+    way the client gets one well-formed answer and the cut stream is an error, never `ok`."""
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD + chunk("a"))
+
+    rb = await raw_backend(answer)
+    good: FakeBackend = await fake_backend()
+    url = await serve(spawn_serve, rb.url, good.url)
+    status, body = await post_raw(url, BODY)
+    assert status == 200 and body.endswith(DONE) and body.count(DONE) == 1
+    if len(good.requests) == 1:  # seen before the commit: failed over
+        assert body.startswith(b"data: ") and b"stream_broken" not in body
+        assert await requests_total(url, good.url, "ok") == 1.0
+    else:
+        assert body.startswith(chunk("a")) and b"stream_broken" in body
+        assert await requests_total(url, rb.url, "error") == 1.0
+    assert await requests_total(url, rb.url, "ok") == 0.0
+
+
+async def test_i_a_stream_cut_after_the_commit_ends_with_an_error_event(spawn_serve, raw_backend):
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD + chunk("a"))
+        await w.drain()
+        await asyncio.sleep(0.05)  # the backend's pace, not a timeout: the first event goes out alone
+        w.write(chunk("b"))  # and then the connection closes without [DONE]
+
+    rb = await raw_backend(answer)
+    url = await serve(spawn_serve, rb.url, None, "--outlier-consecutive-failures", "1")
+    status, body = await post_raw(url, BODY)
+    assert status == 200
+    assert body.startswith(chunk("a") + chunk("b"))
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))
+    assert_openai_error(error, "stream_broken")
+    assert "without [DONE]" in error["error"]["message"]
+    assert await requests_total(url, rb.url, "error") == 1.0
+    assert await ejections(url) == 1.0  # a backend that cuts its streams is the faulty one
+
+
+# --- G: CRLF framing is relayed event by event ----------------------------------------------
+
+
+@pytest.mark.parametrize("end", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+async def test_g_crlf_and_cr_framed_events_are_relayed_as_they_come(spawn_serve, raw_backend, end):
+    first_seen = asyncio.Event()
+
+    def ev(data: bytes) -> bytes:
+        return b"data: " + data + end + end
+
+    usage = b'{"id":"x","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}'
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD + ev(chunk("a")[6:-2]))
+        await w.drain()
+        await asyncio.wait_for(first_seen.wait(), 30)  # the client must see it before the rest exists
+        w.write(ev(chunk("b")[6:-2]) + ev(usage) + ev(b"[DONE]"))
+
+    rb = await raw_backend(answer)
+    url = await serve(spawn_serve, rb.url)
+    got = b""
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=BODY) as r:
+        assert r.status == 200
+        async for data in r.content.iter_any():
+            got += data
+            if got.endswith(end + end):
+                first_seen.set()
+    assert got == ev(chunk("a")[6:-2]) + ev(chunk("b")[6:-2]) + ev(b"[DONE]")  # usage: asked by specroute
+    assert await requests_total(url, rb.url, "ok") == 1.0
+
+
+# --- C: deep JSON and huge numbers where a backend answers ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        b'data: {"error": ' + b"[" * 5000 + b"]" * 5000 + b"}\n\n",
+        b'data: {"error": {"code": ' + b"5" * 400 + b"}}\n\n",
+    ],
+    ids=["deep", "digits"],
+)
+async def test_c_a_hostile_first_event_fails_over_and_counts(spawn_serve, raw_backend, fake_backend, first):
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD + first + DONE)
+
+    rb = await raw_backend(answer)
+    good: FakeBackend = await fake_backend()
+    url = await serve(spawn_serve, rb.url, good.url, "--outlier-consecutive-failures", "1")
+    status, body = await post_raw(url, BODY)
+    assert status == 200 and body.endswith(DONE) and b'"error"' not in body
+    assert len(good.requests) == 1
+    assert await requests_total(url, good.url, "ok") == 1.0
+    assert await ejections(url) == 1.0  # the backend that broke the protocol, not the good one
+
+
+async def test_c_deep_json_from_server_info_and_generate_is_no_internal_error(spawn_serve, raw_backend):
+    deep = b'{"meta_info": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(whole(deep))
+
+    rb = await raw_backend(answer)
+    url = await serve(spawn_serve, rb.url)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/server_info") as r:
+            assert r.status < 500 or (await r.json())["error"]["code"] != "internal_error"
+        status, body = await post_raw(url, {"text": "hi", "stream": False}, "/generate")
+    assert (status, body) == (200, deep)  # the backend's answer, as it sent it
+
+
+# --- B: absurd token counts -----------------------------------------------------------------
+
+
+async def test_b_an_absurd_usage_does_not_lose_the_decision_log_line(
+    spawn_serve, raw_backend, tmp_path: Path
+):
+    huge = b"1" + b"0" * 400
+    usage = (
+        b'{"id":"x","choices":[],"usage":{"prompt_tokens":' + huge + b',"completion_tokens":' + huge + b"}}"
+    )
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD + chunk("a") + b"data: " + usage + b"\n\n" + DONE)
+
+    rb = await raw_backend(answer)
+    log_path = tmp_path / "decisions.jsonl"
+    url = await serve(spawn_serve, rb.url, None, "--decision-log", str(log_path))
+    status, body = await post_raw(url, BODY)
+    assert status == 200 and body.endswith(DONE)
+    assert await requests_total(url, rb.url, "ok") == 1.0
+    for _ in range(100):  # the log is written by a thread: wait for the line, not a time
+        if log_path.exists() and log_path.read_text().strip():
+            break
+        await asyncio.sleep(0.05)
+    (line,) = log_path.read_text().splitlines()
+    record = json.loads(line)
+    assert record["status"] == "ok"
+
+
+# --- J: long non-streaming requests ---------------------------------------------------------
+
+
+async def test_j_a_non_streaming_request_is_never_run_twice_nor_blamed(spawn_serve, raw_backend):
+    release = asyncio.Event()
+
+    async def slow(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        if b"long" in req.body:
+            await release.wait()  # a long generation: longer than the request timeout
+        w.write(whole(json.dumps(COMPLETION).encode()))
+
+    a, b = await raw_backend(slow), await raw_backend(slow)
+    url = await serve(
+        spawn_serve, a.url, b.url, "--policy-param", "pool=baseline", "--first-byte-timeout-s", "0.2",
+        "--request-timeout-s", "1", "--outlier-consecutive-failures", "1",
+    )  # fmt: skip
+    long_body = {"model": "m", "messages": [{"role": "user", "content": "long"}]}
+    short_body = {"model": "m", "messages": CHAT}
+    long_ones = [asyncio.create_task(post_raw(url, long_body)) for _ in range(3)]
+    shorts = [await post_raw(url, short_body) for _ in range(5)]  # longer than first_byte_timeout_s? no
+    results = await asyncio.gather(*long_ones)
+    release.set()
+    assert all(s == 200 for s, _ in shorts)
+    for status, body in results:
+        assert status == 504
+        assert_openai_error(json.loads(body), "backend_timeout")
+    long_posts = [r for r in posts(a) + posts(b) if b"long" in r.body]
+    assert len(long_posts) == 3  # each sent once: no GPU work doubled
+    assert await ejections(url) == 0.0  # the backend served others meanwhile: not its fault
+
+
+async def test_j_a_non_streaming_answer_slower_than_first_byte_timeout_is_served(spawn_serve, raw_backend):
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.5)  # the backend's pace: longer than first_byte_timeout_s
+        w.write(whole(json.dumps(COMPLETION).encode()))
+
+    rb = await raw_backend(answer)
+    url = await serve(spawn_serve, rb.url, None, "--first-byte-timeout-s", "0.1")
+    status, body = await post_raw(url, {**BODY, "stream": False})
+    assert status == 200 and json.loads(body) == COMPLETION
+    assert len(posts(rb)) == 1
+
+
+# --- M: overload is not failure -------------------------------------------------------------
+
+QUEUE_FULL = (
+    b'data: {"error": {"object": "error", "message": "The request queue is full.", '
+    b'"type": "SERVICE_UNAVAILABLE", "param": null, "code": 503}}\n\n' + DONE
+)
+
+
+async def test_m_queue_full_is_backed_off_never_ejected(spawn_serve, raw_backend, fake_backend):
+    async def full(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        if req.method == "GET":  # its health probe: it is up, only busy
+            w.write(whole(b"{}"))
+        elif b'"stream": true' in req.body or b'"stream":true' in req.body:
+            w.write(OK_HEAD + QUEUE_FULL)
+        else:
+            w.write(
+                whole(b'{"object":"error","message":"The request queue is full.","code":503}', "503 Busy")
+            )
+
+    rb = await raw_backend(full)
+    good: FakeBackend = await fake_backend()
+    url = await serve(
+        spawn_serve, rb.url, good.url, "--outlier-consecutive-failures", "1", "--overload-backoff-s", "0"
+    )
+    for stream in (True, False, True, False):
+        status, _ = await post_raw(url, {**BODY, "stream": stream})
+        assert status == 200
+    assert len(posts(rb)) == 4  # every request tried the full backend first (no back-off) ...
+    assert await ejections(url) == 0.0  # ... and it was never ejected for being full
+    async with aiohttp.ClientSession() as s, s.get(url + "/ready") as r:
+        assert rb.url in (await r.json())["healthy_backends"]
+
+
+async def test_m_every_backend_full_is_a_503_with_retry_after(spawn_serve, raw_backend):
+    async def full(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD + QUEUE_FULL)
+
+    rb = await raw_backend(full)
+    url = await serve(spawn_serve, rb.url)
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=BODY) as r:
+        assert r.status == 503 and r.headers["Retry-After"]
+        body = await r.json()
+    assert_openai_error(body, "backend_overloaded")
+    assert "queue" in body["error"]["message"]
+
+
+# --- a client's mistake ---------------------------------------------------------------------
+
+
+async def test_a_backend_4xx_is_openai_shaped_and_counted_client_error(spawn_serve, raw_backend):
+    sglang = (
+        b'{"object":"error","message":"max_tokens must be at least 1","type":"BadRequestError","code":400}'
+    )
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(whole(sglang, "400 Bad Request"))
+
+    rb = await raw_backend(answer)
+    url = await serve(spawn_serve, rb.url, None, "--outlier-consecutive-failures", "1")
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+    for _ in range(3):
+        with pytest.raises(openai.BadRequestError) as info:
+            await c.chat.completions.create(model="m", messages=CHAT, max_tokens=0)  # type: ignore[arg-type]
+        assert info.value.code == "invalid_request"
+        assert info.value.body["message"] == "max_tokens must be at least 1"  # type: ignore[index]
+    assert await requests_total(url, rb.url, "client_error") == 3.0
+    assert await ejections(url) == 0.0
+    await c.close()
+
+
+# --- L, L2, H: the memory budget ------------------------------------------------------------
+
+BUDGET = 64 * 1024 * 1024
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+async def test_l_large_bodies_beyond_the_budget_get_503_not_memory(spawn_serve, fake_backend):
+    good: FakeBackend = await fake_backend()
+    sp = await spawn_serve(
+        "--baseline", good.url, "--policy", "fixed", "--policy-param", "pool=baseline",
+        "--memory-budget-bytes", str(BUDGET), "--log-level", "ERROR",
+    )  # fmt: skip
+    big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * (8 << 20)}]}).encode()
+
+    async def one(s: aiohttp.ClientSession) -> tuple[int, str | None]:
+        async with s.post(
+            sp.url + "/v1/chat/completions", data=big, headers={"Content-Type": "application/json"}
+        ) as r:
+            await r.read()
+            return r.status, r.headers.get("Retry-After")
+
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*(one(s) for _ in range(16)))
+    statuses = [st for st, _ in results]
+    assert set(statuses) <= {200, 503} and 503 in statuses
+    assert all(ra for st, ra in results if st == 503)
+    assert peak_rss(sp.proc.pid) <= BUDGET + 150 * 1024 * 1024
+    async with aiohttp.ClientSession() as s:  # and the budget comes back: a request fits again
+        assert (await one(s))[0] == 200
+
+
+async def test_l2_a_gzip_bomb_is_refused_by_its_ratio(spawn_serve, fake_backend):
+    good: FakeBackend = await fake_backend()
+    sp = await spawn_serve("--baseline", good.url, "--log-level", "ERROR")
+    bomb = gzip.compress(json.dumps({"model": "m", "prompt": "x" * (30 << 20)}).encode())
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(sp.url + "/v1/completions", data=bomb, headers=headers) as r,
+    ):
+        assert r.status == 413
+        assert_openai_error(await r.json(), "payload_too_large")
+    assert good.requests == []
+
+
+async def test_h_huge_first_events_beyond_the_budget_get_502_not_memory(spawn_serve, raw_backend):
+    first = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"' + b"y" * (20 << 20) + b'"}}]}\n\n'
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD + first + DONE)
+
+    rb = await raw_backend(answer)
+    sp = await spawn_serve(
+        "--baseline", rb.url, "--policy", "fixed", "--policy-param", "pool=baseline",
+        "--memory-budget-bytes", str(BUDGET), "--health-check-interval-s", "3600", "--log-level", "ERROR",
+    )  # fmt: skip
+    results = await asyncio.gather(*(post_raw(sp.url, BODY) for _ in range(8)))
+    statuses = sorted(st for st, _ in results)
+    assert set(statuses) <= {200, 502} and 502 in statuses
+    for st, body in results:
+        if st == 502:
+            assert_openai_error(json.loads(body), "answer_over_memory_budget")
+        else:
+            assert body == first + DONE
+    assert peak_rss(sp.proc.pid) <= BUDGET + 150 * 1024 * 1024
+    assert await ejections(sp.url) == 0.0
+
+
+# --- issue 22: a stream cut at shutdown ends like a broken one --------------------------------
+
+
+async def test_a_stream_cut_by_the_drain_timeout_ends_with_the_error_event(spawn_serve, fake_backend):
+    fb: FakeBackend = await fake_backend(chunks=10)
+    fb.mode = "stall_mid"
+    sp = await spawn_serve("--baseline", fb.url, "--policy", "fixed", "--drain-timeout-s", "0.5")
+    async with aiohttp.ClientSession() as s, s.post(sp.url + "/v1/chat/completions", json=BODY) as r:
+        first = await r.content.readuntil(b"\n\n")
+        sp.signal(signal.SIGTERM)
+        body = first + await r.read()
+    assert await sp.wait(timeout_s=20) == 0
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))
+    assert_openai_error(error, "stream_broken")
+    assert "shutting down" in error["error"]["message"]
