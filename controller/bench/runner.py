@@ -202,6 +202,7 @@ class BenchRunner:
                     self.on_level(lv)
             # avg_spec_accept_length is a lifetime average: the value after the sweep covers it.
             end_info = await fetch_server_info(session, self.base)
+            md["server_info_end"] = end_info  # vLLM: its counters, for the sweep's own accept length
             if end_info["avg_spec_accept_length"] is not None:
                 md["server_info"]["avg_spec_accept_length"] = end_info["avg_spec_accept_length"]
             md["finished"] = datetime.now(UTC).isoformat(timespec="seconds")

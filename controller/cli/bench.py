@@ -140,6 +140,13 @@ def configure_bench(b: argparse.ArgumentParser) -> None:
     b.add_argument("--out", metavar="FILE", help="write raw results and summaries (JSON)")
     b.add_argument("--profile-out", metavar="FILE", help="write a specroute.profile/v1 for --mode")
     b.add_argument("--mode", choices=("baseline", "eagle"), help="mode of the written profile")
+    b.add_argument(
+        "--together",
+        metavar="URL2",
+        help="measure URL2 at the same time, level by level (servers sharing cores slow each other): "
+        "URL2 gets the other --mode, --out's result for it goes beside --out (NAME.together.json), "
+        "and --profile-out gets both modes",
+    )
     b.add_argument("--profile-name", default=None, help="name field of the written profile")
     b.add_argument(
         "--import-sglang",
@@ -301,6 +308,8 @@ def run_bench(args: argparse.Namespace) -> int:
         if eta is not None and lv.concurrency != config.levels[-1]:
             print(f"    sweep: {fmt_duration(eta)} to go (estimate)", flush=True)
 
+    if args.together:
+        return _run_together(args, config)
     runner = BenchRunner(config, on_level=on_level, progress=not args.no_progress)
     print(
         f"bench {args.url}: levels {' '.join(map(str, config.levels))}, {config.requests_per_level} "
@@ -339,6 +348,44 @@ def run_bench(args: argparse.Namespace) -> int:
     if prompts.categorized:
         report_categories(result)
     return _write_outputs(args, result, interrupted)
+
+
+def _run_together(args: argparse.Namespace, config: BenchConfig) -> int:
+    """`--together URL2` (controller.bench.together): both sweeps at once, one two-mode profile."""
+    from dataclasses import replace
+
+    from controller.bench.together import other, run_together, together_profile, with_suffix
+
+    if not args.mode:
+        raise CommandError("--together needs --mode (of URL; URL2 gets the other one)")
+    try:
+        second = replace(config, url=args.together, label=None)
+    except ValueError as e:
+        raise CommandError(f"--together: {e}") from None
+    print(f"bench {args.url} ({args.mode}) together with {args.together} ({other(args.mode)})", flush=True)
+    try:
+        first_result, second_result = run_async(
+            run_together(config, second, on_level=lambda lv: print(level_line(lv), flush=True))
+        )
+    except BenchError as e:
+        raise CommandError(str(e)) from None
+    code = 0
+    for path, result in (
+        (args.out, first_result),
+        (args.out and with_suffix(args.out, "together"), second_result),
+    ):
+        if path:
+            result.write(path)
+            print(f"wrote {path}")
+    if args.profile_out:
+        try:
+            profile = together_profile(first_result, second_result, args.mode, args.profile_name)
+            _write_profile(profile, args.profile_out)
+        except (ResultFileError, ProfileError, OSError) as e:
+            print(f"specroute bench: no profile written: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.profile_out}: modes {', '.join(profile.modes)}")
+    return code
 
 
 def report_categories(result: BenchResult) -> None:
@@ -416,12 +463,15 @@ def merge_profiles(profiles: Sequence[tuple[str, Profile]], name: str | None = N
                 )
             modes[mode] = mode_profile.model_dump(mode="json", exclude_none=True)
             origin[mode] = path
-    data = {
+    data: dict[str, Any] = {
         "format": "specroute.profile/v1",
         "name": name or " + ".join(p.name for _, p in profiles),
         "source": "merged: " + " | ".join(f"{path}: {p.source}" for path, p in profiles),
         "modes": modes,
     }
+    engines = {(p.model_extra or {}).get("engine") for _, p in profiles}
+    if len(engines) == 1 and (engine := engines.pop()) is not None:
+        data["engine"] = engine  # measured on one engine: `plan` writes its launch lines
     return parse_profile(data, "<merged profile>")
 
 

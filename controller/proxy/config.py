@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -421,6 +421,18 @@ class Settings(BaseModel):
         "accept length to the policy; older SGLang versions may reject the field.",
     )
 
+    engine: Literal["auto", "sglang", "vllm"] = Field(
+        default="auto",
+        description="The serving engine of the backends: sglang, vllm, or auto (detected from the "
+        "sample names on each backend's /metrics). Decides the signals scraped, the health probe path "
+        "and whether SGLang-only routes (/generate, /server_info) and spec_details apply.",
+    )
+    backend_engines: dict[str, Literal["auto", "sglang", "vllm"]] = Field(
+        default_factory=dict,
+        description="The engine per backend name, overriding `engine` for that backend "
+        '(YAML mapping; JSON in the environment: {"b1": "vllm"}).',
+    )
+
     _split = field_validator("admin_policy_modules", mode="before")(_split_list)
     _specs = field_validator("baseline", "eagle", mode="before")(_backend_specs)
 
@@ -466,6 +478,9 @@ class Settings(BaseModel):
                 raise ValueError(f"backend name {b.name!r} is used twice: give each backend its own")
             names.add(b.name)
             urls.add(b.url)
+        unknown = sorted(set(self.backend_engines) - names)
+        if unknown:
+            raise ValueError(f"backend_engines: no backend is named {', '.join(map(repr, unknown))}")
         labels = [s.label or s.name for s in self.shadow_policies]
         twice = sorted({x for x in labels if labels.count(x) > 1})
         if twice:
@@ -480,6 +495,10 @@ class Settings(BaseModel):
         pools: tuple[Pool, ...] = POOLS if pool is None else (pool,)
         return [b for p in pools for b in specs[p]]
 
+    def engine_of(self, name: str) -> Literal["auto", "sglang", "vllm"]:
+        """The configured engine of the backend named `name` ("auto": detect it)."""
+        return self.backend_engines.get(name, self.engine)
+
     def require_backends(self) -> None:
         if not self.baseline and not self.eagle:
             raise ConfigError("no backend configured: set baseline and/or eagle (--baseline/--eagle)")
@@ -490,7 +509,7 @@ class Settings(BaseModel):
 
 
 FIELDS = frozenset(Settings.model_fields)
-_JSON_FIELDS = frozenset({"policy_params", "shadow_policies"})
+_JSON_FIELDS = frozenset({"policy_params", "shadow_policies", "backend_engines"})
 
 
 def read_text(path: str | Path) -> str:
