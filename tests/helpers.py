@@ -127,11 +127,12 @@ async def assert_in_flight_zero(url: str, timeout_s: float = 10.0) -> None:
 
 
 def assert_openai_error(body: Any, code: str) -> None:
-    """`body` is `{"error": {message, type, param, code}}` with this code, a message, no traceback."""
+    """`body` is `{"error": {message, type, param, code}}` with this code, a message, no traceback;
+    `param` is null or the name of the request field at fault."""
     assert isinstance(body, dict) and set(body) == {"error"}, body
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
-    assert err["code"] == code and err["param"] is None, err
+    assert err["code"] == code and (err["param"] is None or isinstance(err["param"], str)), err
     assert isinstance(err["message"], str) and err["message"]
     assert "Traceback" not in err["message"]
 

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -33,7 +33,14 @@ from controller.proxy.capacity import AdmissionMetrics, Capacity, in_flight_boun
 from controller.proxy.config import Settings
 from controller.proxy.decision_record import DecisionLogger, open_decision_log
 from controller.proxy.engines import Engine
-from controller.proxy.errors import NoBackendAvailable, NotFound, error_middleware, http_log
+from controller.proxy.errors import (
+    NoBackendAvailable,
+    NotFound,
+    ShuttingDown,
+    error_middleware,
+    expect_handler,
+    http_log,
+)
 from controller.proxy.forward import Forwarder, Observer, RequestRecord
 from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
 from controller.proxy.health import HealthChecker
@@ -46,6 +53,7 @@ from controller.proxy.metrics import Metrics
 from controller.proxy.outlier import OutlierDetector
 from controller.proxy.scrape import ScrapeLoop, apply_reported_cap
 from controller.proxy.shadow import ShadowPolicies, build_shadows
+from controller.proxy.shutdown import SHUTDOWN, Shutdown, close_after_answer
 from policies.base import POOLS, Policy, Pool
 from policies.calibration import MISMATCH_AFTER
 from policies.prefix import DEFAULT_CACHE_TOKENS
@@ -138,6 +146,8 @@ def create_app(
     app[METRICS] = metrics
     app[FORWARDER] = fwd
     app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
+    app[SHUTDOWN] = Shutdown(clock)
+    app.on_response_prepare.append(close_after_answer)
     app[DECISION_LOGS] = open_logs = []
     dropped = Counter(
         "specroute_decision_log_dropped_records",
@@ -246,6 +256,8 @@ def create_app(
         return web.json_response({"status": "ok"})
 
     async def ready(request: web.Request) -> web.Response:
+        if app[SHUTDOWN].started:
+            raise ShuttingDown("specroute is shutting down: send new requests elsewhere")
         now = clock()
         healthy = [b for b in tracker if b.healthy and not b.ejected(now)]
         if not healthy:
@@ -263,19 +275,26 @@ def create_app(
         body = generate_latest(metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/generate", generate)
-    app.router.add_put("/generate", generate)  # SGLang accepts both
-    app.router.add_get("/v1/models", models)
-    for path in ("/model_info", "/get_model_info"):
-        app.router.add_get(path, model_info_route)
-    for path in ("/server_info", "/get_server_info"):
-        app.router.add_get(path, server_info_route)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics_route)
-    app.router.add_routes(admin_routes(app[ADMIN]))
+    routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
+        ("POST", "/v1/chat/completions", chat),
+        ("POST", "/v1/completions", completions),
+        ("POST", "/generate", generate),
+        ("PUT", "/generate", generate),  # SGLang accepts both
+        ("GET", "/v1/models", models),
+        ("GET", "/model_info", model_info_route),
+        ("GET", "/get_model_info", model_info_route),
+        ("GET", "/server_info", server_info_route),
+        ("GET", "/get_server_info", server_info_route),
+        ("GET", "/health", health),
+        ("GET", "/ready", ready),
+        ("GET", "/metrics", metrics_route),
+    ]
+    routes += [(r.method, r.path, r.handler) for r in admin_routes(app[ADMIN])]
+    for method, path, handler in routes:
+        # A bogus `Expect` is answered before any middleware runs: our handler gives OpenAI's shape.
+        app.router.add_route(method, path, handler, expect_handler=expect_handler)
+        if method == "GET":  # as `add_get` does: HEAD answers like GET, without the body
+            app.router.add_route("HEAD", path, handler, expect_handler=expect_handler)
     return app
 
 

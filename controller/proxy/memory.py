@@ -31,13 +31,16 @@ the client transport's buffer."""
 
 def keep_heap_small() -> None:
     """Make freed large buffers go back to the OS at once (glibc): a fixed mmap threshold, so
-    every allocation over 128 KiB is its own mapping, unmapped when freed. glibc's default raises
+    every allocation over 1 MiB is its own mapping, unmapped when freed. glibc's default raises
     the threshold after the first large free, after which 30 MB bodies come from the heap and
-    their pages stay resident long after the requests ended. Does nothing elsewhere."""
+    their pages stay resident long after the requests ended. (At 128 KiB an ordinary request
+    paid a dozen page faults: `benchmarks/proxy_overhead.py`.) Does nothing elsewhere."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
-        libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
+        libc.mallopt(_M_MMAP_THRESHOLD, 1024 * 1024)
+        # the heap's own top is trimmed past 32 MiB only: trimming at every request's end would cost
+        # a brk() and fresh page faults per request (`benchmarks/proxy_overhead.py`)
+        libc.mallopt(_M_TRIM_THRESHOLD, 32 * 1024 * 1024)
     except (OSError, AttributeError):
         pass
 
