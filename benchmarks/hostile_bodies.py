@@ -210,7 +210,11 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=30, help="Body size in MiB.")
     ap.add_argument("--parallel", type=int, default=6, help="Bodies in flight at once.")
     ap.add_argument(
-        "--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS), help="Which to run (and idle)."
+        "--scenarios",
+        nargs="+",
+        choices=SCENARIOS,
+        default=list(SCENARIOS),
+        help="Which to run (idle always).",
     )
     ap.add_argument("--role", choices=["sink", "probe", "refuser"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)

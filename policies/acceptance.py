@@ -4,13 +4,16 @@ How it works. The quantity learned is `y`, the log of a request's speed factor o
 accept length over the profile's when the backend reports it (SGLang's `spec_tokens_details`),
 else its decode rate over the calibrated prediction at its load. Three estimates are combined:
 
-- a hashed additive model over the request's tokens -- its text grams
-  (`RequestFeatures.grams`), its sampling parameters in buckets (temperature, top_p, top_k),
-  `response_format`, tools, `n`, the model, the client's hint and a bias -- each token a weight
-  in a table of `dim` floats (`id mod dim`). The estimate is the mean of the weights of the
-  request's tokens seen before, each weighted by how often it was taught (up to `seen_after`);
-  an outcome moves every token's weight by `rate` times the error (a new token starts at the
-  request's estimate), so frequent tokens carry the average and distinctive ones the contrast;
+- a hashed model over the request's tokens, in two parts. Its text part is the mean of the
+  weights of the request's text tokens (`RequestFeatures.grams` and a bias) seen before, each
+  weighted by how often it was taught (up to `seen_after`), from a table of `dim` floats (`id mod
+  dim`); an outcome moves each of them by `rate` times the error (a new token starts at the
+  text part's estimate), so frequent tokens carry the average and distinctive ones the contrast.
+  Its parameter part adds one weight per parameter token -- sampling parameters in buckets
+  (temperature, top_p, top_k), `response_format`, tools, `n`, the model and the client's hint --
+  from a table of `param_dim` floats, each moved by `param_rate` times the error: a parameter
+  (acceptance falls with temperature) shifts every prompt alike instead of being diluted in the
+  text's mean;
 - a per-family offset (`RequestFeatures.family`: the system prompt's first block) learned on
   what the token model misses for that family, shrunk toward 0 with a prior of `family_prior`
   samples; at most `max_families`, least recently taught out;
@@ -25,7 +28,7 @@ predicted at `F`; a request with nothing known is predicted at `F`: never-seen t
 routed as content-blind routing routes it.
 
 Deterministic (no randomness, insertion-ordered tables) and bounded: `dim` weights and counts,
-`max_families` families. Pure: no I/O, no clock.
+`param_dim` parameter weights, `max_families` families. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -66,7 +69,6 @@ def param_tokens(features: RequestFeatures, hint: str | None) -> list[int]:
     """Token ids of the request's parameters and hint (the grams are the text's)."""
     f = features
     out = [
-        _BIAS,
         _tok(f"temperature:{_bucket(f.temperature, _TEMP_EDGES)}"),
         _tok(f"top_p:{_bucket(f.top_p, _TOP_P_EDGES)}"),
         _tok(f"top_k:{_bucket(None if f.top_k is None else float(f.top_k), _TOP_K_EDGES)}"),
@@ -99,14 +101,19 @@ class AcceptanceModel:
         *,
         dim: int = 1 << 14,
         rate: float = 0.1,
+        param_rate: float = 0.03,
+        param_dim: int = 1 << 10,
         family_prior: float = 4.0,
         max_families: int = 4096,
         window: int = 200,
         seen_after: int = 8,
     ) -> None:
-        if dim < 1 or dim & (dim - 1):
-            raise ValueError("dim must be a power of two")
+        if dim < 1 or dim & (dim - 1) or param_dim < 1 or param_dim & (param_dim - 1):
+            raise ValueError("dim and param_dim must be powers of two")
         self._mask = dim - 1
+        self._pmask = param_dim - 1
+        self._p = [0.0] * param_dim
+        self._param_rate = param_rate
         self._w = [0.0] * dim
         self._count = [0] * dim
         self._rate = rate
@@ -125,34 +132,42 @@ class AcceptanceModel:
         """Families tracked (at most `max_families`)."""
         return len(self._families)
 
-    def _indices(self, features: RequestFeatures, hint: str | None) -> list[int]:
-        mask = self._mask
-        return [g & mask for g in features.grams] + [t & mask for t in param_tokens(features, hint)]
+    def _indices(self, features: RequestFeatures, hint: str | None) -> tuple[list[int], list[int]]:
+        """(text token slots: the grams and the bias, parameter slots)."""
+        mask, pmask = self._mask, self._pmask
+        text = [g & mask for g in features.grams]
+        text.append(_BIAS & mask)
+        return text, [t & pmask for t in param_tokens(features, hint)]
 
-    def _estimate(self, idx: list[int], family: int) -> tuple[float, float, _Family | None]:
-        """(model estimate, evidence in [0, 1], family state)."""
+    def _estimate(
+        self, idx: tuple[list[int], list[int]], family: int
+    ) -> tuple[float, float, float, _Family | None]:
+        """(model estimate, its text part, evidence in [0, 1], family state)."""
         w, count, cap = self._w, self._count, self._seen_after
         total = weight = 0.0
-        for i in idx:
+        text, params = idx
+        for i in text:
             c = count[i]
             if c:
                 c = c if c < cap else cap
                 total += c * w[i]
                 weight += c
-        lin = total / weight if weight else 0.0
-        seen = weight / (cap * len(idx))
+        mean = total / weight if weight else 0.0
+        p = self._p
+        lin = mean + sum([p[j] for j in params])
+        seen = weight / (cap * len(text))
         fam = self._families.get(family) if family else None
         if fam is not None and fam.n:
             shrink = fam.n / (fam.n + self._family_prior)
             lin += shrink * fam.offset
             seen = max(seen, shrink)
-        return lin, seen, fam
+        return lin, mean, seen, fam
 
     def predict(self, features: RequestFeatures, hint: str | None, fallback: float) -> float:
         """log speed factor for the request, between the model and `fallback` by confidence."""
         if not self.taught:
             return fallback
-        yhat, seen, _ = self._estimate(self._indices(features, hint), features.family)
+        yhat, _, seen, _ = self._estimate(self._indices(features, hint), features.family)
         return _clip(fallback + self.confidence(seen) * (yhat - fallback))
 
     def confidence(self, seen: float) -> float:
@@ -171,7 +186,7 @@ class AcceptanceModel:
             return
         y = _clip(target)
         idx = self._indices(features, hint)
-        yhat, _, fam = self._estimate(idx, features.family)
+        yhat, mean, _, fam = self._estimate(idx, features.family)
         window = self._window
         if self.taught:
             d = max(-1.0, min(1.0, yhat - fallback))
@@ -181,12 +196,15 @@ class AcceptanceModel:
         err = max(-1.0, min(1.0, y - yhat))
         step = self._rate * err
         w, count = self._w, self._count
-        for i in idx:
+        for i in idx[0]:
             if count[i]:
                 w[i] += step
             else:
-                w[i] = yhat + step  # a new token starts where the request was predicted
+                w[i] = mean + step  # a new token starts at the text part's estimate
             count[i] += 1
+        p, pstep = self._p, self._param_rate * err
+        for j in idx[1]:
+            p[j] += pstep
         if features.family:
             families = self._families
             if fam is None:

@@ -26,12 +26,24 @@
   drift of any size is still followed; a whole estimate is bounded to `[1/4, 4]` times the
   profile. With the defaults (window 200) a uniform drift of 20% is learned to 2% within about
   100 outcomes of the pool (see `benchmarks/decision_quality.py`, section 6).
+
+  A wrong profile (another model, engine or machine) is a different matter: clipping and the
+  prior make every estimate move slowly, and the bound `[1/4, 4]` may not even reach the truth.
+  So each pool also keeps the unclipped log ratios of its last `MISMATCH_WINDOW` untagged outcomes
+  (acceptance divided out as above); once it has had
+  `MISMATCH_AFTER` outcomes since it was last rebased and their median is more than a factor
+  `MISMATCH_FACTOR` (2) away from the pool's estimate, the pool is *rebased*: its mean jumps to
+  that median, its load buckets start over, the bound widens to `[1/64, 64]`, and the event is
+  counted in `mismatches` (with the factor in `mismatch_factor`) for the proxy to report. A
+  median of two dozen outcomes is not moved by a few outliers, and a profile within 2x of the
+  truth is never rebased (it is learned as before).
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
 from typing import Generic, TypeVar
@@ -41,7 +53,13 @@ from policies.base import Pool
 T = TypeVar("T")
 
 _MAX_LOG_SCALE = math.log(4.0)
-_MAX_SCALE, _MIN_SCALE = 4.0, 0.25
+_REBASED_LOG_SCALE = math.log(64.0)
+MISMATCH_WINDOW = 32
+"""Unclipped outcomes per pool the mismatch check looks at (the latest)."""
+MISMATCH_AFTER = 24
+"""Outcomes of a pool (since its last rebase) before a mismatch may be declared."""
+MISMATCH_FACTOR = 2.0
+"""How far (as a factor) the recent median must be from the estimate to rebase the pool."""
 
 
 class ShrunkMean:
@@ -158,6 +176,15 @@ class SpeedCalibration:
         self.untagged = ShrunkMean()
         """Acceptance of untagged requests, when the backend reports it (log, vs the profile's)."""
         self.hints: HintSlots[ShrunkMean] = HintSlots(max_hints, hint_idle, self._new_hint)
+        self._max_log = _MAX_LOG_SCALE
+        self._recent: dict[Pool, deque[float]] = {
+            p: deque(maxlen=MISMATCH_WINDOW) for p in ("baseline", "eagle")
+        }
+        self._since_rebase: dict[Pool, int] = {"baseline": 0, "eagle": 0}
+        self.mismatches: dict[Pool, int] = {"baseline": 0, "eagle": 0}
+        """Times each pool was rebased because the profile was off by more than 2x."""
+        self.mismatch_factor: dict[Pool, float | None] = {"baseline": None, "eagle": None}
+        """Observed over profiled speed at the latest rebase of each pool (None: never)."""
 
     def _new_hint(self, hint: str) -> ShrunkMean:
         """A tag's term starts where the tag is known to be (`hint_speedup`) on top of where
@@ -178,14 +205,15 @@ class SpeedCalibration:
 
     def log_speed(self, pool: Pool, batch: int) -> float:
         """log of the speed scale of `pool` (for untagged requests) with `batch` running."""
-        return _clipped(self._blend(pool, batch), _MAX_LOG_SCALE)
+        return _clipped(self._blend(pool, batch), self._max_log)
 
     def speed(self, pool: Pool, batch: int) -> float:
         """The speed scale of `pool` (for untagged requests) with `batch` running."""
         table = self._bucket_of
         k = table[batch] if batch < len(table) else self._last_bucket
         x = self._own_part[pool][k] + self._pool_weight[pool][k] * self.pool[pool].value
-        return _MAX_SCALE if x > _MAX_LOG_SCALE else _MIN_SCALE if x < -_MAX_LOG_SCALE else math.exp(x)
+        bound = self._max_log
+        return math.exp(bound if x > bound else -bound if x < -bound else x)
 
     def log_hint(self, hint: str | None) -> float:
         """log of a request's own eagle speed factor on top of `log_speed("eagle", ...)`: its
@@ -198,7 +226,7 @@ class SpeedCalibration:
             told = self._hint_priors.get(hint) if hint is not None else None
             return self.untagged.value if told is None else told
         if state is not None:
-            return _clipped(state.value - self.pool["eagle"].value, _MAX_LOG_SCALE)
+            return _clipped(state.value - self.pool["eagle"].value, self._max_log)
         return self._hint_priors.get(hint, 0.0) if hint is not None else 0.0
 
     def observe(
@@ -234,6 +262,7 @@ class SpeedCalibration:
                 state.add(_near(x, state.value, clip), prior, window)
                 return
         # the untagged case, inlined (the hot path): clip near the estimate, then both means
+        self._check_mismatch(pool, x)
         estimate = own_part[k] + pool_weight[k] * g.value
         if x > estimate + clip:
             x = estimate + clip
@@ -247,6 +276,31 @@ class SpeedCalibration:
         weight = n + self._bucket_prior
         own_part[k] = n * own.value / weight
         pool_weight[k] = self._bucket_prior / weight
+
+    def _check_mismatch(self, pool: Pool, x: float) -> None:
+        """Rebase `pool` when its recent outcomes' median is more than `MISMATCH_FACTOR` from its
+        estimate (see the module docstring)."""
+        recent = self._recent[pool]
+        recent.append(x)
+        self._since_rebase[pool] += 1
+        if self._since_rebase[pool] < MISMATCH_AFTER:
+            return
+        ordered = sorted(recent)
+        mid = len(ordered) // 2
+        median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+        if abs(median - self.pool[pool].value) <= math.log(MISMATCH_FACTOR):
+            return
+        self._max_log = _REBASED_LOG_SCALE
+        target = _clipped(median, _REBASED_LOG_SCALE)
+        self.pool[pool].value = target
+        for own in self.buckets[pool]:
+            own.n, own.value = 0, 0.0
+        self._own_part[pool] = [0.0] * len(self._own_part[pool])
+        self._pool_weight[pool] = [1.0] * len(self._pool_weight[pool])
+        self._since_rebase[pool] = 0
+        recent.clear()
+        self.mismatches[pool] += 1
+        self.mismatch_factor[pool] = math.exp(target)
 
 
 def _near(x: float, estimate: float, bound: float) -> float:

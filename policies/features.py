@@ -33,6 +33,8 @@ HEAD_CHARS = 512
 TAIL_CHARS = 256
 """Characters kept from its end (the end of the last user message: the question itself)."""
 FAMILY_CHARS = 256
+MAX_TOOLS = 64
+"""Tool definitions looked at (their count is `RequestFeatures.tools` however many are sent)."""
 MAX_GRAMS = 256
 """At most this many gram ids (the smallest ids: a deterministic subset)."""
 
@@ -48,7 +50,7 @@ def _tools_text(tools: Any) -> str:
     if not isinstance(tools, list):
         return ""
     parts: list[str] = []
-    for tool in tools:
+    for tool in tools[:MAX_TOOLS]:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict):
             name, desc = fn.get("name"), fn.get("description")

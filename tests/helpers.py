@@ -1,8 +1,9 @@
 """Small helpers shared by the test modules (imported as `from helpers import ...`).
 
 - Request bodies and profiles many modules use: `CHAT` (one user message), `BODY` (a streaming
-  chat request of it), `FRANCE` (a question with a short factual answer) and `KIMI` (the built-in
-  kimi-k25-int4-8gpu profile). Read them, never change them: they are shared by every test.
+  chat request of it), `WHOLE_BODY` (the same, not streamed), `FRANCE` (a question with a short
+  factual answer) and `KIMI` (the built-in kimi-k25-int4-8gpu profile). Read them, never change
+  them: they are shared by every test.
 - `post_bytes(url, path, body)`: a JSON POST that must answer 200; the raw response bytes.
 - `run_main(capsys, *args)`: `specroute ARGS` in this process; exit code, stdout and stderr.
 - `wait_until(predicate)`: poll a plain or async predicate for a bounded time; its last value.
@@ -54,6 +55,7 @@ Labels = tuple[tuple[str, str], ...]
 
 CHAT: list[dict[str, str]] = [{"role": "user", "content": "hello"}]
 BODY: dict[str, Any] = {"model": "m", "messages": CHAT, "stream": True}
+WHOLE_BODY: dict[str, Any] = {"model": "m", "messages": CHAT}
 FRANCE: list[dict[str, str]] = [{"role": "user", "content": "What is the capital of France?"}]
 KIMI = resolve_profile("kimi-k25-int4-8gpu")  # prefill 8000 (baseline) / 7600 (eagle) tok/s
 
@@ -125,11 +127,12 @@ async def assert_in_flight_zero(url: str, timeout_s: float = 10.0) -> None:
 
 
 def assert_openai_error(body: Any, code: str) -> None:
-    """`body` is `{"error": {message, type, param, code}}` with this code, a message, no traceback."""
+    """`body` is `{"error": {message, type, param, code}}` with this code, a message, no traceback;
+    `param` is null or the name of the request field at fault."""
     assert isinstance(body, dict) and set(body) == {"error"}, body
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
-    assert err["code"] == code and err["param"] is None, err
+    assert err["code"] == code and (err["param"] is None or isinstance(err["param"], str)), err
     assert isinstance(err["message"], str) and err["message"]
     assert "Traceback" not in err["message"]
 

@@ -1,10 +1,15 @@
 """The HTTP side of `specroute bench`: one streaming request measured (TTFT, token times,
 usage counts, errors), model discovery and SGLang's `/server_info`.
 
-A request's TTFT is the first token-bearing chunk: for chat, SGLang's first chunk (role,
-empty content) is sent when the first token exists; for completions, the first non-empty
-text. Token counts come from the usage chunk (`stream_options.include_usage`), because with
-speculative decoding one chunk carries several tokens. Every failure (HTTP status, error
+A request's TTFT is its first output event and its decode time runs to its last one. An output
+event is a chunk whose choice carries a delta field (`content`, `reasoning` as vLLM names it,
+`reasoning_content` as SGLang does, `tool_calls`, `role`) or completions `text`, even when the
+text is empty, or a `finish_reason`: a server streams a chunk because tokens were generated, and
+vLLM sends empty-content chunks while a UTF-8 sequence is incomplete, so counting only chunks with
+text would end the decode early and inflate its rate. (SGLang's and vLLM's first chat chunk, the
+role with empty content, goes out when the first token exists.) Token counts come from the usage
+chunk (`stream_options.include_usage`), because with speculative decoding one chunk carries
+several tokens, and a chunk's text says nothing of how many tokens made it. Every failure (HTTP status, error
 event in the stream, missing usage or [DONE], connection error, timeout) becomes the
 result's `error`; `one_request` never raises for server or network trouble.
 """
@@ -20,6 +25,9 @@ import aiohttp
 from controller.bench.prompts import Endpoint
 from controller.bench.result import Phase, RequestResult
 from controller.bench.sglang_import import parse_server_info
+from controller.proxy.engines import VLLM, VLLM_ACCEPTED, VLLM_DRAFTS, VLLM_RUNNING, aggregate, read_samples
+from controller.proxy.limits import ResponseTooLarge, read_bounded
+from controller.proxy.scrape import SCRAPE_LIMIT_BYTES
 from controller.proxy.spec_details import accept_length
 
 
@@ -39,14 +47,42 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> Any | None:
 
 
 async def fetch_server_info(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
-    """SGLang's `/server_info` (or `/get_server_info`): acceptance and running-request cap.
+    """The server's engine, acceptance and running-request cap: SGLang's `/server_info` (or
+    `/get_server_info`), else vLLM's `/metrics` (its lifetime speculative counters; it does not
+    export `--max-num-seqs`).
 
     Always returns a dict; fields the server does not have are None."""
     for path in ("/server_info", "/get_server_info"):
         info = await _get_json(session, base + path)
         if isinstance(info, dict):
-            return {"endpoint": path, **parse_server_info(info)}
-    return {"endpoint": None, **parse_server_info(None)}
+            return {"endpoint": path, "engine": "sglang", **parse_server_info(info)}
+    out: dict[str, Any] = {"endpoint": None, "engine": None, **parse_server_info(None)}
+    try:
+        async with session.get(base + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            text = (await read_bounded(resp, SCRAPE_LIMIT_BYTES)).decode(errors="replace") if resp.ok else ""
+    except (aiohttp.ClientError, TimeoutError, ResponseTooLarge):
+        return out
+    found = read_samples(text, VLLM.wanted)
+    if not found or VLLM_RUNNING not in found:
+        return out
+    accepted, drafts = aggregate(found.get(VLLM_ACCEPTED, ())), aggregate(found.get(VLLM_DRAFTS, ()))
+    out.update(endpoint="/metrics", engine="vllm", spec_accepted_tokens=accepted, spec_drafts=drafts)
+    if drafts is not None:  # vLLM exports the spec-decode counters only with --speculative-config
+        out["speculative_algorithm"] = "vllm speculative decoding"
+    if accepted is not None and drafts:
+        out["avg_spec_accept_length"] = 1.0 + accepted / drafts
+    return out
+
+
+async def discover_context(session: aiohttp.ClientSession, base: str) -> int | None:
+    """The model's context length (`max_model_len` in `GET /v1/models`, as vLLM and SGLang report
+    it); None when the server does not say."""
+    data = await _get_json(session, base + "/v1/models")
+    try:
+        value = data["data"][0]["max_model_len"]  # type: ignore[index]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 class BenchError(RuntimeError):
@@ -84,16 +120,17 @@ def _error_message(obj: Any) -> str | None:
     return None
 
 
+_DELTA_FIELDS = ("content", "reasoning", "reasoning_content", "tool_calls", "role")
+
+
 def _token_bearing(choice: dict[str, Any], endpoint: Endpoint) -> bool:
+    """An output event (see the module's opening): text fields present, even empty, or a finish."""
+    if choice.get("finish_reason") is not None:
+        return True
     if endpoint == "completions":
-        return bool(choice.get("text"))
+        return isinstance(choice.get("text"), str)
     delta = choice.get("delta")
-    if not isinstance(delta, dict):
-        return False
-    # SGLang's first chunk (role, empty content) is sent when the first token exists.
-    return bool(
-        delta.get("role") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
-    )
+    return isinstance(delta, dict) and any(delta.get(k) is not None for k in _DELTA_FIELDS)
 
 
 async def one_request(

@@ -2,8 +2,16 @@
 
 Each cell is mean ± 95% half-width (n); for the second and later runs it adds the relative
 difference against the first run and a verdict: faster / slower, or "not distinguishable"
-when the two intervals overlap. For TTFT lower is better. Levels with fewer than
+when the two intervals overlap. For TTFT and e2e lower is better. Levels with fewer than
 `MIN_REQUESTS` requests get a warning: too few to distinguish differences of a few percent.
+
+Each level ends with a `verdict` row, and the verdict is the end-to-end time's (what a user
+waits for), not the decode rate's: decode is measured from the first token on, so a server
+whose requests wait in its queue can decode faster and still answer later. When the two
+disagree the row says so. A level where requests queued (`queued_levels`: the server reported
+a queue during it, or, without queue metrics, its p50 TTFT is over `QUEUE_TTFT_FACTOR` times
+the lowest level's) is
+flagged "queued: decode rate is not the user's experience", in this table and in `bench`'s.
 """
 
 from __future__ import annotations
@@ -15,6 +23,11 @@ from controller.bench.result import BenchResult, LevelSummary
 from policies.stats import Estimate, verdict
 
 MIN_REQUESTS = 10
+QUEUE_TTFT_FACTOR = 10.0
+"""Without the server's queue metrics, a level whose p50 TTFT is above this many times the
+lowest level's is taken as queued (prefill batching alone makes TTFT grow: 6x from 1 to 250
+clients on the built-in Kimi profile, with no queue)."""
+QUEUED_NOTE = "queued: decode rate is not the user's experience"
 
 
 @dataclass(frozen=True)
@@ -28,8 +41,37 @@ class Metric:
 METRICS: tuple[Metric, ...] = (
     Metric("decode tok/s", lambda s: s.decode_tok_s, True, 2),
     Metric("TTFT s", lambda s: s.ttft_s, False, 4),
+    Metric("e2e s", lambda s: s.e2e_s, False, 3),
     Metric("total tok/s", lambda s: s.total_tok_s, True, 1),
 )
+E2E = METRICS[2]
+DECODE = METRICS[0]
+
+
+def queued_levels(run: BenchResult) -> dict[int, str]:
+    """{concurrency: evidence} of the levels whose requests queued: the server reported a queue
+    during the level (`metadata["backend_queue_max"]`), or -- when it reported none for the level,
+    its metrics lacking the queue -- the level's p50 TTFT is more than `QUEUE_TTFT_FACTOR` times
+    that of the run's lowest level."""
+    queues = run.metadata.get("backend_queue_max") or {}
+    levels = sorted(run.levels, key=lambda lv: lv.concurrency)
+    ref = next((lv.summary for lv in levels if lv.summary.ttft_s and lv.summary.ttft_s.p50), None)
+    out: dict[int, str] = {}
+    for lv in levels:
+        c, why = lv.concurrency, []
+        queued = queues.get(str(c))
+        if isinstance(queued, int | float) and queued > 0:
+            why.append(f"server queue up to {queued:g}")
+        ttft = lv.summary.ttft_s
+        if queued is not None:
+            pass  # the server's own queue figure says it; TTFT growth alone is prefill batching
+        elif ref is not None and ref.ttft_s is not None and ref.ttft_s.p50 and ttft is not None and ttft.p50:
+            ratio = ttft.p50 / ref.ttft_s.p50
+            if c != ref.concurrency and ratio > QUEUE_TTFT_FACTOR:
+                why.append(f"p50 TTFT {ttft.p50:.3g} s, {ratio:.0f}x concurrency {ref.concurrency}'s")
+        if why:
+            out[c] = ", ".join(why)
+    return out
 
 
 def _cell(e: Estimate | None, digits: int) -> str:
@@ -52,6 +94,7 @@ def compare_table(runs: Sequence[BenchResult], names: Sequence[str] | None = Non
         raise ValueError("nothing to compare")
     names = list(names or [r.label for r in runs])
     by_level = [{lv.concurrency: lv.summary for lv in r.levels} for r in runs]
+    queued = [queued_levels(r) for r in runs]
     levels = sorted({c for m in by_level for c in m})
     header = ["conc", "metric", *(f"[{i + 1}] {n}" for i, n in enumerate(names))]
     rows: list[list[str]] = []
@@ -79,6 +122,7 @@ def compare_table(runs: Sequence[BenchResult], names: Sequence[str] | None = Non
                     f"(< {MIN_REQUESTS}): too few to distinguish differences of a few percent"
                 )
         rows.append(row)
+        rows.append([str(conc), "verdict", *_verdicts(by_level, queued, conc)])
     widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
@@ -88,6 +132,28 @@ def compare_table(runs: Sequence[BenchResult], names: Sequence[str] | None = Non
         prev = r[0]
         lines.append("  ".join(c.ljust(w) for c, w in zip(shown, widths, strict=True)).rstrip())
     return "\n".join(lines), warnings
+
+
+def _verdicts(
+    by_level: Sequence[dict[int, LevelSummary]], queued: Sequence[dict[int, str]], conc: int
+) -> list[str]:
+    """Per run: the e2e verdict against run [1] (with the decode verdict when it disagrees) and
+    the queued flag."""
+    base = by_level[0].get(conc)
+    out = []
+    for i, m in enumerate(by_level):
+        s = m.get(conc)
+        parts = []
+        if i > 0 and s is not None and base is not None:
+            e2e = verdict(E2E.get(base), E2E.get(s), False)
+            decode = verdict(DECODE.get(base), DECODE.get(s), True)
+            parts.append(f"e2e {_relative(E2E.get(base), E2E.get(s), False)}")
+            if decode != e2e:
+                parts.append(f"(decode alone would say {decode})")
+        if s is not None and conc in queued[i]:
+            parts.append(f"{QUEUED_NOTE} ({queued[i][conc]})")
+        out.append(" ".join(parts) if parts else "-")
+    return out
 
 
 def describe_runs(runs: Sequence[BenchResult], names: Sequence[str]) -> list[str]:

@@ -13,8 +13,13 @@ token each, so TTFT is queue-free prefill plus the fixed first-token cost):
 - Capacity: `max_total_num_tokens` from `/v1/loads` or `/server_info` (SGLang's KV pool, which
   is the prefix cache's capacity), when the server says.
 
-Prompt text is random words from a fixed vocabulary (about 4 characters per token, as
-specroute estimates); the lengths asked for are approximate, the fit uses what the server counted.
+Prompt text is random words from a fixed vocabulary. How many characters make a token depends
+on the tokenizer (1.5-2x apart between models), so a first probe prompt is sent and its
+`usage.prompt_tokens` sets the characters per token for the rest; the fit uses what the server
+counted for each prompt. Lengths that would not fit the model's context (`max_model_len` of
+`/v1/models`, with room for the chat template and the output token) are replaced by fitting ones
+(an eighth, a quarter and half of it). A request that fails is counted and its error kept (the
+server's message, e.g. a 400 for a prompt too long), so "not measurable" says why.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from controller.bench.client import one_request
+from controller.bench.client import discover_context, one_request
 from controller.bench.prompts import Endpoint
 from policies.stats import Estimate, estimate, t95
 
@@ -40,12 +45,18 @@ _WORDS = (
 )  # fmt: skip
 
 
-def fresh_text(tokens: int, rng: random.Random) -> str:
+DEFAULT_CHARS_PER_TOKEN = 4.0
+CONTEXT_MARGIN_TOKENS = 64
+"""Tokens of a model's context left for the chat template and the output token."""
+_PROBE_TOKENS = 200
+
+
+def fresh_text(tokens: int, rng: random.Random, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN) -> str:
     """About `tokens` tokens of random words, starting with a nonce no other prompt shares."""
     nonce = f"[{rng.getrandbits(64):016x}] "
     words = [nonce]
     chars = len(nonce)
-    while chars < tokens * 4:
+    while chars < tokens * chars_per_token:
         w = rng.choice(_WORDS)
         words.append(w + " ")
         chars += len(w) + 1
@@ -68,6 +79,15 @@ class PrefillResult:
     """Reported cached tokens / prompt tokens of the warm requests (None: never reported)."""
     cache_tokens: int | None = None
     errors: int = 0
+    error_messages: list[str] = field(default_factory=list)
+    """The distinct errors of the failed requests (the first few), as the server worded them."""
+    requests: int = 0
+    lengths: list[int] = field(default_factory=list)
+    """The prompt lengths (tokens) asked for, after fitting them to the context."""
+    context_tokens: int | None = None
+    """The model's context (`max_model_len`), when the server reported it."""
+    chars_per_token: float | None = None
+    """Measured on the probe prompt (None: the probe failed, 4 assumed)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +100,11 @@ class PrefillResult:
             "cached_fraction": self.cached_fraction.to_json() if self.cached_fraction else None,
             "cache_tokens": self.cache_tokens,
             "errors": self.errors,
+            "error_messages": self.error_messages,
+            "requests": self.requests,
+            "lengths": self.lengths,
+            "context_tokens": self.context_tokens,
+            "chars_per_token": self.chars_per_token,
         }
 
     def describe(self) -> str:
@@ -89,10 +114,18 @@ class PrefillResult:
                 f"prefill {self.prefill_tok_s:.0f} tok/s (95% {self.prefill_tok_s_low:.0f}.."
                 f"{self.prefill_tok_s_high:.0f}, n={len(self.points)})"
             )
+        elif self.errors and len(self.points) < 3:
+            parts.append(
+                f"prefill not measured: {self.errors} of {self.requests} requests failed "
+                f"({'; '.join(self.error_messages) or 'no message'})"
+            )
         else:
             parts.append(
                 f"prefill not measurable (TTFT does not grow with prompt length, n={len(self.points)})"
             )
+        if self.errors and len(self.points) >= 3:
+            failed = "; ".join(self.error_messages)
+            parts.append(f"{self.errors} of {self.requests} requests failed ({failed})")
         if self.cold_ttft_s and self.warm_ttft_s:
             parts.append(
                 f"same prompt twice: TTFT {self.cold_ttft_s.mean:.3f} s cold, {self.warm_ttft_s.mean:.3f} s "
@@ -124,6 +157,18 @@ def fit_prefill(
     if slope - half <= 0:
         return None, None, None, intercept  # no slope distinguishable from none: no rate
     return 1 / slope, 1 / (slope + half), 1 / (slope - half), intercept
+
+
+def fit_lengths(lengths: Sequence[int], context: int | None) -> tuple[int, ...]:
+    """`lengths` that fit a context of `context` tokens (with `CONTEXT_MARGIN_TOKENS` to spare);
+    when fewer than two do, an eighth, a quarter and half of the usable context instead."""
+    if context is None:
+        return tuple(lengths)
+    usable = context - CONTEXT_MARGIN_TOKENS
+    fitting = tuple(n for n in lengths if n <= usable)
+    if len(set(fitting)) >= 2:
+        return fitting
+    return tuple(sorted({max(1, usable // 8), max(1, usable // 4), max(1, usable // 2)}))
 
 
 async def _capacity(session: aiohttp.ClientSession, base: str) -> int | None:
@@ -176,14 +221,27 @@ async def measure_prefill(
             {"messages": [{"role": "user", "content": text}]} if endpoint == "chat" else {"prompt": text}
         )
         r = await one_request(session, url, body, endpoint, "measured", t0, timeout_s)
+        result.requests += 1
         if not r.ok or r.ttft_s is None or r.prompt_tokens is None:
             result.errors += 1
+            message = r.error or "no prompt_tokens in the usage"
+            if message not in result.error_messages and len(result.error_messages) < 3:
+                result.error_messages.append(message)
             return None
         return r.prompt_tokens, r.ttft_s, r.cached_tokens
 
+    result.context_tokens = await discover_context(session, base)
+    lengths = fit_lengths(lengths, result.context_tokens)
+    result.lengths = list(lengths)
+    chars = DEFAULT_CHARS_PER_TOKEN
+    probe_text = fresh_text(_PROBE_TOKENS, rng)
+    probe = await send(probe_text)  # also warms the server up: not a point of the fit
+    if probe is not None and probe[0] > 0:
+        chars = result.chars_per_token = round(len(probe_text) / probe[0], 3)
+
     for length in lengths:
         for _ in range(repeats):
-            got = await send(fresh_text(length, rng))
+            got = await send(fresh_text(length, rng, chars))
             if got is not None:
                 result.points.append((got[0], got[1]))
     rate, low, high, intercept = fit_prefill(result.points)
@@ -194,7 +252,7 @@ async def measure_prefill(
     warm: list[float] = []
     fractions: list[float] = []
     for _ in range(repeats):
-        text = fresh_text(max(lengths), rng)
+        text = fresh_text(max(lengths), rng, chars)
         first = await send(text)
         second = await send(text)
         if first is None or second is None:

@@ -249,7 +249,11 @@ class BenchResult:
         return cls.from_json(data, str(p))
 
     def to_profile(self, mode: Pool, name: str | None = None) -> Profile:
-        """A one-mode `specroute.profile/v1` profile: a point per level with decode samples."""
+        """A one-mode `specroute.profile/v1` profile: a point per level with decode samples.
+
+        A point's speeds are the level's medians (`robust`), not its means: one request whose
+        few tokens arrived in a burst has a huge rate and would drag a mean far from what a
+        typical request sees."""
         points = []
         for lv in self.levels:
             s = lv.summary
@@ -258,8 +262,8 @@ class BenchResult:
             points.append(
                 {
                     "concurrency": lv.concurrency,
-                    "decode_tok_s": round(s.decode_tok_s.mean, 4),
-                    "ttft_s": round(s.ttft_s.mean, 5) if s.ttft_s else 0.0,
+                    "decode_tok_s": round(robust(s.decode_tok_s), 4),
+                    "ttft_s": round(robust(s.ttft_s), 5) if s.ttft_s else 0.0,
                     "samples": s.decode_tok_s.n,
                 }
             )
@@ -269,7 +273,9 @@ class BenchResult:
         mode_data: dict[str, Any] = {"points": points}
         if isinstance(info.get("max_running_requests"), int):
             mode_data["max_running_requests"] = info["max_running_requests"]
-        accept = info.get("avg_spec_accept_length")
+        accept = _sweep_accept_length(info, self.metadata.get("server_info_end"))
+        if accept is None:
+            accept = info.get("avg_spec_accept_length")
         if mode == "eagle" and isinstance(accept, int | float) and accept > 0:
             mode_data["accept_length"] = round(float(accept), 4)
         categories = self.metadata.get("category_factors")
@@ -283,13 +289,31 @@ class BenchResult:
             f"{md.get('requests_per_level')} requests per level after {md.get('warmup')} warm-up"
         )
         source += _prefill_fields(md.get("prefill"), mode_data)
-        data = {
+        data: dict[str, Any] = {
             "format": "specroute.profile/v1",
             "name": name or f"{self.label} ({mode})",
             "source": source,
             "modes": {mode: mode_data},
         }
+        if info.get("engine") in ("sglang", "vllm"):
+            data["engine"] = info["engine"]  # `plan` writes launch lines for it
         return parse_profile(data, "<bench result>")
+
+
+def robust(e: Estimate) -> float:
+    """The estimate a profile stores: the median where there is one, else the mean."""
+    return e.p50 if e.p50 is not None and e.p50 > 0 else e.mean
+
+
+def _sweep_accept_length(start: Any, end: Any) -> float | None:
+    """vLLM's accept length over the sweep alone: 1 + accepted / drafts between the counters read
+    before and after it (None without both, or without a draft in between)."""
+    try:
+        accepted = float(end["spec_accepted_tokens"]) - float(start["spec_accepted_tokens"])
+        drafts = float(end["spec_drafts"]) - float(start["spec_drafts"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return 1.0 + accepted / drafts if drafts > 0 and accepted >= 0 else None
 
 
 def _prefill_fields(prefill: Any, mode_data: dict[str, Any]) -> str:

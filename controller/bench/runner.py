@@ -15,7 +15,7 @@ Python API (no side effects at import; the demo uses it)::
         headers=None,               # extra headers on every request (x-specroute-mode, auth)
         temperature=0.0, ignore_eos=False, timeout_s=600.0,
         on_level=None,              # callback(LevelResult) as each level finishes
-        progress=False,             # tqdm bar on stderr
+        progress=False,             # progress on stderr: a bar on a terminal, else lines
     )                               # -> BenchResult (controller.bench.result)
 
     result.levels[0].summary.decode_tok_s   # Estimate: n, mean, half_width (95%), p50/p90/p99
@@ -32,13 +32,17 @@ starts are measured; after that, workers send filler requests until every measur
 has finished, so each measured request runs with `c` requests in flight. Fillers then run to
 completion (no aborts), and their tokens count toward the level's total throughput. One request
 is measured by `controller.bench.client.one_request`.
+
+While a level runs, `controller.bench.progress.SweepProgress` shows where the sweep is
+(measured requests done and started, requests in flight, ETA of the level and of the sweep),
+and `controller.bench.queue_watch.QueueWatch` records the largest queue the server reported;
+it lands in `metadata["backend_queue_max"]` ({concurrency: requests}, absent without metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,11 +51,12 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import aiohttp
-from tqdm import tqdm
 
 from controller.bench.client import BenchError, base_url, discover_model, fetch_server_info, one_request
 from controller.bench.prefill import DEFAULT_PREFILL_REPEATS, PrefillResult, measure_prefill
+from controller.bench.progress import SweepProgress, level_point
 from controller.bench.prompts import Endpoint, PromptSet, load_prompts
+from controller.bench.queue_watch import QueueWatch
 from controller.bench.result import BenchResult, LevelResult, Phase, RequestResult, summarize
 
 __all__ = ["DEFAULT_LEVELS", "BenchConfig", "BenchError", "BenchRunner", "run_sweep"]
@@ -146,6 +151,15 @@ class BenchRunner:
         )
         self._next_prompt = 0
         self.prefill: PrefillResult | None = None
+        self.sweep = SweepProgress(
+            config.levels,
+            requests_per_level=config.requests_per_level,
+            warmup=config.warmup,
+            label=config.label,
+            clock=time.perf_counter,
+            enabled=progress,
+        )
+        """Where the sweep is and its ETA (also when `progress` is off: the estimates are kept)."""
 
     def _body(self, model: str) -> dict[str, Any]:
         c = self.config
@@ -173,12 +187,14 @@ class BenchRunner:
             model = c.model or discovered
             md["server_info"] = await fetch_server_info(session, self.base)
             md["model"] = model
+            self.sweep.cap = md["server_info"].get("max_running_requests")
             if c.prefill_lengths:  # first, while the server is idle
                 self.prefill = await measure_prefill(
                     session, self.base, model, endpoint=c.endpoint, lengths=c.prefill_lengths,
                     repeats=c.prefill_repeats, timeout_s=c.timeout_s,
                 )  # fmt: skip
                 md["prefill"] = self.prefill.to_json()
+            self.sweep.sweep_started = time.perf_counter()
             for level in c.levels:
                 lv = await self._run_level(session, level, model)
                 self.result.levels.append(lv)
@@ -186,6 +202,7 @@ class BenchRunner:
                     self.on_level(lv)
             # avg_spec_accept_length is a lifetime average: the value after the sweep covers it.
             end_info = await fetch_server_info(session, self.base)
+            md["server_info_end"] = end_info  # vLLM: its counters, for the sweep's own accept length
             if end_info["avg_spec_accept_length"] is not None:
                 md["server_info"]["avg_spec_accept_length"] = end_info["avg_spec_accept_length"]
             md["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
@@ -198,13 +215,8 @@ class BenchRunner:
         n_target = c.requests_per_level
         completed = measured_started = measured_done = 0
         results: list[RequestResult] = []
-        bar = tqdm(
-            total=n_target,
-            desc=f"{c.label}: concurrency {level}" if c.label else f"concurrency {level}",
-            file=sys.stderr,
-            leave=False,
-            disable=not self.progress,
-        )
+        state = self.sweep.start_level(level)
+        watch = QueueWatch(session, self.base)
         t0 = time.perf_counter()
 
         async def worker() -> None:
@@ -220,22 +232,57 @@ class BenchRunner:
                     phase = "filler"
                 else:
                     return
+                key = id(asyncio.current_task())
+                state.in_flight += 1
+                state.starts[key] = time.perf_counter()
+                if phase == "measured":
+                    state.measured_started = measured_started
+                    state.measured_starts[key] = time.perf_counter()
                 prompt = self.prompts.pick(self._next_prompt)
-                r = await one_request(session, url, self._body(model), c.endpoint, phase, t0, c.timeout_s)
+                try:
+                    r = await one_request(session, url, self._body(model), c.endpoint, phase, t0, c.timeout_s)
+                finally:
+                    state.in_flight -= 1
+                    state.measured_starts.pop(key, None)
+                    state.starts.pop(key, None)
                 r.category = prompt.category
                 results.append(r)
+                state.finished.append(r)
                 completed += 1
+                if r.ok and r.e2e_s is not None:
+                    state.e2e_sum_s += r.e2e_s
+                    state.e2e_n += 1
                 if phase == "measured":
                     measured_done += 1
-                    bar.update(1)
+                    state.measured_done = measured_done
+                elif phase == "warmup":
+                    state.warmup_done += 1
+                else:
+                    state.fillers_done += 1
+                self.sweep.tick()
 
+        async def ticker() -> None:
+            while True:  # progress moves while requests run, not only when one ends
+                self.sweep.tick()
+                await asyncio.sleep(0.5)
+
+        side = [asyncio.create_task(ticker()), asyncio.create_task(watch.run())]
         try:
             async with asyncio.TaskGroup() as tg:
                 for _ in range(level):
                     tg.create_task(worker())
+        except BaseException:
+            self.sweep.end_level(None)  # interrupted: the bar goes, the estimates learn nothing
+            raise
         finally:
-            with contextlib.suppress(Exception):
-                bar.close()
+            for task in side:
+                task.cancel()
+            for task in side:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self.sweep.end_level(level_point(level, results))
+        if watch.max_queued is not None:
+            self.result.metadata.setdefault("backend_queue_max", {})[str(level)] = watch.max_queued
         results.sort(key=lambda r: r.start_s)
         return LevelResult(concurrency=level, requests=results, summary=summarize(level, results))
 

@@ -93,8 +93,15 @@ def _point(line: dict[str, Any], where: str, warnings: list[str]) -> dict[str, A
     }
 
 
-def import_sglang(path: str | Path, mode: Pool, name: str | None = None) -> tuple[Profile, list[str]]:
-    """A one-mode profile from SGLang benchmark result lines, and warnings about skipped lines."""
+SGLANG_SPECULATIVE_MAX_RUNNING = 48
+"""SGLang's cap on running requests for a speculative server started without --max-running-requests."""
+
+
+def import_sglang(
+    path: str | Path, mode: Pool, name: str | None = None
+) -> tuple[Profile, list[str], list[str]]:
+    """A one-mode profile from SGLang benchmark result lines, warnings about skipped lines, and
+    what was assumed for what the lines do not say."""
     p = Path(path)
     warnings: list[str] = []
     points: dict[int, list[dict[str, Any]]] = {}
@@ -130,8 +137,23 @@ def import_sglang(path: str | Path, mode: Pool, name: str | None = None) -> tupl
             }
         )
     mode_data: dict[str, Any] = {"points": merged}
+    assumed: list[str] = []
     if caps:
         mode_data["max_running_requests"] = max(caps)
+        assumed.append(f"max_running_requests {max(caps)}, from the results' server_info")
+    elif mode == "eagle":
+        mode_data["max_running_requests"] = SGLANG_SPECULATIVE_MAX_RUNNING
+        assumed.append(
+            f"max_running_requests {SGLANG_SPECULATIVE_MAX_RUNNING}: the results carry no server_info, "
+            "and SGLang caps a speculative server at 48 running requests unless --max-running-requests "
+            "says otherwise; if yours does, set max_running_requests in the written profile"
+        )
+    else:
+        assumed.append(
+            "no max_running_requests: the results carry no server_info, so the profile sets none and "
+            "the simulator and cost_model model no server queue; set it in the written profile "
+            "(SGLang's /server_info has it)"
+        )
     if mode == "eagle" and accepts:
         mode_data["accept_length"] = round(sum(accepts) / len(accepts), 4)
     data = {
@@ -140,4 +162,8 @@ def import_sglang(path: str | Path, mode: Pool, name: str | None = None) -> tupl
         "source": f"imported from SGLang benchmark results {p.name} (python -m sglang.benchmark.serving)",
         "modes": {mode: mode_data},
     }
-    return parse_profile(data, str(p)), warnings
+    assumed.append(
+        "per max_concurrency: decode tok/s = 1000 / mean_tpot_ms (else 1000 / median_itl_ms x "
+        "accept_length), TTFT = mean_ttft_ms; lines of one concurrency averaged, weighted by completed"
+    )
+    return parse_profile(data, str(p)), warnings, assumed

@@ -59,7 +59,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
-        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        # argparse %-formats help strings (not descriptions): a literal % must be doubled there.
+        p = sub.add_parser(command.name, help=command.help.replace("%", "%%"), description=command.help)
         if only is None or command.name == only:
             configure(command, p)
     return parser

@@ -17,6 +17,7 @@ import operator
 import types
 import typing
 from collections.abc import Callable, Coroutine, Iterable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -81,6 +82,18 @@ positive_int = bounded(int, ge=1)
 non_negative_int = bounded(int, ge=0)
 positive_float = bounded(float, gt=0)
 non_negative_float = bounded(float, ge=0)
+
+
+def check_writable(*paths: str | None) -> None:
+    """CommandError for an output path whose folder does not exist, before any work is done:
+    every command refuses to create folders it was not asked to (a typo would go unnoticed)."""
+    for path in paths:
+        if not path or Path(path).resolve().parent.is_dir():
+            continue
+        blocker = next((d for d in Path(path).resolve().parents if d.exists() and not d.is_dir()), None)
+        if blocker is not None:
+            raise CommandError(f"cannot write {path}: {blocker} is not a directory")
+        raise CommandError(f"cannot write {path}: no such directory ({Path(path).parent})")
 
 
 def port(text: str) -> int:

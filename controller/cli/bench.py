@@ -10,14 +10,23 @@ from pathlib import Path
 from typing import Any
 
 from controller.bench.categories import by_category, category_factors, describe
-from controller.bench.compare import MIN_REQUESTS, compare_table, describe_runs, setting_warnings
+from controller.bench.compare import (
+    MIN_REQUESTS,
+    QUEUED_NOTE,
+    compare_table,
+    describe_runs,
+    queued_levels,
+    setting_warnings,
+)
 from controller.bench.prefill import DEFAULT_PREFILL_LENGTHS, DEFAULT_PREFILL_REPEATS
+from controller.bench.progress import fmt_duration
 from controller.bench.prompts import PromptError, load_prompts
 from controller.bench.result import BenchResult, LevelResult, ResultFileError
 from controller.bench.runner import DEFAULT_LEVELS, BenchConfig, BenchError, BenchRunner
 from controller.bench.sglang_import import SglangImportError, import_sglang
 from controller.cli.args import (
     CommandError,
+    check_writable,
     non_negative_float,
     non_negative_int,
     number,
@@ -35,6 +44,21 @@ def _header(text: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
+FULL: dict[str, Any] = {
+    "concurrency": list(DEFAULT_LEVELS),
+    "requests_per_level": 30,
+    "warmup_requests": 5,
+    "max_tokens": 200,
+}
+QUICK: dict[str, Any] = {
+    "concurrency": [1, 4, 16],
+    "requests_per_level": 10,
+    "warmup_requests": 1,
+    "max_tokens": 64,
+}
+"""`--quick`: a short sweep (about half a minute per server at Kimi-like speeds)."""
+
+
 def configure_bench(b: argparse.ArgumentParser) -> None:
     b.description = (
         "Closed-loop concurrency sweep against an OpenAI-compatible server "
@@ -46,30 +70,41 @@ def configure_bench(b: argparse.ArgumentParser) -> None:
         "--concurrency",
         type=positive_int,
         nargs="+",
-        default=list(DEFAULT_LEVELS),
+        default=None,
         metavar="N",
-        help="concurrency levels (default: %(default)s)",
+        help=f"concurrency levels (default: {' '.join(map(str, FULL['concurrency']))}; --quick: "
+        f"{' '.join(map(str, QUICK['concurrency']))})",
     )
     b.add_argument(
         "--requests-per-level",
         type=positive_int,
-        default=30,
+        default=None,
         metavar="N",
-        help="measured requests per level (default: %(default)s)",
+        help=f"measured requests per level (default: {FULL['requests_per_level']}; --quick: "
+        f"{QUICK['requests_per_level']})",
     )
     b.add_argument(
         "--warmup-requests",
         type=non_negative_int,
-        default=5,
+        default=None,
         metavar="N",
-        help="warm-up requests per level, not counted (default: %(default)s)",
+        help=f"warm-up requests per level, not counted (default: {FULL['warmup_requests']}; --quick: "
+        f"{QUICK['warmup_requests']})",
     )
     b.add_argument(
         "--max-tokens",
         type=positive_int,
-        default=200,
+        default=None,
         metavar="N",
-        help="output tokens per request (default: 200)",
+        help=f"output tokens per request (default: {FULL['max_tokens']}; --quick: {QUICK['max_tokens']})",
+    )
+    b.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short sweep to see a server's shape in about half a minute: levels "
+        f"{' '.join(map(str, QUICK['concurrency']))}, {QUICK['requests_per_level']} requests per level "
+        f"after {QUICK['warmup_requests']} warm-up, max_tokens {QUICK['max_tokens']} (flags given "
+        "explicitly win); too few requests for a profile you rely on",
     )
     b.add_argument(
         "--prompts",
@@ -105,6 +140,13 @@ def configure_bench(b: argparse.ArgumentParser) -> None:
     b.add_argument("--out", metavar="FILE", help="write raw results and summaries (JSON)")
     b.add_argument("--profile-out", metavar="FILE", help="write a specroute.profile/v1 for --mode")
     b.add_argument("--mode", choices=("baseline", "eagle"), help="mode of the written profile")
+    b.add_argument(
+        "--together",
+        metavar="URL2",
+        help="measure URL2 at the same time, level by level (servers sharing cores slow each other): "
+        "URL2 gets the other --mode, --out's result for it goes beside --out (NAME.together.json), "
+        "and --profile-out gets both modes",
+    )
     b.add_argument("--profile-name", default=None, help="name field of the written profile")
     b.add_argument(
         "--import-sglang",
@@ -133,7 +175,11 @@ def configure_bench(b: argparse.ArgumentParser) -> None:
         metavar="N",
         help="fresh prompts per length, and cold/warm pairs, of --prefill (default: %(default)s)",
     )
-    b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    b.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress on stderr (a bar on a terminal; elsewhere, e.g. a log, a line every few seconds)",
+    )
     b.set_defaults(func=run_bench)
 
 
@@ -164,7 +210,8 @@ def _fmt(e: Estimate | None, digits: int) -> str:
     return f"{e.mean:.{digits}f} ± {ci}"
 
 
-def level_line(lv: LevelResult) -> str:
+def level_line(lv: LevelResult, queued: str | None = None) -> str:
+    """One level of the bench table; `queued`: the evidence that its requests queued."""
     s = lv.summary
     d = s.decode_tok_s
     pct = "" if d is None else f" (p50 {d.p50:.1f} p90 {d.p90:.1f} p99 {d.p99:.1f})"
@@ -172,8 +219,10 @@ def level_line(lv: LevelResult) -> str:
     line = (
         f"concurrency {s.concurrency:>4}: n={s.n} errors={s.errors}{other}  "
         f"decode {_fmt(d, 2)} tok/s{pct}  TTFT {_fmt(s.ttft_s, 4)} s  "
-        f"total {_fmt(s.total_tok_s, 1)} tok/s  wall {s.wall_s:.1f} s"
+        f"e2e {_fmt(s.e2e_s, 3)} s  total {_fmt(s.total_tok_s, 1)} tok/s  wall {s.wall_s:.1f} s"
     )
+    if queued:
+        line += f"\n    {QUEUED_NOTE} ({queued})"
     kinds = Counter((r.error or "")[:100] for r in lv.requests if not r.ok)
     for message, count in kinds.most_common(3):
         line += f"\n    {count} x {message}"
@@ -193,11 +242,13 @@ def run_bench(args: argparse.Namespace) -> int:
         if not args.mode:
             raise CommandError("--import-sglang needs --mode baseline|eagle")
         try:
-            profile, warnings = import_sglang(args.import_sglang, args.mode, args.profile_name)
+            profile, warnings, assumptions = import_sglang(args.import_sglang, args.mode, args.profile_name)
         except (SglangImportError, ProfileError) as e:
             raise CommandError(str(e)) from None
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
+        for note in assumptions:
+            print(f"assumed: {note}", file=sys.stderr)
         if args.profile_out:
             try:
                 _write_profile(profile, args.profile_out)
@@ -209,9 +260,10 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     if not args.url:
         raise CommandError("a server URL is required (or --import-sglang FILE)")
-    for path in (args.out, args.profile_out):
-        if path and not Path(path).resolve().parent.is_dir():
-            raise CommandError(f"cannot write {path}: no such directory")
+    for key, full in FULL.items():
+        if getattr(args, key) is None:
+            setattr(args, key, QUICK[key] if args.quick else full)
+    check_writable(args.out, args.profile_out)
     headers = dict(args.header)
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
@@ -251,8 +303,13 @@ def run_bench(args: argparse.Namespace) -> int:
         )
 
     def on_level(lv: LevelResult) -> None:
-        print(level_line(lv), flush=True)
+        print(level_line(lv, queued_levels(runner.result).get(lv.concurrency)), flush=True)
+        eta = runner.sweep.sweep_eta_s()
+        if eta is not None and lv.concurrency != config.levels[-1]:
+            print(f"    sweep: {fmt_duration(eta)} to go (estimate)", flush=True)
 
+    if args.together:
+        return _run_together(args, config)
     runner = BenchRunner(config, on_level=on_level, progress=not args.no_progress)
     print(
         f"bench {args.url}: levels {' '.join(map(str, config.levels))}, {config.requests_per_level} "
@@ -291,6 +348,44 @@ def run_bench(args: argparse.Namespace) -> int:
     if prompts.categorized:
         report_categories(result)
     return _write_outputs(args, result, interrupted)
+
+
+def _run_together(args: argparse.Namespace, config: BenchConfig) -> int:
+    """`--together URL2` (controller.bench.together): both sweeps at once, one two-mode profile."""
+    from dataclasses import replace
+
+    from controller.bench.together import other, run_together, together_profile, with_suffix
+
+    if not args.mode:
+        raise CommandError("--together needs --mode (of URL; URL2 gets the other one)")
+    try:
+        second = replace(config, url=args.together, label=None)
+    except ValueError as e:
+        raise CommandError(f"--together: {e}") from None
+    print(f"bench {args.url} ({args.mode}) together with {args.together} ({other(args.mode)})", flush=True)
+    try:
+        first_result, second_result = run_async(
+            run_together(config, second, on_level=lambda lv: print(level_line(lv), flush=True))
+        )
+    except BenchError as e:
+        raise CommandError(str(e)) from None
+    code = 0
+    for path, result in (
+        (args.out, first_result),
+        (args.out and with_suffix(args.out, "together"), second_result),
+    ):
+        if path:
+            result.write(path)
+            print(f"wrote {path}")
+    if args.profile_out:
+        try:
+            profile = together_profile(first_result, second_result, args.mode, args.profile_name)
+            _write_profile(profile, args.profile_out)
+        except (ResultFileError, ProfileError, OSError) as e:
+            print(f"specroute bench: no profile written: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.profile_out}: modes {', '.join(profile.modes)}")
+    return code
 
 
 def report_categories(result: BenchResult) -> None:
@@ -368,12 +463,15 @@ def merge_profiles(profiles: Sequence[tuple[str, Profile]], name: str | None = N
                 )
             modes[mode] = mode_profile.model_dump(mode="json", exclude_none=True)
             origin[mode] = path
-    data = {
+    data: dict[str, Any] = {
         "format": "specroute.profile/v1",
         "name": name or " + ".join(p.name for _, p in profiles),
         "source": "merged: " + " | ".join(f"{path}: {p.source}" for path, p in profiles),
         "modes": modes,
     }
+    engines = {(p.model_extra or {}).get("engine") for _, p in profiles}
+    if len(engines) == 1 and (engine := engines.pop()) is not None:
+        data["engine"] = engine  # measured on one engine: `plan` writes its launch lines
     return parse_profile(data, "<merged profile>")
 
 

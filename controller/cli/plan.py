@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from controller.cli.args import (
     CommandError,
+    check_writable,
     non_negative_int,
     number,
     positive_float,
@@ -220,6 +221,7 @@ def _warn_transient(spec: PlanSpec) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    check_writable(args.out)
     try:
         if args.report:
             require("matplotlib", "plot", "--report")
@@ -231,7 +233,11 @@ def _main(args: argparse.Namespace) -> int:
         registry = default_registry()
         total = count_simulations(spec, registry)
         with tqdm(
-            total=total, desc="simulations", unit="run", file=sys.stderr, disable=args.no_progress
+            total=total,
+            desc="simulations",
+            unit="run",
+            file=sys.stderr,
+            disable=args.no_progress or not sys.stderr.isatty(),  # a log gets no bar
         ) as bar:
             result = plan(profile, spec, registry=registry, jobs=args.jobs, progress=bar.update)
         command = "specroute " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["plan"] else "specroute plan"

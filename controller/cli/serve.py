@@ -229,8 +229,9 @@ async def _serve(
             reloader.request()
         await stop.wait()
         reloader.cancel()
+        await _grace_period(app, stop, settings.shutdown_grace_s)
         log.warning(
-            "shutting down: draining %d in-flight request(s) for up to %g s",
+            "shutting down: listener closed; draining %d in-flight request(s) for up to %g s",
             app[ADMIN].fwd.tracker.total_in_flight,
             settings.drain_timeout_s,
         )
@@ -238,6 +239,23 @@ async def _serve(
     finally:
         await runner.cleanup()
     log.warning("stopped")
+
+
+async def _grace_period(app: Any, stop: asyncio.Event, grace_s: float) -> None:
+    """`/ready` answers 503 from now on while requests are still served for `grace_s` (see
+    `controller.proxy.shutdown`); a second SIGTERM/SIGINT ends the wait early."""
+    from controller.proxy.shutdown import SHUTDOWN
+
+    app[SHUTDOWN].begin()
+    if grace_s <= 0:
+        return
+    log.warning("shutting down: /ready answers 503; still serving for %g s (shutdown_grace_s)", grace_s)
+    stop.clear()
+    try:
+        await asyncio.wait_for(stop.wait(), grace_s)
+        log.warning("second signal: grace period cut short")
+    except TimeoutError:
+        pass
 
 
 def run_policies(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from controller.cli.args import (
     CommandError,
+    check_writable,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -24,7 +25,10 @@ from controller.cli.workload_args import (
     add_workload_args,
     buckets_from_args,
     describe_workload,
+    full_batch_ttft_s,
+    offered_tok_s,
     profile_ref,
+    swamp_warning,
     transient_warning,
     workload_from_args,
 )
@@ -278,6 +282,11 @@ def _simulate_main(args: argparse.Namespace) -> int:
                     )
                 )
         description = _describe(spec, profile, servers)
+        offered = offered_tok_s(segments)
+        for r in runs:
+            swamped = swamp_warning(offered, r, full_batch_ttft_s(servers))
+            if swamped is not None:
+                print(f"warning: {swamped}", file=sys.stderr)
         if args.json:
             doc: dict[str, Any] = {"runs": [r.to_json() for r in runs]}
             if servers is not profile:
@@ -295,6 +304,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
 
 
 def _tune_main(args: argparse.Namespace) -> int:
+    check_writable(args.out)
     try:
         profile = resolve_profile(args.profile)
         servers = _servers(args, profile)
@@ -315,7 +325,10 @@ def _tune_main(args: argparse.Namespace) -> int:
         points, _, rejected = valid_points(registry, args.policy, base_params, grid)  # before the bar
         total = len(points) + len(rejected)
         skipped: list[tuple[dict[str, Any], str]] = []
-        with tqdm(total=total, desc="grid points", unit="pt", file=sys.stderr) as bar:
+        # a bar on a terminal only: in a log every refresh would be a line
+        with tqdm(
+            total=total, desc="grid points", unit="pt", file=sys.stderr, disable=not sys.stderr.isatty()
+        ) as bar:
             ranking = tune(
                 profile,
                 args.policy,

@@ -16,8 +16,9 @@ flavours of one rule: `start`/`read_listening` for asyncio callers (tests, the d
 from __future__ import annotations
 
 import asyncio
-import select
+import queue
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
@@ -101,30 +102,43 @@ async def start(
 def read_listening_sync(
     proc: subprocess.Popen[str], *, marker: str = MARKER, timeout_s: float = 60.0, what: str = "child"
 ) -> str:
-    """`read_listening` for a text-mode `Popen` (POSIX: waits with `select`)."""
+    """`read_listening` for a text-mode `Popen`. The lines are read by a short-lived thread (a
+    `select` on the pipe would miss lines already in the text buffer), which stops at the
+    listening line, so whatever the child prints after it is left for the caller."""
     assert proc.stdout is not None, "start the child with stdout=PIPE, text=True"
+    stdout = proc.stdout
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        while True:
+            line = stdout.readline()
+            lines.put(line)
+            if not line or marker in line:
+                return
+
+    threading.Thread(target=pump, name="spawn-read", daemon=True).start()
     deadline = time.monotonic() + timeout_s
     seen: list[str] = []
     ended = False
     while (left := deadline - time.monotonic()) > 0:
-        ready, _, _ = select.select([proc.stdout], [], [], min(left, 0.5))
-        if ready:
-            line = proc.stdout.readline()
-            if marker in line:
-                return line.strip()
-            if line:
-                seen.append(line.strip())
-                continue
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if marker in line:
+            return line.strip()
+        if not line:
             ended = True
             break
-        if proc.poll() is not None:
-            ended = True
-            break
+        seen.append(line.strip())
     proc.kill()
+    err = ""
     try:
-        _, err = proc.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        err = ""
+        proc.wait(timeout=10)
+        if proc.stderr is not None:
+            err = proc.stderr.read()
+    except (subprocess.TimeoutExpired, OSError, ValueError):
+        pass
     raise _failure(what, seen, err or "", timeout_s, ended)
 
 

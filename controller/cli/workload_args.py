@@ -4,10 +4,12 @@ the values they become."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from controller.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
-from policies.profile import ProfileError
+from policies.profile import Profile, ProfileError
 from policies.spec import PolicyError
 from simulator.engine.loop import SimulationError
 from simulator.engine.report import ReportError
@@ -281,6 +283,54 @@ def transient_warning(spec: WorkloadSpec) -> str | None:
         f"or {STEADY_WARMUP_PER_CLIENT} warm-up request per client: those levels measure a transient, not a "
         f"steady state; leave --requests-per-level and --warmup-requests unset, or give at least "
         f"{STEADY_MEASURE_PER_CLIENT * worst} and {STEADY_WARMUP_PER_CLIENT * worst}"
+    )
+
+
+SWAMP_FACTOR = 1.25
+"""Offered output tokens per second above this many times the served ones: the load swamps."""
+SWAMP_TTFT_FACTOR = 10.0
+"""... or a mean TTFT above this many times the profile's slowest (a full batch, no queue)."""
+
+
+def offered_tok_s(segments: Sequence[Any]) -> float | None:
+    """Output tokens per second the arrivals of an open-loop workload ask for; None for sweeps."""
+    if len(segments) != 1 or segments[0].batch.arrivals is None:
+        return None
+    batch = segments[0].batch
+    span = max(batch.arrivals) - min(batch.arrivals) if len(batch) > 1 else 0.0
+    return sum(batch.output_tokens) / span if span > 0 else None
+
+
+def full_batch_ttft_s(profile: Profile) -> float:
+    """The largest TTFT among the profile's points: what a full batch costs without a queue."""
+    return max((p.ttft_s for m in profile.modes.values() for p in m.points), default=0.0)
+
+
+def swamp_warning(offered: float | None, run: Any, full_batch_ttft: float) -> str | None:
+    """A warning when an open-loop run's load swamps its deployment: its servers delivered output
+    tokens markedly slower than the arrivals asked for them (`SWAMP_FACTOR`), or its mean TTFT is
+    over `SWAMP_TTFT_FACTOR` times a full batch's (a load just above capacity builds its queue
+    slowly). Requests then pile up in the servers' queues and the figures measure a backlog that
+    grows with the run's length, not a steady state. None for closed-loop sweeps (`offered`
+    None: their load is bounded)."""
+    served = run.summary.get("throughput_tok_s")
+    ttft = run.summary.get("mean_ttft_s")
+    if offered is None or not isinstance(served, int | float) or not served > 0:
+        return None
+    short = offered > SWAMP_FACTOR * served
+    queued = (
+        isinstance(ttft, int | float) and full_batch_ttft > 0 and ttft > SWAMP_TTFT_FACTOR * full_batch_ttft
+    )
+    if not (short or queued):
+        return None
+    deployment = ",".join(f"{k}={v}" for k, v in run.deployment.items())
+    return (
+        f"{run.policy} on {deployment}: the offered load swamps the deployment -- arrivals ask for "
+        f"{offered:.0f} output tok/s, the servers delivered {served:.0f}; mean TTFT "
+        f"{run.summary.get('mean_ttft_s', float('nan')):.1f} s (a full batch without a queue: "
+        f"{full_batch_ttft:.2f} s), p99 {run.summary.get('p99_ttft_s', float('nan')):.1f} s. Requests queue, "
+        "so these figures measure a backlog that grows with the run, not a steady state: lower the rate "
+        "(--rate, --time-scale) or add servers (--deployment)"
     )
 
 

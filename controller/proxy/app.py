@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -32,8 +32,16 @@ from controller.proxy.admin import PolicyAdmin, admin_routes
 from controller.proxy.capacity import AdmissionMetrics, Capacity, in_flight_bounds
 from controller.proxy.config import Settings
 from controller.proxy.decision_record import DecisionLogger, open_decision_log
-from controller.proxy.errors import NoBackendAvailable, error_middleware, http_log
-from controller.proxy.forward import Forwarder, Observer
+from controller.proxy.engines import Engine
+from controller.proxy.errors import (
+    NoBackendAvailable,
+    NotFound,
+    ShuttingDown,
+    error_middleware,
+    expect_handler,
+    http_log,
+)
+from controller.proxy.forward import Forwarder, Observer, RequestRecord
 from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
 from controller.proxy.health import HealthChecker
 from controller.proxy.identity import IDENTITY, identity_middleware
@@ -43,9 +51,11 @@ from controller.proxy.load import LoadTracker
 from controller.proxy.memory import keep_heap_small
 from controller.proxy.metrics import Metrics
 from controller.proxy.outlier import OutlierDetector
-from controller.proxy.scrape import ScrapeLoop
+from controller.proxy.scrape import ScrapeLoop, apply_reported_cap
 from controller.proxy.shadow import ShadowPolicies, build_shadows
-from policies.base import POOLS, Policy
+from controller.proxy.shutdown import SHUTDOWN, Shutdown, close_after_answer
+from policies.base import POOLS, Policy, Pool
+from policies.calibration import MISMATCH_AFTER
 from policies.prefix import DEFAULT_CACHE_TOKENS
 from policies.profile import Profile, resolve_profile
 from policies.registry import PolicyRegistry
@@ -129,12 +139,15 @@ def create_app(
         ),
     )
     fwd.observers.append(AcceptanceMetrics(registry_, lambda: fwd.policy))
+    fwd.observers.append(MismatchWatch(metrics))
     app[SETTINGS] = settings
     app[IDENTITY] = fwd.identity
     app[TRACKER] = tracker
     app[METRICS] = metrics
     app[FORWARDER] = fwd
     app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
+    app[SHUTDOWN] = Shutdown(clock)
+    app.on_response_prepare.append(close_after_answer)
     app[DECISION_LOGS] = open_logs = []
     dropped = Counter(
         "specroute_decision_log_dropped_records",
@@ -156,6 +169,18 @@ def create_app(
             trust_env=False,
             headers={"Accept-Encoding": "identity"},
         )
+        scraper = ScrapeLoop(
+            tracker,
+            fwd.session,
+            interval_s=settings.scrape_interval_s,
+            timeout_s=min(2.0, settings.scrape_stale_after_s),
+            clock=clock,
+            headers=lambda pool: {"Authorization": auth} if (auth := fwd.auth_header(pool)) else {},
+            engines={b.name: settings.engine_of(b.name) for b in settings.backends()},
+            on_capacity=lambda name, cap: _reported_cap(settings, fwd, name, cap),
+            on_engine=lambda name, engine: _engine_found(settings, tracker, name, engine),
+        )
+        app[SCRAPER] = scraper
         checker = HealthChecker(
             tracker,
             fwd.session,
@@ -164,17 +189,9 @@ def create_app(
             timeout_s=settings.health_check_timeout_s,
             unhealthy_threshold=settings.health_check_unhealthy_threshold,
             healthy_threshold=settings.health_check_healthy_threshold,
+            engine_of=scraper.engine,
         )
         app[HEALTH] = checker
-        scraper = ScrapeLoop(
-            tracker,
-            fwd.session,
-            interval_s=settings.scrape_interval_s,
-            timeout_s=min(2.0, settings.scrape_stale_after_s),
-            clock=clock,
-            headers=lambda pool: {"Authorization": auth} if (auth := fwd.auth_header(pool)) else {},
-        )
-        app[SCRAPER] = scraper
         decisions = None
         if settings.decision_log:
             decisions = open_decision_log(
@@ -210,22 +227,37 @@ def create_app(
     async def completions(request: web.Request) -> web.StreamResponse:
         return await fwd.handle(request, "completions", "/v1/completions")
 
+    def sglang_only(path: str) -> None:
+        """A clear 404 for an SGLang-only route when every backend is known to run another engine."""
+        engines = [app[SCRAPER].engine(b.name) if SCRAPER in app else None for b in tracker]
+        if engines and all(e is not None and not e.native_generate for e in engines):
+            labels = sorted({e.label for e in engines if e is not None})
+            raise NotFound(
+                f"{path} is an SGLang route and every backend here runs {', '.join(labels)}: "
+                "use /v1/chat/completions or /v1/completions"
+            )
+
     async def generate(request: web.Request) -> web.StreamResponse:
+        sglang_only("/generate")
         return await fwd.handle(request, "generate", "/generate")
 
     async def models(request: web.Request) -> web.StreamResponse:
         return await list_models(fwd, request)
 
     async def model_info_route(request: web.Request) -> web.StreamResponse:
+        sglang_only(request.path)
         return await model_info(fwd, request)
 
     async def server_info_route(request: web.Request) -> web.StreamResponse:
+        sglang_only(request.path)
         return await server_info(fwd, request)
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def ready(request: web.Request) -> web.Response:
+        if app[SHUTDOWN].started:
+            raise ShuttingDown("specroute is shutting down: send new requests elsewhere")
         now = clock()
         healthy = [b for b in tracker if b.healthy and not b.ejected(now)]
         if not healthy:
@@ -243,20 +275,77 @@ def create_app(
         body = generate_latest(metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/generate", generate)
-    app.router.add_put("/generate", generate)  # SGLang accepts both
-    app.router.add_get("/v1/models", models)
-    for path in ("/model_info", "/get_model_info"):
-        app.router.add_get(path, model_info_route)
-    for path in ("/server_info", "/get_server_info"):
-        app.router.add_get(path, server_info_route)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics_route)
-    app.router.add_routes(admin_routes(app[ADMIN]))
+    routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
+        ("POST", "/v1/chat/completions", chat),
+        ("POST", "/v1/completions", completions),
+        ("POST", "/generate", generate),
+        ("PUT", "/generate", generate),  # SGLang accepts both
+        ("GET", "/v1/models", models),
+        ("GET", "/model_info", model_info_route),
+        ("GET", "/get_model_info", model_info_route),
+        ("GET", "/server_info", server_info_route),
+        ("GET", "/get_server_info", server_info_route),
+        ("GET", "/health", health),
+        ("GET", "/ready", ready),
+        ("GET", "/metrics", metrics_route),
+    ]
+    routes += [(r.method, r.path, r.handler) for r in admin_routes(app[ADMIN])]
+    for method, path, handler in routes:
+        # A bogus `Expect` is answered before any middleware runs: our handler gives OpenAI's shape.
+        app.router.add_route(method, path, handler, expect_handler=expect_handler)
+        if method == "GET":  # as `add_get` does: HEAD answers like GET, without the body
+            app.router.add_route("HEAD", path, handler, expect_handler=expect_handler)
     return app
+
+
+class MismatchWatch:
+    """Reports a policy's profile mismatches (`policies.calibration`: a pool rebased because its
+    speeds were off by more than 2x) as a metric and a log line, once each."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._seen: dict[tuple[int, Pool], int] = {}
+
+    def __call__(self, record: RequestRecord) -> None:
+        calibration = getattr(record.policy, "calibration", None)
+        counts = getattr(calibration, "mismatches", None)
+        if not isinstance(counts, dict):
+            return
+        name = record.chosen.policy or type(record.policy).__name__
+        for pool, count in counts.items():
+            key = (id(calibration), pool)
+            seen = self._seen.get(key, 0)
+            if count > seen:
+                self._seen[key] = count
+                self.metrics.profile_mismatches.labels(name, pool).inc(count - seen)
+                factor = calibration.mismatch_factor.get(pool)  # type: ignore[union-attr]
+                log.warning(
+                    "policy %s: the %s pool runs %.2fx the speed its profile says (median of its last "
+                    "%d+ outcomes): the profile does not fit these servers; calibration rebased to the "
+                    "observed speed (measure them with `specroute bench --profile-out`)",
+                    name, pool, factor or 0.0, MISMATCH_AFTER,
+                )  # fmt: skip
+
+
+def _reported_cap(settings: Settings, fwd: Forwarder, name: str, cap: int) -> None:
+    """A backend reported its running-request cap: it sets the admission bound (unless the pool's
+    bound is configured), and waiters get a chance at a larger bound."""
+
+    def bounded(pool: Pool) -> bool:
+        return getattr(settings, f"{pool}_backend_max_in_flight") is not None
+
+    if apply_reported_cap(fwd.tracker, bounded, settings.admission_margin, name, cap) is not None:
+        fwd.capacity.released(fwd.tracker.get(name).pool)
+
+
+def _engine_found(settings: Settings, tracker: LoadTracker, name: str, engine: Engine) -> None:
+    """Warn about settings the backend's engine does not honour."""
+    if settings.spec_details and not engine.spec_details and tracker.get(name).pool == "eagle":
+        log.warning(
+            "spec_details is on but eagle backend %s runs %s, which has no per-request speculative "
+            "details (it ignores the field): its accept length comes from /metrics instead",
+            name, engine.label,
+        )  # fmt: skip
 
 
 def reopen_decision_log(app: web.Application) -> None:

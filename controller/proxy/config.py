@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -40,6 +40,8 @@ from controller.proxy.redact import (
     secrets_in_yaml,
 )
 from policies.base import POOLS, Pool
+from policies.params import parse_policy_ref
+from policies.spec import PolicyError
 from policies.view import STALE_AFTER_S
 
 ENV_PREFIX = "SPECROUTE_"
@@ -80,6 +82,16 @@ def _blank_is_unset(value: Any) -> Any:
     if isinstance(value, str) and not value.strip():
         return None
     return value
+
+
+def _shadow_entry(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        name, params = parse_policy_ref(value, "entry")
+    except PolicyError as e:
+        raise ValueError(str(e)) from None
+    return {"name": name, "params": params or {}}
 
 
 _BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -335,8 +347,16 @@ class Settings(BaseModel):
     admission_max_waiting: int = Field(
         default=1024, ge=0, description="Most requests waiting for a slot at once; beyond it, 429 at once."
     )
+    shutdown_grace_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="On SIGTERM/SIGINT, how long /ready answers 503 while new requests are still "
+        "served (so load balancers notice), before the listener closes and the drain begins.",
+    )
     drain_timeout_s: float = Field(
-        default=30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish."
+        default=30.0,
+        ge=0,
+        description="After shutdown_grace_s, how long in-flight requests may finish; then they are cut.",
     )
     admin_token: SecretStr | None = Field(
         default=None, description="Bearer token of POST /admin/policy (disabled when unset)."
@@ -401,8 +421,29 @@ class Settings(BaseModel):
         "accept length to the policy; older SGLang versions may reject the field.",
     )
 
+    engine: Literal["auto", "sglang", "vllm"] = Field(
+        default="auto",
+        description="The serving engine of the backends: sglang, vllm, or auto (detected from the "
+        "sample names on each backend's /metrics). Decides the signals scraped, the health probe path "
+        "and whether SGLang-only routes (/generate, /server_info) and spec_details apply.",
+    )
+    backend_engines: dict[str, Literal["auto", "sglang", "vllm"]] = Field(
+        default_factory=dict,
+        description="The engine per backend name, overriding `engine` for that backend "
+        '(YAML mapping; JSON in the environment: {"b1": "vllm"}).',
+    )
+
     _split = field_validator("admin_policy_modules", mode="before")(_split_list)
     _specs = field_validator("baseline", "eagle", mode="before")(_backend_specs)
+
+    @field_validator("shadow_policies", mode="before")
+    @classmethod
+    def _shadow_refs(cls, value: Any) -> Any:
+        """Entries may be written `NAME` or `NAME:KEY=VALUE,...` (the grammar of every command)."""
+        if isinstance(value, str):
+            value = [value]
+        return [_shadow_entry(v) for v in value] if isinstance(value, list) else value
+
     _blank = field_validator(
         "profile", "decision_log", "admin_token", "baseline_model", "eagle_model",
         "baseline_api_key", "eagle_api_key", mode="before",
@@ -437,6 +478,9 @@ class Settings(BaseModel):
                 raise ValueError(f"backend name {b.name!r} is used twice: give each backend its own")
             names.add(b.name)
             urls.add(b.url)
+        unknown = sorted(set(self.backend_engines) - names)
+        if unknown:
+            raise ValueError(f"backend_engines: no backend is named {', '.join(map(repr, unknown))}")
         labels = [s.label or s.name for s in self.shadow_policies]
         twice = sorted({x for x in labels if labels.count(x) > 1})
         if twice:
@@ -451,6 +495,10 @@ class Settings(BaseModel):
         pools: tuple[Pool, ...] = POOLS if pool is None else (pool,)
         return [b for p in pools for b in specs[p]]
 
+    def engine_of(self, name: str) -> Literal["auto", "sglang", "vllm"]:
+        """The configured engine of the backend named `name` ("auto": detect it)."""
+        return self.backend_engines.get(name, self.engine)
+
     def require_backends(self) -> None:
         if not self.baseline and not self.eagle:
             raise ConfigError("no backend configured: set baseline and/or eagle (--baseline/--eagle)")
@@ -461,7 +509,7 @@ class Settings(BaseModel):
 
 
 FIELDS = frozenset(Settings.model_fields)
-_JSON_FIELDS = frozenset({"policy_params", "shadow_policies"})
+_JSON_FIELDS = frozenset({"policy_params", "shadow_policies", "backend_engines"})
 
 
 def read_text(path: str | Path) -> str:

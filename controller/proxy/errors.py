@@ -48,13 +48,17 @@ class SpecrouteError(Exception):
     type: ClassVar[str] = "server_error"
     code: ClassVar[str] = "internal_error"
 
-    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str, *, headers: dict[str, str] | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
+        self.param = param
+        """The request field at fault (OpenAI's `param`), when there is one."""
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
         return web.Response(
@@ -91,6 +95,14 @@ class MethodNotAllowed(SpecrouteError):
     status = 405
     type = "invalid_request_error"
     code = "method_not_allowed"
+
+
+class ExpectationFailed(SpecrouteError):
+    """An `Expect` header other than `100-continue` (the only expectation HTTP/1.1 defines)."""
+
+    status = 417
+    type = "invalid_request_error"
+    code = "expectation_failed"
 
 
 class RequestTimeout(SpecrouteError):
@@ -132,6 +144,14 @@ class NoBackendAvailable(SpecrouteError):
     code = "no_healthy_backend"
 
 
+class ShuttingDown(SpecrouteError):
+    """`/ready` after SIGTERM: the process still serves, but balancers should look elsewhere."""
+
+    status = 503
+    type = "server_error"
+    code = "shutting_down"
+
+
 class BackendTimeout(SpecrouteError):
     status = 504
     type = "server_error"
@@ -146,9 +166,43 @@ class StreamBroken(SpecrouteError):
     code = "stream_broken"
 
 
+def http_error_response(e: web.HTTPException) -> web.Response:
+    """Any other HTTP error aiohttp raised itself, re-rendered in OpenAI's shape (same status)."""
+    body = {
+        "error": {
+            "message": e.text or e.reason,
+            "type": "server_error" if e.status >= 500 else "invalid_request_error",
+            "param": None,
+            "code": e.reason.lower().replace(" ", "_").replace("-", "_"),
+        }
+    }
+    return web.Response(
+        status=e.status,
+        body=json.dumps(body).encode(),
+        content_type="application/json",
+        headers={k: v for k, v in e.headers.items() if k in _KEPT},
+    )
+
+
+_KEPT = frozenset({"Allow", "Retry-After", "WWW-Authenticate"})
+
+
+async def expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """Every route's `Expect` handler: `100-continue` as aiohttp does; anything else a 417 in
+    OpenAI's shape (aiohttp's own answers it in plain text, before any middleware runs)."""
+    expect = request.headers.get("Expect", "")
+    if request.version >= (1, 1) and expect.lower() != "100-continue":
+        return ExpectationFailed(f"unsupported Expect header {expect[:60]!r} (only 100-continue)").response()
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp's default handler: the body starts after it
+    return None
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Render our errors, and aiohttp's own 404/405/413, in OpenAI's shape."""
+    """Render our errors, and every error aiohttp raises itself (404, 405, 413, 400 ...), in
+    OpenAI's shape; other HTTP exceptions (redirects) pass."""
     try:
         resp: web.StreamResponse = await handler(request)
         return resp
@@ -166,8 +220,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return PayloadTooLarge(f"request body too large: {e.text}").response()
     except RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match
         return BadRequest(f"request body could not be read: {e.__cause__ or e}").response()
-    except web.HTTPException:
-        raise
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return http_error_response(e)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return SpecrouteError("internal error in specroute").response()

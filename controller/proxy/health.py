@@ -6,26 +6,32 @@ probe of a backend decides at once: until then its health is an assumption, not 
 requests are a separate signal: the outlier detector (`controller.proxy.outlier`) ejects a
 backend for a while after consecutive failures; routing needs both (`load.py`).
 
-Which endpoint: by default `/ready`. SGLang's `/health` (and `/health_generate`) run a one-token
-generation on an idle server and take at least a second, so probing them every few seconds costs
-GPU work and holds a connection; `/ready` answers from the HTTP server's state, without
-generating (docs/SGLANG_PROTOCOL.md, "Health and server info"). A backend that answers the
-configured path with 404 (an SGLang release without `/ready`) is probed on `/health` from then
-on, logged once. Redirects are not followed.
+Which endpoint: by default the backend's engine's cheap probe (`controller.proxy.engines`), once
+the engine is known (configured, or detected by the scraper), and `/ready` before that. SGLang's
+`/health` (and `/health_generate`) run a one-token generation on an idle server and take at least
+a second, so probing them every few seconds costs GPU work and holds a connection; `/ready`
+answers from the HTTP server's state, without generating (docs/SGLANG_PROTOCOL.md, "Health and
+server info"). vLLM has no `/ready`; its `/health` checks that the engine process is alive,
+without generating. A backend that answers the
+path with 404 (vLLM before its engine is known, an SGLang release without `/ready`) is probed on
+`/health` from then on, logged once. Redirects are not followed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import aiohttp
 
+from controller.proxy.engines import Engine
 from controller.proxy.limits import read_bounded
 from controller.proxy.load import BackendState, LoadTracker
 
 log = logging.getLogger("specroute.health")
 
+DEFAULT_PATH = "/ready"
 FALLBACK_PATH = "/health"
 _PROBE_LIMIT_BYTES = 1 << 20
 
@@ -36,12 +42,15 @@ class HealthChecker:
         tracker: LoadTracker,
         session: aiohttp.ClientSession,
         *,
-        path: str = "/ready",
+        path: str = DEFAULT_PATH,
         interval_s: float = 5.0,
         timeout_s: float = 5.0,
         unhealthy_threshold: int = 2,
         healthy_threshold: int = 1,
+        engine_of: Callable[[str], Engine | None] | None = None,
     ) -> None:
+        """`engine_of(name)`: the backend's engine when known; with the default `path` the probe
+        goes to that engine's health path."""
         self.tracker = tracker
         self.session = session
         self.path = path
@@ -53,9 +62,17 @@ class HealthChecker:
         self._streak = {b.name: 0 for b in tracker}
         """Consecutive probe results that disagree with the backend's current health."""
         self._probed: set[str] = set()
+        self.engine_of = engine_of
+
+    def _path(self, name: str) -> tuple[str, Engine | None]:
+        engine = self.engine_of(name) if self.engine_of is not None else None
+        path = self._paths[name]
+        if engine is not None and path == DEFAULT_PATH and self.path == DEFAULT_PATH:
+            path = self._paths[name] = engine.health_path
+        return path, engine
 
     async def probe(self, backend: BackendState) -> bool:
-        path = self._paths[backend.name]
+        path, engine = self._path(backend.name)
         try:
             async with self.session.get(
                 backend.url + path, timeout=self.timeout, allow_redirects=False
@@ -65,9 +82,14 @@ class HealthChecker:
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
         if status == 404 and path != FALLBACK_PATH:
+            why = (
+                f"its engine is {engine.label}"
+                if engine is not None
+                else "engine not known yet: vLLM has no /ready, nor have SGLang releases before it"
+            )
             log.warning(
-                "backend %s answers %s with 404 (an SGLang release without it?): probing %s instead",
-                backend.name, path, FALLBACK_PATH,
+                "backend %s answers %s with 404 (%s): probing %s instead",
+                backend.name, path, why, FALLBACK_PATH,
             )  # fmt: skip
             self._paths[backend.name] = FALLBACK_PATH
             return await self.probe(backend)

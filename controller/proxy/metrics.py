@@ -124,6 +124,12 @@ class Metrics:
             ["code"],
             registry=r,
         )
+        self.profile_mismatches = Counter(
+            "specroute_profile_mismatches",
+            "Times a policy found its speed profile off by more than 2x for a pool and rebased it.",
+            ["policy", "pool"],
+            registry=r,
+        )
         self.failovers = Counter(
             "specroute_failovers",
             "Requests retried on another backend before their first byte, by the pool that failed.",

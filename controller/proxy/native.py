@@ -28,6 +28,7 @@ from typing import Any
 
 from controller.proxy.errors import BadRequest
 from controller.proxy.sse import as_count, parse_json
+from controller.proxy.validate import check_generate_sampling
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 _COUNT_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,15})(?![\d.eE])')
@@ -65,6 +66,7 @@ def check_generate_body(body: Mapping[str, Any]) -> None:
         integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
         if isinstance(value, bool) or not integral or not 0 <= value < 2**53:
             raise BadRequest("'sampling_params.max_new_tokens' must be a non-negative integer")
+    check_generate_sampling(params or {})
 
 
 def generate_prompt_chars(body: Mapping[str, Any]) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 from controller.proxy.errors import BadRequest
 from controller.proxy.limits import load_json
 from controller.proxy.native import check_generate_body, generate_prompt_chars
+from controller.proxy.validate import check_openai_body
 from policies.base import EndpointKind
 
 
@@ -26,13 +27,8 @@ def parse_body(raw: bytes, endpoint: EndpointKind) -> dict[str, Any]:
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise BadRequest("'stream' must be a boolean")
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if value is None:
-            continue
-        integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-        if isinstance(value, bool) or not integral or not 0 <= value < 2**53:
-            raise BadRequest(f"'{key}' must be a non-negative integer")
+    if endpoint != "generate":
+        check_openai_body(body, endpoint)  # SGLang's rules where it is stricter (validate.py)
     return body
 
 

@@ -1,14 +1,18 @@
-"""Backend-reported load: parse SGLang's `/metrics` and `/v1/loads` into one `BackendSample`.
+"""Backend-reported load: scrape each backend's `/metrics` (and SGLang's `/v1/loads`) into one
+`BackendSample`, without stalling the event loop.
 
-How it works: SGLang exports scheduler gauges per rank (`tp_rank`, `pp_rank`, `moe_ep_rank`,
-`dp_rank`, ...). Data-parallel ranks run separate schedulers, so their requests add up; the
-tensor/pipeline/expert ranks of one scheduler report copies of the same state (recent releases
-report only from rank 0), so within one data-parallel rank we take the largest value rather
-than the sum, which is the same as the sum whenever only one rank reports. `/v1/loads` is
-refreshed more often than `/metrics` (every 15 decode steps instead of 40), so where both
-answer, running/queued come from `/v1/loads`. Parsing uses `prometheus_client.parser`, never
-regexes. The functions here are pure; `BackendScraper` does the HTTP and `ScrapeLoop` runs it
-for every backend in the background, storing samples in the `LoadTracker`.
+How it works: what the names mean per engine (SGLang, vLLM) lives in `controller.proxy.engines`;
+this module does the HTTP. A `/metrics` answer is read in chunks and filtered line by line as it
+arrives: only the samples some engine's parser reads are kept (a few dozen lines of a 50 kB vLLM
+answer), the rest is dropped unparsed, and the loop gets a turn after every chunk. A scrape stops
+(no sample) past `SCRAPE_LIMIT_BYTES` read or `SCRAPE_BUDGET_S` of CPU spent filtering, so a
+huge or hostile answer costs a bounded amount and the proxy's requests keep flowing meanwhile
+(`benchmarks/scrape_stall.py` measures the longest stall). `/v1/loads` (SGLang, refreshed every
+15 decode steps instead of 40) is small JSON, read up to `LOADS_LIMIT_BYTES`; where both answer,
+running/queued come from it. A backend's engine is configured or detected at its first scrape
+whose `/metrics` names one; `BackendScraper` then asks only that engine's endpoints.
+`ScrapeLoop` runs a scraper per backend in the background and stores the samples in the
+`LoadTracker`.
 """
 
 from __future__ import annotations
@@ -16,86 +20,110 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
-from controller.proxy.limits import read_bounded
+from controller.proxy.engines import (
+    ENGINES,
+    SGLANG,
+    WANTED_SAMPLES,
+    BackendSample,
+    Engine,
+    EngineSetting,
+    VllmCounters,
+    detect,
+    parse_sglang_metrics,
+    read_samples,
+    sglang_sample,
+    vllm_sample,
+)
+from controller.proxy.limits import ResponseTooLarge, read_bounded
 from controller.proxy.load import LoadTracker
 from policies.base import Pool
+
+__all__ = [
+    "BackendSample",
+    "BackendScraper",
+    "ScrapeLoop",
+    "merge_samples",
+    "parse_sglang_metrics",
+    "parse_v1_loads",
+    "read_metric_lines",
+]
 
 log = logging.getLogger("specroute.scrape")
 
 SCRAPE_LIMIT_BYTES = 8 * 1024 * 1024
-"""Largest /metrics or /v1/loads answer read (SGLang's are tens of kB)."""
+"""Largest /metrics answer read (SGLang's and vLLM's are tens of kB)."""
+LOADS_LIMIT_BYTES = 256 * 1024
+"""Largest /v1/loads answer parsed (a few hundred bytes per data-parallel rank): JSON is parsed in
+one call, so its size bounds the stall."""
+SCRAPE_BUDGET_S = 0.1
+"""CPU seconds one scrape may spend filtering `/metrics` lines before it gives up."""
+CHUNK_BYTES = 64 * 1024
+"""Filtered between two turns of the loop (about a millisecond of work)."""
 
-RUNNING = "sglang:num_running_reqs"
-QUEUED = "sglang:num_queue_reqs"
-ACCEPT_LENGTH = "sglang:spec_accept_length"
-GEN_THROUGHPUT = "sglang:gen_throughput"
-_WANTED = frozenset((RUNNING, QUEUED, ACCEPT_LENGTH, GEN_THROUGHPUT))
-# Labels that name a copy of the same scheduler state, not a separate scheduler.
-_REPLICA_LABELS = frozenset(("tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank", "attn_cp_rank"))
-
-
-@dataclass(frozen=True, slots=True)
-class BackendSample:
-    """One scrape of one backend. `taken_at` is on the proxy's monotonic clock."""
-
-    running: float
-    queued: float
-    taken_at: float
-    accept_length: float | None = None
-    gen_throughput: float | None = None
-    source: str = "metrics"
+_WANTED_BYTES = frozenset(name.encode() for name in WANTED_SAMPLES)
+_PREFIXES = tuple(e.prefix.encode() for e in ENGINES.values())
 
 
-def _scheduler_key(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((k, v) for k, v in labels.items() if k not in _REPLICA_LABELS))
+class ScrapeBudgetExceeded(Exception):
+    """A /metrics answer took more CPU to filter than `SCRAPE_BUDGET_S`."""
 
 
-def _aggregate(samples: Iterable[tuple[Mapping[str, str], float]]) -> float | None:
-    per_scheduler: dict[tuple[tuple[str, str], ...], float] = {}
-    for labels, value in samples:
-        key = _scheduler_key(labels)
-        prev = per_scheduler.get(key)
-        per_scheduler[key] = value if prev is None else max(prev, value)
-    if not per_scheduler:
-        return None
-    return sum(per_scheduler.values())
-
-
-def parse_sglang_metrics(text: str, taken_at: float) -> BackendSample | None:
-    """Parse SGLang's Prometheus text; None when it has no scheduler gauges (or is garbage)."""
-    found: dict[str, list[tuple[Mapping[str, str], float]]] = defaultdict(list)
-    try:
-        for family in text_string_to_metric_families(text):
-            if family.name not in _WANTED:
+async def read_metric_lines(
+    resp: aiohttp.ClientResponse,
+    *,
+    limit: int = SCRAPE_LIMIT_BYTES,
+    budget_s: float = SCRAPE_BUDGET_S,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[str, set[str]]:
+    """The sample lines of a `/metrics` answer that some engine reads, as text, and the engine
+    prefixes seen on any sample name (for detection). Raises `ResponseTooLarge` past `limit` bytes
+    and `ScrapeBudgetExceeded` past `budget_s` of filtering."""
+    declared = resp.content_length
+    if declared is not None and declared > limit:
+        raise ResponseTooLarge(f"answer of {declared} bytes declared, the limit is {limit}")
+    kept: list[bytes] = []
+    seen: set[bytes] = set()
+    tail = b""
+    size = 0
+    spent = 0.0
+    while True:
+        chunk = await resp.content.read(chunk_bytes)
+        started = time.thread_time()  # CPU time, not wall time: a busy machine fails no scrape
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise ResponseTooLarge(f"answer larger than {limit} bytes")
+            lines = (tail + chunk).split(b"\n")
+            tail = lines.pop()
+        else:
+            lines, tail = [tail], b""
+        for line in lines:
+            if not line or line[0] == 35:  # "#": HELP and TYPE lines are not needed
                 continue
-            for s in family.samples:
-                if s.name == family.name:
-                    found[family.name].append((s.labels, float(s.value)))
-    except (ValueError, TypeError, IndexError) as e:
-        log.debug("unparseable metrics text: %s", e)
-        return None
-    running = _aggregate(found.get(RUNNING, ()))
-    if running is None:
-        return None
-    queued = _aggregate(found.get(QUEUED, ())) or 0.0
-    accept_values = [v for _, v in found.get(ACCEPT_LENGTH, ()) if v > 0]
-    accept = sum(accept_values) / len(accept_values) if accept_values else None
-    return BackendSample(
-        running=running,
-        queued=queued,
-        taken_at=taken_at,
-        accept_length=accept,
-        gen_throughput=_aggregate(found.get(GEN_THROUGHPUT, ())),
-        source="metrics",
-    )
+            end = line.find(b"{")
+            name = line[: end if end >= 0 else line.find(b" ")]
+            if name in _WANTED_BYTES:
+                kept.append(line)
+            elif len(seen) < len(_PREFIXES) and name.startswith(_PREFIXES):
+                seen.add(name[: name.find(b":") + 1])
+        spent += time.thread_time() - started
+        if spent > budget_s:
+            raise ScrapeBudgetExceeded(f"filtering took over {budget_s:g} s of CPU after {size} bytes")
+        if not chunk:
+            break
+        await asyncio.sleep(0)  # a buffered body would otherwise be read in one go
+    for line in kept:
+        seen.add(line[: line.find(b":") + 1])
+    text = b"\n".join(kept).decode(errors="replace") + "\n"
+    return text, {p.decode(errors="replace") for p in seen}
 
 
 def _number(value: Any) -> float | None:
@@ -112,6 +140,8 @@ def parse_v1_loads(data: Any, taken_at: float) -> BackendSample | None:
     running = queued = 0.0
     throughput = 0.0
     accepts: list[float] = []
+    usage: list[float] = []
+    cap = tokens = 0
     seen = False
     for rank in ranks:
         if not isinstance(rank, dict):
@@ -123,6 +153,10 @@ def parse_v1_loads(data: Any, taken_at: float) -> BackendSample | None:
         running += r
         queued += _number(rank.get("num_waiting_reqs")) or 0.0
         throughput += _number(rank.get("gen_throughput")) or 0.0
+        cap += int(_number(rank.get("max_running_requests")) or 0)
+        tokens += int(_number(rank.get("max_total_num_tokens")) or 0)
+        if (u := _number(rank.get("token_usage"))) is not None:
+            usage.append(u)
         spec = rank.get("speculative")
         if isinstance(spec, dict):
             a = _number(spec.get("accept_length"))
@@ -137,6 +171,10 @@ def parse_v1_loads(data: Any, taken_at: float) -> BackendSample | None:
         accept_length=sum(accepts) / len(accepts) if accepts else None,
         gen_throughput=throughput,
         source="loads",
+        engine="sglang",
+        kv_usage=sum(usage) / len(usage) if usage else None,
+        max_running=cap or None,
+        cache_tokens=tokens or None,
     )
 
 
@@ -150,13 +188,16 @@ def merge_samples(metrics: BackendSample | None, loads: BackendSample | None) ->
         loads,
         accept_length=loads.accept_length if loads.accept_length is not None else metrics.accept_length,
         gen_throughput=loads.gen_throughput or metrics.gen_throughput,
+        kv_usage=loads.kv_usage if loads.kv_usage is not None else metrics.kv_usage,
+        cache_hit_rate=metrics.cache_hit_rate,
         source="loads+metrics",
     )
 
 
 class BackendScraper:
     """Scrapes one backend. Remembers which endpoints answer so it stops asking the others
-    (an endpoint that did not answer is asked again every `recheck_every` scrapes)."""
+    (an endpoint that did not answer is asked again every `recheck_every` scrapes). `engine` is
+    the configured engine ("auto": detected from the first `/metrics` that names one)."""
 
     def __init__(
         self,
@@ -165,47 +206,90 @@ class BackendScraper:
         timeout_s: float = 2.0,
         headers: Mapping[str, str] | None = None,
         recheck_every: int = 60,
+        engine: EngineSetting = "auto",
     ) -> None:
         self.url = url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = dict(headers or {})
         self.recheck_every = recheck_every
+        self.configured = engine
+        self.engine: Engine | None = None if engine == "auto" else ENGINES[engine]
+        """The backend's engine: configured, or detected (None until then)."""
         self.has_metrics: bool | None = None
-        self.has_loads: bool | None = None
+        self.has_loads: bool | None = (
+            False if self.engine is not None and not self.engine.loads_route else None
+        )
+        self._counters: VllmCounters | None = None
         self._scrapes = 0
-
-    async def _get(self, session: aiohttp.ClientSession, path: str) -> tuple[int, str]:
-        async with session.get(
-            self.url + path, timeout=self._timeout, headers=self._headers, allow_redirects=False
-        ) as resp:
-            return resp.status, (await read_bounded(resp, SCRAPE_LIMIT_BYTES)).decode(errors="replace")
 
     def _ask(self, known: bool | None) -> bool:
         return known is not False or self._scrapes % self.recheck_every == 0
+
+    def _request(self, session: aiohttp.ClientSession, path: str) -> Any:
+        return session.get(
+            self.url + path, timeout=self._timeout, headers=self._headers, allow_redirects=False
+        )
+
+    async def _metrics(self, session: aiohttp.ClientSession, now: float) -> BackendSample | None:
+        async with self._request(session, "/metrics") as resp:
+            if resp.status != 200:
+                return None
+            try:
+                text, prefixes = await read_metric_lines(resp)
+            except (ResponseTooLarge, ScrapeBudgetExceeded) as e:
+                log.debug("metrics of %s not read: %s", self.url, e)
+                return None
+        if self.engine is None:
+            self.engine = detect(prefixes)
+            if self.engine is not None and not self.engine.loads_route:
+                self.has_loads = False
+        found = read_samples(text)
+        if found is None or self.engine is None:
+            return None
+        if self.engine is SGLANG:
+            return sglang_sample(found, now)
+        parsed = vllm_sample(found, now, self._counters)
+        if parsed is None:
+            return None
+        sample, self._counters = parsed
+        return sample
+
+    async def _loads(self, session: aiohttp.ClientSession, now: float) -> BackendSample | None:
+        async with self._request(session, "/v1/loads") as resp:
+            if resp.status != 200:
+                return None
+            try:
+                body = await read_bounded(resp, LOADS_LIMIT_BYTES)
+                return parse_v1_loads(json.loads(body), now)
+            except (ResponseTooLarge, ValueError):
+                return None
 
     async def scrape(self, session: aiohttp.ClientSession, now: float) -> BackendSample | None:
         """One scrape; raises aiohttp/OS/timeout errors when the backend cannot be reached."""
         self._scrapes += 1
         metrics = loads = None
         if self._ask(self.has_metrics):
-            status, text = await self._get(session, "/metrics")
-            metrics = parse_sglang_metrics(text, now) if status == 200 else None
+            metrics = await self._metrics(session, now)
             self.has_metrics = metrics is not None
         if self._ask(self.has_loads):
-            status, text = await self._get(session, "/v1/loads")
-            if status == 200:
-                try:
-                    loads = parse_v1_loads(json.loads(text), now)
-                except ValueError:
-                    loads = None
+            loads = await self._loads(session, now)
             self.has_loads = loads is not None
+            if loads is not None and self.engine is None:
+                self.engine = SGLANG
         return merge_samples(metrics, loads)
+
+
+CapacityHook = Callable[[str, int], None]
+"""Called with a backend's name and the running-request cap it reported, on every sample that has one."""
+EngineHook = Callable[[str, Engine], None]
+"""Called once per backend with the engine it was found (or configured) to run."""
 
 
 class ScrapeLoop:
     """Background task: scrape every backend each `interval_s` and store the samples in the
     `LoadTracker`. One task per backend, so a slow backend never delays the others' samples.
-    A backend that answers but exports no load signal is logged once (local counts only)."""
+    A backend that answers but exports no load signal is logged once (local counts only), naming
+    the engine found. `latest` holds each backend's last sample (KV usage, cap, engine...)."""
 
     def __init__(
         self,
@@ -216,17 +300,34 @@ class ScrapeLoop:
         timeout_s: float = 2.0,
         clock: Callable[[], float],
         headers: Callable[[Pool], Mapping[str, str]] | None = None,
+        engines: Mapping[str, EngineSetting] | None = None,
+        on_capacity: CapacityHook | None = None,
+        on_engine: EngineHook | None = None,
     ) -> None:
         self.tracker = tracker
         self.session = session
         self.interval_s = interval_s
         self.clock = clock
+        configured = engines or {}
         self.scrapers = {
-            b.name: BackendScraper(b.url, timeout_s=timeout_s, headers=headers(b.pool) if headers else None)
+            b.name: BackendScraper(
+                b.url,
+                timeout_s=timeout_s,
+                headers=headers(b.pool) if headers else None,
+                engine=configured.get(b.name, "auto"),
+            )
             for b in tracker
         }
+        self.on_capacity = on_capacity
+        self.on_engine = on_engine
+        self._announced: set[str] = set()
+        self.latest: dict[str, BackendSample] = {}
         self.samples = 0
         """Samples stored so far (all backends)."""
+
+    def engine(self, name: str) -> Engine | None:
+        """The backend's engine, configured or detected (None: not known yet)."""
+        return self.scrapers[name].engine
 
     async def run(self) -> None:
         """Scrape until cancelled."""
@@ -242,6 +343,12 @@ class ScrapeLoop:
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             log.debug("scrape of %s failed: %s", name, type(e).__name__)
             return None
+        if scraper.engine is not None and name not in self._announced:
+            self._announced.add(name)
+            how = "configured" if scraper.configured != "auto" else "detected from /metrics"
+            log.info("backend %s runs %s (%s)", name, scraper.engine.label, how)
+            if self.on_engine is not None:
+                self.on_engine(name, scraper.engine)
         if sample is not None:
             self.tracker.record_sample(
                 name,
@@ -252,8 +359,27 @@ class ScrapeLoop:
                 accept_length=sample.accept_length,
                 gen_throughput=sample.gen_throughput,
             )
+            self.latest[name] = sample
             self.samples += 1
+            cap = sample.max_running
+            if cap is not None and self.on_capacity is not None:
+                # every sample, not only on a change: a config reload resets the bounds
+                self.on_capacity(name, cap)
         return sample
+
+    def _warn_no_metrics(self, name: str, scraper: BackendScraper) -> None:
+        engine = scraper.engine
+        if engine is None:
+            what = "it names no engine on /metrics (neither sglang: nor vllm: samples) nor serves /v1/loads"
+            hint = "start SGLang with --enable-metrics, or check that vLLM's /metrics is reachable"
+        else:
+            found = "configured" if scraper.configured != "auto" else "detected"
+            what = f"its engine is {engine.label} ({found}) but /metrics has none of its scheduler gauges"
+            hint = engine.metrics_hint
+        log.warning(
+            "backend %s exports no load metrics (%s; %s): routing on this proxy's own in-flight counts only",
+            name, what, hint,
+        )  # fmt: skip
 
     async def _backend(self, name: str) -> None:
         scraper = self.scrapers[name]
@@ -268,10 +394,25 @@ class ScrapeLoop:
                 sample = None
             if sample is None and not warned and scraper.has_metrics is False and scraper.has_loads is False:
                 warned = True
-                log.warning(
-                    "backend %s exports no load metrics (neither sglang:num_running_reqs on /metrics "
-                    "nor /v1/loads; start SGLang with --enable-metrics): routing on this proxy's own "
-                    "in-flight counts only",
-                    name,
-                )
+                self._warn_no_metrics(name, scraper)
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+
+
+def apply_reported_cap(
+    tracker: LoadTracker, bounded: Callable[[Pool], bool], margin: float, name: str, cap: int
+) -> int | None:
+    """Set backend `name`'s admission bound from the running-request cap it reports:
+    `ceil(cap x (1 + margin))`, unless its pool's bound is set explicitly (`bounded(pool)`).
+    Returns the new bound when it changed (None when left alone)."""
+    backend = tracker.get(name)
+    if bounded(backend.pool):
+        return None
+    bound = math.ceil(cap * (1 + margin))
+    if bound == backend.max_in_flight:
+        return None
+    log.info(
+        "backend %s reports %d running requests at most: admission bound %d (was %s)",
+        name, cap, bound, backend.max_in_flight if backend.max_in_flight is not None else "unbounded",
+    )  # fmt: skip
+    backend.max_in_flight = bound
+    return bound

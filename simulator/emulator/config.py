@@ -83,6 +83,18 @@ class EmulatorConfig(BaseModel):
         default=False,
         description="Report usage.prompt_tokens_details.cached_tokens on the OpenAI routes (SGLang's flag).",
     )
+    reasoning_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Chat streams: the first this many output tokens of each answer arrive as "
+        "delta.reasoning (vLLM's reasoning field), the rest as delta.content.",
+    )
+    empty_chunk_every: int = Field(
+        default=0,
+        ge=0,
+        description="Chat and completion streams: every Nth output chunk carries empty text, its "
+        "text sent with the next one (as vLLM does while a UTF-8 sequence is incomplete); 0: never.",
+    )
     seed: int = Field(default=0, description="Seeds output lengths, acceptance draws and error draws.")
     faults: FaultConfig = Field(default_factory=lambda: FaultConfig())
 

@@ -273,7 +273,13 @@ def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
         details = g.spec_details and e.config.mode == "eagle"
 
         async def streamed() -> web.StreamResponse:
-            events = shapes.OpenAIEvents(g, eos, cache_report=e.config.enable_cache_report)
+            events = shapes.OpenAIEvents(
+                g,
+                eos,
+                cache_report=e.config.enable_cache_report,
+                reasoning_tokens=e.config.reasoning_tokens,
+                empty_chunk_every=e.config.empty_chunk_every,
+            )
             finished: list[Sample] = []
 
             def write(updates: list[Update]) -> bytes:

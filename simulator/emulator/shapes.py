@@ -53,6 +53,10 @@ class Sample:
     started: bool = False
     """Its first output went out (chat: the role chunk)."""
     first_sent_at: float | None = field(default=None)
+    chunks: int = 0
+    """Output chunks streamed so far."""
+    held: str = ""
+    """Text held back by an empty chunk (`empty_chunk_every`), sent with the next one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,10 +204,20 @@ def usage(
 class OpenAIEvents:
     """The SSE events of one streamed chat or completions answer."""
 
-    def __init__(self, g: GenRequest, eos_token_id: int, *, cache_report: bool = False) -> None:
+    def __init__(
+        self,
+        g: GenRequest,
+        eos_token_id: int,
+        *,
+        cache_report: bool = False,
+        reasoning_tokens: int = 0,
+        empty_chunk_every: int = 0,
+    ) -> None:
         self.g = g
         self.eos = eos_token_id
         self.cache_report = cache_report
+        self.reasoning_tokens = reasoning_tokens
+        self.empty_chunk_every = empty_chunk_every
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if g.kind == "chat" else "text_completion"
         self.last_id = ""
@@ -240,13 +254,19 @@ class OpenAIEvents:
                 out += self._event(rid, [self._chat_choice(s.index, delta, None, None)])
             if u.new:
                 logprobs = _chat_logprobs(u.start, u.new, lp.top) if lp is not None else None
-                delta = {"reasoning_content": None, "content": synthetic.text(u.start, u.new)}
-                out += self._event(rid, [self._chat_choice(s.index, delta, logprobs, None)])
+                reasoning = max(0, min(u.new, self.reasoning_tokens - u.start))
+                if reasoning:  # vLLM's field: reasoning text, no content
+                    delta = {"reasoning": synthetic.text(u.start, reasoning), "content": None}
+                    out += self._event(rid, [self._chat_choice(s.index, delta, None, None)])
+                if u.new > reasoning:
+                    text = self._text(s, synthetic.text(u.start + reasoning, u.new - reasoning), u.finish)
+                    delta = {"reasoning_content": None, "content": text}
+                    out += self._event(rid, [self._chat_choice(s.index, delta, logprobs, None)])
         else:
             logprobs = _completion_logprobs(u.start, u.new, lp.top) if lp is not None and u.new else None
             choice = {
                 "index": s.index,
-                "text": synthetic.text(u.start, u.new),
+                "text": self._text(s, synthetic.text(u.start, u.new), u.finish),
                 "logprobs": logprobs,
                 "finish_reason": u.finish,
                 "matched_stop": self._matched(u.finish),
@@ -255,13 +275,26 @@ class OpenAIEvents:
         s.started = True
         return out
 
+    def _text(self, s: Sample, text: str, finish: FinishReason | None) -> str:
+        """The chunk's text: empty every `empty_chunk_every` chunks (held for the next one)."""
+        s.chunks += 1
+        every = self.empty_chunk_every
+        if every and s.chunks % every == 0 and finish is None:
+            s.held += text
+            return ""
+        text, s.held = s.held + text, ""
+        return text
+
     def tail(self, finished: list[Sample], samples: list[Sample], spec: list[dict[str, Any]] | None) -> bytes:
         """After every sample ended: chat finish chunks (in the order the samples finished), the
         sglext chunk when asked for (`spec`: per sample), the usage chunk when asked for, [DONE]."""
         out = b""
         if self.g.kind == "chat":
             for s in finished:
-                choice = self._chat_choice(s.index, {"reasoning_content": None}, None, s.finish)
+                delta: dict[str, Any] = {"reasoning_content": None}
+                if s.held:
+                    delta["content"], s.held = s.held, ""
+                choice = self._chat_choice(s.index, delta, None, s.finish)
                 out += self._event(self.last_id, [choice])
         if spec is not None:
             details = [spec_tokens_details(m) for m in spec]

@@ -178,6 +178,8 @@ class OneRouter:
         self.servers = servers
         self.policy = policy
         self.router = Router(seed)
+        self.decide = self.router.decide
+        self.observe = policy.observe
         self.requests = requests
         self.blocks = blocks
         self.indexes = indexes if blocks is not None else None
@@ -239,24 +241,24 @@ class OneRouter:
         return self.current
 
     def route(self, a: int, t: float) -> int:
-        info = self.requests.info(a)
+        requests = self.requests
+        info = requests.info(a)
         try:
-            decision = self.router.decide(self.policy, info, self.view(a, t), t)
+            decision = self.decide(self.policy, info, self.view(a, t), t)
         except InvalidDecision as e:
             raise _fail(self.policy.name, e, self.servers) from None
         si = self.index[decision.backend]
         if self.indexes is not None:
             assert self.blocks is not None
             dispatched(self.indexes[si], self.blocks[a])
-        requests = self.requests
         requests.infos[a] = info
         requests.decisions[a] = decision
         return si
 
     def finished(self, done: Sequence[int], s: Server, t: float) -> None:
-        observe = self.policy.observe
+        observe, outcome_of = self.observe, self.requests.outcome
         for r in done:
-            outcome = self.requests.outcome(r, s, t)
+            outcome = outcome_of(r, s, t)
             if outcome is not None:
                 observe(outcome)
 

@@ -102,13 +102,14 @@ def read_trace(
 
 def _parse(p: Path, fmt: TraceFormat | None) -> list[TraceRecord]:
     """All records, sorted by arrival (stable), times relative to the first."""
+    guessed = fmt is None
     fmt = fmt or detect_format(p)
     if fmt == "azure":
         records = _read_azure(p)
     elif fmt == "mooncake":
         records = _read_mooncake(p)
     else:
-        records = _read_log(p)
+        records = _read_log(p, guessed)
     if not records:
         raise TraceError(f"{p}: the trace has no requests")
     records.sort(key=lambda r: r.t)
@@ -157,13 +158,18 @@ def _opt_int(obj: dict[str, Any], key: str, where: str) -> int | None:
     return v
 
 
-def _read_log(p: Path) -> list[TraceRecord]:
+_MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+
+
+def _read_log(p: Path, guessed: bool = False) -> list[TraceRecord]:
     out: list[TraceRecord] = []
     for where, obj in read_jsonl(p, what="trace", error=TraceError):
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object")
         ts = obj.get("ts")
         if isinstance(ts, bool) or not isinstance(ts, int | float):
+            if guessed:
+                raise TraceError(_log_format_guess(where, obj))
             raise TraceError(f"{where}: 'ts' must be a number (arrival unix seconds)")
         prompt = _opt_int(obj, "prompt_tokens", where) or 0
         completion = _opt_int(obj, "completion_tokens", where)
@@ -174,6 +180,24 @@ def _read_log(p: Path) -> list[TraceRecord]:
         output = completion if completion else max_tokens
         out.append(TraceRecord(float(ts), prompt, output or None, max_tokens, hint))
     return out
+
+
+def _log_format_guess(where: str, obj: dict[str, Any]) -> str:
+    """The error for a JSON-lines trace read as a decision log by guess, whose line lacks 'ts':
+    which format was guessed and why, what it needs, and what the line looks like instead."""
+    head = (
+        f"{where}: the format was guessed as 'specroute-log' (JSON lines without 'hash_ids'), "
+        "which needs 'ts' (arrival, unix seconds), 'prompt_tokens' and 'completion_tokens' or 'max_tokens'"
+    )
+    present = [k for k in _MOONCAKE_KEYS if k in obj]
+    if present:
+        return (
+            f"{head}; this line has Mooncake's {', '.join(repr(k) for k in present)} but no 'hash_ids' "
+            f"(the ids of the prompt's {MOONCAKE_BLOCK_TOKENS}-token blocks, which the Mooncake format "
+            "requires): add them, or convert the lines to the decision-log keys"
+        )
+    keys = ", ".join(repr(k) for k in list(obj)[:8]) or "none"
+    return f"{head}; this line has {keys}: give --trace-format if it is another format"
 
 
 def _read_mooncake(p: Path) -> list[TraceRecord]:

@@ -1,14 +1,18 @@
-"""The `specroute serve` config `specroute plan` writes for its winner, with SGLang launch lines.
+"""The `specroute serve` config `specroute plan` writes for its winner, with launch lines.
 
 The YAML body holds `baseline` and `eagle` URL lists sized as planned (placeholder hosts under
 the reserved `.invalid` domain, to be replaced), `policy`, `policy_params` and `profile`. A
 single-pool deployment gets the `fixed` policy on its pool, which routes least-loaded within
 the pool (what the plan simulated). Adaptive servers speculate, so they form the `eagle` pool.
 
-The comments carry one `python -m sglang.launch_server` line per server kind. Speculative
-servers get `--max-running-requests` from the profile because that cap is what the plan
-simulated (SGLang otherwise caps a speculative server at 48); an adaptive server is simulated
-with the plain server's cap, since it stops speculating under load.
+The comments carry one launch line per server kind, for the engine the profile was measured on
+(its `engine` field, written by `specroute bench`; SGLang when it has none): SGLang's
+`python -m sglang.launch_server`, or vLLM's `python -m vllm.entrypoints.openai.api_server` (and
+then `engine: vllm` in the config). Servers get their running-request cap from the profile
+because that cap is what the plan simulated (`--max-running-requests`; SGLang otherwise caps a
+speculative server at 48; vLLM's `--max-num-seqs`); an adaptive server is simulated with the
+plain server's cap, since it stops speculating under load. vLLM has no in-engine adaptive
+speculation: its adaptive line is a speculative server, with a note.
 """
 
 from __future__ import annotations
@@ -44,8 +48,30 @@ def _cap(profile: Profile, mode: str) -> int | None:
         return None
 
 
+def profile_engine(profile: Profile) -> str:
+    """The engine a profile was measured on: its `engine` field (`specroute bench` writes it),
+    else "sglang"."""
+    engine = (profile.model_extra or {}).get("engine")
+    return engine if engine in ("sglang", "vllm") else "sglang"
+
+
+def vllm_launch_line(kind: str, profile: Profile, model_path: str, draft_model_path: str) -> list[str]:
+    """vLLM's command for one server of `kind`, as shell words."""
+    words = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
+    words += ["--host", "0.0.0.0", "--port", str(DEFAULT_PORT)]
+    cap = _cap(profile, "baseline" if kind != "eagle" else "eagle")
+    if cap is not None:
+        words += ["--max-num-seqs", str(cap)]
+    if kind != "baseline":
+        config = {"method": "eagle3", "model": draft_model_path, "num_speculative_tokens": 3}
+        words += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
+    return words
+
+
 def launch_line(kind: str, profile: Profile, model_path: str, draft_model_path: str) -> list[str]:
-    """The SGLang command for one server of `kind`, as shell words."""
+    """The command for one server of `kind` on the profile's engine, as shell words."""
+    if profile_engine(profile) == "vllm":
+        return vllm_launch_line(kind, profile, model_path, draft_model_path)
     words = [
         "python",
         "-m",
@@ -140,28 +166,31 @@ def config_text(
         if lr.factor != 1.0:
             tie = f" (tied with {', '.join(lr.tied_with_best)})" if lr.tied_with_best else ""
             lines.append(f"# at {lr.factor:g}x the load the best is {lr.best.label}{tie}")
+    engine = profile_engine(profile)
+    label = "vLLM" if engine == "vllm" else "SGLang"
     lines += [
         "#",
-        "# Replace the placeholder URLs with your servers (one SGLang server per host, all the same model).",
-        "# SGLang launch lines (replace MODEL_PATH / EAGLE3_DRAFT_MODEL_PATH):",
+        f"# Replace the placeholder URLs with your servers (one {label} server per host, one model).",
+        f"# {label} launch lines (replace MODEL_PATH / EAGLE3_DRAFT_MODEL_PATH):",
     ]
     for kind, n in dep:
         lines.append(f"# {_KIND_TITLE[kind]} server ({n}x):")
         lines += _wrap(launch_line(kind, profile, model_path, draft_model_path))
-    if any(kind == "adaptive" for kind, _ in dep):
+    if engine == "vllm" and any(kind == "adaptive" for kind, _ in dep):
+        lines.append("# (vLLM has no in-engine adaptive speculation: the plan simulated SGLang's.)")
+    elif any(kind == "adaptive" for kind, _ in dep):
         lines.append(
             "# (--speculative-adaptive needs --speculative-eagle-topk 1; SGLang picks the draft depth"
         )
         lines.append("#  by batch size. Adaptive servers are listed in the eagle pool: they speculate.)")
-    body = yaml.safe_dump(
-        {
-            "baseline": urls["baseline"],
-            "eagle": urls["eagle"],
-            "policy": policy,
-            "policy_params": params,
-            "profile": profile_ref,
-        },
-        sort_keys=False,
-        default_flow_style=False,
-    )
+    settings: dict[str, object] = {
+        "baseline": urls["baseline"],
+        "eagle": urls["eagle"],
+        "policy": policy,
+        "policy_params": params,
+        "profile": profile_ref,
+    }
+    if engine == "vllm":
+        settings["engine"] = "vllm"
+    body = yaml.safe_dump(settings, sort_keys=False, default_flow_style=False)
     return "\n".join(lines) + "\n" + body

@@ -102,16 +102,68 @@ def test_compare_verdicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     row = next(ln for ln in lines if ln.startswith("1 ") and "decode tok/s" in ln)
     assert "not distinguishable" in row and "(n=12)" in row
     i = next(k for k, ln in enumerate(lines) if ln.startswith("8 "))
-    decode, ttft, total, errors = lines[i : i + 4]
+    decode, ttft, e2e, total, errors, verdict_row = lines[i : i + 6]
     m = re.search(r"([+-]\d+\.\d)% faster", decode)
     expected = (sum(base[:6]) / 6 * 1.3) / (sum(base) / len(base)) - 1
     assert "decode tok/s" in decode and m and float(m.group(1)) == pytest.approx(expected * 100, abs=0.06)
     assert "TTFT" in ttft and "-16.7% faster" in ttft  # lower TTFT is faster
+    assert "e2e s" in e2e and "faster" in e2e
     assert "total tok/s" in total
     assert "errors" in errors and "1/7" in errors
+    assert "verdict" in verdict_row and "e2e -" in verdict_row and "faster" in verdict_row
+    assert "queued" not in out  # nothing queued: TTFT within 10x of concurrency 1's
     assert "warning: [2] eagle, concurrency 8: only 6 successful requests" in out
     assert "runs differ in prompt_set ([1] coding, [2] general)" in out
     assert "concurrency 1" not in "".join(ln for ln in lines if ln.startswith("warning"))
+
+
+def test_compare_verdict_weighs_e2e_and_flags_queueing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's case: at a high level eagle decodes faster once it runs, but its requests
+    waited in the server's queue (TTFT 40x level 1's): the verdict is e2e's (slower), the
+    decode verdict is shown as what it would have said, and the level is flagged as queued."""
+    base = [90.0, 92.0, 91.0, 93.0, 89.0, 90.5, 91.5, 92.5, 90.0, 91.0, 92.0, 90.0]
+    a = _write(
+        tmp_path / "a.json", "baseline", [_level(1, base, 0.20), _level(250, [r / 2 for r in base], 0.5)]
+    )
+    queued_eagle = BenchResult(
+        metadata={
+            "label": "eagle",
+            "url": "http://y",
+            "prompt_set": "coding",
+            "backend_queue_max": {"250": 202},
+        },
+        levels=[_level(1, base, 0.22), _level(250, [r / 1.5 for r in base], 8.0)],
+    )
+    queued_eagle.write(tmp_path / "b.json")
+    # a server without queue metrics: its TTFT (36x level 1's) is the evidence
+    c = _write(
+        tmp_path / "c.json", "other", [_level(1, base, 0.22), _level(250, [r / 1.5 for r in base], 8.0)]
+    )
+    # a server whose metrics said 0 queued: TTFT growth alone (prefill batching) is not queueing
+    calm = BenchResult(
+        metadata={
+            "label": "calm",
+            "url": "http://z",
+            "prompt_set": "coding",
+            "backend_queue_max": {"250": 0},
+        },
+        levels=[_level(1, base, 0.22), _level(250, [r / 1.5 for r in base], 8.0)],
+    )
+    calm.write(tmp_path / "d.json")
+    assert main(["compare", a, str(tmp_path / "b.json"), c, str(tmp_path / "d.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("250 "))
+    decode, verdict_row = lines[i], lines[i + 5]
+    assert "decode tok/s" in decode and "faster" in decode
+    assert verdict_row.split()[0] == "verdict"
+    assert "slower (decode alone would say faster)" in verdict_row
+    assert "queued: decode rate is not the user's experience" in verdict_row
+    assert "(server queue up to 202)" in verdict_row and "(p50 TTFT 8 s, 36x concurrency 1's)" in verdict_row
+    assert verdict_row.count("queued:") == 2  # eagle and other; not calm, not the baseline
+    level_1 = next(ln for ln in lines if ln.strip().startswith("verdict"))
+    assert "queued" not in level_1 and "not distinguishable" in level_1
 
 
 def test_verdict_slower_and_missing() -> None:
@@ -198,3 +250,22 @@ def test_import_sglang_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["bench", "--import-sglang", str(SAMPLE), "--mode", "baseline"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["format"] == "specroute.profile/v1" and "accept_length" not in data["modes"]["baseline"]
+
+
+def test_import_sglang_says_what_it_assumed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Results without server_info: an eagle profile gets SGLang's speculative cap (48) and says
+    so; a baseline profile gets none and says what that means."""
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps({"max_concurrency": 4, "mean_tpot_ms": 12.5, "mean_ttft_ms": 300}) + "\n")
+    out = tmp_path / "p.json"
+    assert main(["bench", "--import-sglang", str(bare), "--mode", "eagle", "--profile-out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "assumed: max_running_requests 48" in err and "--max-running-requests" in err
+    assert load_profile(out).mode("eagle").max_running_requests == 48
+    assert main(["bench", "--import-sglang", str(bare), "--mode", "baseline", "--profile-out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "assumed: no max_running_requests" in err and "no server queue" in err
+    assert load_profile(out).mode("baseline").max_running_requests is None
+    # with server_info the cap is read, and the note says where from
+    assert main(["bench", "--import-sglang", str(SAMPLE), "--mode", "eagle", "--profile-out", str(out)]) == 0
+    assert "assumed: max_running_requests 48, from the results' server_info" in capsys.readouterr().err

@@ -51,7 +51,8 @@ def test_compose_structure(compose_file: str) -> None:
     assert "./grafana/specroute.json:/var/lib/grafana/dashboards/specroute.json:ro" in mounts
     assert "./grafana/provisioning:/etc/grafana/provisioning:ro" in mounts
     specroute = services["specroute"]
-    assert duration_s(specroute["stop_grace_period"]) > example_settings().drain_timeout_s
+    example = example_settings()
+    assert duration_s(specroute["stop_grace_period"]) > example.shutdown_grace_s + example.drain_timeout_s
     env = specroute["environment"]
     for pool in ("baseline", "eagle"):
         url = env[f"SPECROUTE_{pool.upper()}"]

@@ -59,7 +59,8 @@ def test_systemd_sglang_units_use_real_flags() -> None:
 
 
 def test_systemd_units_structure() -> None:
-    drain = example_settings().drain_timeout_s
+    example = example_settings()
+    drain = example.shutdown_grace_s + example.drain_timeout_s
     for path in sorted(SYSTEMD.glob("*.service")):
         unit = read_unit(path)
         assert {"Unit", "Service", "Install"} <= set(unit), path.name

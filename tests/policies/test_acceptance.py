@@ -40,6 +40,26 @@ def test_learns_per_content_factors_to_a_few_percent() -> None:
         assert sorted(errors)[25] < 0.06, kind
 
 
+def test_learns_that_acceptance_falls_with_temperature() -> None:
+    """The same prompts sampled hot and cold: the parameters' own weights carry the difference."""
+    rng = random.Random(6)
+    texts = [" ".join(rng.choice(WORDS["prose"]) for _ in range(12)) + f" q{i}" for i in range(200)]
+
+    def feats(i: int, t: float) -> RequestFeatures:
+        return extract_features(
+            {"messages": [{"role": "user", "content": texts[i]}], "temperature": t}, "chat"
+        )
+
+    m = AcceptanceModel()
+    for _ in range(600):
+        t = rng.choice((0.0, 1.0))
+        m.learn(feats(rng.randrange(200), t), None, 0.0 if t == 0.0 else math.log(0.6), -0.2)
+    cold = [math.exp(m.predict(feats(i, 0.0), None, -0.2)) for i in range(0, 200, 10)]
+    hot = [math.exp(m.predict(feats(i, 1.0), None, -0.2)) for i in range(0, 200, 10)]
+    assert abs(sum(cold) / len(cold) - 1.0) < 0.03
+    assert abs(sum(hot) / len(hot) - 0.6) < 0.03
+
+
 def test_unknown_or_content_independent_traffic_is_predicted_at_the_fallback() -> None:
     rng = random.Random(2)
     fresh = AcceptanceModel()

@@ -145,3 +145,32 @@ def test_calibration_corrects_a_wrong_profile_in_the_simulator(capsys: pytest.Ca
     assert min(calibrated) >= 0.99, calibrated
     assert min(blind) < 0.985, blind  # believing the profile costs throughput at these levels
     assert doc["server_profile"] == "llama-3.1-8b H100, SGLang, EAGLE-3 paper figures; eagle x0.8"
+
+
+@pytest.mark.parametrize("truth", [0.15, 6.0])
+def test_a_profile_off_by_more_than_2x_is_detected_and_corrected_within_a_few_dozen(truth: float) -> None:
+    """The issue's case: servers 6.7x slower than the profile (or 6x faster). Clipping alone
+    moved actual/predicted from 0.15 to ~0.4 in 140 outcomes; the median check rebases the pool
+    after 24 and the estimate is then near the truth, outside the usual [1/4, 4] bound too.
+    (Every fifth outcome 30% faster: a median is not moved by them.)"""
+    cal = calibration()
+    for i in range(23):
+        cal.observe("eagle", 1 + i % 8, None, truth * (1.3 if i % 5 == 0 else 1.0), None)
+    assert cal.mismatches["eagle"] == 0
+    cal.observe("eagle", 3, None, truth, None)
+    assert cal.mismatches == {"baseline": 0, "eagle": 1}
+    factor = cal.mismatch_factor["eagle"]
+    assert factor is not None and factor == pytest.approx(truth, rel=0.05)
+    for i in range(16):
+        cal.observe("eagle", 1 + i % 8, None, truth, None)
+    for b in (1, 4, 8):
+        assert math.exp(cal.log_speed("eagle", b)) == pytest.approx(truth, rel=0.1)
+    assert cal.mismatches["eagle"] == 1 and cal.log_speed("baseline", 3) == 0.0  # the other pool untouched
+
+
+def test_a_profile_within_2x_is_learned_without_a_rebase() -> None:
+    cal = calibration()
+    for i in range(300):
+        cal.observe("baseline", 1 + i % 30, None, 0.6 if i % 7 else 3.0, None)  # outliers 5x
+    assert cal.mismatches == {"baseline": 0, "eagle": 0}
+    assert math.exp(cal.log_speed("baseline", 5)) == pytest.approx(0.6, rel=0.1)

@@ -91,6 +91,9 @@ def test_the_text_looked_at_is_bounded() -> None:
     text, _ = request_text({"prompt": huge}, "completions")
     assert len(text) <= HEAD_CHARS + TAIL_CHARS + 1 and text.endswith("omega tail")
     assert len(text_grams(" ".join(f"w{i}" for i in range(5000)))) == MAX_GRAMS
+    tools = [{"type": "function", "function": {"name": "t", "description": "d"}}] * 100_000
+    f = extract_features({"messages": [{"role": "user", "content": "x"}], "tools": tools}, "chat")
+    assert f.tools == 100_000
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,10 @@ import aiohttp
 import openai
 import pytest
 from fakes import RawBackend, RawRequest, closed_port_url
-from helpers import wait_until
+from helpers import CHAT, wait_until
 
 from controller.proxy.identity import BackendIdentity
 
-CHAT = [{"role": "user", "content": "hello"}]
 CHUNK = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "a"}}]}
 EVENT = b"data: " + json.dumps(CHUNK).encode() + b"\n\n"
 NAME = "gpu-rack7-node3"

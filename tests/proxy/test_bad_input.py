@@ -95,7 +95,7 @@ async def test_integral_float_max_tokens_and_null_are_accepted(fake_backend, pro
     fb = await fake_backend(chunks=3)
     p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False)
     async with aiohttp.ClientSession() as s:
-        for extra in ({"max_tokens": 2.0}, {"max_tokens": None}, {"max_completion_tokens": 0}):
+        for extra in ({"max_tokens": 2.0}, {"max_tokens": None}, {"max_completion_tokens": 1}):
             async with s.post(p.url + "/v1/chat/completions", json={**BODY, **extra}) as r:
                 assert r.status == 200, await r.text()
                 assert (await r.read()).endswith(b"data: [DONE]\n\n")

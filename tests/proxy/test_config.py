@@ -144,3 +144,32 @@ def test_policies_command_lists_policies_and_parameters(capsys):
     out = capsys.readouterr().out
     assert "fixed" in out and "threshold" in out
     assert "--policy-param pool=" in out and "--policy-param threshold=" in out
+
+
+def test_shadow_policies_accept_the_inline_grammar_everywhere(tmp_path, capsys):
+    """`NAME:KEY=VALUE,...` works in the YAML file and the environment as on the command line,
+    mixed with the mapping form; a bad entry names the key and the entry, not pydantic's types."""
+    f = _write(
+        tmp_path,
+        "baseline: [http://10.0.0.1:30000]\nprofile: kimi-k25-int4-8gpu\nshadow_policies:\n"
+        "  - threshold:threshold=8\n"
+        "  - 'cost_model:objective=ttft,hint_speedup={\"code\":1.2}'\n"
+        "  - {name: fixed, params: {pool: eagle}, label: all-eagle}\n",
+    )
+    s = load_settings({}, {}, f)
+    assert [(x.name, x.params, x.label) for x in s.shadow_policies] == [
+        ("threshold", {"threshold": 8}, None),
+        ("cost_model", {"objective": "ttft", "hint_speedup": {"code": 1.2}}, None),
+        ("fixed", {"pool": "eagle"}, "all-eagle"),
+    ]
+    s = load_settings({}, {"SPECROUTE_SHADOW_POLICIES": '["round_robin", "threshold:threshold=4"]'}, None)
+    assert [(x.name, x.params) for x in s.shadow_policies] == [
+        ("round_robin", {}),
+        ("threshold", {"threshold": 4}),
+    ]
+    assert main(["check-config", str(f)]) == 0  # the policies build
+    capsys.readouterr()
+    bad = _write(tmp_path, "baseline: [http://x:1]\nshadow_policies: ['threshold:threshold=8,oops']\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings({}, {}, bad)
+    assert "shadow_policies" in str(info.value) and "expected KEY=VALUE" in str(info.value)

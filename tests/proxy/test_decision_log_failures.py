@@ -17,11 +17,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from helpers import WHOLE_BODY as BODY
 from helpers import metric_samples, wait_until
 
 from controller.proxy.decision_log import DecisionLog
-
-BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 class FullDisk:

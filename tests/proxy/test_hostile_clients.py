@@ -209,10 +209,11 @@ async def test_admin_body_is_parsed_within_the_same_limits(fake_backend, proxy):
     assert_openai_error(body, "payload_too_large")
 
 
-async def test_admin_loads_module_classes_only_from_the_allow_list(fake_backend, proxy):
+async def test_admin_loads_module_classes_only_from_the_allow_list(fake_backend, proxy, monkeypatch):
     fb = await fake_backend()
     probe = "plugin_import_probe"
-    assert probe not in sys.modules
+    # whatever ran before in this process (a rerun, another test): start with the probe unimported
+    monkeypatch.delitem(sys.modules, probe, raising=False)
     p = await proxy(baseline=[fb.url], policy="fixed", admin_token=TOKEN, health_checks=False)
     status, body = await _admin(p.url, json.dumps({"name": f"{probe}:ProbePolicy"}).encode())
     assert status == 400 and "admin_policy_modules" in body["error"]["message"]

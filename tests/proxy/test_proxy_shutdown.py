@@ -1,6 +1,7 @@
-"""`specroute serve` as a real subprocess: start-up line, SIGTERM drains running streams, the drain
-timeout is honoured (the whole shutdown within drain + 2 s, whatever clients do), SIGHUP during
-start-up is remembered, bad settings exit 2 with a message naming the key."""
+"""`specroute serve` as a real subprocess: start-up line, SIGTERM first answers /ready with 503
+while requests are still served for shutdown_grace_s, then drains running streams; the drain
+timeout is honoured (the whole shutdown within grace + drain + 2 s, whatever clients do), SIGHUP
+during start-up is remembered, bad settings exit 2 with a message naming the key."""
 
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ import socket
 import sys
 
 import aiohttp
+import openai
 import pytest
 from helpers import BODY, run_specroute, wait_until
+
+from controller.cli import spawn
 
 
 async def test_sigterm_drains_running_stream_to_completion(fake_backend, spawn_serve):
     fb = await fake_backend(chunks=10, delay_s=0.1)
-    sp = await spawn_serve("--baseline", fb.url, "--policy", "fixed", "--drain-timeout-s", "20")
+    sp = await spawn_serve(
+        "--baseline", fb.url, "--policy", "fixed", "--drain-timeout-s", "20", "--shutdown-grace-s", "0"
+    )
     async with aiohttp.ClientSession() as s:
         resp = await s.post(sp.url + "/v1/chat/completions", json=BODY)
         assert resp.status == 200
@@ -38,7 +44,9 @@ async def test_sigterm_drains_running_stream_to_completion(fake_backend, spawn_s
 async def test_drain_timeout_cuts_streams_and_aborts_upstream(fake_backend, spawn_serve):
     fb = await fake_backend(chunks=10)
     fb.mode = "stall_mid"
-    sp = await spawn_serve("--baseline", fb.url, "--policy", "fixed", "--drain-timeout-s", "0.5")
+    sp = await spawn_serve(
+        "--baseline", fb.url, "--policy", "fixed", "--drain-timeout-s", "0.5", "--shutdown-grace-s", "0"
+    )
     async with aiohttp.ClientSession() as s:
         resp = await s.post(sp.url + "/v1/chat/completions", json=BODY)
         await resp.content.readuntil(b"\n\n")
@@ -47,6 +55,98 @@ async def test_drain_timeout_cuts_streams_and_aborts_upstream(fake_backend, spaw
         resp.close()
     await wait_until(lambda: fb.active == 0, 3.0)
     assert fb.active == 0 and fb.aborted == 1
+
+
+async def _raw_exchange(port: int, request: bytes) -> bytes:
+    """One request on a fresh connection; the whole answer (read until the server closes)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+async def test_sigterm_ready_503_then_grace_period_serves_then_drain(fake_backend, spawn_serve):
+    """A balancer outside Kubernetes learns of the shutdown from /ready (503 at once) and still
+    gets answers for shutdown_grace_s; only then does the listener close. A stream running at
+    SIGTERM finishes; answers during the grace carry `Connection: close` (a raw HTTP/1.1 client
+    sees it), so no keep-alive connection outlives the listener."""
+    fb = await fake_backend(chunks=30, delay_s=0.1)  # a 3 s stream, running across the grace
+    grace = 3.0
+    sp = await spawn_serve(
+        "--baseline", fb.url, "--policy", "fixed", "--shutdown-grace-s", str(grace),
+        "--drain-timeout-s", "20", "--log-level", "WARNING",
+    )  # fmt: skip
+    port = int(sp.url.rsplit(":", 1)[1])
+    client = openai.AsyncOpenAI(base_url=sp.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+    fast = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as s:
+        async with s.get(sp.url + "/ready") as r:
+            assert r.status == 200
+        long_stream = await s.post(sp.url + "/v1/chat/completions", json=BODY)
+        assert long_stream.status == 200
+        await long_stream.content.readuntil(b"\n\n")
+        t0 = loop.time()
+        sp.signal(signal.SIGTERM)
+
+        async def ready_503() -> bool:
+            async with s.get(sp.url + "/ready") as r:
+                return r.status == 503
+
+        assert await wait_until(ready_503, 5, interval_s=0.05)
+        t_ready_503 = loop.time() - t0
+        async with s.get(sp.url + "/ready") as r:
+            assert r.status == 503
+            assert (await r.json())["error"]["code"] == "shutting_down"
+        async with s.get(sp.url + "/health") as r:
+            assert r.status == 200  # alive: liveness must not restart a draining process
+        raw = await _raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert raw.startswith(b"HTTP/1.1 200 ") and b"\r\nConnection: close\r\n" in raw
+
+        answered: list[float] = []  # seconds after SIGTERM of each answer through the openai SDK
+        refused_at = None
+        while loop.time() - t0 < grace + 10:
+            try:
+                out = await client.chat.completions.create(**fast)
+            except openai.APIConnectionError:
+                refused_at = loop.time() - t0
+                break
+            assert out.choices[0].message.content
+            answered.append(loop.time() - t0)
+            await asyncio.sleep(0.05)
+        rest = await long_stream.read()
+        exit_code = await sp.wait()
+        t_exit = loop.time() - t0
+    await client.close()
+    print(
+        f"\nshutdown figures: /ready 503 after {t_ready_503:.3f} s; {len(answered)} SDK requests answered "
+        f"after SIGTERM (last at {answered[-1]:.2f} s); refused from {refused_at:.2f} s; exit after "
+        f"{t_exit:.2f} s (grace {grace} s, the running stream took ~3 s)"
+    )
+    assert exit_code == 0
+    assert len(answered) >= 3 and answered[-1] >= grace * 0.5  # served well into the grace period
+    assert refused_at is not None and refused_at >= grace  # the listener closed only after it
+    assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b'"content":"tok') >= 20
+    assert fb.aborted == 0
+
+
+async def test_second_signal_cuts_the_grace_period_short(fake_backend, spawn_serve):
+    """Ctrl-C twice: the operator wants out now, not after shutdown_grace_s."""
+    fb = await fake_backend()
+    sp = await spawn_serve("--baseline", fb.url, "--policy", "fixed", "--shutdown-grace-s", "600")
+    async with aiohttp.ClientSession() as s:
+        sp.signal(signal.SIGINT)
+
+        async def ready_503() -> bool:
+            async with s.get(sp.url + "/ready") as r:
+                return r.status == 503
+
+        assert await wait_until(ready_503, 10)
+        sp.signal(signal.SIGINT)
+        assert await sp.wait(timeout_s=60) == 0
 
 
 async def test_serve_prints_real_port_and_serves(fake_backend, spawn_serve):
@@ -105,7 +205,7 @@ async def test_shutdown_ends_within_drain_plus_two_seconds_whatever_clients_do(f
     drain = 3.0
     sp = await spawn_serve(
         "--baseline", fb.url, "--policy", "fixed", "--drain-timeout-s", str(drain), "--log-level", "WARNING",
-        stderr=asyncio.subprocess.DEVNULL,
+        "--shutdown-grace-s", "0", stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     port = int(sp.url.rsplit(":", 1)[1])
     body = json.dumps({**BODY, "max_tokens": 400_000}).encode()
@@ -162,10 +262,8 @@ async def test_sighup_during_start_up_is_remembered_not_fatal(fake_backend, tmp_
         await asyncio.sleep(0.2)
         os.write(fd, config)
         os.close(fd)
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
-        assert line.startswith(b"specroute listening on "), (line, proc.returncode)
-        url = line.decode().split("listening on ", 1)[1].strip()
+        line = await spawn.read_listening(proc, marker="specroute listening on ", timeout_s=30)
+        url = spawn.url_of(line)
         fd = await asyncio.wait_for(writer_fd(), 30)  # the remembered reload reads the config again
         os.write(fd, config)
         os.close(fd)

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from helpers import WHOLE_BODY as BODY
 from helpers import metric_samples, wait_until
 from prometheus_client import CollectorRegistry
 
 from controller.cli.reload import ConfigReloader, FileUnstable, ReloadMetrics, read_stable
 from controller.proxy.config import Settings, load_settings
-
-BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 async def _pool(url: str) -> str:

@@ -350,7 +350,7 @@ async def test_plan_writes_a_config_that_checks_and_serves(tmp_path: Path, spawn
         assert row["objective"]["n"] == 2 and len(row["objective"]["per_seed"]) == 2
         assert row["margin_to_next"] is None or row["margin_to_next"]["verdict"] in ("win", "tie")
         assert math.isclose(sum(row["summary"]["pool_share"].values()), 1.0)
-    assert "simulations" in proc.stderr  # the progress bar
+    assert "simulations" not in proc.stderr  # stderr is a pipe: no progress bar in a log
 
     text = cfg.read_text()
     assert "python -m sglang.launch_server --model-path moonshotai/Kimi-K2.5" in text
@@ -436,3 +436,40 @@ def test_bad_settings_fail_before_the_progress_bar(
         assert specroute([*base, *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and "simulations" not in err, err
+
+
+def test_a_vllm_profile_gets_vllm_launch_lines(tmp_path: Path) -> None:
+    """A profile `specroute bench` measured on vLLM (its `engine` field) plans vLLM servers."""
+    profile = tmp_path / "vllm-pair.json"
+    p = {
+        "format": "specroute.profile/v1",
+        "name": "tiny llama on vLLM CPU",
+        "engine": "vllm",
+        "modes": {
+            "baseline": {"max_running_requests": 16,
+                         "points": [{"concurrency": 1, "decode_tok_s": 480.0, "ttft_s": 0.01},
+                                    {"concurrency": 8, "decode_tok_s": 300.0, "ttft_s": 0.02}]},
+            "eagle": {"max_running_requests": 16, "accept_length": 3.0,
+                      "points": [{"concurrency": 1, "decode_tok_s": 700.0, "ttft_s": 0.01},
+                                 {"concurrency": 8, "decode_tok_s": 250.0, "ttft_s": 0.02}]},
+        },
+    }  # fmt: skip
+    profile.write_text(json.dumps(p))
+    cfg = tmp_path / "c.yaml"
+    rc = specroute(
+        ["plan", "--profile", str(profile), "--servers", "2", "--kinds", "baseline,eagle",
+         "--concurrency", "1", "4", "--seeds", "0", "1", "--policies", "cost_model", "--loads", "1",
+         "--no-progress", "--out", str(cfg)]
+    )  # fmt: skip
+    assert rc == 0
+    text = cfg.read_text()
+    assert "sglang" not in text.lower()
+    assert "# vLLM launch lines" in text
+    assert "python -m vllm.entrypoints.openai.api_server --model MODEL_PATH" in text
+    assert "--max-num-seqs 16" in text
+    settings = yaml.safe_load(text)
+    assert settings["engine"] == "vllm"
+    if settings["eagle"]:
+        assert '"method":"eagle3"' in text
+    check = _cli("check-config", str(cfg))
+    assert check.returncode == 0, check.stderr

@@ -1,0 +1,107 @@
+"""What specroute checks in an OpenAI request body before routing it: SGLang's own rules where
+they are stricter than "any JSON object", so a request SGLang would refuse is refused here, in
+OpenAI's error shape and before a backend is reserved for it.
+
+The rules follow SGLang 0.5.x (`entrypoints/openai/protocol.py`, `serving_chat.py`'s
+`_validate_request`, `sampling/sampling_params.py`'s `SamplingParams.verify`):
+
+- `max_tokens` / `max_completion_tokens`: an integer of at least 1 (SGLang's completions route
+  refuses 0 -- "max_tokens must be positive" -- and its chat route reads 0 as "no limit", a
+  surprise OpenAI and vLLM refuse too); `min_tokens` a non-negative integer, at most the budget.
+- `messages` (chat): a non-empty list ("Messages cannot be empty.").
+- Sampling ranges: `temperature` finite and >= 0, `top_p` in (0, 1], `min_p` in [0, 1],
+  `top_k` -1 (all) or >= 1, `frequency_penalty` and `presence_penalty` in [-2, 2],
+  `repetition_penalty` in (0, 2], `n` >= 1. The same ranges apply to `/generate`'s
+  `sampling_params` (whose `max_new_tokens` may be 0: SGLang accepts it there).
+
+`null` means "default" as in SGLang. A value of the wrong JSON type (a string for a number) is
+left to the backend, which coerces what pydantic coerces; only the budget fields must be numbers
+here, because routing reads them. Everything else (tools, response_format, ...) SGLang judges.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from controller.proxy.errors import BadRequest
+
+Endpoint = Literal["chat", "completions", "generate"]
+
+_BUDGET_KEYS = ("max_tokens", "max_completion_tokens")
+
+
+def _number(value: Any) -> float | None:
+    """The value as a float when it is a JSON number (not a boolean), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _integer(value: Any) -> int | None:
+    """The value as an int when it is an integral JSON number below 2**53, else None."""
+    number = _number(value)
+    if number is None or not math.isfinite(number) or not number.is_integer() or abs(number) >= 2**53:
+        return None
+    return int(number)
+
+
+_RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
+    ("temperature", lambda v: math.isfinite(v) and v >= 0, "a non-negative finite number"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    ("repetition_penalty", lambda v: 0 < v <= 2, "in (0, 2] (1.0 = no penalty)"),
+)
+
+
+def _check_sampling(params: Mapping[str, Any], where: str) -> None:
+    for key, ok, wanted in _RANGES:
+        number = _number(params.get(key))
+        if number is not None and not ok(number):
+            raise BadRequest(f"'{where}{key}' must be {wanted}, got {params[key]!r}", param=where + key)
+    top_k = _integer(params.get("top_k"))
+    if top_k is not None and top_k != -1 and top_k < 1:
+        raise BadRequest(f"'{where}top_k' must be -1 (all) or at least 1, got {top_k}", param=where + "top_k")
+    n = params.get("n")
+    count = _integer(n)
+    if n is not None and (count is None or count < 1):
+        raise BadRequest(f"'{where}n' must be an integer of at least 1, got {n!r}", param=where + "n")
+
+
+def _budget(body: Mapping[str, Any]) -> int | None:
+    budget = None
+    for key in _BUDGET_KEYS:
+        value = body.get(key)
+        if value is None:
+            continue
+        tokens = _integer(value)
+        if tokens is None or tokens < 0:
+            raise BadRequest(f"'{key}' must be a non-negative integer", param=key)
+        if tokens == 0:
+            raise BadRequest(
+                f"'{key}' must be at least 1 (SGLang refuses 0, or reads it as no limit)", param=key
+            )
+        budget = tokens if budget is None else min(budget, tokens)
+    return budget
+
+
+def check_openai_body(body: Mapping[str, Any], endpoint: Endpoint) -> None:
+    """BadRequest (naming the field) for a chat or completions body SGLang would refuse."""
+    budget = _budget(body)
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        low = _integer(min_tokens)
+        if low is None or low < 0 or (budget is not None and low > budget):
+            bound = f" and at most the budget ({budget})" if budget is not None else ""
+            raise BadRequest(f"'min_tokens' must be a non-negative integer{bound}", param="min_tokens")
+    _check_sampling(body, "")
+    if endpoint == "chat" and body.get("messages") == []:
+        raise BadRequest("'messages' cannot be empty", param="messages")
+
+
+def check_generate_sampling(params: Mapping[str, Any]) -> None:
+    """BadRequest for `/generate` sampling_params SGLang's `SamplingParams.verify` would refuse."""
+    _check_sampling(params, "sampling_params.")

