@@ -42,7 +42,7 @@
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
@@ -60,6 +60,7 @@ MISMATCH_AFTER = 24
 """Outcomes of a pool (since its last rebase) before a mismatch may be declared."""
 MISMATCH_FACTOR = 2.0
 """How far (as a factor) the recent median must be from the estimate to rebase the pool."""
+_MISMATCH_LOG = math.log(MISMATCH_FACTOR)
 
 
 class ShrunkMean:
@@ -180,6 +181,9 @@ class SpeedCalibration:
         self._recent: dict[Pool, deque[float]] = {
             p: deque(maxlen=MISMATCH_WINDOW) for p in ("baseline", "eagle")
         }
+        self._ordered: dict[Pool, list[float]] = {"baseline": [], "eagle": []}
+        """The values of `_recent` in ascending order (equal values in arrival order, as a stable
+        sort leaves them): the median is a read, not a sort per outcome."""
         self._since_rebase: dict[Pool, int] = {"baseline": 0, "eagle": 0}
         self.mismatches: dict[Pool, int] = {"baseline": 0, "eagle": 0}
         """Times each pool was rebased because the profile was off by more than 2x."""
@@ -280,15 +284,19 @@ class SpeedCalibration:
     def _check_mismatch(self, pool: Pool, x: float) -> None:
         """Rebase `pool` when its recent outcomes' median is more than `MISMATCH_FACTOR` from its
         estimate (see the module docstring)."""
-        recent = self._recent[pool]
+        recent, ordered = self._recent[pool], self._ordered[pool]
+        if len(recent) == MISMATCH_WINDOW:
+            # the oldest value leaves: among its equals it is the first (insort puts a new value
+            # after its equals), so `ordered` stays exactly `sorted(recent)`
+            del ordered[bisect_left(ordered, recent[0])]
         recent.append(x)
-        self._since_rebase[pool] += 1
-        if self._since_rebase[pool] < MISMATCH_AFTER:
+        insort(ordered, x)
+        since = self._since_rebase[pool] = self._since_rebase[pool] + 1
+        if since < MISMATCH_AFTER:
             return
-        ordered = sorted(recent)
         mid = len(ordered) // 2
         median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-        if abs(median - self.pool[pool].value) <= math.log(MISMATCH_FACTOR):
+        if abs(median - self.pool[pool].value) <= _MISMATCH_LOG:
             return
         self._max_log = _REBASED_LOG_SCALE
         target = _clipped(median, _REBASED_LOG_SCALE)
@@ -299,6 +307,7 @@ class SpeedCalibration:
         self._pool_weight[pool] = [1.0] * len(self._pool_weight[pool])
         self._since_rebase[pool] = 0
         recent.clear()
+        ordered.clear()
         self.mismatches[pool] += 1
         self.mismatch_factor[pool] = math.exp(target)
 

@@ -228,13 +228,16 @@ def _complete(decision: Decision, view: LoadView, rng: random.Random) -> Decisio
         chosen = pick_backend(members, rng)
     if chosen is not None:
         d = decision
+        load = chosen.load
+        if name == chosen.name and d.backend_load == load:  # named with its load: already complete
+            return d
         return Decision(
             pool,
             chosen.name,
             d.reason,
             d.predicted_ttft_s,
             d.predicted_e2e_s,
-            chosen.load,
+            load,
             d.policy,
             d.accept_factor,
         )
