@@ -265,25 +265,9 @@ class SpeedCalibration:
                 x -= own_part[k] + (pool_weight[k] - 1.0) * g.value
                 state.add(_near(x, state.value, clip), prior, window)
                 return
-        # the untagged case, inlined (the hot path): clip near the estimate, then both means
-        self._check_mismatch(pool, x)
-        estimate = own_part[k] + pool_weight[k] * g.value
-        if x > estimate + clip:
-            x = estimate + clip
-        elif x < estimate - clip:
-            x = estimate - clip
-        g.add(x, prior, window)
-        own = self.buckets[pool][k]
-        n = own.n = own.n + 1
-        w = 1.0 / n
-        own.value += (w if w > 1.0 / window else 1.0 / window) * (x - own.value)
-        weight = n + self._bucket_prior
-        own_part[k] = n * own.value / weight
-        pool_weight[k] = self._bucket_prior / weight
-
-    def _check_mismatch(self, pool: Pool, x: float) -> None:
-        """Rebase `pool` when its recent outcomes' median is more than `MISMATCH_FACTOR` from its
-        estimate (see the module docstring)."""
+        # the untagged case, inlined (the hot path): the mismatch check (rebase `pool` when its
+        # recent outcomes' median is more than MISMATCH_FACTOR from its estimate), clip near the
+        # estimate, then both means (`ShrunkMean.add` inlined)
         recent, ordered = self._recent[pool], self._ordered[pool]
         if len(recent) == MISMATCH_WINDOW:
             # the oldest value leaves: among its equals it is the first (insort puts a new value
@@ -292,12 +276,31 @@ class SpeedCalibration:
         recent.append(x)
         insort(ordered, x)
         since = self._since_rebase[pool] = self._since_rebase[pool] + 1
-        if since < MISMATCH_AFTER:
-            return
-        mid = len(ordered) // 2
-        median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-        if abs(median - self.pool[pool].value) <= _MISMATCH_LOG:
-            return
+        if since >= MISMATCH_AFTER:
+            mid = len(ordered) // 2
+            median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+            if abs(median - g.value) > _MISMATCH_LOG:
+                self._rebase(pool, median)
+        estimate = own_part[k] + pool_weight[k] * g.value
+        if x > estimate + clip:
+            x = estimate + clip
+        elif x < estimate - clip:
+            x = estimate - clip
+        gn = g.n = g.n + 1
+        w = 1.0 / (gn + prior)
+        floor = 1.0 / window
+        g.value += (w if w > floor else floor) * (x - g.value)
+        own = self.buckets[pool][k]
+        n = own.n = own.n + 1
+        w = 1.0 / n
+        own.value += (w if w > 1.0 / window else 1.0 / window) * (x - own.value)
+        weight = n + self._bucket_prior
+        own_part[k] = n * own.value / weight
+        pool_weight[k] = self._bucket_prior / weight
+
+    def _rebase(self, pool: Pool, median: float) -> None:
+        """The profile is off for `pool`: its mean jumps to the recent median, its buckets start
+        over, the bound widens (see the module docstring)."""
         self._max_log = _REBASED_LOG_SCALE
         target = _clipped(median, _REBASED_LOG_SCALE)
         self.pool[pool].value = target
@@ -306,8 +309,8 @@ class SpeedCalibration:
         self._own_part[pool] = [0.0] * len(self._own_part[pool])
         self._pool_weight[pool] = [1.0] * len(self._pool_weight[pool])
         self._since_rebase[pool] = 0
-        recent.clear()
-        ordered.clear()
+        self._recent[pool].clear()
+        self._ordered[pool].clear()
         self.mismatches[pool] += 1
         self.mismatch_factor[pool] = math.exp(target)
 

@@ -217,6 +217,10 @@ class CostModelPolicy:
             "baseline": self._baseline.prefill_tok_s,
             "eagle": self._eagle.prefill_tok_s,
         }
+        self._named_baseline = params.prefix_aware and self._baseline.prefill_tok_s is not None
+        self._named_eagle = params.prefix_aware and self._eagle.prefill_tok_s is not None
+        """Whether a pool's one backend is predicted while it is healthy (and named: its queued
+        prefill counts), else only while it admits (`first_least_loaded`)."""
         self._prefill_ends: dict[str, deque[float]] = {}
         """Per backend: when the prefills this policy sent there and that have not ended yet end
         (its own estimate; one prefill at a time, FIFO, so the times increase)."""
@@ -351,7 +355,7 @@ class CostModelPolicy:
             # first_least_loaded of one backend; naming it is what the routing core's pick would do
             if only.healthy and not only.full:
                 return only, self._predict(pool, only, request, n, now)
-            return None
+            return None  # (choose inlines this case: `_named_<pool>` says which of the two rules)
         if self._prefix_aware and (
             self._prefill_rate[pool] is not None or any(b.cached_tokens for b in backends if b.healthy)
         ):
@@ -404,8 +408,23 @@ class CostModelPolicy:
         own = self._content_own = (
             None if content is None or request.features is None else content.factor(request, self.calibration)
         )
-        on_b = self._backend("baseline", view.baseline, request, n, now)
-        on_e = self._backend("eagle", view.eagle, request, n, now)
+        # `_backend` inlined for the common deployment (one backend per pool)
+        on_b: tuple[BackendLoad | None, Prediction] | None
+        on_e: tuple[BackendLoad | None, Prediction] | None
+        backends = view.baseline.backends
+        if len(backends) == 1:
+            b = backends[0]
+            ok = b.healthy and (self._named_baseline or not b.full)
+            on_b = (b, self._predict("baseline", b, request, n, now)) if ok else None
+        else:
+            on_b = self._backend("baseline", view.baseline, request, n, now)
+        backends = view.eagle.backends
+        if len(backends) == 1:
+            b = backends[0]
+            ok = b.healthy and (self._named_eagle or not b.full)
+            on_e = (b, self._predict("eagle", b, request, n, now)) if ok else None
+        else:
+            on_e = self._backend("eagle", view.eagle, request, n, now)
         if on_b is None or on_e is None:  # the routing core's fallback (rule 4)
             only, reason = fallback({"baseline": on_b, "eagle": on_e})
             on = on_b if only == "baseline" else on_e
@@ -462,7 +481,10 @@ class CostModelPolicy:
         cap = model.max_running_requests
         if cap is not None and batch > cap:
             batch = cap
-        ratio = None if rate is None else rate * model.step_time(batch)
+        if rate is None:
+            ratio = None
+        else:  # step_time inlined
+            ratio = rate * (model.step_table[batch] if 0 <= batch < _TABLE_SIZE else model.step_time(batch))
         if pool == "eagle" and self.content is not None and outcome.request.features is not None:
             # (a reported accept length teaches the content model even without a rate)
             ratio = self.content.observe(outcome, cal, batch, ratio)
