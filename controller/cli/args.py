@@ -88,8 +88,12 @@ def check_writable(*paths: str | None) -> None:
     """CommandError for an output path whose folder does not exist, before any work is done:
     every command refuses to create folders it was not asked to (a typo would go unnoticed)."""
     for path in paths:
-        if path and not Path(path).resolve().parent.is_dir():
-            raise CommandError(f"cannot write {path}: no such directory ({Path(path).parent})")
+        if not path or Path(path).resolve().parent.is_dir():
+            continue
+        blocker = next((d for d in Path(path).resolve().parents if d.exists() and not d.is_dir()), None)
+        if blocker is not None:
+            raise CommandError(f"cannot write {path}: {blocker} is not a directory")
+        raise CommandError(f"cannot write {path}: no such directory ({Path(path).parent})")
 
 
 def port(text: str) -> int:

@@ -378,6 +378,7 @@ class RequestLifecycle:
         loop = asyncio.get_running_loop()
         tail = [b"", b"", b""]
         held = Holdback()
+        charge, spec = self.charge, self.spec
         chunk = up.head
         try:
             with RelayWatchdog(settings.idle_timeout_s, settings.client_write_timeout_s) as dog:
@@ -387,18 +388,21 @@ class RequestLifecycle:
                         break  # the last piece goes out with the terminating chunk, in one write
                     if not up.opaque:
                         chunk = held.push(chunk)
-                        if held.held and not self.charge.grow_to(held.held):
+                        if held.pending and not charge.grow_to(len(held.pending)):
                             await self._broken(sr, "an unfinished event does not fit in the memory budget")
                             return False
-                    chunk = self._filter(chunk, strip_usage)
+                    if strip_usage:
+                        chunk = drop_usage_events(chunk)
+                    if spec is not None:
+                        chunk = spec.strip(chunk)
                     if chunk:
                         began = loop.time()
                         dog.writing(began)
                         await sr.write(chunk)
                         now = loop.time()
                         dog.reading(now, now - began)
-                        if self.charge.held > held.held:  # the first event is out: its charge goes
-                            self.charge.shrink_to(held.held)
+                        if charge.held:  # the first event is out: only what is held back stays charged
+                            charge.shrink_to(len(held.pending))
                     chunk = await content.readany()
         except Stalled as e:
             if e.side == "client":

@@ -19,6 +19,7 @@ container.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 BODY_COPIES = 5
 """A request body is held about five times at its peak: the read buffer and its bytes, the parsed
@@ -35,9 +36,11 @@ def keep_heap_small() -> None:
     the threshold after the first large free, after which 30 MB bodies come from the heap and
     their pages stay resident long after the requests ended. (At 128 KiB an ordinary request
     paid a dozen page faults: `benchmarks/proxy_overhead.py`.) Does nothing elsewhere."""
+    global _trim
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, 1024 * 1024)
+        _trim = libc.malloc_trim
         # the heap's own top is trimmed past 32 MiB only: trimming at every request's end would cost
         # a brk() and fresh page faults per request (`benchmarks/proxy_overhead.py`)
         libc.mallopt(_M_TRIM_THRESHOLD, 32 * 1024 * 1024)
@@ -47,16 +50,21 @@ def keep_heap_small() -> None:
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+TRIM_AFTER = 16 * 1024 * 1024
+"""Bytes given back to the budget after which the heap's free pages are returned to the OS
+(`malloc_trim`): what requests of up to 1 MiB per buffer leave scattered in the heap."""
+_trim: Callable[[int], object] | None = None
 
 
 class MemoryBudget:
-    __slots__ = ("limit", "refusals", "used")
+    __slots__ = ("_given", "limit", "refusals", "used")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
         self.refusals = 0
         """How often `take` refused (a metric reads it)."""
+        self._given = 0
 
     def take(self, n: int) -> bool:
         """Take `n` bytes if the budget has them; False (and nothing taken) otherwise."""
@@ -68,6 +76,10 @@ class MemoryBudget:
 
     def give(self, n: int) -> None:
         self.used = max(0, self.used - n)
+        self._given += n
+        if self._given >= TRIM_AFTER and _trim is not None:
+            self._given = 0
+            _trim(0)  # a few ms at most, once per TRIM_AFTER bytes released
 
 
 class Charge:

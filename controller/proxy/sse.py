@@ -153,34 +153,31 @@ def ends_with_done(data: bytes) -> bool:
 class Holdback:
     """The bytes after the last complete event, held back until their event is whole."""
 
-    __slots__ = ("_held", "limit")
+    __slots__ = ("limit", "pending")
 
     def __init__(self, limit: int = MAX_HELD_BACK) -> None:
-        self._held = b""
+        self.pending = b""
+        """The bytes held back now."""
         self.limit = limit
 
     def push(self, chunk: bytes) -> bytes:
         """What of the events so far may go out now."""
-        if not self._held and chunk.endswith(b"\n\n") and b"\r" not in chunk[-4:]:
+        if not self.pending and chunk.endswith(b"\n\n") and b"\r" not in chunk[-4:]:
             return chunk  # SGLang's usual chunk: whole events
-        data = self._held + chunk if self._held else chunk
-        end = last_event_end(data, max(0, len(self._held) - 3))
+        data = self.pending + chunk if self.pending else chunk
+        end = last_event_end(data, max(0, len(self.pending) - 3))
         if end < 0:
             if len(data) >= self.limit:
-                self._held = b""
+                self.pending = b""
                 return data
-            self._held = data
+            self.pending = data
             return b""
-        self._held = data[end:]
+        self.pending = data[end:]
         return data[:end]
 
     def rest(self) -> bytes:
-        out, self._held = self._held, b""
+        out, self.pending = self.pending, b""
         return out
-
-    @property
-    def held(self) -> int:
-        return len(self._held)
 
 
 # --- the first event ----------------------------------------------------------------------

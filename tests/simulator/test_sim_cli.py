@@ -303,7 +303,7 @@ def test_tune_out_below_a_file_names_the_file(tmp_path: Path, capsys: pytest.Cap
     blocker.write_text("")
     args = tune_args(blocker / "best.yaml", 1)
     code, _, err = run_main(capsys, *args)
-    assert code == 2 and f"cannot write config: {blocker} is not a directory" in err
+    assert code == 2 and f"cannot write {blocker / 'best.yaml'}: {blocker} is not a directory" in err
 
 
 def test_every_option_of_the_simulator_bench_and_demo_commands_has_help() -> None:

@@ -271,15 +271,13 @@ def _level(result: dict[str, Any], concurrency: int) -> dict[str, Any]:
     return next(lv["summary"] for lv in result["levels"] if lv["concurrency"] == concurrency)
 
 
-async def test_bench_profile_and_simulate_against_the_live_pair(
-    vllm_pair: VllmPair, spawn_serve: Any, tmp_path: Path
-) -> None:
-    # A profile per server (the README's bench lines, shorter), each followed at once by a direct
-    # measurement of the same server with the official client (close in time: the speed of a
-    # shared machine drifts), then merged.
+async def bench_pair(vllm_pair: VllmPair, tmp_path: Path, tag: str) -> dict[str, Any]:
+    """The README's bench lines (shorter): a one-mode profile per server; their JSON by mode."""
     profiles = {}
     for url, mode in ((vllm_pair.plain, "baseline"), (vllm_pair.ngram, "eagle")):
-        out = tmp_path / f"{mode}.json"
+        out = tmp_path / f"{tag}-{mode}.json"
+        if tag == "before":  # a direct measurement just before the bench and one just after
+            direct_before, _ = await direct_rate(url, first=2, n=16)
         code, stdout, stderr = await run_specroute(
             "bench", url, "--concurrency", "1", "2", "--requests-per-level", "16", "--warmup-requests", "2",
             "--max-tokens", str(MAX_TOKENS), "--mode", mode, "--profile-out", str(out), "--no-progress",
@@ -287,27 +285,54 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
         )  # fmt: skip
         assert code == 0, stderr
         assert "warning: --mode" not in stderr
-        direct, rates = await direct_rate(url, first=2, n=16)  # after bench's 2 warm-up requests
+        print(f"\n{tag}: {stdout}")
         profiles[mode] = json.loads(out.read_text())
-        benched = profiles[mode]["modes"][mode]["points"][0]["decode_tok_s"]
-        print(f"\n{stdout}{mode}: bench c=1 {benched:.1f} tok/s, direct {direct:.1f} (median of "
-              f"{len(rates)} prompts, {min(rates):.0f}..{max(rates):.0f})")  # fmt: skip
-        assert benched == pytest.approx(direct, rel=0.15)
+        if tag == "before":  # bench's c=1 speed against the direct measurements around it
+            direct_after, rates = await direct_rate(url, first=2, n=16)  # bench's c=1 prompts
+            direct = (direct_before + direct_after) / 2
+            benched = profiles[mode]["modes"][mode]["points"][0]["decode_tok_s"]
+            print(f"{mode}: bench c=1 {benched:.1f} tok/s, direct {direct:.1f} (medians of "
+                  f"{len(rates)} prompts before and after the bench: {direct_before:.1f}, "
+                  f"{direct_after:.1f})")  # fmt: skip
+            assert benched == pytest.approx(direct, rel=0.15)
     assert profiles["eagle"]["engine"] == "vllm" and profiles["eagle"]["modes"]["eagle"]["accept_length"] > 1
-    merged = tmp_path / "pair.json"
+    return profiles
+
+
+def averaged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One two-mode profile whose points are the means of the runs' points (same levels)."""
+    modes = {}
+    for mode in ("baseline", "eagle"):
+        measured = [run[mode]["modes"][mode] for run in runs]
+        mode_data = dict(measured[0])
+        mode_data["points"] = [
+            {
+                "concurrency": points[0]["concurrency"],
+                "decode_tok_s": statistics.mean(p["decode_tok_s"] for p in points),
+                "ttft_s": statistics.mean(p["ttft_s"] for p in points),
+            }
+            for points in zip(*(m["points"] for m in measured), strict=True)
+        ]
+        if "accept_length" in mode_data:
+            mode_data["accept_length"] = statistics.mean(m["accept_length"] for m in measured)
+        modes[mode] = mode_data
+    return {"format": "specroute.profile/v1", "name": "vLLM pair", "engine": "vllm", "modes": modes}
+
+
+async def test_bench_profile_and_simulate_against_the_live_pair(
+    vllm_pair: VllmPair, spawn_serve: Any, tmp_path: Path
+) -> None:
+    before = await bench_pair(vllm_pair, tmp_path, "before")
     code, _, stderr = await run_specroute(
-        "profile",
-        "merge",
-        str(tmp_path / "baseline.json"),
-        str(tmp_path / "eagle.json"),
-        "--out",
-        str(merged),
-    )
+        "profile", "merge", str(tmp_path / "before-baseline.json"), str(tmp_path / "before-eagle.json"),
+        "--out", str(tmp_path / "pair.json"),
+    )  # fmt: skip
     assert code == 0, stderr
+    assert json.loads((tmp_path / "pair.json").read_text())["engine"] == "vllm"
 
     # live through serve with that profile, against the simulation of the same workload
     sp = await spawn_serve(
-        "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(merged),
+        "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(tmp_path / "pair.json"),
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     live_out = tmp_path / "live.json"
@@ -317,11 +342,16 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
     )  # fmt: skip
     assert code == 0, stderr
     live = json.loads(live_out.read_text())
+    # The speed of a shared 2-core machine drifts: the profile the simulation runs from is the mean
+    # of benches taken just before and just after the live run.
+    after = await bench_pair(vllm_pair, tmp_path, "after")
+    profile = tmp_path / "pair-averaged.json"
+    profile.write_text(json.dumps(averaged([before, after])))
     prompt_tokens = [
         r["prompt_tokens"] for lv in live["levels"] for r in lv["requests"] if r.get("prompt_tokens")
     ]
     code, stdout, stderr = await run_specroute(
-        "simulate", "--profile", str(merged), "--policy", "cost_model", "--concurrency", "1", "2",
+        "simulate", "--profile", str(profile), "--policy", "cost_model", "--concurrency", "1", "2",
         "--requests-per-level", "16", "--warmup-requests", "2", "--output-tokens", f"const:{MAX_TOKENS}",
         "--prompt-tokens", f"const:{round(statistics.median(prompt_tokens))}", "--json",
     )  # fmt: skip
@@ -330,8 +360,10 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
     for level in (1, 2):
         got = _level(live, level)["decode_tok_s"]
         sim = simulated[level]["mean_decode_tok_s"]
+        share = simulated[level]["pool_share"]
         print(f"c={level}: live through serve {got['mean']:.1f} tok/s (p50 {got['p50']:.1f}, n={got['n']}), "
-              f"simulated {sim:.1f}, ratio {sim / got['mean']:.3f}")  # fmt: skip
+              f"simulated {sim:.1f} (eagle share {share['eagle']:.2f}), "
+              f"ratio {sim / got['mean']:.3f}")  # fmt: skip
         assert sim == pytest.approx(got["mean"], rel=0.15)
 
 
