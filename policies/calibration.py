@@ -42,7 +42,7 @@
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
@@ -60,6 +60,7 @@ MISMATCH_AFTER = 24
 """Outcomes of a pool (since its last rebase) before a mismatch may be declared."""
 MISMATCH_FACTOR = 2.0
 """How far (as a factor) the recent median must be from the estimate to rebase the pool."""
+_MISMATCH_LOG = math.log(MISMATCH_FACTOR)
 
 
 class ShrunkMean:
@@ -180,6 +181,9 @@ class SpeedCalibration:
         self._recent: dict[Pool, deque[float]] = {
             p: deque(maxlen=MISMATCH_WINDOW) for p in ("baseline", "eagle")
         }
+        self._ordered: dict[Pool, list[float]] = {"baseline": [], "eagle": []}
+        """The values of `_recent` in ascending order (equal values in arrival order, as a stable
+        sort leaves them): the median is a read, not a sort per outcome."""
         self._since_rebase: dict[Pool, int] = {"baseline": 0, "eagle": 0}
         self.mismatches: dict[Pool, int] = {"baseline": 0, "eagle": 0}
         """Times each pool was rebased because the profile was off by more than 2x."""
@@ -261,14 +265,31 @@ class SpeedCalibration:
                 x -= own_part[k] + (pool_weight[k] - 1.0) * g.value
                 state.add(_near(x, state.value, clip), prior, window)
                 return
-        # the untagged case, inlined (the hot path): clip near the estimate, then both means
-        self._check_mismatch(pool, x)
+        # the untagged case, inlined (the hot path): the mismatch check (rebase `pool` when its
+        # recent outcomes' median is more than MISMATCH_FACTOR from its estimate), clip near the
+        # estimate, then both means (`ShrunkMean.add` inlined)
+        recent, ordered = self._recent[pool], self._ordered[pool]
+        if len(recent) == MISMATCH_WINDOW:
+            # the oldest value leaves: among its equals it is the first (insort puts a new value
+            # after its equals), so `ordered` stays exactly `sorted(recent)`
+            del ordered[bisect_left(ordered, recent[0])]
+        recent.append(x)
+        insort(ordered, x)
+        since = self._since_rebase[pool] = self._since_rebase[pool] + 1
+        if since >= MISMATCH_AFTER:
+            mid = len(ordered) // 2
+            median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+            if abs(median - g.value) > _MISMATCH_LOG:
+                self._rebase(pool, median)
         estimate = own_part[k] + pool_weight[k] * g.value
         if x > estimate + clip:
             x = estimate + clip
         elif x < estimate - clip:
             x = estimate - clip
-        g.add(x, prior, window)
+        gn = g.n = g.n + 1
+        w = 1.0 / (gn + prior)
+        floor = 1.0 / window
+        g.value += (w if w > floor else floor) * (x - g.value)
         own = self.buckets[pool][k]
         n = own.n = own.n + 1
         w = 1.0 / n
@@ -277,19 +298,9 @@ class SpeedCalibration:
         own_part[k] = n * own.value / weight
         pool_weight[k] = self._bucket_prior / weight
 
-    def _check_mismatch(self, pool: Pool, x: float) -> None:
-        """Rebase `pool` when its recent outcomes' median is more than `MISMATCH_FACTOR` from its
-        estimate (see the module docstring)."""
-        recent = self._recent[pool]
-        recent.append(x)
-        self._since_rebase[pool] += 1
-        if self._since_rebase[pool] < MISMATCH_AFTER:
-            return
-        ordered = sorted(recent)
-        mid = len(ordered) // 2
-        median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-        if abs(median - self.pool[pool].value) <= math.log(MISMATCH_FACTOR):
-            return
+    def _rebase(self, pool: Pool, median: float) -> None:
+        """The profile is off for `pool`: its mean jumps to the recent median, its buckets start
+        over, the bound widens (see the module docstring)."""
         self._max_log = _REBASED_LOG_SCALE
         target = _clipped(median, _REBASED_LOG_SCALE)
         self.pool[pool].value = target
@@ -298,7 +309,8 @@ class SpeedCalibration:
         self._own_part[pool] = [0.0] * len(self._own_part[pool])
         self._pool_weight[pool] = [1.0] * len(self._pool_weight[pool])
         self._since_rebase[pool] = 0
-        recent.clear()
+        self._recent[pool].clear()
+        self._ordered[pool].clear()
         self.mismatches[pool] += 1
         self.mismatch_factor[pool] = math.exp(target)
 

@@ -51,16 +51,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
 
-from policies.base import BackendLoad, Decision, LoadView, Outcome, Pool, RequestInfo
+from policies.base import BackendLoad, Decision, LoadView, Outcome, Pool, PoolLoad, RequestInfo
 from policies.calibration import SpeedCalibration, check_bounds
 from policies.content import ContentAcceptance
+from policies.profile import TABLE_SIZE as _TABLE_SIZE
 from policies.profile import SpeedModel
 from policies.routing import (
-    backend_counts,
     cheapest_backend,
     fallback,
     first_least_loaded,
-    pool_decision,
     teaches,
 )
 from policies.spec import PolicyContext, PolicyError, PolicySpec
@@ -72,8 +71,8 @@ DEFAULT_PREFILL_TOK_S = 10_000.0
 """Prefill rate assumed for a profile that gives none: the order of magnitude of one GPU node
 prefilling a mid-size model (SGLang serves tens of thousands of prompt tokens per second on an
 8-GPU node for 8B-70B models); it only prices the tokens a cache saves."""
-Prediction = tuple[float, float, float, bool, float]
-"""(TTFT, end-to-end, marginal cost, would queue, time per output token) on one backend."""
+Prediction = tuple[float, float, float, bool, float, int]
+"""(TTFT, end-to-end, marginal cost, would queue, time per output token, its load) on one backend."""
 
 
 class CostModelParams(BaseModel):
@@ -203,6 +202,8 @@ class CostModelPolicy:
             if params.mean_output_tokens is not None
             else float(params.default_output_tokens)
         )
+        self._mean_queued = max(self._mean_n, 1.0)
+        """predict_system_s's mean length of the requests queued ahead."""
         self._ttft = params.objective == "ttft"
         self._system = params.scope == "system"
         self._queue_weight = math.inf if params.queue_weight is None else params.queue_weight
@@ -212,6 +213,14 @@ class CostModelPolicy:
         self._scraped_accept = params.scraped_accept_length
         self._prefix_aware = params.prefix_aware
         self._credit_rate = params.prefill_tok_s
+        self._prefill_rate: dict[Pool, float | None] = {
+            "baseline": self._baseline.prefill_tok_s,
+            "eagle": self._eagle.prefill_tok_s,
+        }
+        self._named_baseline = params.prefix_aware and self._baseline.prefill_tok_s is not None
+        self._named_eagle = params.prefix_aware and self._eagle.prefill_tok_s is not None
+        """Whether a pool's one backend is predicted while it is healthy (and named: its queued
+        prefill counts), else only while it admits (`first_least_loaded`)."""
         self._prefill_ends: dict[str, deque[float]] = {}
         """Per backend: when the prefills this policy sent there and that have not ended yet end
         (its own estimate; one prefill at a time, FIFO, so the times increase)."""
@@ -236,39 +245,48 @@ class CostModelPolicy:
         """(eagle rate multiplier, speed factor) of the request being decided, from its content."""
 
     def _predict(
-        self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int, now: float = 0.0
+        self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int, now: float
     ) -> Prediction:
-        """(TTFT, end-to-end, marginal cost, would queue, time per output token) on `backend`."""
-        running, queued = backend_counts(backend)
-        model = self._baseline if pool == "baseline" else self._eagle
+        """(TTFT, end-to-end, marginal cost, would queue, time per output token, load) on `backend`."""
+        # backend_counts inlined (hot path): scraped when fresh, topped up to the in-flight count;
+        # their sum is then the backend's `load`
+        running = backend.running
+        if running is None:
+            running, queued = backend.in_flight, 0
+        else:
+            queued = backend.queued or 0
+            missing = backend.in_flight - running - queued
+            if missing > 0:
+                running += missing
+        eagle = pool == "eagle"
+        model = self._eagle if eagle else self._baseline
         cap = model.max_running_requests
         occupied = running + queued
+        full = cap is not None and occupied >= cap
         batch = occupied + 1 if cap is None or occupied < cap else cap
         cal = self.calibration
         speed = 1.0 if cal is None else cal.speed(pool, batch)
         own = 1.0
-        if pool == "eagle":
-            hint = request.hint
+        if eagle:
             if self._content_own is not None:
                 own = self._content_own[0]
             elif cal is not None:
+                hint = request.hint
                 if hint is not None or cal.accept_reported:
                     own = math.exp(cal.log_hint(hint))
-            elif hint is not None:
-                own = self._hint_priors.get(hint, 1.0)
-            if (
-                self._scraped_accept
-                and backend.accept_length is not None
-                and self._profile_accept is not None
-            ):
-                own *= backend.accept_length / self._profile_accept
+            elif request.hint is not None:
+                own = self._hint_priors.get(request.hint, 1.0)
+            accept, profiled = backend.accept_length, self._profile_accept
+            if self._scraped_accept and accept is not None and profiled is not None:
+                own *= accept / profiled
         prefill_s: float | None = None
         wait = imposed = 0.0
         if self._prefix_aware:
             cached = backend.cached_tokens
             rate = model.prefill_tok_s
             if rate is not None:
-                prefill_s = max(request.prompt_tokens - cached, 0) / rate
+                todo = request.prompt_tokens - cached
+                prefill_s = (todo if todo > 0 else 0) / rate
                 ends = self._prefill_ends.get(backend.name)
                 if ends:
                     while ends and ends[0] <= now:
@@ -284,37 +302,63 @@ class CostModelPolicy:
                 # never below zero TTFT, before (occupied) or after this request joins
                 at = occupied if cap is None or occupied < cap else cap
                 prefill_s = -min(cached / self._credit_rate, model.ttft_s(at))
-        ttft, e2e, cost = model.predict_system_s(
-            n, running, queued, self._mean_n, request.prompt_tokens, own, speed, self._queue_weight, prefill_s
-        )
+        # SpeedModel.predict_system_s inlined (the hot path: two calls per decision): the same
+        # operations in the same order (tests/policies/test_cost_model_inlined.py holds them equal)
+        m = (n if n > 1 else 1) - 1
+        decode_scale = own * speed
+        if prefill_s is None:
+            prompt, rate = request.prompt_tokens, model.prefill_tok_s
+            prefill_s = prompt / rate if prompt > 0 and rate else 0.0
+        b = (running if running > 0 else 0) + (queued if queued > 0 else 0)
+        if cap is not None and b >= cap:
+            step = model.step_time(cap)
+            queue_wait = (b - cap + 1) * self._mean_queued * step / cap
+            ttft = (queue_wait + model.ttft_s(cap) + prefill_s) / speed
+            e2e = ttft + m * step / decode_scale
+            qw = self._queue_weight
+            cost = e2e + qw * queue_wait / speed if qw != math.inf else math.inf
+        else:
+            if b + 1 < _TABLE_SIZE:
+                steps, ttfts = model.step_table, model.ttft_table
+                t0, t1, f0, f1 = steps[b], steps[b + 1], ttfts[b], ttfts[b + 1]
+            else:
+                t0, t1 = model.step_time(b), model.step_time(b + 1)
+                f0, f1 = model.ttft_s(b), model.ttft_s(b + 1)
+            ttft = (f1 + prefill_s) / speed
+            e2e = ttft + m * t1 / decode_scale
+            before = (f0 + prefill_s) / speed + m * t0 / decode_scale
+            rate_gain = (b + 1) * before - b * e2e
+            cost = before * e2e / rate_gain if rate_gain > 0.0 else math.inf
         tpot = model.step_time(batch) / (own * speed) if self._slo else 0.0
-        return ttft + wait, e2e + wait, cost + wait + imposed, cap is not None and occupied >= cap, tpot
+        return ttft + wait, e2e + wait, cost + wait + imposed, full, tpot, occupied
 
     def _rank(self, p: Prediction) -> float:
         """What `cheapest_backend` minimises within a pool: the quantity pools are compared on."""
-        ttft, e2e, cost, queued, _ = p
+        ttft, e2e, cost, queued, _, _ = p
         if self._ttft:
             return math.inf if self._system and queued else ttft
         return cost if self._system else e2e
 
     def _backend(
-        self, pool: Pool, view: LoadView, request: RequestInfo, n: int, now: float
-    ) -> tuple[str, Prediction] | None:
-        """The backend of `pool` this request would go to ("" for the routing core's least-loaded
-        pick) and its prediction; None when the pool has no healthy backend. Prefix-aware, every
-        backend is predicted and the cheapest named: always when the profile gives the pool's
-        prefill rate (its queued prefill differs per backend), else when some backend holds part
-        of the prompt."""
-        members = view.baseline if pool == "baseline" else view.eagle
+        self, pool: Pool, members: PoolLoad, request: RequestInfo, n: int, now: float
+    ) -> tuple[BackendLoad | None, Prediction] | None:
+        """The backend of `pool` this request would go to (None for the routing core's
+        least-loaded pick) and its prediction; None when the pool has no healthy backend.
+        Prefix-aware, every backend is predicted and the cheapest named: always when the profile
+        gives the pool's prefill rate (its queued prefill differs per backend), else when some
+        backend holds part of the prompt."""
         backends = members.backends
-        model = self._baseline if pool == "baseline" else self._eagle
+        if len(backends) == 1:  # the common deployment: nothing to compare
+            only = backends[0]
+            if self._prefix_aware and self._prefill_rate[pool] is not None:
+                return (only, self._predict(pool, only, request, n, now)) if only.healthy else None
+            # first_least_loaded of one backend; naming it is what the routing core's pick would do
+            if only.healthy and not only.full:
+                return only, self._predict(pool, only, request, n, now)
+            return None  # (choose inlines this case: `_named_<pool>` says which of the two rules)
         if self._prefix_aware and (
-            model.prefill_tok_s is not None
-            or (len(backends) > 1 and any(b.cached_tokens for b in backends if b.healthy))
+            self._prefill_rate[pool] is not None or any(b.cached_tokens for b in backends if b.healthy)
         ):
-            if len(backends) == 1:  # the common deployment: nothing to compare
-                only = backends[0]
-                return (only.name, self._predict(pool, only, request, n, now)) if only.healthy else None
             predictions: dict[str, Prediction] = {}
 
             def rank(b: BackendLoad) -> float:
@@ -322,24 +366,37 @@ class CostModelPolicy:
                 return self._rank(p)
 
             found = cheapest_backend(members, rank)
-            return None if found is None else (found[0].name, predictions[found[0].name])
+            return None if found is None else (found[0], predictions[found[0].name])
         least = first_least_loaded(members)
-        return None if least is None else ("", self._predict(pool, least, request, n, now))
+        return None if least is None else (None, self._predict(pool, least, request, n, now))
 
-    def _sent(self, decision: Decision, request: RequestInfo, view: LoadView, now: float) -> Decision:
-        """Book the prefill of the request on the backend it goes to (prefix-aware, profiled rate)."""
-        model = self._baseline if decision.pool == "baseline" else self._eagle
-        rate = model.prefill_tok_s
-        if self._prefix_aware and rate is not None and decision.backend:
-            for b in view.baseline.backends if decision.pool == "baseline" else view.eagle.backends:
-                if b.name == decision.backend:
-                    ends = self._prefill_ends.setdefault(b.name, deque())
-                    while ends and ends[0] <= now:
-                        ends.popleft()
-                    start = ends[-1] if ends else now
-                    ends.append(start + max(request.prompt_tokens - b.cached_tokens, 0) / rate)
-                    break
-        return decision
+    def _decision(
+        self,
+        pool: Pool,
+        reason: str,
+        on: tuple[BackendLoad | None, Prediction],
+        ttfts: dict[Pool, float],
+        e2es: dict[Pool, float],
+        request: RequestInfo,
+        now: float,
+        accept_factor: float | None = None,
+    ) -> Decision:
+        """The decision for `on` (the backend named with its load when there is one), its prefill
+        booked on that backend (prefix-aware, profiled rate)."""
+        b = on[0]
+        if b is None:
+            return Decision(pool, "", reason, ttfts, e2es, 0, self.name, accept_factor)
+        rate = self._prefill_rate[pool]
+        if self._prefix_aware and rate is not None:
+            ends = self._prefill_ends.get(b.name)
+            if ends is None:
+                ends = self._prefill_ends[b.name] = deque()
+            while ends and ends[0] <= now:
+                ends.popleft()
+            start = ends[-1] if ends else now
+            todo = request.prompt_tokens - b.cached_tokens
+            ends.append(start + (todo if todo > 0 else 0) / rate)
+        return Decision(pool, b.name, reason, ttfts, e2es, on[1][5], self.name, accept_factor)
 
     def reset(self) -> None:
         """A new segment (clock at 0): the prefills booked on the old clock are gone."""
@@ -348,27 +405,34 @@ class CostModelPolicy:
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
         content = self.content
-        self._content_own = (
+        own = self._content_own = (
             None if content is None or request.features is None else content.factor(request, self.calibration)
         )
-        on_b = self._backend("baseline", view, request, n, now)
-        on_e = self._backend("eagle", view, request, n, now)
+        # `_backend` inlined for the common deployment (one backend per pool)
+        on_b: tuple[BackendLoad | None, Prediction] | None
+        on_e: tuple[BackendLoad | None, Prediction] | None
+        backends = view.baseline.backends
+        if len(backends) == 1:
+            b = backends[0]
+            ok = b.healthy and (self._named_baseline or not b.full)
+            on_b = (b, self._predict("baseline", b, request, n, now)) if ok else None
+        else:
+            on_b = self._backend("baseline", view.baseline, request, n, now)
+        backends = view.eagle.backends
+        if len(backends) == 1:
+            b = backends[0]
+            ok = b.healthy and (self._named_eagle or not b.full)
+            on_e = (b, self._predict("eagle", b, request, n, now)) if ok else None
+        else:
+            on_e = self._backend("eagle", view.eagle, request, n, now)
         if on_b is None or on_e is None:  # the routing core's fallback (rule 4)
             only, reason = fallback({"baseline": on_b, "eagle": on_e})
             on = on_b if only == "baseline" else on_e
             assert on is not None
             ttft, e2e = on[1][:2]
-            decision = pool_decision(
-                only,
-                reason,
-                policy=self.name,
-                predicted_ttft_s={only: ttft},
-                predicted_e2e_s={only: e2e},
-                backend=on[0],
-            )
-            return self._sent(decision, request, view, now)
-        tb, eb, cb, qb, pb = on_b[1]
-        te, ee, ce, qe, pe = on_e[1]
+            return self._decision(only, reason, on, {only: ttft}, {only: e2e}, request, now)
+        tb, eb, cb, qb, pb, _ = on_b[1]
+        te, ee, ce, qe, pe, _ = on_e[1]
         # the smaller cost wins: system scope compares marginal costs (e2e) or, for TTFT, avoids
         # a queue while the other pool has a free slot; request scope the request's own time.
         # Where both marginal costs are infinite (neither pool gains from one more request),
@@ -394,16 +458,16 @@ class CostModelPolicy:
                 met: Pool = "baseline" if meets_b else "eagle"
                 if met != pool:
                     pool, reason = met, "slo_eagle" if met == "eagle" else "slo_baseline"
-        decision = pool_decision(
+        return self._decision(
             pool,
             reason,
-            policy=self.name,
-            predicted_ttft_s={"baseline": tb, "eagle": te},
-            predicted_e2e_s={"baseline": eb, "eagle": ee},
-            backend=on_b[0] if pool == "baseline" else on_e[0],
-            accept_factor=None if self._content_own is None else self._content_own[1],
+            on_b if pool == "baseline" else on_e,
+            {"baseline": tb, "eagle": te},
+            {"baseline": eb, "eagle": ee},
+            request,
+            now,
+            None if own is None else own[1],
         )
-        return self._sent(decision, request, view, now)
 
     def observe(self, outcome: Outcome) -> None:
         cal = self.calibration
@@ -417,7 +481,10 @@ class CostModelPolicy:
         cap = model.max_running_requests
         if cap is not None and batch > cap:
             batch = cap
-        ratio = None if rate is None else rate * model.step_time(batch)
+        if rate is None:
+            ratio = None
+        else:  # step_time inlined
+            ratio = rate * (model.step_table[batch] if 0 <= batch < _TABLE_SIZE else model.step_time(batch))
         if pool == "eagle" and self.content is not None and outcome.request.features is not None:
             # (a reported accept length teaches the content model even without a rate)
             ratio = self.content.observe(outcome, cal, batch, ratio)

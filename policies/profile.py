@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationErro
 from policies.base import Pool
 
 FORMAT = "specroute.profile/v1"
-_TABLE_SIZE = 4097
+TABLE_SIZE = 4097
+"""Batch sizes 0..TABLE_SIZE-1 are looked up in `SpeedModel`'s precomputed tables."""
+_TABLE_SIZE = TABLE_SIZE
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -170,6 +172,10 @@ class SpeedModel:
         ttft_table = self.ttft_array(grid)
         self._step_table: list[float] = [float(v) for v in step_table]
         self._ttft_table: list[float] = [float(v) for v in ttft_table]
+        self.step_table = self._step_table
+        """`step_time(b)` for b in 0..TABLE_SIZE-1 (read-only: hot paths index it directly)."""
+        self.ttft_table = self._ttft_table
+        """`ttft_s(b)` for b in 0..TABLE_SIZE-1 (read-only)."""
         self._rate_table: list[float] = [1.0 / v for v in self._step_table]
 
     # -- bulk (numpy) -------------------------------------------------------------------

@@ -32,7 +32,9 @@ state, request, `LoadView` and seed, both get the same `Decision`. The rules:
    estimates) is dropped; what was learned is kept.
 
 "Admits" (`BackendLoad.admits`) is healthy and not full; a decision's `Decision` is a new value
-(the policy's is never changed).
+(the policy's is never changed), except that a policy's decision that already names an admitting
+backend of its pool with that backend's `load` as `backend_load` is complete and returned as it
+is (cost_model's: one value per decision instead of two).
 """
 
 from __future__ import annotations
@@ -228,13 +230,16 @@ def _complete(decision: Decision, view: LoadView, rng: random.Random) -> Decisio
         chosen = pick_backend(members, rng)
     if chosen is not None:
         d = decision
+        load = chosen.load
+        if name == chosen.name and d.backend_load == load:  # named with its load: already complete
+            return d
         return Decision(
             pool,
             chosen.name,
             d.reason,
             d.predicted_ttft_s,
             d.predicted_e2e_s,
-            chosen.load,
+            load,
             d.policy,
             d.accept_factor,
         )

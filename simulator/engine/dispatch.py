@@ -105,12 +105,8 @@ class Requests:
 
     def info(self, a: int) -> RequestInfo:
         b = self.batch
-        key = (
-            b.prompt_tokens[a],
-            b.max_tokens[a],
-            b.hints[a],
-            None if self.features is None else self.features[a],
-        )
+        features = self.features
+        key = (b.prompt_tokens[a], b.max_tokens[a], b.hints[a], None if features is None else features[a])
         info = self._cache.get(key)
         if info is None:
             if len(self._cache) >= _INFO_CACHE_MAX:

@@ -105,6 +105,7 @@ class Server:
         "pool_index",
         "prefill",
         "prefill_free",
+        "prompt_tokens",
         "prompts",
         "queue",
         "rate",
@@ -154,6 +155,7 @@ class Server:
         self.table_size = table_size
         self.events = events
         self.prompts = prompts
+        self.prompt_tokens = prompts.prompt_tokens
         self.output_tokens = output_tokens
         self.accept = accept
         self.budget = budget
@@ -194,7 +196,16 @@ class Server:
     def admit(self, r: int, t: float) -> None:
         """Request `r` starts running at `t`: its prefill, then its first token `ttft(b)` later."""
         running = self.running = self.running + 1
-        end = t if self.prefill is None and self.cache is None else self.prompts.prefill_end(self, r, t)
+        if self.cache is not None:
+            end = self.prompts.prefill_end(self, r, t)
+        else:  # `Prompts.prefill_end` without a cache, inlined (the hot path)
+            todo = self.prompt_tokens[r]
+            prefill = self.prefill
+            if prefill is None or todo <= 0:
+                end = t
+            else:
+                start = t if t > self.prefill_free else self.prefill_free
+                end = self.prefill_free = start + todo / prefill
         ft = end + (self.ttft_table[running] if running < self.table_size else self.ttft_table[-1])
         events = self.events
         seq = events.seq

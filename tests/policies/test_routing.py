@@ -280,3 +280,43 @@ async def test_a_forced_pool_that_is_down_is_a_503_through_the_proxy(fake_backen
                 "eagle_unavailable",
             )
     assert len(base.requests) == 1  # the forced request reached no backend
+
+
+class Names:
+    """A policy that names eagle's backend with a given `backend_load`."""
+
+    name = "names"
+
+    def __init__(self, load: int) -> None:
+        self.load = load
+        self.made: list[Decision] = []
+
+    def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
+        d = Decision("eagle", "e1", "named", {"eagle": 1.0}, {"eagle": 2.0}, self.load, self.name)
+        self.made.append(d)
+        return d
+
+    def observe(self, outcome: object) -> None:
+        pass
+
+
+def test_a_decision_named_with_its_backends_load_is_returned_as_it_is() -> None:
+    e0 = BackendLoad("e0", "eagle", in_flight=1)
+    e1 = BackendLoad("e1", "eagle", running=3, queued=2, in_flight=4)  # load: 5
+    v = LoadView(PoolLoad("baseline", (BackendLoad("b0", "baseline"),)), PoolLoad("eagle", (e0, e1)))
+    right = Names(5)
+    d = Router(0).decide(right, RequestInfo(), v, 0.0)
+    assert d is right.made[0]
+    wrong = Names(0)  # a policy's wrong load is never passed on: the core completes a new value
+    d = Router(0).decide(wrong, RequestInfo(), v, 0.0)
+    assert d is not wrong.made[0] and wrong.made[0].backend_load == 0
+    assert (d.pool, d.backend, d.reason, d.backend_load, d.predicted_e2e_s) == (
+        "eagle",
+        "e1",
+        "named",
+        5,
+        {"eagle": 2.0},
+    )
+    full = LoadView(v.baseline, PoolLoad("eagle", (e0, BackendLoad("e1", "eagle", in_flight=5, full=True))))
+    d = Router(0).decide(Names(5), RequestInfo(), full, 0.0)  # named but full: rule 3 picks e0
+    assert (d.backend, d.backend_load) == ("e0", 1)
