@@ -182,8 +182,6 @@ class Forwarder:
             "baseline": settings.baseline_model,
             "eagle": settings.eagle_model,
         }
-        self.identity = BackendIdentity.from_settings(settings)
-        """What clients may learn of the backends: every client-bound message passes it."""
         self._auth: dict[str, str | None] = {
             pool: f"Bearer {key.get_secret_value()}" if key is not None else None
             for pool, key in (("baseline", settings.baseline_api_key), ("eagle", settings.eagle_api_key))

@@ -26,7 +26,7 @@ import asyncio
 import json
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -59,7 +59,44 @@ from controller.proxy.watchdog import RelayWatchdog, Stalled
 from policies.base import Decision, Outcome, OutcomeStatus, RequestInfo
 
 if TYPE_CHECKING:
-    from controller.proxy.forward import Forwarder
+    from collections.abc import Callable
+
+    from controller.proxy.capacity import Capacity
+    from controller.proxy.config import Settings
+    from controller.proxy.identity import BackendIdentity
+    from controller.proxy.load import BackendState, LoadTracker
+    from controller.proxy.memory import MemoryBudget
+    from controller.proxy.metrics import Metrics
+    from policies.base import Pool
+
+
+class Forwarding(Protocol):
+    """What a lifecycle needs of the forwarder that made it (`forward.Forwarder` is the one
+    implementation): its shared state, and where an attempt's fate is reported. A protocol, so
+    the lifecycle does not import the forwarder that imports it."""
+
+    settings: Settings
+    tracker: LoadTracker
+    metrics: Metrics
+    clock: Callable[[], float]
+    capacity: Capacity
+    budget: MemoryBudget
+    identity: BackendIdentity
+    session: aiohttp.ClientSession | None
+    cache_reporters: set[str]
+    client_timeout: aiohttp.ClientTimeout
+
+    def response_headers(self, resp: aiohttp.ClientResponse, decision: Decision) -> CIMultiDict[str]: ...
+    def attempt_failed(self, backend: BackendState, failure: UpstreamFailure, sent_at: float) -> None: ...
+    def attempt_timed_out(self, backend: BackendState, sent_at: float | None, why: str) -> None: ...
+    def attempt_failed_after_commit(self, backend: BackendState, why: str) -> None: ...
+    def attempt_succeeded(self, backend: BackendState) -> None: ...
+    def report_progress(self, backend: BackendState) -> None: ...
+    def failover_target(self, failed: BackendState, tried: set[str], forced: bool) -> BackendState | None: ...
+    def for_pool(
+        self, pool: Pool, raw: bytes, body: dict[str, Any], headers: CIMultiDict[str]
+    ) -> tuple[bytes, CIMultiDict[str]]: ...
+
 
 log = logging.getLogger("specroute.forward")
 
@@ -106,7 +143,7 @@ class RequestLifecycle:
 
     def __init__(
         self,
-        fwd: Forwarder,
+        fwd: Forwarding,
         request: web.Request,
         info: RequestInfo,
         body: dict[str, Any],
