@@ -264,7 +264,7 @@ class Forwarder:
         budget = JsonBudget(s.body_max_json_values, s.body_max_json_containers)
         return await read_body(
             request, limit=s.body_limit_bytes, budget=budget, timeout_s=s.body_timeout_s,
-            charge=charge, max_ratio=s.body_max_compression_ratio,
+            charge=charge, max_ratio=s.body_max_compression_ratio, clock=self.clock,
         )  # fmt: skip
 
     async def handle(self, request: web.Request, endpoint: EndpointKind, path: str) -> web.StreamResponse:

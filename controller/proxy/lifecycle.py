@@ -55,7 +55,7 @@ from controller.proxy.upstream import (
     UpstreamFailure,
     open_upstream,
 )
-from controller.proxy.watchdog import RelayWatchdog, Stalled
+from controller.proxy.watchdog import ClockTimeout, RelayWatchdog, Stalled
 from policies.base import Decision, Outcome, OutcomeStatus, RequestInfo
 
 if TYPE_CHECKING:
@@ -101,6 +101,8 @@ class Forwarding(Protocol):
 log = logging.getLogger("specroute.forward")
 
 State = Literal["admitted", "connecting", "first_byte", "streaming", "done"]
+TAIL_BYTES = 1 << 20
+"""Most bytes of one chunk kept for the stream's end (`[DONE]`, the usage counts)."""
 CUT_WRITE_S = 0.25
 """How long a cancelled stream may take to write its closing error event."""
 
@@ -266,7 +268,7 @@ class RequestLifecycle:
         if sr is None or not sr.prepared or transport is None or transport.is_closing():
             return
         try:
-            async with asyncio.timeout(CUT_WRITE_S):
+            async with ClockTimeout(CUT_WRITE_S, self.fwd.clock):
                 await sr.write(terminal_bytes("stream cut: specroute is shutting down"))  # names no backend
                 await sr.write_eof()
         except BaseException:
@@ -362,7 +364,7 @@ class RequestLifecycle:
         # is given up after client_write_timeout_s instead of holding its connection forever.
         limit = self.fwd.settings.client_write_timeout_s
         try:
-            async with asyncio.timeout(limit):
+            async with ClockTimeout(limit, self.fwd.clock):
                 await out.prepare(self.request)
                 await out.write_eof()
         except TimeoutError:
@@ -412,15 +414,18 @@ class RequestLifecycle:
         strip_usage = self.strip_usage and not up.opaque
         settings = self.fwd.settings
         content = up.resp.content
-        loop = asyncio.get_running_loop()
+        clock = self.fwd.clock
         tail = [b"", b"", b""]
         held = Holdback()
         charge, spec = self.charge, self.spec
         chunk = up.head
         try:
-            with RelayWatchdog(settings.idle_timeout_s, settings.client_write_timeout_s) as dog:
+            with RelayWatchdog(settings.idle_timeout_s, settings.client_write_timeout_s, clock) as dog:
                 while chunk:
-                    tail[0], tail[1], tail[2] = tail[1], tail[2], chunk
+                    if len(chunk) <= TAIL_BYTES:
+                        tail[0], tail[1], tail[2] = tail[1], tail[2], chunk
+                    else:  # a huge chunk: its end is all the tail needs (no copy of the rest)
+                        tail[0], tail[1], tail[2] = b"", b"", chunk[-TAIL_BYTES:]
                     if up.ended or content.at_eof():
                         break  # the last piece goes out with the terminating chunk, in one write
                     if not up.opaque:
@@ -433,10 +438,10 @@ class RequestLifecycle:
                     if spec is not None:
                         chunk = spec.strip(chunk)
                     if chunk:
-                        began = loop.time()
+                        began = clock()
                         dog.writing(began)
                         await sr.write(chunk)
-                        now = loop.time()
+                        now = clock()
                         dog.reading(now, now - began)
                         if charge.held:  # the first event is out: only what is held back stays charged
                             charge.shrink_to(len(held.pending))
@@ -496,7 +501,7 @@ class RequestLifecycle:
         """Write (and end, with `eof`) within client_write_timeout_s; False when the client was given up."""
         limit = self.fwd.settings.client_write_timeout_s
         try:
-            async with asyncio.timeout(limit):
+            async with ClockTimeout(limit, self.fwd.clock):
                 if eof:
                     await sr.write_eof(data)
                 elif data:

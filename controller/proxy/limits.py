@@ -15,9 +15,9 @@ Then `json.loads` runs on the event loop on a body whose cost is bounded by the 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
+import time
 from typing import Any
 
 import aiohttp
@@ -25,6 +25,7 @@ from aiohttp import web
 
 from controller.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout, SpecrouteError
 from controller.proxy.memory import BODY_COPIES, Charge
+from controller.proxy.watchdog import Clock, ClockTimeout
 
 SLICE = 128 * 1024
 """Bytes scanned per step (a few ms at worst)."""
@@ -98,20 +99,24 @@ async def read_body(
     timeout_s: float,
     charge: Charge | None = None,
     max_ratio: float | None = None,
+    clock: Clock = time.monotonic,
 ) -> bytes:
     """The request body, refused with 413 past `limit` bytes (decoded, so a compressed bomb is
     cut early), past `max_ratio` times its declared compressed length or past `budget`; with 503
     when `charge` cannot take it from the memory budget (`BODY_COPIES` bytes per byte read), with
-    408 when not complete within `timeout_s`."""
+    408 when not complete within `timeout_s` (on `clock`)."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"request body too large: {declared} bytes declared, the limit is {limit}")
     if declared is not None and max_ratio is not None and request.headers.get("Content-Encoding"):
         limit = min(limit, max(SLICE, int(declared * max_ratio)))  # a compressed body's inflation
+    if declared is not None and charge is not None and not request.headers.get("Content-Encoding"):
+        if not charge.grow_to(BODY_COPIES * declared):  # refused before a byte of it is read
+            raise MemoryBusy("specroute is holding as much request data as its memory budget allows")
     buf = bytearray()
     content = request.content
     try:
-        async with asyncio.timeout(None if content.is_eof() else timeout_s):
+        async with ClockTimeout(None if content.is_eof() else timeout_s, clock):
             while chunk := await content.readany():
                 buf += chunk
                 if len(buf) > limit:

@@ -143,7 +143,9 @@ def first_event_bytes(data: bytes) -> bytes:
 
 def ends_with_done(data: bytes) -> bool:
     """Whether `data` (the tail of a stream) ends with the `data: [DONE]` event."""
-    tail = data.rstrip(b"\r\n")
+    tail = data[-64:].rstrip(b"\r\n")
+    if len(tail) < 16 < len(data):  # line ends past the last 64 bytes: look further back
+        tail = data.rstrip(b"\r\n")
     for done in (b"data: [DONE]", b"data:[DONE]"):
         if tail.endswith(done):
             return len(tail) == len(done) or tail[-len(done) - 1] in b"\r\n"

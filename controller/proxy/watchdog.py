@@ -14,15 +14,78 @@ While a write to the client is blocked the relay does not read from the backend,
 closes, and the backend's kernel probes it with exponential back-off: once the relay reads again,
 the next bytes can take about as long again to come. So the read that follows a write blocked
 for `b` seconds may wait `idle_s + b`: silence the client caused is not the backend's.
+
+Both limits, and `ClockTimeout` (`asyncio.timeout` for the request path), read the proxy's one
+injected clock, not the loop's: with the real clock (`time.monotonic`, the loop's own) a timer
+fires at the deadline; with another (a test's `ShiftedClock`) the timer also polls every
+`POLL_S`, so a test moves time past a deadline instead of sleeping for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Literal
 
 Side = Literal["backend", "client"]
+Clock = Callable[[], float]
+POLL_S = 0.05
+"""How often a deadline on a clock that is not the loop's is checked."""
+
+
+def poll_s(clock: Clock) -> float:
+    """The longest a timer on `clock` may wait before checking it again."""
+    return math.inf if clock is time.monotonic else POLL_S
+
+
+class ClockTimeout:
+    """`asyncio.timeout(seconds)` on `clock`: the block is cancelled once `clock()` has passed
+    `seconds` from entry, and `TimeoutError` raised out of it; None means no limit."""
+
+    __slots__ = ("_clock", "_deadline", "_expired", "_handle", "_loop", "_poll", "_task", "seconds")
+
+    def __init__(self, seconds: float | None, clock: Clock = time.monotonic) -> None:
+        self.seconds = seconds
+        self._clock = clock
+        self._poll = poll_s(clock)
+        self._deadline = 0.0
+        self._expired = False
+        self._task: asyncio.Task[object] | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def __aenter__(self) -> ClockTimeout:
+        if self.seconds is not None:
+            self._task = asyncio.current_task()
+            self._loop = asyncio.get_running_loop()
+            self._deadline = self._clock() + self.seconds
+            self._arm()
+        return self
+
+    def _arm(self) -> None:
+        assert self._loop is not None
+        remaining = max(0.0, self._deadline - self._clock())
+        self._handle = self._loop.call_later(min(remaining, self._poll), self._fire)
+
+    def _fire(self) -> None:
+        if self._clock() >= self._deadline:
+            self._expired = True
+            assert self._task is not None
+            self._task.cancel()
+        else:
+            self._arm()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        if self._expired and kind is asyncio.CancelledError and self._task is not None:
+            if self._task.uncancel() == 0:  # our cancellation, not the client's or a shutdown's
+                raise TimeoutError from exc
 
 
 class Stalled(Exception):
@@ -35,10 +98,12 @@ class Stalled(Exception):
 
 
 class RelayWatchdog:
-    def __init__(self, idle_s: float, write_s: float) -> None:
+    def __init__(self, idle_s: float, write_s: float, clock: Clock = time.monotonic) -> None:
         self.idle_s = idle_s
         self.write_s = write_s
-        self.tick_s = min(idle_s, write_s)
+        self.clock = clock
+        """What `reading`'s and `writing`'s `now` are read from, and the deadlines compared to."""
+        self.tick_s = min(idle_s, write_s, poll_s(clock))
         self.side: Side = "backend"
         self.since = 0.0
         self.credit = 0.0
@@ -58,23 +123,22 @@ class RelayWatchdog:
 
     def __enter__(self) -> RelayWatchdog:
         self._task = asyncio.current_task()
-        now = self._loop.time()
-        self.reading(now)
-        self._handle = self._loop.call_at(now + self.tick_s, self._fire)
+        self.reading(self.clock())
+        self._handle = self._loop.call_later(self.tick_s, self._fire)
         return self
 
     def _limit(self) -> float:
         return self.idle_s + self.credit if self.side == "backend" else self.write_s
 
     def _fire(self) -> None:
-        now = self._loop.time()
+        now = self.clock()
         due = self.since + self._limit()
         if now >= due:
             self.expired = self.side
             assert self._task is not None
             self._task.cancel()
             return
-        self._handle = self._loop.call_at(min(due, now + self.tick_s), self._fire)
+        self._handle = self._loop.call_later(min(due - now, self.tick_s), self._fire)
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

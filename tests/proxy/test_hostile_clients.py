@@ -14,6 +14,7 @@ import time
 import aiohttp
 import openai
 import pytest
+from fakes import ShiftedClock
 from helpers import BODY, assert_openai_error, port_of, raw_exchange, raw_post, wait_until
 
 
@@ -131,9 +132,11 @@ async def test_a_slow_reader_is_not_blamed_on_the_backend(fake_backend, proxy, c
     """The backend sends ~6 MB at once; the client reads nothing for 6 s, then everything. Once the
     socket buffers are full the proxy's write to the client blocks for seconds, far longer than
     idle_timeout_s: that time is not backend silence, so the stream completes and nothing is
-    logged against the backend (it used to be cut with "sent nothing for 3 s")."""
+    logged against the backend (it used to be cut with "sent nothing for 3 s"). The 6 s pass on
+    the proxy's clock (`ShiftedClock`), not in the test's real time."""
     fb = await fake_backend(chunks=24_000)  # ~250 B per event
-    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False, idle_timeout_s=3.0)
+    clock = ShiftedClock()
+    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False, idle_timeout_s=3.0, clock=clock)
     sock = _slow_socket()
     loop = asyncio.get_running_loop()
     await loop.sock_connect(sock, ("127.0.0.1", port_of(p.url)))
@@ -141,7 +144,10 @@ async def test_a_slow_reader_is_not_blamed_on_the_backend(fake_backend, proxy, c
     try:
         body = json.dumps({**BODY, "max_tokens": 24_000}).encode()
         await loop.sock_sendall(sock, raw_post("/v1/chat/completions", body))
-        await asyncio.sleep(6.0)
+        assert await wait_until(lambda: fb.active == 1, 5)
+        await asyncio.sleep(0.5)  # the socket buffers fill: the proxy's write blocks
+        clock.advance(6.0)
+        await asyncio.sleep(0.3)  # real time for the watchdog's checks (every POLL_S)
         async with asyncio.timeout(60):
             while not data.endswith(b"0\r\n\r\n"):
                 chunk = await loop.sock_recv(sock, 1 << 20)

@@ -8,7 +8,7 @@ import json
 import aiohttp
 import openai
 from aiohttp import web
-from fakes import SSE_DONE, closed_port_url, sse, stream_chunk
+from fakes import SSE_DONE, ShiftedClock, closed_port_url, sse, stream_chunk
 from helpers import BODY, CHAT, wait_until
 
 
@@ -207,20 +207,33 @@ async def test_forced_pool_is_kept_on_failover(fake_backend, proxy):
 
 
 async def test_a_silence_shorter_than_the_idle_timeout_is_never_cut(proxy):
-    """The idle timer is re-armed lazily (at most every idle / 8), not per chunk: a chunk that
-    arrives just after a re-arm must still buy the stream a full `idle_timeout_s` of silence."""
+    """The idle timer is re-armed lazily, not per chunk: a chunk that arrives just after a re-arm
+    must still buy the stream a full `idle_timeout_s` of silence. The proxy's clock is moved on
+    by 7 s of the 8 s instead of the test sleeping for them; a silence past the limit on the
+    same clock cuts the stream (the control)."""
     idle = 8.0
+    clock = ShiftedClock()
+    go = asyncio.Event()
 
     async def chat(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(sse(stream_chunk("r", "m", True, None, role=True)))
-        await asyncio.sleep(0.5)  # inside the first re-arm interval (1 s)
+        await asyncio.sleep(0.2)  # inside the first re-arm interval
         await resp.write(sse(stream_chunk("r", "m", True, "a")))
-        await asyncio.sleep(7.6)  # a silence shorter than idle_timeout_s
+        await go.wait()
         await resp.write(sse(stream_chunk("r", "m", True, None, finish="stop")) + SSE_DONE)
         await resp.write_eof()
         return resp
+
+    async def silent_for(seconds: float) -> bytes:
+        go.clear()
+        async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+            first = await r.content.readuntil(b"\n\n") + await r.content.readuntil(b"\n\n")
+            clock.advance(seconds)
+            await asyncio.sleep(0.5)  # real time for the watchdog's checks (every POLL_S)
+            go.set()
+            return first + await r.read()
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
@@ -229,12 +242,15 @@ async def test_a_silence_shorter_than_the_idle_timeout_is_never_cut(proxy):
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        p = await proxy(baseline=[url], policy="fixed", idle_timeout_s=idle, health_checks=False)
-        async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
-            body = await r.read()
+        p = await proxy(baseline=[url], policy="fixed", idle_timeout_s=idle, health_checks=False, clock=clock)
+        body = await silent_for(7.0)  # with the 0.5 s slept: a silence shorter than idle_timeout_s
         assert b"stream_broken" not in body and b"sent nothing" not in body, body
         assert body.endswith(b'"finish_reason":"stop","matched_stop":null}]}\n\ndata: [DONE]\n\n')
         await p.wait_idle()
         assert p.records[-1].outcome.status == "ok"
+        body = await silent_for(8.5)  # past it, on the same clock
+        assert b"sent nothing for 8 s" in body and body.endswith(b"data: [DONE]\n\n"), body
+        await p.wait_idle()
+        assert p.records[-1].outcome.status == "timeout"
     finally:
         await runner.cleanup()
