@@ -7,9 +7,10 @@ buffer, its bytes and the parsed JSON live at once), a stream's first event and 
 and a non-streaming answer. A body of declared length is charged whole before it is read, and
 an answer (or first event) past 1 MiB is charged ahead of its bytes, doubling towards
 `response_limit_bytes` (`upstream._reserve`), so work that cannot fit is refused early, not
-after many megabytes were read only to be dropped. `take` never waits: when the budget cannot cover the bytes, the
-caller refuses the work at once (a client gets 503 with `Retry-After`; a backend's answer that
-does not fit is answered 502), so the process stays up instead of running out of memory. A
+after many megabytes were read only to be dropped. `take` never waits: when the budget cannot
+cover the bytes, the caller refuses the work at once (a client gets 503 with `Retry-After`; a
+backend's answer that does not fit is answered 502), so the process stays up instead of running
+out of memory. A
 `Charge` belongs to one request and is released once, from a `finally`, whatever happened.
 
 `keep_heap_small` makes the memory of a request that ended go back to the OS at once.
