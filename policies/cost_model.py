@@ -217,10 +217,6 @@ class CostModelPolicy:
             "baseline": self._baseline.prefill_tok_s,
             "eagle": self._eagle.prefill_tok_s,
         }
-        self._named_baseline = params.prefix_aware and self._baseline.prefill_tok_s is not None
-        self._named_eagle = params.prefix_aware and self._eagle.prefill_tok_s is not None
-        """Whether a pool's one backend is predicted while it is healthy (and named: its queued
-        prefill counts), else only while it admits (`first_least_loaded`)."""
         self._prefill_ends: dict[str, deque[float]] = {}
         """Per backend: when the prefills this policy sent there and that have not ended yet end
         (its own estimate; one prefill at a time, FIFO, so the times increase)."""
@@ -355,7 +351,7 @@ class CostModelPolicy:
             # first_least_loaded of one backend; naming it is what the routing core's pick would do
             if only.healthy and not only.full:
                 return only, self._predict(pool, only, request, n, now)
-            return None  # (choose inlines this case: `_named_<pool>` says which of the two rules)
+            return None
         if self._prefix_aware and (
             self._prefill_rate[pool] is not None or any(b.cached_tokens for b in backends if b.healthy)
         ):
@@ -408,23 +404,8 @@ class CostModelPolicy:
         own = self._content_own = (
             None if content is None or request.features is None else content.factor(request, self.calibration)
         )
-        # `_backend` inlined for the common deployment (one backend per pool)
-        on_b: tuple[BackendLoad | None, Prediction] | None
-        on_e: tuple[BackendLoad | None, Prediction] | None
-        backends = view.baseline.backends
-        if len(backends) == 1:
-            b = backends[0]
-            ok = b.healthy and (self._named_baseline or not b.full)
-            on_b = (b, self._predict("baseline", b, request, n, now)) if ok else None
-        else:
-            on_b = self._backend("baseline", view.baseline, request, n, now)
-        backends = view.eagle.backends
-        if len(backends) == 1:
-            b = backends[0]
-            ok = b.healthy and (self._named_eagle or not b.full)
-            on_e = (b, self._predict("eagle", b, request, n, now)) if ok else None
-        else:
-            on_e = self._backend("eagle", view.eagle, request, n, now)
+        on_b = self._backend("baseline", view.baseline, request, n, now)
+        on_e = self._backend("eagle", view.eagle, request, n, now)
         if on_b is None or on_e is None:  # the routing core's fallback (rule 4)
             only, reason = fallback({"baseline": on_b, "eagle": on_e})
             on = on_b if only == "baseline" else on_e
