@@ -34,7 +34,7 @@ from multidict import CIMultiDict
 
 from controller.proxy.errors import NoBackendAvailable, SpecrouteError, StreamBroken
 from controller.proxy.headers import client_headers
-from controller.proxy.memory import Charge
+from controller.proxy.memory import ANSWER_COPIES, Charge
 from controller.proxy.native import generate_completion_tokens
 from controller.proxy.prefixes import last_count, reported_cached_tokens, reported_prompt_tokens
 from controller.proxy.spec_details import accept_length, ask_for_spec_details, drop_sglext_member
@@ -112,6 +112,14 @@ def abort(request: web.Request) -> None:
     transport = request.transport
     if transport is not None:
         transport.abort()
+
+
+def _keep_tail(tail: list[bytes], chunk: bytes) -> None:
+    """Keep the stream's last chunks (`[DONE]` and the usage counts are near its end)."""
+    if len(chunk) <= TAIL_BYTES:
+        tail[0], tail[1], tail[2] = tail[1], tail[2], chunk
+    else:  # a huge chunk: its end is all the tail needs (no copy of the rest)
+        tail[0], tail[1], tail[2] = b"", b"", chunk[-TAIL_BYTES:]
 
 
 def terminal_bytes(message: str) -> bytes:
@@ -421,11 +429,12 @@ class RequestLifecycle:
         chunk = up.head
         try:
             with RelayWatchdog(settings.idle_timeout_s, settings.client_write_timeout_s, clock) as dog:
+                if up.pieces:
+                    await self._relay_pieces(up.pieces, sr, dog, tail, len(chunk))
+                    if not chunk and not (up.ended or content.at_eof()):
+                        chunk = await content.readany()
                 while chunk:
-                    if len(chunk) <= TAIL_BYTES:
-                        tail[0], tail[1], tail[2] = tail[1], tail[2], chunk
-                    else:  # a huge chunk: its end is all the tail needs (no copy of the rest)
-                        tail[0], tail[1], tail[2] = b"", b"", chunk[-TAIL_BYTES:]
+                    _keep_tail(tail, chunk)
                     if up.ended or content.at_eof():
                         break  # the last piece goes out with the terminating chunk, in one write
                     if not up.opaque:
@@ -461,6 +470,28 @@ class RequestLifecycle:
             await self._broken(sr, f"stream broke: {type(e).__name__}")
             return False
         return await self._end(up, sr, held.rest() + chunk, b"".join(tail), strip_usage)
+
+    async def _relay_pieces(
+        self, pieces: list[bytes], sr: web.StreamResponse, dog: RelayWatchdog, tail: list[bytes], after: int
+    ) -> None:
+        """A first event too large for one piece (`upstream.FirstEvent`), relayed as it came, one
+        piece per turn of the event loop: no filter marker is in it, so the filters would leave
+        it as it is, and no write or copy holds the loop for more than a piece. What is still
+        held stays charged (`after`: the bytes that follow the pieces)."""
+        clock = self.fwd.clock
+        left = sum(len(p) for p in pieces)
+        while pieces:
+            piece = pieces.pop(0)
+            left -= len(piece)
+            _keep_tail(tail, piece)
+            began = clock()
+            dog.writing(began)
+            await sr.write(piece)
+            now = clock()
+            dog.reading(now, now - began)
+            del piece
+            self.charge.shrink_to(ANSWER_COPIES * (left + after))
+            await asyncio.sleep(0)  # a write the socket took whole did not give the loop a turn
 
     async def _end(
         self, up: Upstream, sr: web.StreamResponse, last: bytes, tail: bytes, strip_usage: bool

@@ -43,6 +43,9 @@ MAX_COUNT = 1 << 40
 
 _BLANK = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 """Two line ends in a row: the end of an event."""
+BLANK_LINE = _BLANK
+FILTER_MARKERS = (b'"choices":[]', b'"choices": []', b'"sglext"')
+"""What `drop_usage_events` and `SpecEvents` look for: bytes without any of them pass unchanged."""
 _STRING = re.compile(rb'"[^"]*+"')
 _BRACKETS = re.compile(rb"[^\[\]{}]+")
 
@@ -195,10 +198,11 @@ def _queue_full(error: dict[str, Any]) -> bool:
     return code == 503 or code == "503" or (isinstance(message, str) and "queue is full" in message)
 
 
-def first_event(head: bytes) -> tuple[str, str]:
+def first_event(head: bytes, size: int | None = None) -> tuple[str, str]:
     """(verdict, why) of a stream's first bytes: `FIRST_OK`, `FIRST_OVERLOAD` (queue full) or
-    `FIRST_PROTOCOL` (an error event, or not a JSON object within bounds)."""
-    if len(head) > MAX_JSON_BYTES:  # too large to parse on the event loop: judged by its start
+    `FIRST_PROTOCOL` (an error event, or not a JSON object within bounds). `size`: how many
+    bytes there were when `head` is only their start."""
+    if (len(head) if size is None else size) > MAX_JSON_BYTES:  # too large to parse: judged by its start
         start = head[:4096].lstrip()
         if start.startswith((b"data: {", b"data:{")) and b'"error"' not in start:
             return FIRST_OK, ""
@@ -240,6 +244,11 @@ def first_event(head: bytes) -> tuple[str, str]:
 
 
 # --- filters ------------------------------------------------------------------------------
+
+
+def may_filter(data: bytes) -> bool:
+    """Whether a filter could change `data` (it holds one of `FILTER_MARKERS`)."""
+    return any(marker in data for marker in FILTER_MARKERS)
 
 
 def drop_usage_events(data: bytes) -> bytes:

@@ -27,7 +27,7 @@ import asyncio
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
@@ -37,11 +37,13 @@ from multidict import CIMultiDict
 from controller.proxy.errors import BackendFailed, BackendTimeout, SpecrouteError
 from controller.proxy.memory import ANSWER_COPIES, Charge
 from controller.proxy.sse import (
+    BLANK_LINE,
     FIRST_OK,
     FIRST_OVERLOAD,
     ends_with_done,
     first_event,
     last_event_end,
+    may_filter,
     parse_json,
 )
 from controller.proxy.watchdog import ClockTimeout
@@ -107,6 +109,9 @@ class Upstream:
     """A compressed stream: relayed byte for byte, its events not looked at."""
     ended: bool = False
     """A stream whose whole answer is in `head` (the backend's end included)."""
+    pieces: list[bytes] = field(default_factory=list)
+    """A first event larger than `PIECE`: its bytes before `head`, relayed one piece per turn
+    of the event loop (`FirstEvent.pieces`)."""
 
 
 _CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found"}
@@ -178,40 +183,99 @@ def _ends_an_event_within(prev: bytes | bytearray, chunk: bytes) -> bool:
     return last_event_end(prev[-3:] + chunk[:3]) >= 0 or last_event_end(chunk) >= 0
 
 
-async def _read_first_event(resp: aiohttp.ClientResponse, limit: int, charge: Charge) -> bytes:
+PIECE = 1 << 20
+"""Bytes of a large first event joined into one piece while it is read (and relayed per turn)."""
+
+
+@dataclass(slots=True)
+class FirstEvent:
+    """A stream's bytes up to the end of its first event, as `_read_first_event` read them."""
+
+    head: bytes
+    """The first event's end (all of it when it is small) and the bytes buffered after it."""
+    pieces: list[bytes]
+    """A first event larger than `PIECE`: its earlier bytes, in pieces of about `PIECE` bytes
+    (none else). They hold no event end; `marked`: a filter's marker is in them."""
+    size: int
+    """Bytes of the first event and what was read with it (the pieces and `head`)."""
+    marked: bool = False
+
+
+def _first_event_end(prev: bytes, chunk: bytes) -> int:
+    """Offset in `chunk` just past the first event end that ends in it (`prev`: the bytes read
+    before, which hold none), or -1."""
+    m = BLANK_LINE.search(prev[-3:] + chunk[:3])
+    at = -1 if m is None or m.end() <= len(prev[-3:]) else m.end() - len(prev[-3:])
+    m = BLANK_LINE.search(chunk)
+    if m is not None and (at < 0 or m.end() < at):
+        at = m.end()
+    return at
+
+
+def _marked(before: bytes, piece: bytes) -> bool:
+    """Whether a filter's marker is in `piece` (read right after `before`), across the seam too."""
+    return may_filter(piece) or may_filter(before[-16:] + piece[:16])
+
+
+async def _read_first_event(resp: aiohttp.ClientResponse, limit: int, charge: Charge) -> FirstEvent:
     """The bytes up to the end of the first event, plus what is buffered already; fewer at the
     end of the stream. Only the new bytes of each read are searched (a read without a line end
-    costs two `memchr`s), and the charge is taken ahead as the event grows (`_reserve`). The
-    buffer is one bytearray: past 1 MiB it is its own mapping (`keep_heap_small`), so its pages
-    go back to the OS when it is freed, where many small chunks kept until the end would not."""
-    buf = bytearray()
+    costs two `memchr`s), and the charge is taken ahead as the event grows (`_reserve`). A large
+    event is kept as pieces of `PIECE` bytes, each joined from the reads once (past 1 MiB a
+    piece is its own mapping, `keep_heap_small`, so its pages go back to the OS when it is
+    freed): no step copies or scans more than a piece, so the event loop keeps serving while a
+    50 MB first event is read (`benchmarks/hostile_bodies.py`, row H)."""
+    pieces: list[bytes] = []
+    reads: list[bytes] = []
+    held = size = 0
+    prev = b""
+    marked = False
     try:
         while True:
             chunk = await resp.content.readany()
             if not chunk:
-                return bytes(buf)
-            if not buf and last_event_end(chunk) >= 0:  # the usual case: one read, no copy
+                return FirstEvent(b"".join(reads), pieces, size, marked)
+            if not size and last_event_end(chunk) >= 0:  # the usual case: one read, no copy
                 if not resp.content.at_eof():
                     chunk += resp.content.read_nowait()
                 if not charge.grow_to(ANSWER_COPIES * len(chunk)):
                     chunk = b""
                     raise _OverBudget
-                return chunk
-            ended = bool(buf) and _ends_an_event_within(buf[-3:], chunk)
-            buf += chunk
-            if ended:
+                return FirstEvent(chunk, pieces, len(chunk))
+            end = _first_event_end(prev, chunk) if size and _ends_an_event_within(prev, chunk) else -1
+            size += len(chunk)
+            if end >= 0:
                 if not resp.content.at_eof():
-                    buf += resp.content.read_nowait()  # what is already buffered: one write, not two
-                if not charge.grow_to(ANSWER_COPIES * len(buf)):
+                    rest = resp.content.read_nowait()  # what is already buffered: one write, not two
+                    size += len(rest)
+                    chunk += rest
+                if not charge.grow_to(ANSWER_COPIES * size):
                     raise _OverBudget
-                charge.shrink_to(ANSWER_COPIES * len(buf))  # what was reserved ahead and not needed
-                return bytes(buf)
-            if len(buf) > limit:
+                charge.shrink_to(ANSWER_COPIES * size)  # what was reserved ahead and not needed
+                if pieces:
+                    reads.append(chunk[:end])
+                    last = b"".join(reads)
+                    marked = marked or _marked(pieces[-1], last)
+                    pieces.append(last)
+                    return FirstEvent(chunk[end:], pieces, size, marked)
+                reads.append(chunk)
+                return FirstEvent(b"".join(reads), pieces, size)
+            reads.append(chunk)
+            held += len(chunk)
+            prev = (prev + chunk)[-16:] if len(chunk) < 16 else chunk[-16:]
+            if size > limit:
                 raise _TooLarge(f"first event larger than {limit} bytes")
-            if not _reserve(charge, len(buf), limit):
+            if not _reserve(charge, size, limit):
                 raise _OverBudget
+            if held >= PIECE:
+                piece = b"".join(reads)
+                reads.clear()
+                held = 0
+                marked = marked or _marked(pieces[-1] if pieces else b"", piece)
+                pieces.append(piece)
     except BaseException:
-        buf.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
+        pieces.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
+        reads.clear()
         raise
 
 
@@ -275,17 +339,21 @@ async def _judge(
     if attempt.stream and status == 200 and encoded:  # compressed despite identity: relayed as is
         return Upstream(resp, await resp.content.readany(), True, clock(), opaque=True)
     if attempt.stream and status == 200:
-        head = await _read_first_event(resp, attempt.limit, charge)
+        first = await _read_first_event(resp, attempt.limit, charge)
+        head, pieces = first.head, first.pieces
         ended = resp.content.at_eof()
-        verdict, why = first_event(head)
+        verdict, why = first_event(pieces[0] if pieces else head, first.size)
         if verdict == FIRST_OVERLOAD:
             raise UpstreamFailure(BackendOverloaded(f"backend {name} is overloaded: {why}"), "overload")
         if verdict != FIRST_OK:
             raise UpstreamFailure(BackendFailed(f"backend {name} sent a bad stream: {why}"), "protocol")
-        if ended and not ends_with_done(head):
-            what = "an empty stream" if not head.strip() else "a stream that ended before [DONE]"
+        if ended and not ends_with_done(pieces[-1][-64:] + head if pieces and len(head) < 64 else head):
+            empty = not pieces and not head.strip()
+            what = "an empty stream" if empty else "a stream that ended before [DONE]"
             raise UpstreamFailure(BackendFailed(f"backend {name} sent {what}"), "protocol")
-        return Upstream(resp, head, True, clock(), ended=ended)
+        if first.marked:  # a filter may have to see the event whole (no SGLang stream does this)
+            head, pieces = b"".join([*pieces, head]), []
+        return Upstream(resp, head, True, clock(), ended=ended, pieces=pieces)
     body = await _read_whole(resp, attempt.limit, charge)
     if status in (429, 503):
         error = openai_error(status, body, name)["error"]["message"]

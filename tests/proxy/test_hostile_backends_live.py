@@ -473,6 +473,38 @@ async def test_h_huge_first_events_beyond_the_budget_get_502_not_memory(spawn_se
     assert await ejections(sp.url) == 0.0
 
 
+@pytest.mark.parametrize("end", [b"\n\n", b"\r\n\r\n"])
+async def test_h_a_large_first_event_is_relayed_whole_and_the_usage_after_it_stripped(
+    spawn_serve, raw_backend, end
+):
+    """A first event of 5 MB (read and relayed in pieces, one per turn of the event loop), sent
+    in uneven writes with the usage event specroute asked for right behind it: the client gets
+    the event byte for byte, no usage event, `[DONE]`; counted ok with its tokens."""
+    first = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"' + b"y" * (5 << 20) + b'"}}]}' + end
+    usage = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":7}}' + end
+    done = b"data: [DONE]" + end
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD)
+        rest = first + usage + done
+        for cut in (1, 300_000, 1 << 20, (3 << 20) + 7, len(first) - 1, len(first) + 5):
+            w.write(rest[:cut])
+            rest = rest[cut:]
+            await w.drain()
+            await asyncio.sleep(0.01)
+        w.write(rest)
+
+    rb = await raw_backend(answer)
+    url = await serve(spawn_serve, rb.url)
+    status, body = await post_raw(url, BODY)
+    assert status == 200
+    assert body == first + done
+    assert await requests_total(url, rb.url, "ok") == 1.0
+    tokens = await metric_samples(url, "specroute_output_tokens_total")
+    assert sum(tokens.values()) == 7.0
+    await assert_in_flight_zero(url)
+
+
 # --- issue 22: a stream cut at shutdown ends like a broken one --------------------------------
 
 
