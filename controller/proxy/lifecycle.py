@@ -316,6 +316,7 @@ class RequestLifecycle:
         fwd = self.fwd
         tried: set[str] = set()
         self.state = "connecting"
+        error: SpecrouteError | None = None
         while True:
             backend = self.reservation.backend
             tried.add(backend.name)
@@ -329,7 +330,17 @@ class RequestLifecycle:
                 if f.may_retry and len(tried) < 2:
                     alt = fwd.failover_target(backend, tried, self.info.forced_pool is not None)
                 if alt is None:
-                    raise self._give_up(f, tried) from None
+                    error = self._give_up(f, tried)
+            if alt is None:
+                # Raised here, not in the `except`: there the failure would become the error's
+                # context while it holds the error (`failure.error`), a cycle keeping every frame
+                # of the attempt, the backend's buffered bytes with them, until the cyclic GC ran
+                # (`benchmarks/hostile_bodies.py`, row H: ~1 MB per refused answer held).
+                assert error is not None
+                try:
+                    raise error
+                finally:
+                    error = None
             fwd.metrics.failover(backend.pool)
             self.reservation = fwd.capacity.move(self.reservation, alt.name)
             self.decision = replace(self.decision, pool=alt.pool, backend=alt.name, reason="failover")

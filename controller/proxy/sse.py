@@ -46,6 +46,7 @@ _BLANK = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 BLANK_LINE = _BLANK
 FILTER_MARKERS = (b'"choices":[]', b'"choices": []', b'"sglext"')
 """What `drop_usage_events` and `SpecEvents` look for: bytes without any of them pass unchanged."""
+_MARKER = re.compile(b"|".join(re.escape(m) for m in FILTER_MARKERS))
 _STRING = re.compile(rb'"[^"]*+"')
 _BRACKETS = re.compile(rb"[^\[\]{}]+")
 
@@ -248,7 +249,7 @@ def first_event(head: bytes, size: int | None = None) -> tuple[str, str]:
 
 def may_filter(data: bytes) -> bool:
     """Whether a filter could change `data` (it holds one of `FILTER_MARKERS`)."""
-    return any(marker in data for marker in FILTER_MARKERS)
+    return _MARKER.search(data) is not None  # one pass (three `in`s take twice as long)
 
 
 def drop_usage_events(data: bytes) -> bytes:
