@@ -22,6 +22,7 @@ container.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 from collections.abc import Callable
 
@@ -56,12 +57,16 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 TRIM_AFTER = 16 * 1024 * 1024
 """Bytes given back to the budget after which the heap's free pages are returned to the OS
-(`malloc_trim`): what requests of up to 1 MiB per buffer leave scattered in the heap."""
+(`malloc_trim`) once the budget is empty: what buffers of up to 1 MiB leave scattered in the heap."""
+TRIM_DELAY_S = 0.5
+"""How long the budget must stay empty before the trim: the buffers are freed after the charges
+that counted them, and a trim while requests keep coming would cost a walk of the heap (tens of
+ms) for pages about to be used again."""
 _trim: Callable[[int], object] | None = None
 
 
 class MemoryBudget:
-    __slots__ = ("_given", "limit", "refusals", "used")
+    __slots__ = ("_given", "_pending", "limit", "refusals", "used")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -69,6 +74,7 @@ class MemoryBudget:
         self.refusals = 0
         """How often `take` refused (a metric reads it)."""
         self._given = 0
+        self._pending: asyncio.TimerHandle | None = None
 
     def take(self, n: int) -> bool:
         """Take `n` bytes if the budget has them; False (and nothing taken) otherwise."""
@@ -81,9 +87,21 @@ class MemoryBudget:
     def give(self, n: int) -> None:
         self.used = max(0, self.used - n)
         self._given += n
-        if self._given >= TRIM_AFTER and _trim is not None:
+        if self.used or self._given < TRIM_AFTER or _trim is None or self._pending is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._trim()
+            return
+        self._pending = loop.call_later(TRIM_DELAY_S, self._trim)
+
+    def _trim(self) -> None:
+        """Return the heap's free pages to the OS if the budget is (still) empty; else later."""
+        self._pending = None
+        if self.used == 0 and _trim is not None:
             self._given = 0
-            _trim(0)  # a few ms at most, once per TRIM_AFTER bytes released
+            _trim(0)  # once after a burst (every 16 MiB released cost ~20 ms per trim under row H)
 
 
 class Charge:
