@@ -48,6 +48,7 @@ from controller.proxy.sse import (
     last_event_end,
 )
 from controller.proxy.upstream import (
+    PIECE,
     Attempt,
     BackendAnswered,
     BackendOverloaded,
@@ -485,15 +486,18 @@ class RequestLifecycle:
     async def _relay_pieces(
         self, pieces: list[bytes], sr: web.StreamResponse, dog: RelayWatchdog, tail: list[bytes], after: int
     ) -> None:
-        """A first event too large for one piece (`upstream.FirstEvent`), relayed as it came, one
-        piece per turn of the event loop: no filter marker is in it, so the filters would leave
-        it as it is, and no write or copy holds the loop for more than a piece. What is still
+        """A first event larger than `PIECE` (`upstream.FirstEvent`), relayed as it was read and
+        about `PIECE` bytes per turn of the event loop: no filter marker is in it, so the filters
+        would leave it as it is, and no write holds the loop for more than that. What is still
         held stays charged (`after`: the bytes that follow the pieces)."""
         clock = self.fwd.clock
         left = sum(len(p) for p in pieces)
+        pieces.reverse()  # popped from the end: each read freed once it is out
+        turn = 0
         while pieces:
-            piece = pieces.pop(0)
+            piece = pieces.pop()
             left -= len(piece)
+            turn += len(piece)
             _keep_tail(tail, piece)
             began = clock()
             dog.writing(began)
@@ -501,8 +505,10 @@ class RequestLifecycle:
             now = clock()
             dog.reading(now, now - began)
             del piece
-            self.charge.shrink_to(ANSWER_COPIES * (left + after))
-            await asyncio.sleep(0)  # a write the socket took whole did not give the loop a turn
+            if turn >= PIECE or not pieces:
+                turn = 0
+                self.charge.shrink_to(ANSWER_COPIES * (left + after))
+                await asyncio.sleep(0)  # a write the socket took whole did not give the loop a turn
 
     async def _end(
         self, up: Upstream, sr: web.StreamResponse, last: bytes, tail: bytes, strip_usage: bool

@@ -110,8 +110,8 @@ class Upstream:
     ended: bool = False
     """A stream whose whole answer is in `head` (the backend's end included)."""
     pieces: list[bytes] = field(default_factory=list)
-    """A first event larger than `PIECE`: its bytes before `head`, relayed one piece per turn
-    of the event loop (`FirstEvent.pieces`)."""
+    """A first event larger than `PIECE`: its bytes before `head` as they were read, relayed
+    about `PIECE` bytes per turn of the event loop (`FirstEvent.pieces`)."""
 
 
 _CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found"}
@@ -184,7 +184,8 @@ def _ends_an_event_within(prev: bytes | bytearray, chunk: bytes) -> bool:
 
 
 PIECE = 1 << 20
-"""Bytes of a large first event joined into one piece while it is read (and relayed per turn)."""
+"""A first event larger than this is kept as the reads it came in and relayed about this many
+bytes per turn of the event loop."""
 
 
 @dataclass(slots=True)
@@ -194,8 +195,8 @@ class FirstEvent:
     head: bytes
     """The first event's end (all of it when it is small) and the bytes buffered after it."""
     pieces: list[bytes]
-    """A first event larger than `PIECE`: its earlier bytes, in pieces of about `PIECE` bytes
-    (none else). They hold no event end; `marked`: a filter's marker is in them."""
+    """A first event larger than `PIECE`: its earlier bytes, as they were read (none else). They
+    hold no event end; `marked`: a filter's marker is in them."""
     size: int
     """Bytes of the first event and what was read with it (the pieces and `head`)."""
     marked: bool = False
@@ -204,44 +205,58 @@ class FirstEvent:
 def _first_event_end(prev: bytes, chunk: bytes) -> int:
     """Offset in `chunk` just past the first event end that ends in it (`prev`: the bytes read
     before, which hold none), or -1."""
-    m = BLANK_LINE.search(prev[-3:] + chunk[:3])
-    at = -1 if m is None or m.end() <= len(prev[-3:]) else m.end() - len(prev[-3:])
+    seam = prev[-3:]
+    m = BLANK_LINE.search(seam + chunk[:3])
+    at = -1 if m is None or m.end() <= len(seam) else m.end() - len(seam)
     m = BLANK_LINE.search(chunk)
     if m is not None and (at < 0 or m.end() < at):
         at = m.end()
     return at
 
 
-def _marked(before: bytes, piece: bytes) -> bool:
-    """Whether a filter's marker is in `piece` (read right after `before`), across the seam too."""
-    return may_filter(piece) or may_filter(before[-16:] + piece[:16])
+def _marked(before: bytes, chunk: bytes) -> bool:
+    """Whether a filter's marker is in `chunk` (read right after `before`), across the seam too."""
+    return may_filter(chunk) or may_filter(before[-16:] + chunk[:16])
+
+
+def _start(pieces: list[bytes], n: int = 4096) -> bytes:
+    """The first `n` bytes of `pieces` (all of them when they are fewer)."""
+    out: list[bytes] = []
+    got = 0
+    for piece in pieces:
+        out.append(piece[: n - got])
+        got += len(out[-1])
+        if got >= n:
+            break
+    return b"".join(out)
 
 
 async def _read_first_event(resp: aiohttp.ClientResponse, limit: int, charge: Charge) -> FirstEvent:
     """The bytes up to the end of the first event, plus what is buffered already; fewer at the
     end of the stream. Only the new bytes of each read are searched (a read without a line end
-    costs two `memchr`s), and the charge is taken ahead as the event grows (`_reserve`). A large
-    event is kept as pieces of `PIECE` bytes, each joined from the reads once (past 1 MiB a
-    piece is its own mapping, `keep_heap_small`, so its pages go back to the OS when it is
-    freed): no step copies or scans more than a piece, so the event loop keeps serving while a
-    50 MB first event is read (`benchmarks/hostile_bodies.py`, row H)."""
-    pieces: list[bytes] = []
+    costs two `memchr`s), and the charge is taken ahead as the event grows (`_reserve`). The
+    reads are kept as they came, not joined: a first event over `PIECE` bytes goes to the client
+    as those reads, so no step copies or scans more than one read and the event loop keeps
+    serving while a 50 MB first event passes (`benchmarks/hostile_bodies.py`, row H; a
+    whole-event join, scan and write took ~0.5 s of the loop per such stream)."""
     reads: list[bytes] = []
-    held = size = 0
+    size = 0
     prev = b""
     marked = False
     try:
         while True:
             chunk = await resp.content.readany()
-            if not chunk:
-                return FirstEvent(b"".join(reads), pieces, size, marked)
+            if not chunk:  # the stream ended inside its first event
+                if size > PIECE:
+                    return FirstEvent(reads.pop(), reads, size, marked)
+                return FirstEvent(b"".join(reads), [], size)
             if not size and last_event_end(chunk) >= 0:  # the usual case: one read, no copy
                 if not resp.content.at_eof():
                     chunk += resp.content.read_nowait()
                 if not charge.grow_to(ANSWER_COPIES * len(chunk)):
                     chunk = b""
                     raise _OverBudget
-                return FirstEvent(chunk, pieces, len(chunk))
+                return FirstEvent(chunk, [], len(chunk))
             end = _first_event_end(prev, chunk) if size and _ends_an_event_within(prev, chunk) else -1
             size += len(chunk)
             if end >= 0:
@@ -252,30 +267,22 @@ async def _read_first_event(resp: aiohttp.ClientResponse, limit: int, charge: Ch
                 if not charge.grow_to(ANSWER_COPIES * size):
                     raise _OverBudget
                 charge.shrink_to(ANSWER_COPIES * size)  # what was reserved ahead and not needed
-                if pieces:
-                    reads.append(chunk[:end])
-                    last = b"".join(reads)
-                    marked = marked or _marked(pieces[-1], last)
-                    pieces.append(last)
-                    return FirstEvent(chunk[end:], pieces, size, marked)
-                reads.append(chunk)
-                return FirstEvent(b"".join(reads), pieces, size)
+                if size - len(chunk) + end <= PIECE:
+                    reads.append(chunk)
+                    return FirstEvent(b"".join(reads), [], size)
+                marked = marked or _marked(prev, chunk[:end])
+                reads.append(chunk[:end])
+                return FirstEvent(chunk[end:], reads, size, marked)
+            marked = marked or _marked(prev, chunk)
             reads.append(chunk)
-            held += len(chunk)
-            prev = (prev + chunk)[-16:] if len(chunk) < 16 else chunk[-16:]
+            prev = chunk if len(chunk) >= 16 else (prev + chunk)[-16:]
             if size > limit:
                 raise _TooLarge(f"first event larger than {limit} bytes")
             if not _reserve(charge, size, limit):
                 raise _OverBudget
-            if held >= PIECE:
-                piece = b"".join(reads)
-                reads.clear()
-                held = 0
-                marked = marked or _marked(pieces[-1] if pieces else b"", piece)
-                pieces.append(piece)
     except BaseException:
-        pieces.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
-        reads.clear()
+        reads.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
+        chunk = prev = b""
         raise
 
 
@@ -342,7 +349,7 @@ async def _judge(
         first = await _read_first_event(resp, attempt.limit, charge)
         head, pieces = first.head, first.pieces
         ended = resp.content.at_eof()
-        verdict, why = first_event(pieces[0] if pieces else head, first.size)
+        verdict, why = first_event(_start(pieces) if pieces else head, first.size)
         if verdict == FIRST_OVERLOAD:
             raise UpstreamFailure(BackendOverloaded(f"backend {name} is overloaded: {why}"), "overload")
         if verdict != FIRST_OK:

@@ -473,14 +473,16 @@ async def test_h_huge_first_events_beyond_the_budget_get_502_not_memory(spawn_se
     assert await ejections(sp.url) == 0.0
 
 
-@pytest.mark.parametrize("end", [b"\n\n", b"\r\n\r\n"])
+@pytest.mark.parametrize(("end", "member"), [(b"\n\n", b""), (b"\r\n\r\n", b""), (b"\n\n", b'"sglext":{},')])
 async def test_h_a_large_first_event_is_relayed_whole_and_the_usage_after_it_stripped(
-    spawn_serve, raw_backend, end
+    spawn_serve, raw_backend, end, member
 ):
-    """A first event of 5 MB (read and relayed in pieces, one per turn of the event loop), sent
-    in uneven writes with the usage event specroute asked for right behind it: the client gets
-    the event byte for byte, no usage event, `[DONE]`; counted ok with its tokens."""
-    first = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"' + b"y" * (5 << 20) + b'"}}]}' + end
+    """A first event of 5 MB (relayed as it was read, about 1 MiB per turn of the event loop; with
+    a filter's marker in it, whole), sent in uneven writes with the usage event specroute asked
+    for right behind it: the client gets the event byte for byte, no usage event, `[DONE]`;
+    counted ok with its tokens."""
+    content = b'"choices":[{"index":0,"delta":{"content":"' + b"y" * (5 << 20) + b'"}}]}'
+    first = b'data: {"id":"x",' + member + content + end
     usage = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":7}}' + end
     done = b"data: [DONE]" + end
 
