@@ -249,7 +249,8 @@ def first_event(head: bytes, size: int | None = None) -> tuple[str, str]:
 
 def may_filter(data: bytes) -> bool:
     """Whether a filter could change `data` (it holds one of `FILTER_MARKERS`)."""
-    return _MARKER.search(data) is not None  # one pass (three `in`s take twice as long)
+    # every marker starts with a quote: one `memchr` clears most reads of a large event
+    return b'"' in data and _MARKER.search(data) is not None
 
 
 def drop_usage_events(data: bytes) -> bytes:
