@@ -286,7 +286,7 @@ class Forwarder:
             raw = await self.read_body(request, charge)
             body = parse_body(raw, endpoint)
             info = request_info(body, endpoint, request.headers, self.settings.allow_client_override)
-            blocks = await prompt_blocks(body, endpoint) if self.settings.prefix_tracking else ()
+            blocks = await prompt_blocks(body, endpoint, len(raw)) if self.settings.prefix_tracking else ()
             headers = upstream_headers(request.headers)
             if self.settings.log_bodies:
                 log.info("request %s %s", path, raw[:65536].decode(errors="replace"))

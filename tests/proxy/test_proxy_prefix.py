@@ -67,6 +67,11 @@ async def test_fingerprints_cover_whole_blocks_and_long_prompts_hash_off_the_loo
     blocks = await prompt_blocks({"prompt": long_text}, "completions")  # the worker-thread path
     assert blocks == fingerprint(long_text)
     assert len(blocks) == THREAD_FROM_CHARS // 2048 + 3
+    # a large body is rendered in the worker thread too: same blocks, and none for a short prompt
+    chat = {"messages": [{"role": "user", "content": long_text}], "pad": "x" * THREAD_FROM_CHARS}
+    assert await prompt_blocks(chat, "chat", THREAD_FROM_CHARS + 100) == await prompt_blocks(chat, "chat")
+    assert await prompt_blocks(chat, "chat") == fingerprint(prompt_text(chat, "chat"))
+    assert await prompt_blocks({**short, "pad": "x" * THREAD_FROM_CHARS}, "completions", 2 << 20) == ()
 
 
 def test_reported_cached_tokens_reads_usage_and_meta_info_but_not_answer_text() -> None:
