@@ -446,7 +446,10 @@ class RequestLifecycle:
                     if not chunk and not (up.ended or content.at_eof()):
                         chunk = await content.readany()
                 while chunk:
-                    _keep_tail(tail, chunk)
+                    if len(chunk) <= TAIL_BYTES:  # `_keep_tail`, inline: once per chunk of every stream
+                        tail[0], tail[1], tail[2] = tail[1], tail[2], chunk
+                    else:
+                        tail[0], tail[1], tail[2] = b"", b"", chunk[-TAIL_BYTES:]
                     if up.ended or content.at_eof():
                         break  # the last piece goes out with the terminating chunk, in one write
                     if not up.opaque:

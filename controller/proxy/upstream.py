@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
 from controller.proxy.errors import BackendFailed, BackendTimeout, SpecrouteError
@@ -256,7 +257,7 @@ async def _read_first_event(resp: aiohttp.ClientResponse, limit: int, charge: Ch
                 if not charge.grow_to(ANSWER_COPIES * len(chunk)):
                     chunk = b""
                     raise _OverBudget
-                return FirstEvent(chunk, [], len(chunk))
+                return FirstEvent(chunk, reads, len(chunk))
             end = _first_event_end(prev, chunk) if size and _ends_an_event_within(prev, chunk) else -1
             size += len(chunk)
             if end >= 0:
@@ -294,6 +295,23 @@ class _OverBudget(Exception):
     pass
 
 
+class SlicedBody(aiohttp.BytesPayload):
+    """A large request body sent `PIECE` bytes per turn of the event loop: the same bytes and
+    Content-Length as the plain bytes, but no single write of 30 MB holding the loop while the
+    kernel copies it to the backend (`benchmarks/hostile_bodies.py`, row L)."""
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
+        data = memoryview(self._value)
+        if content_length is not None:
+            data = data[:content_length]
+        for at in range(0, len(data), PIECE):
+            await writer.write(data[at : at + PIECE])
+            await asyncio.sleep(0)  # a write the socket took whole did not give the loop a turn
+
+
 @dataclass(frozen=True, slots=True)
 class Attempt:
     """What `open_upstream` needs besides the session: where, what, and the bounds."""
@@ -319,9 +337,10 @@ async def open_upstream(
     resp: aiohttp.ClientResponse | None = None
     try:
         async with ClockTimeout(attempt.timeout_s, clock):
+            data = attempt.data
             resp = await session.post(
                 attempt.url,
-                data=attempt.data,
+                data=data if len(data) <= PIECE else SlicedBody(data),
                 headers=attempt.headers,
                 timeout=client_timeout,
                 allow_redirects=False,

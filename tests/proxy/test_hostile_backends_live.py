@@ -507,6 +507,29 @@ async def test_h_a_large_first_event_is_relayed_whole_and_the_usage_after_it_str
     await assert_in_flight_zero(url)
 
 
+async def test_l_a_large_body_reaches_the_backend_byte_for_byte(spawn_serve, raw_backend):
+    """A 6 MB request body (sent to the backend about 1 MiB per turn of the event loop) arrives
+    whole: the client's bytes, its Content-Length, one request."""
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "lorem ipsum " * 500_000}]})
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(whole(json.dumps(COMPLETION).encode()))
+
+    rb = await raw_backend(answer)
+    url = await serve(spawn_serve, rb.url)
+    headers = {"Content-Type": "application/json"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + "/v1/chat/completions", data=raw, headers=headers) as r,
+    ):
+        assert r.status == 200
+        assert (await r.json())["choices"][0]["message"]["content"] == "hi"
+    (got,) = posts(rb)
+    assert got.body == raw.encode()
+    assert got.header("content-length") == str(len(raw)).encode()
+    assert await requests_total(url, rb.url, "ok") == 1.0
+
+
 # --- issue 22: a stream cut at shutdown ends like a broken one --------------------------------
 
 
