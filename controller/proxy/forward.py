@@ -284,7 +284,7 @@ class Forwarder:
         """Read, parse, admit and decide; the lifecycle made in the deciding step."""
         try:
             raw = await self.read_body(request, charge)
-            body = parse_body(raw, endpoint)
+            body = await parse_body(raw, endpoint)
             info = request_info(body, endpoint, request.headers, self.settings.allow_client_override)
             blocks = await prompt_blocks(body, endpoint, len(raw)) if self.settings.prefix_tracking else ()
             headers = upstream_headers(request.headers)

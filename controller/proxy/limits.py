@@ -15,9 +15,13 @@ Then `json.loads` runs on the event loop on a body whose cost is bounded by the 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import json.decoder
+import json.scanner
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -132,6 +136,66 @@ async def read_body(
         raise
     budget.feed(buf, final=True)
     return bytes(buf)
+
+
+LARGE_JSON = 1 << 20
+"""Bodies of at least this many bytes are parsed by `load_large_json`."""
+WINDOW = 1 << 20
+"""Most characters of a JSON string one step of `load_large_json` decodes."""
+
+
+def _scanstring(s: str, end: int, strict: bool = True) -> tuple[str, int]:
+    """`json.decoder.scanstring` (`end`: just past the opening quote) over windows of `WINDOW`
+    characters, so no C call holds the GIL for the whole of a 30 MB string. A window is cut
+    where the 12 characters before the cut hold no backslash (no escape or surrogate pair is
+    split), and decoded on its own with a closing quote added; the string's own closing quote
+    inside it ends the scan. The result is `scanstring`'s (any error: the caller parses again
+    with `json.loads`, for its message)."""
+    parts: list[str] = []
+    while end + WINDOW < len(s):
+        stop = cut = end + WINDOW
+        floor = max(end, stop - 4096)
+        while cut > floor and (back := s.rfind("\\", max(floor, cut - 12), cut)) >= 0:
+            cut = back
+        if cut <= floor or s.rfind("\\", max(end, cut - 12), cut) >= 0:
+            break  # escapes all along: the rest in one call
+        piece = s[end:cut]
+        text, at = _c_scanstring(piece + '"', 0, strict)
+        parts.append(text)
+        if at <= len(piece):  # the string's own closing quote
+            return "".join(parts), end + at
+        end = cut
+    text, end = _c_scanstring(s, end, strict)
+    parts.append(text)
+    return "".join(parts), end
+
+
+_c_scanstring: Callable[[str, int, bool], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
+class _WindowedDecoder(json.JSONDecoder):
+    """The standard decoder with the pure-Python scanner (the one `json` falls back to, same
+    results) and `_scanstring` for string values: each step is short, so the event loop's
+    thread gets the GIL between them while this runs in a worker thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parse_string = _scanstring
+        self.scan_once = json.scanner.py_make_scanner(self)  # type: ignore[attr-defined]
+
+
+def _load_windowed(raw: bytes) -> Any:
+    try:
+        return _WindowedDecoder().decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        return load_json(raw)  # the plain parser's own answer or error, as for any body
+
+
+async def load_large_json(raw: bytes) -> Any:
+    """`load_json` for a body of `LARGE_JSON` bytes or more, in a worker thread and in short
+    steps: `json.loads` of a 30 MB prose body held the event loop 50-130 ms
+    (`benchmarks/hostile_bodies.py`, row L). Same result, same errors."""
+    return await asyncio.to_thread(_load_windowed, raw)
 
 
 def load_json(raw: bytes) -> Any:

@@ -7,14 +7,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from controller.proxy.errors import BadRequest
-from controller.proxy.limits import load_json
+from controller.proxy.limits import LARGE_JSON, load_json, load_large_json
 from controller.proxy.native import check_generate_body, generate_prompt_chars
 from controller.proxy.validate import check_openai_body
 from policies.base import EndpointKind
 
 
-def parse_body(raw: bytes, endpoint: EndpointKind) -> dict[str, Any]:
-    body = load_json(raw)
+async def parse_body(raw: bytes, endpoint: EndpointKind) -> dict[str, Any]:
+    return check_body(await load_large_json(raw) if len(raw) >= LARGE_JSON else load_json(raw), endpoint)
+
+
+def check_body(body: Any, endpoint: EndpointKind) -> dict[str, Any]:
+    """The parsed body, checked (bad input -> 400)."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     if endpoint == "generate":

@@ -16,6 +16,8 @@ import openai
 import pytest
 from fakes import ShiftedClock
 from helpers import BODY, assert_openai_error, port_of, raw_exchange, raw_post, wait_until
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 async def _health_ms(url: str) -> float:
@@ -236,3 +238,39 @@ async def test_admin_loads_module_classes_only_from_the_allow_list(fake_backend,
     status, body = await _admin(allowed.url, json.dumps({"name": f"{probe}:ProbePolicy"}).encode())
     assert status == 200, body
     assert probe in sys.modules
+
+
+# --- large bodies parsed in short steps (issue 25, row L) ---------------------------------
+
+_TEXT = st.text(alphabet=st.sampled_from([*'ab"\\\n\t/\u00e9\U0001f600\ud800\x01']), max_size=200)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_TEXT, max_size=4), st.integers(min_value=1, max_value=40))
+def test_the_windowed_parser_gives_what_json_loads_gives(texts: list[str], window: int) -> None:
+    """`load_large_json` decodes long strings window by window; on any text (escapes, surrogate
+    pairs and lone surrogates, control characters, cut anywhere) its result or error is
+    `json.loads`'s. Windows of 1-40 characters so every cut is tried."""
+    from controller.proxy import limits
+    from controller.proxy.errors import BadRequest
+
+    raws = [
+        json.dumps({"messages": texts, "n": 1}).encode(),
+        json.dumps(texts, ensure_ascii=False).encode("utf-8", "surrogatepass"),
+    ]
+    raws += [r.replace(b"\\\\", b"\\") for r in raws]  # invalid escapes too
+    old = limits.WINDOW
+    limits.WINDOW = window
+    try:
+        for raw in raws:
+            try:
+                expected: object = limits.load_json(raw)
+            except BadRequest as e:
+                expected = ("error", e.message)
+            try:
+                got: object = asyncio.run(limits.load_large_json(raw))
+            except BadRequest as e:
+                got = ("error", e.message)
+            assert got == expected, raw[:200]
+    finally:
+        limits.WINDOW = old
