@@ -10,7 +10,8 @@ costs a few C-level passes (linear, no per-character Python) and the reader awai
 between slices, so a hostile body never holds the event loop for long; a body over the budget
 is refused with 413 as soon as the excess is seen, usually long before its last byte. A body
 small enough that it cannot exceed the budget (every value is at least a byte) is not scanned.
-Then `json.loads` runs on the event loop on a body whose cost is bounded by the budget.
+Then the body is parsed, its cost bounded by the budget: with `json.loads` on the event loop
+when it is under 1 MiB, else in a worker thread in short steps (`load_large_json`).
 """
 
 from __future__ import annotations
