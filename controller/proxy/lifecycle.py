@@ -48,7 +48,7 @@ from controller.proxy.sse import (
     last_event_end,
 )
 from controller.proxy.upstream import (
-    PIECE,
+    TURN,
     Attempt,
     BackendAnswered,
     BackendOverloaded,
@@ -490,7 +490,7 @@ class RequestLifecycle:
         self, pieces: list[bytes], sr: web.StreamResponse, dog: RelayWatchdog, tail: list[bytes], after: int
     ) -> None:
         """A first event larger than `PIECE` (`upstream.FirstEvent`), relayed as it was read and
-        about `PIECE` bytes per turn of the event loop: no filter marker is in it, so the filters
+        `TURN` bytes per turn of the event loop: no filter marker is in it, so the filters
         would leave it as it is, and no write holds the loop for more than that. What is still
         held stays charged (`after`: the bytes that follow the pieces)."""
         clock = self.fwd.clock
@@ -508,7 +508,7 @@ class RequestLifecycle:
             now = clock()
             dog.reading(now, now - began)
             del piece
-            if turn >= PIECE or not pieces:
+            if turn >= TURN or not pieces:
                 turn = 0
                 self.charge.shrink_to(ANSWER_COPIES * (left + after))
                 await asyncio.sleep(0)  # a write the socket took whole did not give the loop a turn

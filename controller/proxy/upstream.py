@@ -185,8 +185,11 @@ def _ends_an_event_within(prev: bytes | bytearray, chunk: bytes) -> bool:
 
 
 PIECE = 1 << 20
-"""A first event larger than this is kept as the reads it came in and relayed about this many
-bytes per turn of the event loop."""
+"""A first event larger than this is kept as the reads it came in and relayed `TURN` bytes per
+turn of the event loop; a request body larger than this is sent `TURN` bytes per turn."""
+TURN = 1 << 20
+"""Bytes written per turn of the event loop when a large event or body goes out (256 KiB was
+measured too: no better under row H, 5.5x against 3.4x, within the noise)."""
 
 
 @dataclass(slots=True)
@@ -307,8 +310,8 @@ class SlicedBody(aiohttp.BytesPayload):
         data = memoryview(self._value)
         if content_length is not None:
             data = data[:content_length]
-        for at in range(0, len(data), PIECE):
-            await writer.write(data[at : at + PIECE])
+        for at in range(0, len(data), TURN):
+            await writer.write(data[at : at + TURN])
             await asyncio.sleep(0)  # a write the socket took whole did not give the loop a turn
 
 
