@@ -66,6 +66,7 @@ def together_profile(first: BenchResult, second: BenchResult, mode: Pool, name: 
         "format": "specroute.profile/v1",
         "name": name or f"{first.label} + {second.label}, measured together",
         "source": f"measured together (both servers loaded at every level): {a.source} | {b.source}",
+        "measured_together": True,
         "modes": {
             **{m: p.model_dump(mode="json", exclude_none=True) for m, p in a.modes.items()},
             **{m: p.model_dump(mode="json", exclude_none=True) for m, p in b.modes.items()},
