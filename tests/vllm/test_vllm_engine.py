@@ -304,6 +304,22 @@ async def bench_pair(vllm_pair: VllmPair, tmp_path: Path, tag: str) -> dict[str,
     return profiles
 
 
+async def bench_together(vllm_pair: VllmPair, tmp_path: Path, tag: str) -> dict[str, Any]:
+    """The README's `bench --together` line (shorter): both servers measured at once at c=1, what
+    each runs at while the other is busy too (the c=2 split puts one request on each)."""
+    out = tmp_path / f"{tag}-together.json"
+    code, stdout, stderr = await run_specroute(
+        "bench", vllm_pair.plain, "--mode", "baseline", "--together", vllm_pair.ngram, "--concurrency", "1",
+        "--requests-per-level", "16", "--warmup-requests", "2", "--max-tokens", str(MAX_TOKENS),
+        "--profile-out", str(out), "--no-progress", timeout_s=300,
+    )  # fmt: skip
+    assert code == 0, stderr
+    print(f"\n{tag}, together: {stdout}")
+    profile: dict[str, Any] = json.loads(out.read_text())
+    assert profile["measured_together"] is True and set(profile["modes"]) == {"baseline", "eagle"}
+    return profile
+
+
 def averaged(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One two-mode profile whose points are the means of the runs' points (same levels)."""
     modes = {}
@@ -334,6 +350,7 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
     )  # fmt: skip
     assert code == 0, stderr
     assert json.loads((tmp_path / "pair.json").read_text())["engine"] == "vllm"
+    together_before = await bench_together(vllm_pair, tmp_path, "before")
 
     # live through serve with that profile, against the simulation of the same workload
     sp = await spawn_serve(
@@ -350,21 +367,35 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
     # The speed of a shared 2-core machine drifts: the profile the simulation runs from is the mean
     # of benches taken just before and just after the live run.
     after = await bench_pair(vllm_pair, tmp_path, "after")
-    profile = tmp_path / "pair-averaged.json"
-    profile.write_text(json.dumps(averaged([before, after])))
+    together_after = await bench_together(vllm_pair, tmp_path, "after")
+    alone = tmp_path / "pair-averaged.json"
+    alone.write_text(json.dumps(averaged([before, after])))
+    both = averaged([{m: run for m in ("baseline", "eagle")} for run in (together_before, together_after)])
+    measured_together = tmp_path / "together-averaged.json"
+    measured_together.write_text(json.dumps({**both, "measured_together": True}))
+    # the servers share the machine's cores: the profile knows how each slows while the other is busy
+    profile = tmp_path / "pair-colocated.json"
+    code, stdout, stderr = await run_specroute(
+        "profile", "merge", str(alone), "--together", str(measured_together), "--out", str(profile)
+    )
+    assert code == 0 and stderr == "", stderr
+    assert "co-located pairs" in stdout
+    print(f"\n{stdout}")
     prompt_tokens = [
         r["prompt_tokens"] for lv in live["levels"] for r in lv["requests"] if r.get("prompt_tokens")
     ]
     median_prompt = round(statistics.median(prompt_tokens))
 
-    async def simulated(level: int, *policy: str) -> dict[str, Any]:
+    async def simulated(level: int, *policy: str, path: Path = profile) -> dict[str, Any]:
         code, stdout, stderr = await run_specroute(
-            "simulate", "--profile", str(profile), *policy, "--concurrency", str(level),
+            "simulate", "--profile", str(path), *policy, "--concurrency", str(level),
             "--requests-per-level", "16", "--warmup-requests", "2", "--output-tokens", f"const:{MAX_TOKENS}",
             "--prompt-tokens", f"const:{median_prompt}", "--json",
         )  # fmt: skip
         assert code == 0, stderr
-        out: dict[str, Any] = json.loads(stdout)["runs"][0]["levels"][0]
+        doc = json.loads(stdout)
+        assert ("colocation" in doc) == (path == profile)
+        out: dict[str, Any] = doc["runs"][0]["levels"][0]
         assert out["concurrency"] == level
         return out
 
@@ -375,14 +406,15 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
               f"{sim['pool_share']['eagle']:.2f}), ratio {ratio:.3f}")  # fmt: skip
         return ratio
 
-    # c=1: cost_model in front of the pair, one server busy at a time, as when it was profiled
-    assert compare(1, _level(live, 1)["decode_tok_s"], await simulated(1, "--policy", "cost_model"),
-                   "cost_model") == pytest.approx(1.0, rel=0.15)  # fmt: skip
-    # When cost_model splits c=2 over both servers, they run at once, and here they share the
-    # machine's two cores with the proxy and the client: the simulator models no co-location, so
-    # that figure (1.7-2.0x optimistic on this machine, or ~1.0 when both go to eagle) is printed,
-    # not asserted. The simulator's speed model at c=2 is checked with both requests on one server.
-    compare(2, _level(live, 2)["decode_tok_s"], await simulated(2, "--policy", "cost_model"), "cost_model")
+    # c=1: cost_model in front of the pair, one server busy at a time
+    one = compare(
+        1, _level(live, 1)["decode_tok_s"], await simulated(1, "--policy", "cost_model"), "cost_model"
+    )
+    # c=2: cost_model splits the two requests over both servers, which then run at once on the
+    # machine's shared cores: the simulator slows each while the other is busy (the together points)
+    live2 = _level(live, 2)["decode_tok_s"]
+    compare(2, live2, await simulated(2, "--policy", "cost_model", path=alone), "cost_model, not co-located")
+    two = compare(2, live2, await simulated(2, "--policy", "cost_model"), "cost_model, co-located")
     fixed = await spawn_serve(
         "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(profile),
         "--policy", "fixed", "--policy-param", "pool=eagle", stderr=subprocess.DEVNULL,
@@ -396,7 +428,10 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
     got = _level(json.loads(fixed_out.read_text()), 2)["decode_tok_s"]
     sim = await simulated(2, "--policy", "fixed", "--policy-param", "pool=eagle")
     assert sim["pool_share"]["eagle"] == 1.0
-    assert compare(2, got, sim, "both on eagle") == pytest.approx(1.0, rel=0.15)
+    fixed_two = compare(2, got, sim, "both on eagle")
+    assert one == pytest.approx(1.0, rel=0.15)
+    assert two == pytest.approx(1.0, rel=0.15)
+    assert fixed_two == pytest.approx(1.0, rel=0.15)
 
 
 async def test_two_replicas_each_see_the_backends_true_load(vllm_pair: VllmPair, proxy: Any) -> None:
