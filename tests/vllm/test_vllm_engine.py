@@ -47,6 +47,8 @@ if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 MAX_TOKENS = 64
+LIVE_REQUESTS = 32
+"""Measured requests per level of the live runs through `serve` and of their simulations."""
 PROMPTS = [
     "Explain the Nile river to a student.",
     "Write a Python function that reverses a list.",
@@ -310,7 +312,7 @@ async def bench_together(vllm_pair: VllmPair, tmp_path: Path, tag: str) -> dict[
     out = tmp_path / f"{tag}-together.json"
     code, stdout, stderr = await run_specroute(
         "bench", vllm_pair.plain, "--mode", "baseline", "--together", vllm_pair.ngram, "--concurrency", "1",
-        "--requests-per-level", "16", "--warmup-requests", "2", "--max-tokens", str(MAX_TOKENS),
+        "--requests-per-level", str(LIVE_REQUESTS), "--warmup-requests", "2", "--max-tokens", str(MAX_TOKENS),
         "--profile-out", str(out), "--no-progress", timeout_s=300,
     )  # fmt: skip
     assert code == 0, stderr
@@ -318,6 +320,16 @@ async def bench_together(vllm_pair: VllmPair, tmp_path: Path, tag: str) -> dict[
     profile: dict[str, Any] = json.loads(out.read_text())
     assert profile["measured_together"] is True and set(profile["modes"]) == {"baseline", "eagle"}
     return profile
+
+
+async def served_per_pool(url: str) -> dict[str, float]:
+    """Requests a `serve` answered so far, per pool (its `specroute_requests_total`)."""
+    served = {"baseline": 0.0, "eagle": 0.0}
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        for line in (await r.text()).splitlines():
+            if match := re.match(r'specroute_requests_total\{[^}]*pool="(\w+)"[^}]*\} (\S+)', line):
+                served[match[1]] += float(match[2])
+    return served
 
 
 def averaged(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -340,32 +352,64 @@ def averaged(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"format": "specroute.profile/v1", "name": "vLLM pair", "engine": "vllm", "modes": modes}
 
 
+async def live_levels(
+    vllm_pair: VllmPair,
+    spawn_serve: Any,
+    tmp_path: Path,
+    profile: Path,
+    levels: tuple[int, ...],
+    *policy: str,
+) -> dict[int, tuple[dict[str, Any], float]]:
+    """`serve` with `policy` in front of the pair, benched one level at a time: per level its bench
+    summary and the share of its requests (warm-up and fillers too) the eagle pool served."""
+    sp = await spawn_serve(
+        "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(profile), *policy,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    out = {}
+    for level in levels:
+        served_before = await served_per_pool(sp.url)
+        path = tmp_path / f"live-{'-'.join(policy)}-{level}.json"
+        code, _, stderr = await run_specroute(
+            "bench", sp.url, "--concurrency", str(level), "--requests-per-level", str(LIVE_REQUESTS),
+            "--warmup-requests", "2", "--max-tokens", str(MAX_TOKENS), "--out", str(path), "--no-progress",
+            timeout_s=300,
+        )  # fmt: skip
+        assert code == 0, stderr
+        served = {pool: n - served_before[pool] for pool, n in (await served_per_pool(sp.url)).items()}
+        out[level] = (json.loads(path.read_text()), served["eagle"] / sum(served.values()))
+    return out
+
+
 async def test_bench_profile_and_simulate_against_the_live_pair(
     vllm_pair: VllmPair, spawn_serve: Any, tmp_path: Path
 ) -> None:
     before = await bench_pair(vllm_pair, tmp_path, "before")
+    belief = tmp_path / "pair.json"
     code, _, stderr = await run_specroute(
         "profile", "merge", str(tmp_path / "before-baseline.json"), str(tmp_path / "before-eagle.json"),
-        "--out", str(tmp_path / "pair.json"),
+        "--out", str(belief),
     )  # fmt: skip
     assert code == 0, stderr
-    assert json.loads((tmp_path / "pair.json").read_text())["engine"] == "vllm"
+    assert json.loads(belief.read_text())["engine"] == "vllm"
     together_before = await bench_together(vllm_pair, tmp_path, "before")
 
-    # live through serve with that profile, against the simulation of the same workload
-    sp = await spawn_serve(
-        "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(tmp_path / "pair.json"),
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    live_out = tmp_path / "live.json"
-    code, _, stderr = await run_specroute(
-        "bench", sp.url, "--concurrency", "1", "2", "--requests-per-level", "16", "--warmup-requests", "2",
-        "--max-tokens", str(MAX_TOKENS), "--out", str(live_out), "--no-progress", timeout_s=300,
-    )  # fmt: skip
-    assert code == 0, stderr
-    live = json.loads(live_out.read_text())
-    # The speed of a shared 2-core machine drifts: the profile the simulation runs from is the mean
-    # of benches taken just before and just after the live run.
+    # Live through serve with that profile. cost_model without content features: the simulated
+    # workload has no prompt text, so live and simulated cost_model decide on the same inputs.
+    cost = ("--policy", "cost_model", "--policy-param", "content_aware=false")
+    live = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (1, 2), *cost)
+    # cost_model by time to first token: at c=2 the second request goes to the idle server (a
+    # lower TTFT than a busy one), so it splits c=2 over the pair, which then shares the cores
+    by_ttft = (*cost, "--policy-param", "objective=ttft")
+    ttft_split = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (2,), *by_ttft)
+    # both requests of c=2 on the ngram server; one on each server at all times (eagle while it
+    # has none in flight, else baseline)
+    eagle = ("--policy", "fixed", "--policy-param", "pool=eagle")
+    on_eagle = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (2,), *eagle)
+    one_each = ("--policy", "threshold", "--policy-param", "threshold=1", "--policy-param", "signal=local")
+    split = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (2,), *one_each)
+    # The speed of a shared 2-core machine drifts: the servers of the simulation run from the mean
+    # of benches taken just before and just after the live runs.
     after = await bench_pair(vllm_pair, tmp_path, "after")
     together_after = await bench_together(vllm_pair, tmp_path, "after")
     alone = tmp_path / "pair-averaged.json"
@@ -374,64 +418,67 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
     measured_together = tmp_path / "together-averaged.json"
     measured_together.write_text(json.dumps({**both, "measured_together": True}))
     # the servers share the machine's cores: the profile knows how each slows while the other is busy
-    profile = tmp_path / "pair-colocated.json"
+    truth = tmp_path / "pair-colocated.json"
     code, stdout, stderr = await run_specroute(
-        "profile", "merge", str(alone), "--together", str(measured_together), "--out", str(profile)
+        "profile", "merge", str(alone), "--together", str(measured_together), "--out", str(truth)
     )
     assert code == 0 and stderr == "", stderr
     assert "co-located pairs" in stdout
     print(f"\n{stdout}")
     prompt_tokens = [
-        r["prompt_tokens"] for lv in live["levels"] for r in lv["requests"] if r.get("prompt_tokens")
+        r["prompt_tokens"]
+        for runs in (live, ttft_split, on_eagle, split)
+        for result, _ in runs.values()
+        for lv in result["levels"]
+        for r in lv["requests"]
+        if r.get("prompt_tokens")
     ]
     median_prompt = round(statistics.median(prompt_tokens))
 
-    async def simulated(level: int, *policy: str, path: Path = profile) -> dict[str, Any]:
+    async def simulated(
+        levels: tuple[int, ...], level: int, policy: tuple[str, ...], servers: Path = truth
+    ) -> dict[str, Any]:
+        """The live run's levels, in order (a learning policy carries what it learned from one to
+        the next, as live); `level`'s summary. The policy believes the profile serve had; the
+        servers run at the averaged speeds."""
         code, stdout, stderr = await run_specroute(
-            "simulate", "--profile", str(path), *policy, "--concurrency", str(level),
-            "--requests-per-level", "16", "--warmup-requests", "2", "--output-tokens", f"const:{MAX_TOKENS}",
+            "simulate", "--profile", str(belief), "--server-profile", str(servers), *policy,
+            "--concurrency", *map(str, levels), "--requests-per-level", str(LIVE_REQUESTS),
+            "--warmup-requests", "2", "--output-tokens", f"const:{MAX_TOKENS}",
             "--prompt-tokens", f"const:{median_prompt}", "--json",
         )  # fmt: skip
         assert code == 0, stderr
         doc = json.loads(stdout)
-        assert ("colocation" in doc) == (path == profile)
-        out: dict[str, Any] = doc["runs"][0]["levels"][0]
+        assert ("colocation" in doc) == (servers == truth)
+        out: dict[str, Any] = doc["runs"][0]["levels"][levels.index(level)]
         assert out["concurrency"] == level
         return out
 
-    def compare(level: int, got: dict[str, Any], sim: dict[str, Any], what: str) -> float:
-        ratio: float = sim["mean_decode_tok_s"] / got["mean"]
-        print(f"c={level} {what}: live through serve {got['mean']:.1f} tok/s (p50 {got['p50']:.1f}, "
-              f"n={got['n']}), simulated {sim['mean_decode_tok_s']:.1f} (eagle share "
-              f"{sim['pool_share']['eagle']:.2f}), ratio {ratio:.3f}")  # fmt: skip
-        return ratio
+    async def compare(level: int, runs: dict[int, tuple[dict[str, Any], float]], policy: tuple[str, ...],
+                      what: str) -> float:  # fmt: skip
+        result, share = runs[level]
+        got = _level(result, level)["decode_tok_s"]
+        levels = tuple(runs)
+        sims = {
+            "not co-located": await simulated(levels, level, policy, alone),
+            "co-located": await simulated(levels, level, policy),
+        }
+        for name, sim in sims.items():
+            ratio = sim["mean_decode_tok_s"] / got["mean"]
+            print(f"c={level} {what}, {name}: live through serve {got['mean']:.1f} tok/s "
+                  f"(p50 {got['p50']:.1f}, n={got['n']}, eagle share {share:.2f}), simulated "
+                  f"{sim['mean_decode_tok_s']:.1f} (eagle share {sim['pool_share']['eagle']:.2f}), "
+                  f"ratio {ratio:.3f}")  # fmt: skip
+        return float(sims["co-located"]["mean_decode_tok_s"] / got["mean"])
 
-    # c=1: cost_model in front of the pair, one server busy at a time
-    one = compare(
-        1, _level(live, 1)["decode_tok_s"], await simulated(1, "--policy", "cost_model"), "cost_model"
-    )
-    # c=2: cost_model splits the two requests over both servers, which then run at once on the
-    # machine's shared cores: the simulator slows each while the other is busy (the together points)
-    live2 = _level(live, 2)["decode_tok_s"]
-    compare(2, live2, await simulated(2, "--policy", "cost_model", path=alone), "cost_model, not co-located")
-    two = compare(2, live2, await simulated(2, "--policy", "cost_model"), "cost_model, co-located")
-    fixed = await spawn_serve(
-        "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(profile),
-        "--policy", "fixed", "--policy-param", "pool=eagle", stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    fixed_out = tmp_path / "live-fixed.json"
-    code, _, stderr = await run_specroute(
-        "bench", fixed.url, "--concurrency", "2", "--requests-per-level", "16", "--warmup-requests", "2",
-        "--max-tokens", str(MAX_TOKENS), "--out", str(fixed_out), "--no-progress", timeout_s=300,
-    )  # fmt: skip
-    assert code == 0, stderr
-    got = _level(json.loads(fixed_out.read_text()), 2)["decode_tok_s"]
-    sim = await simulated(2, "--policy", "fixed", "--policy-param", "pool=eagle")
-    assert sim["pool_share"]["eagle"] == 1.0
-    fixed_two = compare(2, got, sim, "both on eagle")
-    assert one == pytest.approx(1.0, rel=0.15)
-    assert two == pytest.approx(1.0, rel=0.15)
-    assert fixed_two == pytest.approx(1.0, rel=0.15)
+    ratios = {
+        "c=1 cost_model": await compare(1, live, cost, "cost_model"),
+        "c=2 cost_model": await compare(2, live, cost, "cost_model"),
+        "c=2 cost_model objective=ttft": await compare(2, ttft_split, by_ttft, "cost_model objective=ttft"),
+        "c=2 both on eagle": await compare(2, on_eagle, eagle, "both on eagle"),
+        "c=2 one on each": await compare(2, split, one_each, "one on each server"),
+    }
+    assert ratios == pytest.approx(dict.fromkeys(ratios, 1.0), rel=0.15)
 
 
 async def test_two_replicas_each_see_the_backends_true_load(vllm_pair: VllmPair, proxy: Any) -> None:
