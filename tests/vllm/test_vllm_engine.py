@@ -8,8 +8,10 @@ Runs when `SPECROUTE_VLLM_PYTHON` names a Python that has vLLM (CI's `.ci/run` i
 would see it: answers through `serve` identical to direct ones at temperature 0; the scraper
 reading vLLM's running/queued/accept length; `bench` writing a profile whose c=1 speed is within
 15% of a direct measurement; `simulate` with that profile predicting the per-request speed at
-c=1 and 2 within 15% of the live run through `serve`; and two replicas each seeing a backend's
-requests within 20% of the truth. The figures are printed (`pytest -s`).
+c=1 and 2 within 15% of the live run through `serve` (the two servers share the machine's cores:
+the profile gets their together points from `bench --together`, and c=2 is checked with cost_model,
+with cost_model splitting the pair, both requests on one server and one on each); and two replicas
+each seeing a backend's requests within 20% of the truth. The figures are printed (`pytest -s`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 MAX_TOKENS = 64
-LIVE_REQUESTS = 32
+LIVE_REQUESTS = 64
 """Measured requests per level of the live runs through `serve` and of their simulations."""
 PROMPTS = [
     "Explain the Nile river to a student.",
