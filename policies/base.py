@@ -282,6 +282,14 @@ class Policy(Protocol):
         ...
 
 
+def reads_features(policy: object) -> bool:
+    """Whether `policy` may read `RequestInfo.features`: True unless it has an attribute
+    `reads_features` that is False (optional, like `Resettable`). The proxy extracts a request's
+    features (`policies.features`, 6-25 us) only when its policy or a shadow policy may read
+    them; otherwise `RequestInfo.features` is None, as for a trace without text."""
+    return getattr(policy, "reads_features", True) is not False
+
+
 @runtime_checkable
 class Resettable(Protocol):
     """A policy with state tied to the clock (optional: `policies.routing.reset` calls it)."""

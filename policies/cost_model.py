@@ -237,6 +237,8 @@ class CostModelPolicy:
         self.content: ContentAcceptance | None = None
         if params.content_aware:
             self.content = ContentAcceptance(self._hint_priors, self._profile_accept)
+        self.reads_features = self.content is not None
+        """Content-blind (`content_aware: false`), it never reads `RequestInfo.features`."""
         self._content_own: tuple[float, float] | None = None
         """(eagle rate multiplier, speed factor) of the request being decided, from its content."""
 
