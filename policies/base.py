@@ -118,6 +118,10 @@ class BackendLoad:
     tokens); 0 when unknown or when prefix tracking is off. Set per decision."""
     full: bool = False
     """At its admission bound (its own or its pool's in-flight bound): it takes no request now."""
+    max_running: int | None = None
+    """The running-request cap the backend reports (SGLang's `/server_info`, `/v1/loads`; vLLM's
+    learned full batch): beyond it requests wait in its queue. None: not reported, the profile's
+    `max_running_requests` applies (always so in the simulator, whose servers run the profile)."""
 
     @property
     def admits(self) -> bool:
