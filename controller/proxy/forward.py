@@ -194,7 +194,7 @@ class Forwarder:
             for pool, key in (("baseline", settings.baseline_api_key), ("eagle", settings.eagle_api_key))
         }
 
-    def reads_features(self) -> bool:
+    def features_wanted(self) -> bool:
         """Whether the live policy or a shadow policy may read `RequestInfo.features` (else the
         request's features are not extracted)."""
         if reads_features(self.policy):
@@ -300,7 +300,7 @@ class Forwarder:
             raw = await self.read_body(request, charge)
             body = parse_body(raw, endpoint)
             info = request_info(
-                body, endpoint, request.headers, self.settings.allow_client_override, self.reads_features()
+                body, endpoint, request.headers, self.settings.allow_client_override, self.features_wanted()
             )
             blocks = await prompt_blocks(body, endpoint) if self.settings.prefix_tracking else ()
             headers = upstream_headers(request.headers)
