@@ -118,6 +118,10 @@ class BackendLoad:
     tokens); 0 when unknown or when prefix tracking is off. Set per decision."""
     full: bool = False
     """At its admission bound (its own or its pool's in-flight bound): it takes no request now."""
+    max_running: int | None = None
+    """The running-request cap the backend reports (SGLang's `/server_info`, `/v1/loads`; vLLM's
+    learned full batch): beyond it requests wait in its queue. None: not reported, the profile's
+    `max_running_requests` applies (always so in the simulator, whose servers run the profile)."""
 
     @property
     def admits(self) -> bool:
@@ -280,6 +284,14 @@ class Policy(Protocol):
         """Feedback once a request chosen by this policy has ended (`policies.routing.teaches`
         says whether it is one a policy should learn speeds from)."""
         ...
+
+
+def reads_features(policy: object) -> bool:
+    """Whether `policy` may read `RequestInfo.features`: True unless it has an attribute
+    `reads_features` that is False (optional, like `Resettable`). The proxy extracts a request's
+    features (`policies.features`, 6-25 us) only when its policy or a shadow policy may read
+    them; otherwise `RequestInfo.features` is None, as for a trace without text."""
+    return getattr(policy, "reads_features", True) is not False
 
 
 @runtime_checkable

@@ -9,7 +9,9 @@ and ask the speed profile what the request would cost there (`SpeedModel.predict
   the margin of the pool's completion rate, so the pool chosen is the one whose total rate
   grows most. A request that would wait in a full pool's queue adds nothing there (a queued
   request produces nothing): its cost is infinite while the other pool still gains from one
-  more request. When neither gains, the request goes where it finishes sooner.
+  more request. When neither gains, the request goes where it finishes sooner. A pool is full
+  at the backend's own running-request cap when it reports one (`BackendLoad.max_running`),
+  else at the profile's `max_running_requests`.
 - `scope=request` is the selfish rule: the pool that finishes this request sooner.
 
 `objective=ttft` compares times to first token instead (system scope: never a queue while the
@@ -237,6 +239,11 @@ class CostModelPolicy:
         self.content: ContentAcceptance | None = None
         if params.content_aware:
             self.content = ContentAcceptance(self._hint_priors, self._profile_accept)
+        self.reads_features = self.content is not None
+        """Content-blind (`content_aware: false`), it never reads `RequestInfo.features`."""
+        self._reported_caps: dict[str, int] = {}
+        """The running-request cap each backend last reported (`BackendLoad.max_running`), for
+        `observe` to place an outcome at the batch size its decision assumed."""
         self._content_own: tuple[float, float] | None = None
         """(eagle rate multiplier, speed factor) of the request being decided, from its content."""
 
@@ -256,7 +263,11 @@ class CostModelPolicy:
                 running += missing
         eagle = pool == "eagle"
         model = self._eagle if eagle else self._baseline
-        cap = model.max_running_requests
+        cap = backend.max_running  # the backend's own cap when it reports one, else the profile's
+        if cap is None:
+            cap = model.max_running_requests
+        else:
+            self._reported_caps[backend.name] = cap
         occupied = running + queued
         full = cap is not None and occupied >= cap
         batch = occupied + 1 if cap is None or occupied < cap else cap
@@ -459,7 +470,9 @@ class CostModelPolicy:
         pool = decision.pool
         model = self._baseline if pool == "baseline" else self._eagle
         batch = decision.backend_load + 1
-        cap = model.max_running_requests
+        cap = self._reported_caps.get(decision.backend) if self._reported_caps else None
+        if cap is None:
+            cap = model.max_running_requests
         if cap is not None and batch > cap:
             batch = cap
         if rate is None:
