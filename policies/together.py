@@ -97,7 +97,7 @@ def describe(profile: Profile) -> str | None:
 def to_json(profile: Profile) -> dict[str, list[dict[str, float]]] | None:
     """Per mode with together points: `[{"concurrency", "decode_factor", "ttft_factor"}]`; None
     when no mode has any (`simulate --json`'s `colocation`)."""
-    out = {
+    out: dict[str, list[dict[str, float]]] = {
         name: [{"concurrency": c, "decode_factor": f, "ttft_factor": g} for c, f, g in slowdowns(mode)]
         for name, mode in profile.modes.items()
         if mode.together is not None
