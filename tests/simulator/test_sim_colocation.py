@@ -14,6 +14,7 @@ from policies.profile import ProfileError, load_profile, parse_profile
 from policies.together import describe, slowdowns, together_mode
 from simulator.engine.colocation import ColocatedServer, pairs, server_types
 from simulator.engine.loop import RequestBatch, simulate
+from simulator.engine.oracle import best_static_split
 from simulator.engine.server import Server
 from simulator.engine.servers import build_deployment, parse_deployment, server_profile
 
@@ -192,3 +193,29 @@ def test_profile_merge_together_and_simulate_say_so(
     plain = write(tmp_path / "plain.json", both)
     assert main([*args[:2], plain, *args[3:], "--json"]) == 0  # no together points: no colocation key
     assert "colocation" not in json.loads(capsys.readouterr().out)
+
+
+def test_the_oracle_knows_a_split_pair_runs_at_its_together_speed() -> None:
+    # alone: 100 tok/s with one request, 80 with two; together: 50 (c=1)
+    data = pair_profile()
+    for spec in data["modes"].values():
+        spec["points"].append({"concurrency": 2, "decode_tok_s": 80.0, "ttft_s": 0.0})
+    slowing = parse_profile(data)
+    batch = RequestBatch(
+        prompt_tokens=[10] * 4, output_tokens=[101] * 4, max_tokens=[None] * 4, hints=[None] * 4,
+        accept=[1.0] * 4,
+    )  # fmt: skip
+    co = build_deployment(slowing, parse_deployment("baseline=1,eagle=1"))
+    best = best_static_split(co, 2, batch)
+    # one on each: 2 x 101 / (100 / 50) = 101 tok/s; both on one server: 2 x 101 / (100 / 80) = 161.6
+    assert best.throughput_tok_s == pytest.approx(161.6) and sorted(best.split) == [0, 2]
+    for spec in data["modes"].values():
+        del spec["together"]
+    alone = build_deployment(parse_profile(data), parse_deployment("baseline=1,eagle=1"))
+    best = best_static_split(alone, 2, batch)
+    assert best.throughput_tok_s == pytest.approx(202.0) and best.split == (1, 1)
+    # a pair and an unpaired server: the pair's split and the third server's clients
+    three = build_deployment(slowing, parse_deployment("baseline=2,eagle=1"))
+    best = best_static_split(three, 2, batch)
+    assert best.throughput_tok_s == pytest.approx(202.0)  # one on the unpaired baseline, one in the pair
+    assert best.split[1] == 1 and best.split[0] + best.split[2] == 1
