@@ -349,7 +349,7 @@ class CostModelPolicy:
             if self._prefix_aware and self._prefill_rate[pool] is not None:
                 return (only, self._predict(pool, only, request, n, now)) if only.healthy else None
             # first_least_loaded of one backend; naming it is what the routing core's pick would do
-            if only.healthy and not only.full:
+            if only.admits:
                 return only, self._predict(pool, only, request, n, now)
             return None
         if self._prefix_aware and (
