@@ -146,7 +146,8 @@ def configure_bench(b: argparse.ArgumentParser) -> None:
         metavar="URL2",
         help="measure URL2 at the same time, level by level (servers sharing cores slow each other): "
         "URL2 gets the other --mode, --out's result for it goes beside --out (NAME.together.json), "
-        "and --profile-out gets both modes",
+        "and --profile-out gets both modes as measured together (`profile merge --together` makes "
+        "them the together points of a profile measured alone)",
     )
     b.add_argument("--profile-name", default=None, help="name field of the written profile")
     b.add_argument(
