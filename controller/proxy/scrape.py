@@ -43,6 +43,7 @@ from controller.proxy.engines import (
     detect,
     parse_sglang_metrics,
     read_samples,
+    server_info_cap,
     sglang_sample,
     vllm_sample,
 )
@@ -55,7 +56,6 @@ __all__ = [
     "BackendScraper",
     "ScrapeLoop",
     "merge_samples",
-    "parse_server_info_cap",
     "parse_sglang_metrics",
     "parse_v1_loads",
     "read_metric_lines",
@@ -187,23 +187,6 @@ def parse_v1_loads(data: Any, taken_at: float) -> BackendSample | None:
     )
 
 
-def parse_server_info_cap(data: Any) -> int | None:
-    """The running-request cap in SGLang's `/server_info`: the sum over data-parallel ranks of
-    `internal_states[].effective_max_running_requests_per_dp` (what the schedulers apply), else
-    the `max_running_requests` launch argument (None when unset: derived from memory); None when
-    neither is a positive number."""
-    if not isinstance(data, dict):
-        return None
-    states = data.get("internal_states")
-    if isinstance(states, list) and states:
-        key = "effective_max_running_requests_per_dp"
-        caps = [_number(s.get(key)) if isinstance(s, dict) else None for s in states]
-        if all(c is not None and 1 <= c < 2**31 for c in caps):
-            return int(sum(c for c in caps if c is not None))
-    cap = _number(data.get("max_running_requests"))
-    return int(cap) if cap is not None and 1 <= cap < 2**31 else None
-
-
 def merge_samples(metrics: BackendSample | None, loads: BackendSample | None) -> BackendSample | None:
     """Running/queued from `/v1/loads` (fresher), the rest filled in from `/metrics`."""
     if loads is None:
@@ -303,7 +286,7 @@ class BackendScraper:
                         continue
                     if resp.status != 200:
                         return None
-                    return parse_server_info_cap(json.loads(await read_bounded(resp, INFO_LIMIT_BYTES)))
+                    return server_info_cap(json.loads(await read_bounded(resp, INFO_LIMIT_BYTES)))
         except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as e:
             log.debug("server info of %s not read: %s", self.url, type(e).__name__)
         return None

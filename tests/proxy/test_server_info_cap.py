@@ -15,7 +15,9 @@ import aiohttp
 from aiohttp import web
 from helpers import CHAT, KIMI, wait_until
 
-from controller.proxy.scrape import BackendScraper, parse_server_info_cap
+from controller.bench.sglang_import import parse_server_info
+from controller.proxy.engines import server_info_cap
+from controller.proxy.scrape import BackendScraper
 
 METRICS = 'sglang:num_running_reqs{tp_rank="0"} 2.0\nsglang:num_queue_reqs{tp_rank="0"} 1.0\n'
 
@@ -69,10 +71,10 @@ async def scrape(url: str, **kw: Any) -> Any:
 
 
 def test_the_cap_is_the_schedulers_effective_cap_summed_over_dp_ranks_else_the_launch_argument() -> None:
-    assert parse_server_info_cap(launch_args(24, [12, 12])) == 24
-    assert parse_server_info_cap(launch_args(None, [40])) == 40  # unset: derived from memory
-    assert parse_server_info_cap(launch_args(30, None)) == 30  # a release without the effective cap
-    assert parse_server_info_cap(launch_args(None, None)) is None
+    assert server_info_cap(launch_args(24, [12, 12])) == 24
+    assert server_info_cap(launch_args(None, [40])) == 40  # unset: derived from memory
+    assert server_info_cap(launch_args(30, None)) == 30  # a release without the effective cap
+    assert server_info_cap(launch_args(None, None)) is None
     for junk in (
         [],
         "x",
@@ -80,9 +82,18 @@ def test_the_cap_is_the_schedulers_effective_cap_summed_over_dp_ranks_else_the_l
         {"max_running_requests": 0},
         {"internal_states": 3},
         {"max_running_requests": 1e300},
+        {"max_running_requests": 2.5},
     ):
-        assert parse_server_info_cap(junk) is None
-    assert parse_server_info_cap({**launch_args(None, [8]), "internal_states": [{"x": 1}, 7]}) is None
+        assert server_info_cap(junk) is None
+    assert server_info_cap({**launch_args(None, [8]), "internal_states": [{"x": 1}, 7]}) is None
+
+
+def test_bench_reads_the_same_cap_for_the_profile() -> None:
+    """`specroute bench` writes the cap into the profile by the same reading: the schedulers'
+    effective cap (52, bounded by memory) over the launch argument asked for (64)."""
+    info = {**launch_args(64, [52]), "speculative_algorithm": "EAGLE3"}
+    assert parse_server_info(info)["max_running_requests"] == 52
+    assert parse_server_info(launch_args(48, None))["max_running_requests"] == 48
 
 
 async def test_server_info_is_preferred_over_v1_loads() -> None:
