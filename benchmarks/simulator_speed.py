@@ -8,21 +8,36 @@ path costs. Workload generation is not timed (it is done once, before the repeat
 
     python benchmarks/simulator_speed.py                 # 1M requests, cost_model, 3 repeats
     python benchmarks/simulator_speed.py --requests 200000 --repeats 5 --policies threshold
+    git archive main | tar -x -C /tmp/main-tree
+    python benchmarks/simulator_speed.py --against /tmp/main-tree   # this tree beside another
 
-Target (issue 5): at least 200,000 simulated requests per second with `cost_model`.
+With `--against DIR` each repeat runs once in a fresh process per tree (this one, then DIR's
+code with the same driver, alternating which goes first), so both figures come from the same
+run on the same machine state; the ratio is the figure to trust on a shared machine.
+
+Targets: issue 5, 200,000 simulated requests per second with `cost_model`; issue 23, 150,000.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# the source tree measured: `--tree DIR` (a child run of `--against`), else this one
+sys.path.insert(
+    0,
+    sys.argv[sys.argv.index("--tree") + 1]
+    if "--tree" in sys.argv
+    else str(Path(__file__).resolve().parents[1]),
+)
 
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.params import parse_policy_ref
@@ -33,6 +48,10 @@ from simulator.engine.servers import build_deployment, parse_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
 TARGET = 200_000.0
+
+
+def _tree() -> str:
+    return sys.path[0]
 
 
 class Timed:
@@ -69,7 +88,7 @@ def pin_one_core() -> str:
     return f"pinned to CPU {cpu}"
 
 
-def main() -> int:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1_000_000)
     ap.add_argument("--rate", type=float, default=4.0, help="Arrivals per second (default 4: ~40%% eagle).")
@@ -83,11 +102,18 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", default="kimi-k25-int4-8gpu")
     ap.add_argument("--seed", type=int, default=1)
-    args = ap.parse_args()
+    ap.add_argument(
+        "--against",
+        type=Path,
+        help="Also time the source tree DIR (e.g. an archive of main), alternating fresh processes.",
+    )
+    ap.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args()
 
-    where = pin_one_core()
+
+def _workload(args: argparse.Namespace) -> tuple[Any, list[Any], float]:
     profile = resolve_profile(args.profile)
-    registry = default_registry()
     spec = WorkloadSpec(
         kind="poisson",
         rate=args.rate,
@@ -97,7 +123,90 @@ def main() -> int:
     t0 = time.perf_counter()
     batch = generate(spec, args.seed)[0].batch
     gen_s = time.perf_counter() - t0
-    servers = build_deployment(profile, parse_deployment("baseline=1,eagle=1"))
+    return profile, [batch, build_deployment(profile, parse_deployment("baseline=1,eagle=1"))], gen_s
+
+
+def _one(
+    name: str, args: argparse.Namespace, profile: Any, batch: Any, servers: Any, seed: int
+) -> tuple[float, float, float, float]:
+    """One timed run of `name` (or the engine alone): (wall s, cpu s, simulated s, eagle share)."""
+    policy = None
+    if not name.startswith("("):
+        policy = create(default_registry(), name, PolicyContext(profile, args.seed))
+    gc.collect()
+    t, c = time.perf_counter(), time.process_time()
+    raw = simulate(servers, policy, batch, seed=seed)
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    share = sum(1 for s in raw.server if servers[s].pool == "eagle") / args.requests
+    return wall, cpu, max(raw.finish), share
+
+
+def _child(args: argparse.Namespace) -> int:
+    """One repeat of every policy in this process; prints {name: [wall, cpu, simulated, share]}."""
+    profile, (batch, servers), _ = _workload(args)
+    out = {name: _one(name, args, profile, batch, servers, args.seed) for name in args.policies}
+    print(json.dumps(out))
+    return 0
+
+
+def _against(args: argparse.Namespace, where: str) -> int:
+    """This tree and `args.against`, one fresh process per (repeat, tree), alternating order."""
+    trees = {"this tree": _tree(), "against": str(args.against.resolve())}
+    print(
+        f"simulator speed: {args.requests:,} requests, Poisson {args.rate:g}/s, output {args.output_tokens}, "
+        f"baseline=1,eagle=1, profile {args.profile!r}; {where}; python {sys.version.split()[0]}\n"
+        f"  this tree: {trees['this tree']}\n  against:   {trees['against']}"
+    )
+    names = ["(engine alone)", *args.policies]
+    runs: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+    for rep in range(args.repeats):
+        order = list(trees) if rep % 2 == 0 else list(trees)[::-1]
+        for label in order:
+            cmd = [sys.executable, __file__, "--child", "--tree", trees[label],
+                   "--requests", str(args.requests), "--rate", str(args.rate),
+                   "--output-tokens", args.output_tokens, "--profile", args.profile,
+                   "--seed", str(args.seed), "--policies", *names]  # fmt: skip
+            env = {**os.environ, "PYTHONPATH": trees[label]}
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if done.returncode != 0:
+                raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
+            for name, row in json.loads(done.stdout.strip().splitlines()[-1]).items():
+                runs.setdefault((label, name), []).append(tuple(row))
+    print(
+        f"\n{'tree':<10} {'policy':<16} {'n':>3} {'median req/s':>13} {'min':>10} {'max':>10} "
+        f"{'cpu req/s':>10} {'eagle %':>8} {'vs 150k':>8}"
+    )
+    medians: dict[tuple[str, str], tuple[float, float]] = {}
+    for name in names:
+        for label in trees:
+            rows = runs[(label, name)]
+            rates = [args.requests / r[0] for r in rows]
+            cpu = statistics.median(args.requests / r[1] for r in rows)
+            med = statistics.median(rates)
+            medians[(label, name)] = (med, cpu)
+            print(
+                f"{label:<10} {name:<16} {len(rates):>3} {med:>13,.0f} {min(rates):>10,.0f} "
+                f"{max(rates):>10,.0f} {cpu:>10,.0f} {100 * rows[-1][3]:>8.1f} {med / 150_000:>7.2f}x"
+            )
+    print("\nthis tree / against (median wall, median cpu):")
+    for name in names:
+        (w1, c1), (w0, c0) = medians[("this tree", name)], medians[("against", name)]
+        print(f"  {name:<16} {w1 / w0:.2f}x wall, {c1 / c0:.2f}x cpu")
+    same = all(runs[("this tree", n)][0][2:] == runs[("against", n)][0][2:] for n in names)
+    print(f"simulated seconds and eagle share equal in both trees: {same}")
+    print(f"\nn = repeats of {args.requests:,} requests each, one fresh process per (repeat, tree).")
+    return 0
+
+
+def main() -> int:
+    args = _args()
+    where = pin_one_core()
+    if args.child:
+        return _child(args)
+    if args.against is not None:
+        return _against(args, where)
+    profile, (batch, servers), gen_s = _workload(args)
+    registry = default_registry()
     print(
         f"simulator speed: {args.requests:,} requests, Poisson {args.rate:g}/s, output {args.output_tokens}, "
         f"baseline=1,eagle=1, profile {args.profile!r}; {where}; python {sys.version.split()[0]}"
@@ -112,17 +221,10 @@ def main() -> int:
         sim_ratio = 0.0
         share = 0.0
         for rep in range(args.repeats):
-            policy = (
-                None if name.startswith("(") else create(registry, name, PolicyContext(profile, args.seed))
-            )
-            gc.collect()
-            t, c = time.perf_counter(), time.process_time()
-            raw = simulate(servers, policy, batch, seed=args.seed + rep)
-            wall, cpu = time.perf_counter() - t, time.process_time() - c
+            wall, cpu, simulated, share = _one(name, args, profile, batch, servers, args.seed + rep)
             rates.append(args.requests / wall)
             cpu_rates.append(args.requests / cpu)
-            sim_ratio = max(raw.finish) / wall
-            share = sum(1 for s in raw.server if servers[s].pool == "eagle") / args.requests
+            sim_ratio = simulated / wall
         rows.append((name, rates, cpu_rates, sim_ratio, share))
         if not name.startswith("("):
             timed = Timed(create(registry, name, PolicyContext(profile, args.seed)))

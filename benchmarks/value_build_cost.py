@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import statistics
 import sys
 import timeit
@@ -23,16 +24,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from policies.base import BackendLoad, Decision, Outcome, RequestInfo
 
 
+def _backend_load_derived(self: Any) -> None:
+    """`BackendLoad`'s derived fields, as its constructor sets them (a frozen class must use
+    `object.__setattr__`)."""
+    running, queued, in_flight = self.running, self.queued, self.in_flight
+    if running is None:
+        load = in_flight
+    else:
+        scraped = running + queued if queued else running
+        load = scraped if scraped > in_flight else in_flight
+    object.__setattr__(self, "load", load)
+    object.__setattr__(self, "admits", self.healthy and not self.full)
+
+
+DERIVED = {"BackendLoad": _backend_load_derived}
+"""Per class with derived fields (`field(init=False)`): the frozen twin's `__post_init__`."""
+
+
 def frozen_twin(cls: type) -> Any:
-    fields = [(f.name, f.type, f) for f in dataclasses.fields(cls)]
+    """`cls` frozen: the same constructor fields and defaults (read from its `__init__`, which
+    may be hand-written), derived fields set in `__post_init__`."""
+    params = inspect.signature(cls.__init__).parameters
+    fields = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            fields.append((f.name, f.type, dataclasses.field(init=False)))
+            continue
+        default = params[f.name].default
+        if f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, f.type, dataclasses.field(default_factory=f.default_factory)))
+        elif default is inspect.Parameter.empty:
+            fields.append((f.name, f.type, dataclasses.field()))
+        else:
+            fields.append((f.name, f.type, dataclasses.field(default=default)))
+    namespace = {"__post_init__": DERIVED[cls.__name__]} if cls.__name__ in DERIVED else {}
     return dataclasses.make_dataclass(
-        cls.__name__ + "Frozen",
-        [
-            (n, t, dataclasses.field(default=f.default, default_factory=f.default_factory))
-            for n, t, f in fields
-        ],
-        frozen=True,
-        slots=True,
+        cls.__name__ + "Frozen", fields, frozen=True, slots=True, namespace=namespace
     )
 
 

@@ -91,39 +91,82 @@ HINT_HEADER = "x-specroute-hint"
 """The request header that carries `RequestInfo.hint` (read by the proxy and the emulator)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class BackendLoad:
     """Load of one backend as seen at decision time (built by `policies.view`, for the proxy and
-    the simulator alike)."""
+    the simulator alike).
+
+    `load` and `admits` are derived from the other fields by the constructor (the one place
+    each rule is written) and stored, not computed per read: the routing core and the policies
+    read them several times per decision, and a plain field costs a fifth of a property's read.
+    `dataclasses.replace` rebuilds them from the new fields."""
 
     name: str
     pool: Pool
-    healthy: bool = True
+    healthy: bool
     """Health-wise usable: its probes pass and the outlier detector has not ejected it (or the
     proxy is in panic mode). Whether it takes a request now is `admits`."""
-    in_flight: int = 0
+    in_flight: int
     """Requests this proxy replica has in flight on the backend (exact)."""
-    in_flight_tokens: int = 0
+    in_flight_tokens: int
     """Output-token budget (max_tokens) of those requests."""
-    running: int | None = None
+    running: int | None
     """Backend-reported running requests, already combined with the requests this replica
     dispatched/finished since the sample; None when there is no fresh sample."""
-    queued: int | None = None
+    queued: int | None
     """Backend-reported waiting requests (same combination); None without a fresh sample."""
-    accept_length: float | None = None
-    sample_age_s: float | None = None
-    cached_tokens: int = 0
+    accept_length: float | None
+    sample_age_s: float | None
+    cached_tokens: int
     """Tokens of THIS request's prompt the router believes the backend holds in its prefix cache
     (the longest prefix of the request's block fingerprint in the backend's prefix index, in
     tokens); 0 when unknown or when prefix tracking is off. Set per decision."""
-    full: bool = False
+    full: bool
     """At its admission bound (its own or its pool's in-flight bound): it takes no request now."""
+    max_running: int | None = None
+    """The running-request cap the backend reports (SGLang's `/server_info`, `/v1/loads`; vLLM's
+    learned full batch): beyond it requests wait in its queue. None: not reported, the profile's
+    `max_running_requests` applies (always so in the simulator, whose servers run the profile)."""
+    load: int = field(init=False, compare=False)
+    """The larger of the local in-flight count and the backend-reported load (running + queued,
+    when there is a fresh sample)."""
+    admits: bool = field(init=False, compare=False)
+    """Whether this backend may take a request now: healthy and not full. The routing core and
+    the policies route only to backends that admit."""
 
-    @property
-    def admits(self) -> bool:
-        """Whether this backend may take a request now: healthy and not full. The routing core
-        and the policies route only to backends that admit."""
-        return self.healthy and not self.full
+    def __init__(
+        self,
+        name: str,
+        pool: Pool,
+        healthy: bool = True,
+        in_flight: int = 0,
+        in_flight_tokens: int = 0,
+        running: int | None = None,
+        queued: int | None = None,
+        accept_length: float | None = None,
+        sample_age_s: float | None = None,
+        cached_tokens: int = 0,
+        full: bool = False,
+        max_running: int | None = None,
+    ) -> None:
+        self.name = name
+        self.pool = pool
+        self.healthy = healthy
+        self.in_flight = in_flight
+        self.in_flight_tokens = in_flight_tokens
+        self.running = running
+        self.queued = queued
+        self.accept_length = accept_length
+        self.sample_age_s = sample_age_s
+        self.cached_tokens = cached_tokens
+        self.full = full
+        self.max_running = max_running
+        if running is None:
+            self.load = in_flight
+        else:
+            scraped = running + queued if queued else running
+            self.load = scraped if scraped > in_flight else in_flight
+        self.admits = healthy and not full
 
     @property
     def scraped(self) -> int | None:
@@ -131,15 +174,6 @@ class BackendLoad:
         if self.running is None:
             return None
         return self.running + (self.queued or 0)
-
-    @property
-    def load(self) -> int:
-        """The larger of the local in-flight count and the backend-reported load."""
-        # `scraped` inlined: this is read several times per routing decision.
-        if self.running is None:
-            return self.in_flight
-        scraped = self.running + (self.queued or 0)
-        return scraped if scraped > self.in_flight else self.in_flight
 
 
 @dataclass(slots=True)
@@ -280,6 +314,14 @@ class Policy(Protocol):
         """Feedback once a request chosen by this policy has ended (`policies.routing.teaches`
         says whether it is one a policy should learn speeds from)."""
         ...
+
+
+def reads_features(policy: object) -> bool:
+    """Whether `policy` may read `RequestInfo.features`: True unless it has an attribute
+    `reads_features` that is False (optional, like `Resettable`). The proxy extracts a request's
+    features (`policies.features`, 6-25 us) only when its policy or a shadow policy may read
+    them; otherwise `RequestInfo.features` is None, as for a trace without text."""
+    return getattr(policy, "reads_features", True) is not False
 
 
 @runtime_checkable

@@ -15,6 +15,7 @@ from policies.spec import NoParams, PolicyContext, PolicySpec
 
 class CacheOnlyPolicy:
     name = "cache_only"
+    reads_features = False
 
     def __init__(self, params: NoParams, context: PolicyContext) -> None:
         self._rng = random.Random(f"{context.seed}/cache_only")

@@ -9,7 +9,9 @@ and ask the speed profile what the request would cost there (`SpeedModel.predict
   the margin of the pool's completion rate, so the pool chosen is the one whose total rate
   grows most. A request that would wait in a full pool's queue adds nothing there (a queued
   request produces nothing): its cost is infinite while the other pool still gains from one
-  more request. When neither gains, the request goes where it finishes sooner.
+  more request. When neither gains, the request goes where it finishes sooner. A pool is full
+  at the backend's own running-request cap when it reports one (`BackendLoad.max_running`),
+  else at the profile's `max_running_requests`.
 - `scope=request` is the selfish rule: the pool that finishes this request sooner.
 
 `objective=ttft` compares times to first token instead (system scope: never a queue while the
@@ -71,8 +73,10 @@ DEFAULT_PREFILL_TOK_S = 10_000.0
 """Prefill rate assumed for a profile that gives none: the order of magnitude of one GPU node
 prefilling a mid-size model (SGLang serves tens of thousands of prompt tokens per second on an
 8-GPU node for 8B-70B models); it only prices the tokens a cache saves."""
-Prediction = tuple[float, float, float, bool, float, int]
-"""(TTFT, end-to-end, marginal cost, would queue, time per output token, its load) on one backend."""
+Prediction = tuple[float, float, float, bool, float, int, float | None]
+"""(TTFT, end-to-end, marginal cost, would queue, time per output token, its load, its own prefill
+seconds when the profile gives the pool's prefill rate and the policy is prefix-aware, else None)
+on one backend."""
 
 
 class CostModelParams(BaseModel):
@@ -217,6 +221,11 @@ class CostModelPolicy:
             "baseline": self._baseline.prefill_tok_s,
             "eagle": self._eagle.prefill_tok_s,
         }
+        self._per_backend: dict[Pool, bool] = {
+            p: params.prefix_aware and rate is not None for p, rate in self._prefill_rate.items()
+        }
+        """Per pool: every backend is predicted (queued prefill differs per backend) and the one a
+        request goes to is booked."""
         self._prefill_ends: dict[str, deque[float]] = {}
         """Per backend: when the prefills this policy sent there and that have not ended yet end
         (its own estimate; one prefill at a time, FIFO, so the times increase)."""
@@ -237,6 +246,11 @@ class CostModelPolicy:
         self.content: ContentAcceptance | None = None
         if params.content_aware:
             self.content = ContentAcceptance(self._hint_priors, self._profile_accept)
+        self.reads_features = self.content is not None
+        """Content-blind (`content_aware: false`), it never reads `RequestInfo.features`."""
+        self._reported_caps: dict[str, int] = {}
+        """The running-request cap each backend last reported (`BackendLoad.max_running`), for
+        `observe` to place an outcome at the batch size its decision assumed."""
         self._content_own: tuple[float, float] | None = None
         """(eagle rate multiplier, speed factor) of the request being decided, from its content."""
 
@@ -256,7 +270,12 @@ class CostModelPolicy:
                 running += missing
         eagle = pool == "eagle"
         model = self._eagle if eagle else self._baseline
-        cap = model.max_running_requests
+        cap = backend.max_running  # the backend's own cap when it reports one, else the profile's
+        if cap is None:
+            cap = model.max_running_requests
+        else:
+            self._reported_caps[backend.name] = cap
+        own_prefill: float | None = None
         occupied = running + queued
         full = cap is not None and occupied >= cap
         batch = occupied + 1 if cap is None or occupied < cap else cap
@@ -282,7 +301,7 @@ class CostModelPolicy:
             rate = model.prefill_tok_s
             if rate is not None:
                 todo = request.prompt_tokens - cached
-                prefill_s = (todo if todo > 0 else 0) / rate
+                prefill_s = own_prefill = (todo if todo > 0 else 0) / rate
                 ends = self._prefill_ends.get(backend.name)
                 if ends:
                     while ends and ends[0] <= now:
@@ -298,8 +317,9 @@ class CostModelPolicy:
                 # never below zero TTFT, before (occupied) or after this request joins
                 at = occupied if cap is None or occupied < cap else cap
                 prefill_s = -min(cached / self._credit_rate, model.ttft_s(at))
-        # SpeedModel.predict_system_s inlined (the hot path: two calls per decision): the same
-        # operations in the same order (tests/policies/test_cost_model_inlined.py holds them equal)
+        # SpeedModel.predict_system_s inlined (the hot path: two calls per decision; a call alone
+        # costs more than this whole prediction, 1.1-1.6 against 0.9-1.0 us): the same operations
+        # in the same order (tests/policies/test_cost_model_inlined.py holds them equal)
         m = (n if n > 1 else 1) - 1
         decode_scale = own * speed
         if prefill_s is None:
@@ -326,11 +346,11 @@ class CostModelPolicy:
             rate_gain = (b + 1) * before - b * e2e
             cost = before * e2e / rate_gain if rate_gain > 0.0 else math.inf
         tpot = model.step_time(batch) / (own * speed) if self._slo else 0.0
-        return ttft + wait, e2e + wait, cost + wait + imposed, full, tpot, occupied
+        return ttft + wait, e2e + wait, cost + wait + imposed, full, tpot, occupied, own_prefill
 
     def _rank(self, p: Prediction) -> float:
         """What `cheapest_backend` minimises within a pool: the quantity pools are compared on."""
-        ttft, e2e, cost, queued, _, _ = p
+        ttft, e2e, cost, queued, _, _, _ = p
         if self._ttft:
             return math.inf if self._system and queued else ttft
         return cost if self._system else e2e
@@ -346,10 +366,10 @@ class CostModelPolicy:
         backends = members.backends
         if len(backends) == 1:  # the common deployment: nothing to compare
             only = backends[0]
-            if self._prefix_aware and self._prefill_rate[pool] is not None:
+            if self._per_backend[pool]:
                 return (only, self._predict(pool, only, request, n, now)) if only.healthy else None
             # first_least_loaded of one backend; naming it is what the routing core's pick would do
-            if only.healthy and not only.full:
+            if only.admits:
                 return only, self._predict(pool, only, request, n, now)
             return None
         if self._prefix_aware and (
@@ -382,17 +402,15 @@ class CostModelPolicy:
         b = on[0]
         if b is None:
             return Decision(pool, "", reason, ttfts, e2es, 0, self.name, accept_factor)
-        rate = self._prefill_rate[pool]
-        if self._prefix_aware and rate is not None:
+        prediction = on[1]
+        prefill_s = prediction[6]
+        if prefill_s is not None:  # `_per_backend[pool]`: book its prefill
             ends = self._prefill_ends.get(b.name)
             if ends is None:
                 ends = self._prefill_ends[b.name] = deque()
-            while ends and ends[0] <= now:
-                ends.popleft()
-            start = ends[-1] if ends else now
-            todo = request.prompt_tokens - b.cached_tokens
-            ends.append(start + (todo if todo > 0 else 0) / rate)
-        return Decision(pool, b.name, reason, ttfts, e2es, on[1][5], self.name, accept_factor)
+            # (`_predict` has dropped the prefills ended by `now`)
+            ends.append(ends[-1] + prefill_s if ends else now + prefill_s)
+        return Decision(pool, b.name, reason, ttfts, e2es, prediction[5], self.name, accept_factor)
 
     def reset(self) -> None:
         """A new segment (clock at 0): the prefills booked on the old clock are gone."""
@@ -412,8 +430,8 @@ class CostModelPolicy:
             assert on is not None
             ttft, e2e = on[1][:2]
             return self._decision(only, reason, on, {only: ttft}, {only: e2e}, request, now)
-        tb, eb, cb, qb, pb, _ = on_b[1]
-        te, ee, ce, qe, pe, _ = on_e[1]
+        tb, eb, cb, qb, pb, _, _ = on_b[1]
+        te, ee, ce, qe, pe, _, _ = on_e[1]
         # the smaller cost wins: system scope compares marginal costs (e2e) or, for TTFT, avoids
         # a queue while the other pool has a free slot; request scope the request's own time.
         # Where both marginal costs are infinite (neither pool gains from one more request),
@@ -459,7 +477,9 @@ class CostModelPolicy:
         pool = decision.pool
         model = self._baseline if pool == "baseline" else self._eagle
         batch = decision.backend_load + 1
-        cap = model.max_running_requests
+        cap = self._reported_caps.get(decision.backend) if self._reported_caps else None
+        if cap is None:
+            cap = model.max_running_requests
         if cap is not None and batch > cap:
             batch = cap
         if rate is None:

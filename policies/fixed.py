@@ -17,6 +17,7 @@ class FixedParams(BaseModel):
 
 class FixedPolicy:
     name = "fixed"
+    reads_features = False
 
     def __init__(self, params: FixedParams, context: PolicyContext) -> None:
         self.params = params

@@ -152,6 +152,7 @@ class _Bucket:
 
 class OnlinePolicy:
     name = "online"
+    reads_features = False
 
     def __init__(self, params: OnlineParams, context: PolicyContext) -> None:
         self.params = params

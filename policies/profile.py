@@ -44,6 +44,34 @@ class ProfilePoint(BaseModel):
     samples: int | None = Field(default=None, ge=0, description="Requests measured (informational).")
 
 
+def _sorted_points(points: list[ProfilePoint]) -> list[ProfilePoint]:
+    conc = [p.concurrency for p in points]
+    if len(set(conc)) != len(conc):
+        raise ValueError("points: duplicate concurrency values")
+    return points if conc == sorted(conc) else sorted(points, key=lambda p: p.concurrency)
+
+
+class TogetherProfile(BaseModel):
+    """A mode's speed while the other mode's server, co-located on the same cores, is busy too
+    (`specroute bench URL --together URL2` measures it; `profile merge --together` adds it)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+
+    points: list[ProfilePoint] = Field(
+        min_length=1,
+        description="Measured with both servers running `concurrency` requests each: this mode's "
+        "per-request decode tok/s and TTFT.",
+    )
+    prefill_tok_s: float | None = Field(
+        default=None, gt=0, description="Prefill rate while the other server is busy (optional)."
+    )
+
+    @model_validator(mode="after")
+    def _sorted_unique(self) -> TogetherProfile:
+        object.__setattr__(self, "points", _sorted_points(self.points))
+        return self
+
+
 class ModeProfile(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
 
@@ -68,14 +96,15 @@ class ModeProfile(BaseModel):
         "whose x-specroute-hint names the category.",
     )
     points: list[ProfilePoint] = Field(min_length=1)
+    together: TogetherProfile | None = Field(
+        default=None,
+        description="This mode's speed while the other mode's server is busy on the same cores "
+        "(co-located servers; optional: without it the servers do not slow each other).",
+    )
 
     @model_validator(mode="after")
     def _sorted_unique(self) -> ModeProfile:
-        conc = [p.concurrency for p in self.points]
-        if len(set(conc)) != len(conc):
-            raise ValueError("points: duplicate concurrency values")
-        if conc != sorted(conc):
-            object.__setattr__(self, "points", sorted(self.points, key=lambda p: p.concurrency))
+        object.__setattr__(self, "points", _sorted_points(self.points))
         return self
 
 

@@ -12,6 +12,7 @@ from policies.spec import NoParams, PolicyContext, PolicySpec
 
 class RoundRobinPolicy:
     name = "round_robin"
+    reads_features = False
 
     def __init__(self, params: NoParams, context: PolicyContext) -> None:
         self._next = 0

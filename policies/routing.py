@@ -74,8 +74,8 @@ def pick_backend(pool: PoolLoad, rng: random.Random, exclude: Collection[str] = 
     backends = pool.backends
     if len(backends) == 1:  # the common deployment: no ties, no rng draw
         only = backends[0]
-        return only if only.healthy and not only.full and only.name not in exclude else None
-    candidates = [b for b in backends if b.healthy and not b.full and b.name not in exclude]
+        return only if only.admits and only.name not in exclude else None
+    candidates = [b for b in backends if b.admits and b.name not in exclude]
     if not candidates:
         return None
     return candidates[least_loaded_index([b.load for b in candidates], rng)]
@@ -88,11 +88,11 @@ def first_least_loaded(pool: PoolLoad) -> BackendLoad | None:
     backends = pool.backends
     if len(backends) == 1:
         only = backends[0]
-        return only if only.healthy and not only.full else None
+        return only if only.admits else None
     best: BackendLoad | None = None
     best_load = 0
     for b in backends:
-        if b.healthy and not b.full:
+        if b.admits:
             load = b.load
             if best is None or load < best_load:
                 best, best_load = b, load
@@ -107,7 +107,7 @@ def cheapest_backend(
     best: BackendLoad | None = None
     best_key = (math.inf, 0)
     for b in pool.backends:
-        if b.healthy and not b.full:
+        if b.admits:
             key = (cost(b), b.load)
             if best is None or key < best_key:
                 best, best_key = b, key
@@ -216,12 +216,12 @@ def _complete(decision: Decision, view: LoadView, rng: random.Random) -> Decisio
     chosen: BackendLoad | None = None
     if len(backends) == 1 and (not name or name == backends[0].name):  # the common case, inlined
         only = backends[0]
-        if only.healthy and not only.full:
+        if only.admits:
             chosen = only
     elif name:
         for b in backends:
             if b.name == name:
-                if b.healthy and not b.full:
+                if b.admits:
                     chosen = b
                 break
         else:

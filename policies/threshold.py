@@ -55,6 +55,7 @@ def pool_load(pool: PoolLoad, signal: Signal) -> int:
 
 class ThresholdPolicy:
     name = "threshold"
+    reads_features = False
 
     def __init__(self, params: ThresholdParams, context: PolicyContext) -> None:
         self.params = params

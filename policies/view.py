@@ -12,6 +12,8 @@ policy sees cannot differ between them:
 - **Admission.** A backend at its in-flight bound, or in a pool at its bound, is `full`: it is
   still healthy, but it does not admit (`BackendLoad.admits`), so policies and the routing core
   route around it.
+- **Capacity.** The running-request cap a backend reports (`max_running`, None when it reports
+  none) goes into the view as it is: policies predict queueing from it, else from the profile.
 - **Prefix belief.** `cached_tokens` is the longest prefix of the request's block fingerprint
   in the router's `PrefixIndex` of that backend, in tokens, at most the request's prompt
   estimate (`believed_cached`); the index learns a prompt when the request is dispatched there
@@ -49,6 +51,7 @@ def backend_load(
     stale_after_s: float = STALE_AFTER_S,
     replicas: float = 1.0,
     cached_tokens: int = 0,
+    max_running: int | None = None,
 ) -> BackendLoad:
     """A backend's `BackendLoad` as one replica sees it at `now`: its own in-flight counts, and
     the last sample (taken at `sample_time`, when this replica had `sample_in_flight` requests
@@ -56,8 +59,9 @@ def backend_load(
     than `stale_after_s` (or none) leaves `running` None (own in-flight counts only)."""
     if sample_time is None or running is None or now - sample_time > stale_after_s:
         return BackendLoad(
-            name, pool, healthy, in_flight, in_flight_tokens, None, None, None, None, cached_tokens, full
-        )
+            name, pool, healthy, in_flight, in_flight_tokens, None, None, None, None, cached_tokens, full,
+            max_running,
+        )  # fmt: skip
     r, q = believed_counts(running, queued or 0, in_flight, sample_in_flight, replicas)
     return BackendLoad(
         name,
@@ -71,6 +75,7 @@ def backend_load(
         now - sample_time,
         cached_tokens,
         full,
+        max_running,
     )
 
 

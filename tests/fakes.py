@@ -422,3 +422,18 @@ class ShiftedClock:
 
     def advance(self, seconds: float) -> None:
         self.offset += seconds
+
+    async def ticking(self, aw: Awaitable[Any], step_s: float) -> Any:
+        """Await `aw` while this clock moves on by `step_s` every two of the proxy's deadline
+        polls (`POLL_S`): each deadline shorter than `step_s` that `aw` meets expires at the next
+        tick, whenever it was armed, so a chain of timeouts (a first byte on one backend, then
+        on the next) runs in a few real tenths of a second. Every deadline on this clock moves:
+        limits that must not expire meanwhile (an idle timeout) are set well above `step_s`."""
+        from controller.proxy.watchdog import POLL_S
+
+        task = asyncio.ensure_future(aw)
+        while not task.done():
+            await asyncio.wait({task}, timeout=2 * POLL_S)
+            if not task.done():
+                self.advance(step_s)
+        return task.result()

@@ -160,6 +160,11 @@ class BenchRunner:
             enabled=progress,
         )
         """Where the sweep is and its ETA (also when `progress` is off: the estimates are kept)."""
+        self.measuring = True
+        """False once the running level's measured requests are all done (and between levels)."""
+        self.keep_busy: Callable[[], bool] | None = None
+        """While it returns True, a level whose measured requests are done keeps sending fillers
+        (`bench --together`: until the other server's measured requests are done too)."""
 
     def _body(self, model: str) -> dict[str, Any]:
         c = self.config
@@ -228,7 +233,7 @@ class BenchRunner:
                 elif measured_started < n_target:
                     phase = "measured"
                     measured_started += 1
-                elif measured_done < n_target:
+                elif measured_done < n_target or (self.keep_busy is not None and self.keep_busy()):
                     phase = "filler"
                 else:
                     return
@@ -255,6 +260,7 @@ class BenchRunner:
                 if phase == "measured":
                     measured_done += 1
                     state.measured_done = measured_done
+                    self.measuring = measured_done < n_target
                 elif phase == "warmup":
                     state.warmup_done += 1
                 else:
@@ -267,6 +273,7 @@ class BenchRunner:
                 await asyncio.sleep(0.5)
 
         side = [asyncio.create_task(ticker()), asyncio.create_task(watch.run())]
+        self.measuring = True
         try:
             async with asyncio.TaskGroup() as tg:
                 for _ in range(level):
@@ -275,6 +282,7 @@ class BenchRunner:
             self.sweep.end_level(None)  # interrupted: the bar goes, the estimates learn nothing
             raise
         finally:
+            self.measuring = False
             for task in side:
                 task.cancel()
             for task in side:

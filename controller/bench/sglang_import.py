@@ -20,6 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from controller.proxy.engines import server_info_cap
 from policies.base import Pool
 from policies.jsonl import read_jsonl
 from policies.profile import Profile, parse_profile
@@ -33,10 +34,6 @@ def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         return None
     return float(v)
-
-
-def _count(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
 
 
 def parse_server_info(info: Any) -> dict[str, Any]:
@@ -55,11 +52,7 @@ def parse_server_info(info: Any) -> dict[str, Any]:
     state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
     accept = _num(state.get("avg_spec_accept_length"))
     out["avg_spec_accept_length"] = accept if accept and accept > 0 else None
-    cap = _count(info.get("max_running_requests"))
-    per_dp = _count(state.get("effective_max_running_requests_per_dp"))
-    if cap is None and per_dp is not None:
-        cap = per_dp * (_count(info.get("dp_size")) or 1)
-    out["max_running_requests"] = cap
+    out["max_running_requests"] = server_info_cap(info)
     algo = info.get("speculative_algorithm")
     out["speculative_algorithm"] = algo if isinstance(algo, str) else None
     return out

@@ -4,15 +4,18 @@ Servers that share a machine's cores (both pools on one host, as on a CPU test b
 other down: a profile of each measured alone is optimistic for the pair. Here both sweeps run
 level by level in step: at every concurrency level both servers run their closed loops at once
 (each its own warm-up, measured and filler requests), and the next level starts when both have
-finished. The faster server's level ends first, so the slower one's last requests may run alone;
-the per-level wall times printed for each show how long that was.
+finished. The server whose measured requests are done first keeps sending fillers until the
+other's are done too, so every measured request of either ran with the other server loaded at
+that level (the faster one's level then has more fillers and a longer wall time).
 URL gets `mode`, URL2 the other mode; the result is one `BenchResult` per server and one
-two-mode profile.
+two-mode profile, marked `measured_together`: its points are what `profile merge --together`
+makes each mode's together points (`policies.together`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -42,6 +45,7 @@ async def run_together(
             for c in (first, second)
         ]
         runners = [BenchRunner(c) for c in configs]
+        runners[0].keep_busy, runners[1].keep_busy = _measuring(runners[1]), _measuring(runners[0])
         done = await asyncio.gather(*(r.run() for r in runners))
         for k, result in enumerate(done):
             result.metadata["together_with"] = configs[1 - k].url
@@ -59,6 +63,11 @@ async def run_together(
     return results[0], results[1]
 
 
+def _measuring(runner: BenchRunner) -> Callable[[], bool]:
+    """Whether `runner`'s level still has measured requests to finish."""
+    return lambda: runner.measuring
+
+
 def together_profile(first: BenchResult, second: BenchResult, mode: Pool, name: str | None = None) -> Profile:
     """One two-mode profile: `first`'s levels as `mode`, `second`'s as the other mode."""
     a, b = first.to_profile(mode), second.to_profile(other(mode))
@@ -66,6 +75,7 @@ def together_profile(first: BenchResult, second: BenchResult, mode: Pool, name: 
         "format": "specroute.profile/v1",
         "name": name or f"{first.label} + {second.label}, measured together",
         "source": f"measured together (both servers loaded at every level): {a.source} | {b.source}",
+        "measured_together": True,
         "modes": {
             **{m: p.model_dump(mode="json", exclude_none=True) for m, p in a.modes.items()},
             **{m: p.model_dump(mode="json", exclude_none=True) for m, p in b.modes.items()},

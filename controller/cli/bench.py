@@ -35,6 +35,7 @@ from controller.cli.args import (
 )
 from policies.profile import Profile, ProfileError, parse_profile, resolve_profile
 from policies.stats import Estimate
+from policies.together import describe as describe_together
 
 
 def _header(text: str) -> tuple[str, str]:
@@ -145,7 +146,8 @@ def configure_bench(b: argparse.ArgumentParser) -> None:
         metavar="URL2",
         help="measure URL2 at the same time, level by level (servers sharing cores slow each other): "
         "URL2 gets the other --mode, --out's result for it goes beside --out (NAME.together.json), "
-        "and --profile-out gets both modes",
+        "and --profile-out gets both modes as measured together (`profile merge --together` makes "
+        "them the together points of a profile measured alone)",
     )
     b.add_argument("--profile-name", default=None, help="name field of the written profile")
     b.add_argument(
@@ -194,6 +196,14 @@ def configure_profile(p: argparse.ArgumentParser) -> None:
     m.add_argument("inputs", nargs="+", metavar="PROFILE", help="profile files (or built-in names)")
     m.add_argument("-o", "--out", required=True, metavar="FILE")
     m.add_argument("--name", default=None)
+    m.add_argument(
+        "--together",
+        metavar="PROFILE",
+        help="a profile of the same servers measured together (`specroute bench URL --together URL2`): "
+        "its points become each mode's together points, the speed while the other server is busy "
+        "(co-located servers; the simulator then slows a server while its partner runs); with it one "
+        "input is enough",
+    )
     m.set_defaults(func=run_profile_merge)
 
     def usage(args: argparse.Namespace) -> int:
@@ -450,8 +460,13 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def merge_profiles(profiles: Sequence[tuple[str, Profile]], name: str | None = None) -> Profile:
-    """One profile with the modes of all inputs; a mode present twice is an error."""
+def merge_profiles(
+    profiles: Sequence[tuple[str, Profile]],
+    name: str | None = None,
+    together: tuple[str, Profile] | None = None,
+) -> Profile:
+    """One profile with the modes of all inputs; a mode present twice is an error. `together`'s
+    modes (a profile measured with both servers busy) become the modes' together points."""
     modes: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for path, prof in profiles:
@@ -463,10 +478,27 @@ def merge_profiles(profiles: Sequence[tuple[str, Profile]], name: str | None = N
                 )
             modes[mode] = mode_profile.model_dump(mode="json", exclude_none=True)
             origin[mode] = path
+    sources = [f"{path}: {p.source}" for path, p in profiles]
+    if together is not None:
+        path, prof = together
+        for mode, measured in prof.modes.items():
+            if mode not in modes:
+                raise ProfileError(
+                    f"{path} has a {mode!r} mode but the profiles merged have none (they have: "
+                    f"{', '.join(modes)}): --together needs a profile of the same servers"
+                )
+            if "together" in modes[mode]:
+                raise ProfileError(f"both {origin[mode]} and {path} give together points for {mode!r}")
+            points = [p.model_dump(mode="json", exclude_none=True) for p in measured.points]
+            spec: dict[str, Any] = {"points": points}
+            if measured.prefill_tok_s is not None:
+                spec["prefill_tok_s"] = measured.prefill_tok_s
+            modes[mode]["together"] = spec
+        sources.append(f"together points from {path}: {prof.source}")
     data: dict[str, Any] = {
         "format": "specroute.profile/v1",
         "name": name or " + ".join(p.name for _, p in profiles),
-        "source": "merged: " + " | ".join(f"{path}: {p.source}" for path, p in profiles),
+        "source": "merged: " + " | ".join(sources),
         "modes": modes,
     }
     engines = {(p.model_extra or {}).get("engine") for _, p in profiles}
@@ -476,15 +508,25 @@ def merge_profiles(profiles: Sequence[tuple[str, Profile]], name: str | None = N
 
 
 def run_profile_merge(args: argparse.Namespace) -> int:
-    if len(args.inputs) < 2:
-        raise CommandError("give at least two profiles to merge")
+    if len(args.inputs) < 2 and not args.together:
+        raise CommandError("give at least two profiles to merge (or one and --together PROFILE)")
     try:
-        merged = merge_profiles([(p, resolve_profile(p)) for p in args.inputs], args.name)
+        together_with = None if args.together is None else (args.together, resolve_profile(args.together))
+        merged = merge_profiles([(p, resolve_profile(p)) for p in args.inputs], args.name, together_with)
     except ProfileError as e:
         raise CommandError(str(e)) from None
+    if together_with is not None and not (together_with[1].model_extra or {}).get("measured_together"):
+        print(
+            f"warning: {args.together} does not say it was measured together (bench --together writes "
+            "measured_together: true): its points are taken as the speeds with both servers busy",
+            file=sys.stderr,
+        )
     try:
         _write_profile(merged, args.out)
     except OSError as e:
         raise CommandError(f"cannot write {args.out}: {e.strerror or e}") from None
     print(f"wrote {args.out}: modes {', '.join(merged.modes)}")
+    note = describe_together(merged)
+    if note is not None:
+        print(note)
     return 0

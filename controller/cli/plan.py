@@ -27,8 +27,9 @@ from controller.cli.workload_args import (
     profile_ref,
     workload_from_args,
 )
+from policies import together
 from policies.params import parse_assignments, split_policy_ref
-from policies.profile import resolve_profile
+from policies.profile import Profile, resolve_profile
 from policies.registry import default_registry
 from simulator.engine.results import Slo
 from simulator.engine.servers import SERVER_KINDS, ServerKind
@@ -190,16 +191,18 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
     )
 
 
-def _describe(spec: PlanSpec, profile_name: str) -> str:
+def _describe(spec: PlanSpec, profile: Profile) -> str:
     w = spec.workload
     sweep = (
         f"sweep, levels {' '.join(map(str, w.levels))}, {w.requests_per_level} measured requests/level "
         f"after {w.warmup} warm-up"
     )
-    return (
-        f"profile {profile_name!r}; {spec.servers} servers over {', '.join(spec.kinds)}; "
+    line = (
+        f"profile {profile.name!r}; {spec.servers} servers over {', '.join(spec.kinds)}; "
         f"{describe_workload(w, sweep)}"
     )
+    colocation = together.describe(profile)
+    return line if colocation is None else f"{line}\n{colocation}"
 
 
 def _warn_transient(spec: PlanSpec) -> None:
@@ -252,9 +255,14 @@ def _main(args: argparse.Namespace) -> int:
                 draft_model_path=args.draft_model_path,
             ),
         )
-        description = _describe(spec, profile.name)
+        description = _describe(spec, profile)
         if args.json:
-            print(json.dumps(plan_json(result, args.out), indent=2))
+            doc = plan_json(result, args.out)
+            colocation = together.to_json(profile)
+            if colocation is not None:
+                doc["colocation"] = colocation
+                print(f"note: {together.describe(profile)}", file=sys.stderr)
+            print(json.dumps(doc, indent=2))
         else:
             print(format_plan(result, description))
             print(f"\nconfig for {result.reference.best.label} written to {args.out}")

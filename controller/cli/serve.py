@@ -213,6 +213,14 @@ async def _serve(
             [b.name for b in settings.baseline],
             [b.name for b in settings.eagle],
         )
+        unnamed = sum(b.name == b.url for b in settings.backends())
+        if not settings.backend_header and unnamed:
+            log.warning(
+                "backend_header is false, but %d backend(s) have no name: clients learn nothing of them, "
+                "while /metrics labels and logs (operators' surfaces) name them by URL; configure them "
+                "as NAME=URL to keep the URLs out of those too",
+                unnamed,
+            )
 
         reloader = ConfigReloader(
             args.config,

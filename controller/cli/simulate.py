@@ -32,6 +32,7 @@ from controller.cli.workload_args import (
     transient_warning,
     workload_from_args,
 )
+from policies import together
 from policies.params import parse_assignments, parse_policy_ref, split_policy_ref
 from policies.profile import Profile, resolve_profile
 from policies.registry import default_registry
@@ -224,7 +225,9 @@ def _describe(spec: WorkloadSpec, profile: Profile, servers: Profile) -> str:
     else:
         sizes = f"{spec.requests_per_level} requests/level + {spec.warmup} warm-up"
     truth = f"; servers run from {servers.name!r}" if servers is not profile else ""
-    return f"profile {profile.name!r}{truth}; {describe_workload(spec, f'sweep, levels {levels}, {sizes}')}"
+    line = f"profile {profile.name!r}{truth}; {describe_workload(spec, f'sweep, levels {levels}, {sizes}')}"
+    colocation = together.describe(servers)
+    return line if colocation is None else f"{line}\n{colocation}"
 
 
 def _servers(args: argparse.Namespace, profile: Profile) -> Profile:
@@ -291,6 +294,10 @@ def _simulate_main(args: argparse.Namespace) -> int:
             doc: dict[str, Any] = {"runs": [r.to_json() for r in runs]}
             if servers is not profile:
                 doc["server_profile"] = servers.name
+            colocation = together.to_json(servers)
+            if colocation is not None:
+                doc["colocation"] = colocation
+                print(f"note: {together.describe(servers)}", file=sys.stderr)
             print(json.dumps(doc, indent=2))
         else:
             print(description)

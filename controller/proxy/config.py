@@ -237,8 +237,9 @@ class Settings(BaseModel):
     body_max_compression_ratio: float = Field(
         default=100.0,
         gt=1,
-        description="Largest decompressed/compressed size of a compressed request body with a "
-        "Content-Length (else 413): a small gzip bomb is refused early.",
+        description="Largest decompressed/compressed size of a compressed request body (else 413): "
+        "held against its Content-Length, or without one (chunked) against the bytes received so far "
+        "as it inflates, so a small gzip bomb is refused early.",
     )
     client_write_timeout_s: float = Field(
         default=30.0,

@@ -207,6 +207,33 @@ def sglang_sample(found: Samples, taken_at: float) -> BackendSample | None:
     )
 
 
+def _count(value: object) -> int | None:
+    """A positive request count as SGLang writes one (an int or a whole float), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value < 2**31:
+        return None
+    return int(value) if value == int(value) else None
+
+
+def server_info_cap(info: object) -> int | None:
+    """The running-request cap in SGLang's `/server_info` (`/get_server_info`): the sum over
+    data-parallel ranks of `internal_states[].effective_max_running_requests_per_dp` (what the
+    schedulers apply, which can be below the launch argument when memory bounds it), else the
+    `max_running_requests` launch argument (null when unset); None when neither is a positive
+    count. The one reading of it: the scraper's admission bound and view, `specroute bench`'s
+    profile."""
+    if not isinstance(info, dict):
+        return None
+    states = info.get("internal_states")
+    if isinstance(states, list) and states:
+        caps = [
+            _count(s.get("effective_max_running_requests_per_dp")) if isinstance(s, dict) else None
+            for s in states
+        ]
+        if all(c is not None for c in caps):
+            return sum(c for c in caps if c is not None)
+    return _count(info.get("max_running_requests"))
+
+
 def parse_sglang_metrics(text: str, taken_at: float) -> BackendSample | None:
     """Parse SGLang's Prometheus text; None when it has no scheduler gauges (or is garbage)."""
     found = read_samples(text, SGLANG.wanted)

@@ -60,6 +60,7 @@ from policies.base import (
     Pool,
     RequestInfo,
     parse_pool,
+    reads_features,
 )
 from policies.features import extract_features
 from policies.routing import Router
@@ -92,8 +93,14 @@ Observer = Callable[[RequestRecord], None]
 
 
 def request_info(
-    body: Mapping[str, Any], endpoint: EndpointKind, headers: Mapping[str, str], allow_override: bool
+    body: Mapping[str, Any],
+    endpoint: EndpointKind,
+    headers: Mapping[str, str],
+    allow_override: bool,
+    features: bool = True,
 ) -> RequestInfo:
+    """What the policy may know of a request; its content `features` only when asked (they cost
+    6-25 us, and only a content-aware policy reads them)."""
     if endpoint == "generate":
         max_tokens = generate_max_tokens(body)
     else:
@@ -117,7 +124,7 @@ def request_info(
         max_tokens=max_tokens,
         hint=hint,
         forced_pool=forced,
-        features=extract_features(body, endpoint),
+        features=extract_features(body, endpoint) if features else None,
     )
 
 
@@ -186,6 +193,13 @@ class Forwarder:
             pool: f"Bearer {key.get_secret_value()}" if key is not None else None
             for pool, key in (("baseline", settings.baseline_api_key), ("eagle", settings.eagle_api_key))
         }
+
+    def features_wanted(self) -> bool:
+        """Whether the live policy or a shadow policy may read `RequestInfo.features` (else the
+        request's features are not extracted)."""
+        if reads_features(self.policy):
+            return True
+        return self.shadows is not None and any(reads_features(p) for _, p in self.shadows.policies)
 
     def auth_header(self, pool: Pool) -> str | None:
         """The Authorization header configured for `pool` (None: forward the client's)."""
@@ -285,7 +299,9 @@ class Forwarder:
         try:
             raw = await self.read_body(request, charge)
             body = await parse_body(raw, endpoint)
-            info = request_info(body, endpoint, request.headers, self.settings.allow_client_override)
+            info = request_info(
+                body, endpoint, request.headers, self.settings.allow_client_override, self.features_wanted()
+            )
             blocks = await prompt_blocks(body, endpoint, len(raw)) if self.settings.prefix_tracking else ()
             headers = upstream_headers(request.headers)
             if self.settings.log_bodies:

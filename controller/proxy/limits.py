@@ -107,17 +107,24 @@ async def read_body(
     clock: Clock = time.monotonic,
 ) -> bytes:
     """The request body, refused with 413 past `limit` bytes (decoded, so a compressed bomb is
-    cut early), past `max_ratio` times its declared compressed length or past `budget`; with 503
-    when `charge` cannot take it from the memory budget (`BODY_COPIES` bytes per byte read), with
-    408 when not complete within `timeout_s` (on `clock`)."""
+    cut early), past `max_ratio` times its compressed length or past `budget`; with 503 when
+    `charge` cannot take it from the memory budget (`BODY_COPIES` bytes per byte read), with 408
+    when not complete within `timeout_s` (on `clock`).
+
+    A compressed body's ratio is held against its declared `Content-Length` when it has one;
+    without one (chunked), against the compressed bytes received so far, as it inflates: past
+    the first `SLICE` decoded bytes, decoded > `max_ratio` x received is a 413. (aiohttp inflates
+    a bounded piece per read, so what is held before the check is bounded too.)"""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"request body too large: {declared} bytes declared, the limit is {limit}")
-    if declared is not None and max_ratio is not None and request.headers.get("Content-Encoding"):
+    encoded = bool(request.headers.get("Content-Encoding"))
+    if declared is not None and max_ratio is not None and encoded:
         limit = min(limit, max(SLICE, int(declared * max_ratio)))  # a compressed body's inflation
-    if declared is not None and charge is not None and not request.headers.get("Content-Encoding"):
+    if declared is not None and charge is not None and not encoded:
         if not charge.grow_to(BODY_COPIES * declared):  # refused before a byte of it is read
             raise MemoryBusy("specroute is holding as much request data as its memory budget allows")
+    ratio = max_ratio if declared is None and encoded else None
     buf = bytearray()
     content = request.content
     try:
@@ -126,6 +133,11 @@ async def read_body(
                 buf += chunk
                 if len(buf) > limit:
                     raise PayloadTooLarge(f"request body too large: more than {limit} bytes")
+                if ratio is not None and len(buf) > SLICE and len(buf) > ratio * content.total_raw_bytes:
+                    raise PayloadTooLarge(
+                        f"compressed request body inflates more than {ratio:g} times "
+                        f"({len(buf)} bytes from {content.total_raw_bytes})"
+                    )
                 if charge is not None and not charge.grow_to(BODY_COPIES * len(buf)):
                     raise MemoryBusy("specroute is holding as much request data as its memory budget allows")
                 budget.feed(buf, final=False)

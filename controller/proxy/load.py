@@ -55,6 +55,8 @@ class BackendState:
     """Set by the outlier detector: no requests until then (the proxy's clock)."""
     max_in_flight: int | None = None
     """Admission bound of this backend; None: unbounded."""
+    max_running: int | None = None
+    """The running-request cap the backend reports (None: not reported); in the view for policies."""
     backoff_until: float | None = None
     """Set by `controller.proxy.capacity` after a "queue full": takes no requests until then."""
     in_flight: int = 0
@@ -110,6 +112,7 @@ class BackendState:
             now=now,
             stale_after_s=stale_after_s,
             replicas=replicas,
+            max_running=self.max_running,
         )
 
 

@@ -9,7 +9,11 @@ answer), the rest is dropped unparsed, and the loop gets a turn after every chun
 huge or hostile answer costs a bounded amount and the proxy's requests keep flowing meanwhile
 (`benchmarks/scrape_stall.py` measures the longest stall). `/v1/loads` (SGLang, refreshed every
 15 decode steps instead of 40) is small JSON, read up to `LOADS_LIMIT_BYTES`; where both answer,
-running/queued come from it. A backend's engine is configured or detected at its first scrape
+running/queued come from it. An SGLang backend's running-request cap comes from `/server_info`
+(`/get_server_info` on older releases: the scheduler's effective cap per data-parallel rank,
+summed, else the `max_running_requests` launch argument), asked at its first scrape and every
+`recheck_every` scrapes after (launch arguments change only with a restart); `/v1/loads`' cap
+is the fallback. A backend's engine is configured or detected at its first scrape
 whose `/metrics` names one; `BackendScraper` then asks only that engine's endpoints.
 `ScrapeLoop` runs a scraper per backend in the background and stores the samples in the
 `LoadTracker`.
@@ -39,6 +43,7 @@ from controller.proxy.engines import (
     detect,
     parse_sglang_metrics,
     read_samples,
+    server_info_cap,
     sglang_sample,
     vllm_sample,
 )
@@ -63,6 +68,10 @@ SCRAPE_LIMIT_BYTES = 8 * 1024 * 1024
 LOADS_LIMIT_BYTES = 256 * 1024
 """Largest /v1/loads answer parsed (a few hundred bytes per data-parallel rank): JSON is parsed in
 one call, so its size bounds the stall."""
+INFO_LIMIT_BYTES = 256 * 1024
+"""Largest /server_info answer parsed (its launch arguments are a few kB)."""
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+"""SGLang's server info route, and its name on older releases."""
 SCRAPE_BUDGET_S = 0.1
 """CPU seconds one scrape may spend filtering `/metrics` lines before it gives up."""
 CHUNK_BYTES = 64 * 1024
@@ -221,6 +230,9 @@ class BackendScraper:
         )
         self._counters: VllmCounters | None = None
         self._scrapes = 0
+        self.capacity: int | None = None
+        """The running-request cap `/server_info` reported (SGLang; None: not known)."""
+        self._info_asked = False
 
     def _ask(self, known: bool | None) -> bool:
         return known is not False or self._scrapes % self.recheck_every == 0
@@ -264,8 +276,24 @@ class BackendScraper:
             except (ResponseTooLarge, ValueError):
                 return None
 
+    async def _server_info(self, session: aiohttp.ClientSession) -> int | None:
+        """The cap SGLang's `/server_info` (or `/get_server_info`) reports; None when it reports
+        none or cannot be read now."""
+        try:
+            for path in SERVER_INFO_PATHS:
+                async with self._request(session, path) as resp:
+                    if resp.status == 404:
+                        continue
+                    if resp.status != 200:
+                        return None
+                    return server_info_cap(json.loads(await read_bounded(resp, INFO_LIMIT_BYTES)))
+        except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as e:
+            log.debug("server info of %s not read: %s", self.url, type(e).__name__)
+        return None
+
     async def scrape(self, session: aiohttp.ClientSession, now: float) -> BackendSample | None:
-        """One scrape; raises aiohttp/OS/timeout errors when the backend cannot be reached."""
+        """One scrape; raises aiohttp/OS/timeout errors when the backend cannot be reached. The
+        sample's `max_running` is `/server_info`'s cap when SGLang reports one there."""
         self._scrapes += 1
         metrics = loads = None
         if self._ask(self.has_metrics):
@@ -276,7 +304,15 @@ class BackendScraper:
             self.has_loads = loads is not None
             if loads is not None and self.engine is None:
                 self.engine = SGLANG
-        return merge_samples(metrics, loads)
+        if self.engine is SGLANG and (not self._info_asked or self._scrapes % self.recheck_every == 0):
+            self._info_asked = True
+            cap = await self._server_info(session)
+            if cap is not None:
+                self.capacity = cap
+        sample = merge_samples(metrics, loads)
+        if sample is not None and self.capacity is not None:
+            sample = replace(sample, max_running=self.capacity)
+        return sample
 
 
 CapacityHook = Callable[[str, int], None]
@@ -361,10 +397,10 @@ class ScrapeLoop:
             )
             self.latest[name] = sample
             self.samples += 1
-            cap = sample.max_running
-            if cap is not None and self.on_capacity is not None:
-                # every sample, not only on a change: a config reload resets the bounds
-                self.on_capacity(name, cap)
+        cap = sample.max_running if sample is not None else scraper.capacity
+        if cap is not None and self.on_capacity is not None:
+            # every scrape, not only on a change: a config reload resets the bounds
+            self.on_capacity(name, cap)
         return sample
 
     def _warn_no_metrics(self, name: str, scraper: BackendScraper) -> None:
@@ -401,10 +437,12 @@ class ScrapeLoop:
 def apply_reported_cap(
     tracker: LoadTracker, bounded: Callable[[Pool], bool], margin: float, name: str, cap: int
 ) -> int | None:
-    """Set backend `name`'s admission bound from the running-request cap it reports:
-    `ceil(cap x (1 + margin))`, unless its pool's bound is set explicitly (`bounded(pool)`).
-    Returns the new bound when it changed (None when left alone)."""
+    """Backend `name` reports running `cap` requests at most: the view carries it (policies
+    predict its queue from it), and its admission bound becomes `ceil(cap x (1 + margin))`
+    unless its pool's bound is set explicitly (`bounded(pool)`). Returns the new bound when it
+    changed (None when left alone)."""
     backend = tracker.get(name)
+    backend.max_running = cap
     if bounded(backend.pool):
         return None
     bound = math.ceil(cap * (1 + margin))

@@ -94,6 +94,11 @@ class Requests:
     ) -> None:
         n = len(batch.output_tokens)
         self.batch = batch
+        self.prompt_tokens = batch.prompt_tokens
+        self.max_tokens = batch.max_tokens
+        self.hints = batch.hints
+        self.output_tokens = batch.output_tokens
+        self.accept = batch.accept
         self.features = features
         self.arrival = arrival
         self.first = first
@@ -104,9 +109,9 @@ class Requests:
         self._cache: dict[tuple[int, int | None, str | None, object], RequestInfo] = {}
 
     def info(self, a: int) -> RequestInfo:
-        b = self.batch
         features = self.features
-        key = (b.prompt_tokens[a], b.max_tokens[a], b.hints[a], None if features is None else features[a])
+        f = None if features is None else features[a]
+        key = (self.prompt_tokens[a], self.max_tokens[a], self.hints[a], f)
         info = self._cache.get(key)
         if info is None:
             if len(self._cache) >= _INFO_CACHE_MAX:
@@ -136,14 +141,14 @@ class Requests:
         start = self.arrival[r]
         accepted = None
         if self.spec_details and s.speculative and s.accept_length is not None:
-            accepted = self.batch.accept[r] * s.accept_length
+            accepted = self.accept[r] * s.accept_length
         cached = self.cached
         return Outcome(
             info,
             decision,
             start,
             self.first[r] - start,
-            self.batch.output_tokens[r],
+            self.output_tokens[r],
             t - start,
             "ok",
             accepted,

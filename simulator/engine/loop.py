@@ -28,6 +28,7 @@ from policies.base import Policy, RequestFeatures
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.routing import reset
 from simulator.engine.clients import FILLER, MEASURED, NOT_SENT, WARMUP, ClosedLoop, OpenLoop
+from simulator.engine.colocation import link, server_types
 from simulator.engine.dispatch import Dispatcher, LeastLoaded, OneRouter, Replicas, Requests, SimulationError
 from simulator.engine.events import EventQueue
 from simulator.engine.routers import RouterGroup, Routers
@@ -215,10 +216,12 @@ def simulate(
     cached = [0] * n
     prompts = Prompts(batch.prompt_tokens, batch.blocks if caching else None, batch.block_tokens, cached)
     arrival, first, finish = [0.0] * n, [0.0] * n, [0.0] * n
+    kinds = server_types(servers)  # `Server`, or `ColocatedServer` for a co-located pair
     states = [
-        Server(m, i, events, prompts, table_size, out, batch.accept, budget, first, finish)
+        kinds[i](m, i, events, prompts, table_size, out, batch.accept, budget, first, finish)
         for i, m in enumerate(servers)
     ]
+    link(states)
     requests = Requests(batch, batch.features, arrival, first, cached if caching else None, spec_details)
     dispatcher, multi = _dispatcher(states, policy, routers, batch, requests, seed, index_cache_tokens)
     engine = _Engine(states, dispatcher, arrival, n)

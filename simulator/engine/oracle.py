@@ -16,6 +16,10 @@ baseline". The expectations are taken over the level's own requests, and the spe
 simulated servers' own tables, so the oracle is the figure a perfect static router would reach
 on those servers with that traffic (its steady state: `throughput_tok_s` of a level measured
 after a warm-up of at least `C` requests, over at least `10 * C`).
+
+Co-located pairs (`simulator.engine.colocation`): a pair's two servers are one unit of the
+search, and a split that gives both of them clients runs each at its together tables (both are
+busy at all times in a static split); the search is then over the units in the same way.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from simulator.engine.colocation import pairs
 from simulator.engine.loop import RequestBatch
 from simulator.engine.servers import ServerModel
 
@@ -58,6 +63,9 @@ def server_throughput(server: ServerModel, clients: int, batch: RequestBatch) ->
 def best_static_split(servers: Sequence[ServerModel], clients: int, batch: RequestBatch) -> Oracle:
     """The split of `clients` over `servers` with the highest total throughput (ties: the first
     split found, servers filled in deployment order)."""
+    paired = pairs(servers)
+    if paired:
+        return _best_colocated_split(servers, clients, batch, paired)
     # best[c] = (throughput, split) using the servers seen so far with c clients on them
     empty: tuple[int, ...] = ()
     best: list[tuple[float, tuple[int, ...]]] = [(0.0, empty)] + [(-math.inf, empty)] * clients
@@ -75,3 +83,44 @@ def best_static_split(servers: Sequence[ServerModel], clients: int, batch: Reque
         best = nxt
     throughput, split = best[clients]
     return Oracle(throughput, split)
+
+
+def _best_colocated_split(
+    servers: Sequence[ServerModel], clients: int, batch: RequestBatch, paired: Sequence[tuple[int, int]]
+) -> Oracle:
+    """`best_static_split` with each co-located pair searched as one unit (module's opening)."""
+    in_pair = {i for pair in paired for i in pair}
+    units: list[tuple[int, ...]] = sorted([*paired, *((i,) for i in range(len(servers)) if i not in in_pair)])
+    nothing: tuple[tuple[int, ...], ...] = ()
+    best = [(0.0, nothing)] + [(-math.inf, nothing)] * clients
+    for unit in units:
+        gain: list[tuple[float, tuple[int, ...]]] = []
+        for c in range(clients + 1):
+            if len(unit) == 1:
+                gain.append((server_throughput(servers[unit[0]], c, batch), (c,)))
+                continue
+            first, second = servers[unit[0]], servers[unit[1]]
+            top, where = -math.inf, (c, 0)
+            for k in range(c + 1):  # k clients on the second server, c - k on the first
+                a = first.together if k > 0 and first.together is not None else first
+                b = second.together if c - k > 0 and second.together is not None else second
+                total = server_throughput(a, c - k, batch) + server_throughput(b, k, batch)
+                if total > top:
+                    top, where = total, (c - k, k)
+            gain.append((top, where))
+        nxt: list[tuple[float, tuple[tuple[int, ...], ...]]] = []
+        for c in range(clients + 1):
+            top, placed = -math.inf, best[0][1]
+            for k in range(c + 1):
+                before, so_far = best[c - k]
+                total = before + gain[k][0]
+                if total > top:
+                    top, placed = total, (*so_far, gain[k][1])
+            nxt.append((top, placed))
+        best = nxt
+    throughput, placement = best[clients]
+    split = [0] * len(servers)
+    for unit, ks in zip(units, placement, strict=True):
+        for i, k in zip(unit, ks, strict=True):
+            split[i] = k
+    return Oracle(throughput, tuple(split))

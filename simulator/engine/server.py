@@ -148,7 +148,9 @@ class Server:
         self.prefill_free = 0.0
         """When the prefill of the requests admitted so far ends."""
         cache_blocks = (model.cache_tokens or 0) // prompts.block_tokens
-        self.cache = BlockCache(cache_blocks) if cache_blocks > 0 else None
+        self.cache = BlockCache(cache_blocks) if cache_blocks > 0 and prompts.blocks is not None else None
+        """The server's prefix cache; None when it has none or the run's prompts have no blocks
+        (nothing could hit it: admission takes the inlined path)."""
         self.rate_table = model.rate
         self.speculative = model.speculative
         self.ttft_table = model.ttft

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from policies.base import POOLS, Pool
-from policies.profile import Profile, SpeedModel
+from policies.profile import ModeProfile, Profile, ProfilePoint, SpeedModel
+from policies.together import together_mode
 
 ServerKind = Literal["baseline", "eagle", "adaptive"]
 SERVER_KINDS: tuple[ServerKind, ...] = ("baseline", "eagle", "adaptive")
@@ -56,6 +57,9 @@ class ServerModel:
     accept_length: float | None = None
     cache_tokens: int | None = None
     """Prefix (KV) cache capacity in tokens; None or 0: no prefix cache modelled."""
+    together: ServerModel | None = None
+    """This server's tables while its co-located partner is busy (`policies.together`,
+    `simulator.engine.colocation`); None: it does not slow down when the other server runs."""
 
     def rate_at(self, b: int) -> float:
         """Per-request decode rate at any batch size (step time linear beyond the table)."""
@@ -111,7 +115,7 @@ def build_server(
         pool: Pool = "baseline" if kind == "baseline" else "eagle"
         speed = profile.speed(pool)
         step, ttft = _tables(speed)
-        return ServerModel(
+        model = ServerModel(
             name=name,
             kind=kind,
             pool=pool,
@@ -123,6 +127,13 @@ def build_server(
             accept_length=speed.accept_length,
             cache_tokens=speed.mode.cache_tokens,
         )
+        together = together_mode(speed.mode)
+        if together is None:
+            return model
+        t_step, t_ttft = _tables(SpeedModel(together))
+        slowed = replace(model, rate=tuple(1.0 / s for s in t_step), ttft=tuple(t_ttft),
+                         prefill_tok_s=together.prefill_tok_s)  # fmt: skip
+        return replace(model, together=slowed)
     if kind != "adaptive":
         raise DeploymentError(f"unknown server kind {kind!r}; known: {', '.join(SERVER_KINDS)}")
     base, eagle = profile.speed("baseline"), profile.speed("eagle")
@@ -173,18 +184,33 @@ def server_profile(
         if not factor > 0:
             raise DeploymentError(f"--server-speed {mode}={factor}: the factor must be > 0")
         spec = modes[mode]
-        points = [
-            p.model_copy(update={"decode_tok_s": p.decode_tok_s * factor, "ttft_s": p.ttft_s / factor})
-            for p in spec.points
-        ]
-        prefill = None if spec.prefill_tok_s is None else spec.prefill_tok_s * factor
-        modes[mode] = spec.model_copy(update={"points": points, "prefill_tok_s": prefill})
+        modes[mode] = _scaled_mode(spec, factor)
     if not overrides and not speed:
         return belief
     parts = [o.name for o in overrides] or [belief.name]
     if speed:
         parts.append(", ".join(f"{m} x{f:g}" for m, f in sorted(speed.items())))
     return belief.model_copy(update={"modes": modes, "name": "; ".join(parts)})
+
+
+def _scaled_points(points: Sequence[ProfilePoint], factor: float) -> list[ProfilePoint]:
+    return [
+        p.model_copy(update={"decode_tok_s": p.decode_tok_s * factor, "ttft_s": p.ttft_s / factor})
+        for p in points
+    ]
+
+
+def _scaled_mode(spec: ModeProfile, factor: float) -> ModeProfile:
+    """`spec` `factor` times as fast (its together speeds too: the same server, slowed alike)."""
+    prefill = None if spec.prefill_tok_s is None else spec.prefill_tok_s * factor
+    update: dict[str, object] = {"points": _scaled_points(spec.points, factor), "prefill_tok_s": prefill}
+    together = spec.together
+    if together is not None:
+        rate = None if together.prefill_tok_s is None else together.prefill_tok_s * factor
+        update["together"] = together.model_copy(
+            update={"points": _scaled_points(together.points, factor), "prefill_tok_s": rate}
+        )
+    return spec.model_copy(update=update)
 
 
 def parse_speed(items: Sequence[str]) -> dict[Pool, float]:

@@ -174,6 +174,10 @@ async def test_bench_together_measures_both_servers_at_once(emulator: Any, tmp_p
     assert first["metadata"]["together_with"] == spec.url and second["metadata"]["url"] == spec.url
     for a, b in zip(first["levels"], second["levels"], strict=True):
         assert a["summary"]["errors"] == b["summary"]["errors"] == 0
+        # the faster server keeps sending fillers until the slower one's measured requests are done:
+        # every measured request ran with both servers loaded (alone it would take half the time)
+        slow_end = max(r["end_s"] for r in a["requests"] if r["phase"] == "measured")
+        assert max(r["end_s"] for r in b["requests"]) >= 0.9 * slow_end
     profile = load_profile(str(prof))
     assert set(profile.modes) == {"baseline", "eagle"}
     fast = profile.mode("eagle").points[0].decode_tok_s

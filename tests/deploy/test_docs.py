@@ -38,3 +38,35 @@ def test_nothing_cites_documents_outside_the_repository() -> None:
             if OUTSIDE.search(line):
                 cited.append(f"{rel}:{n}: {line.strip()[:100]}")
     assert not cited, "cite docs/ARCHITECTURE.md or docs/SGLANG_PROTOCOL.md instead:\n" + "\n".join(cited)
+
+
+TOKEN = re.compile(r"`([^`\s]+)`")
+
+
+def test_the_tests_security_md_names_exist() -> None:
+    """Every test SECURITY.md names as holding a promise (`file.py::test`, `::test` for the file
+    named last, or `file.py`: `test`) is a test function in that file: a renamed or removed test
+    cannot leave a promise pointing at nothing."""
+    files = {p.name: p for p in (ROOT / "tests").rglob("test_*.py")}
+    text = (ROOT / "SECURITY.md").read_text(encoding="utf-8")
+    current: Path | None = None
+    named, missing = 0, []
+    for token in TOKEN.findall(text):
+        path, sep, name = token.partition("::")
+        if path.endswith(".py") and Path(path).name.startswith("test_"):
+            current = files.get(Path(path).name)
+            if current is None:
+                missing.append(token)
+                continue
+            if not sep:
+                continue
+        elif not (sep and not path) and not re.fullmatch(r"test_\w+", token):
+            continue
+        name = name or token
+        named += 1
+        function = re.escape(name.split("[")[0])
+        source = current.read_text(encoding="utf-8") if current is not None else ""
+        if not re.search(rf"^(async )?def {function}\(", source, flags=re.M):
+            missing.append(f"{current.name if current else '?'}::{name}")
+    assert named >= 20, named
+    assert not missing, missing

@@ -4,6 +4,7 @@ parses, the offline ones run, and the emulator + proxy + Python client example r
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -154,3 +155,17 @@ def test_client_example_runs_against_the_emulated_stack(readme_stack: int) -> No
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(proc.stdout.strip()) > 0  # the emulator's synthetic tokens, streamed through
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("python"))))
+def test_python_examples_are_ruff_formatted(index: int) -> None:
+    """Each Python block, fed to `ruff format --check` as a Python file (so any ruff version
+    checks it, with or without its Markdown support), is formatted as the code folders are."""
+    if importlib.util.find_spec("ruff") is None:
+        pytest.fail("ruff is not installed (pip install -e '.[dev]')")
+    block = _blocks("python")[index]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--diff", "--stdin-filename", "readme_example.py", "-"],
+        input=block, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr

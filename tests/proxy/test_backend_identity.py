@@ -99,11 +99,17 @@ async def test_backend_header_false_hides_backends_from_clients(spawn_serve, nam
             assert info["max_total_num_tokens"] == 1000 and info["api_key"] == "**********"
             assert "host" not in info and "port" not in info
             _no_identity(json.dumps(info), *tokens, "10.9.8.7", "sk-backend-key-1")
+            # 5. /metrics is for operators: it names the backends, by URL only when unnamed
+            async with s.get(sp.url + "/metrics") as r:
+                metrics = await r.text()
+            assert f'backend="{NAME if named else rb.url}"' in metrics
+            assert (rb.url in metrics) is not named
         await client.close()
         sp.signal(signal.SIGTERM)
         assert await sp.wait() == 0
         log = (await stderr).decode()
         assert (NAME if named else rb.url) in log  # operators still see which backend broke
+        assert ("2 backend(s) have no name" in log) is not named  # and are told how to hide URLs
     finally:
         await rb.stop()
 

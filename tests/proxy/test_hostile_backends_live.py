@@ -316,18 +316,6 @@ async def test_j_a_non_streaming_request_is_never_run_twice_nor_blamed(spawn_ser
     assert await ejections(url) == 0.0  # the backend served others meanwhile: not its fault
 
 
-async def test_j_a_non_streaming_answer_slower_than_first_byte_timeout_is_served(spawn_serve, raw_backend):
-    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(0.5)  # the backend's pace: longer than first_byte_timeout_s
-        w.write(whole(json.dumps(COMPLETION).encode()))
-
-    rb = await raw_backend(answer)
-    url = await serve(spawn_serve, rb.url, None, "--first-byte-timeout-s", "0.1")
-    status, body = await post_raw(url, {**BODY, "stream": False})
-    assert status == 200 and json.loads(body) == COMPLETION
-    assert len(posts(rb)) == 1
-
-
 # --- M: overload is not failure -------------------------------------------------------------
 
 QUEUE_FULL = (

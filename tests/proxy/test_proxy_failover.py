@@ -96,21 +96,28 @@ async def test_queue_full_first_event_and_5xx_are_retried_once(fake_backend, pro
 
 
 async def test_first_byte_timeout_retries_then_504(fake_backend, proxy):
+    """On the proxy's clock (`ShiftedClock.ticking`): a minute's first-byte timeout, no waiting."""
     slow = await fake_backend()
     slow.mode = "stall"
     fast = await fake_backend()
+    clock = ShiftedClock()
     p = await proxy(
-        baseline=[slow.url], eagle=[fast.url], policy="fixed", first_byte_timeout_s=0.3, health_checks=False,
-        outlier_consecutive_failures=1,
+        baseline=[slow.url], eagle=[fast.url], policy="fixed", first_byte_timeout_s=60, health_checks=False,
+        outlier_consecutive_failures=1, clock=clock,
+        idle_timeout_s=3600,  # a tick (61 s) while fast's stream is relayed must not cut it
     )  # fmt: skip
-    async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
-        await r.read()
+
+    async def post() -> tuple[aiohttp.ClientResponse, bytes]:
+        async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+            return r, await r.read()
+
+    r, _ = await clock.ticking(post(), 61)
     assert r.status == 200 and r.headers["x-specroute-pool"] == "eagle"
     assert p.tracker.get(slow.url).ejected_until is not None
     fast.mode = "stall"
     p.tracker.get(slow.url).ejected_until = None  # back in service
-    async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
-        err = await r.json()
+    r, body = await clock.ticking(post(), 61)
+    err = json.loads(body)
     assert r.status == 504 and err["error"]["code"] == "backend_timeout"
     await p.wait_idle()
     assert p.tracker.total_in_flight == 0

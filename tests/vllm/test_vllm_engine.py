@@ -8,8 +8,10 @@ Runs when `SPECROUTE_VLLM_PYTHON` names a Python that has vLLM (CI's `.ci/run` i
 would see it: answers through `serve` identical to direct ones at temperature 0; the scraper
 reading vLLM's running/queued/accept length; `bench` writing a profile whose c=1 speed is within
 15% of a direct measurement; `simulate` with that profile predicting the per-request speed at
-c=1 and 2 within 15% of the live run through `serve`; and two replicas each seeing a backend's
-requests within 20% of the truth. The figures are printed (`pytest -s`).
+c=1 and 2 within 15% of the live run through `serve` (the two servers share the machine's cores:
+the profile gets their together points from `bench --together`, and c=2 is checked with cost_model,
+with cost_model splitting the pair, both requests on one server and one on each); and two replicas
+each seeing a backend's requests within 20% of the truth. The figures are printed (`pytest -s`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 MAX_TOKENS = 64
+LIVE_REQUESTS = 64
+"""Measured requests per level of the live runs through `serve` and of their simulations."""
 PROMPTS = [
     "Explain the Nile river to a student.",
     "Write a Python function that reverses a list.",
@@ -162,10 +166,12 @@ async def direct_rate(
 ) -> tuple[float, list[float]]:
     """A request's decode rate measured without specroute's code: bench's prompts `first`..
     `first+n` (the same ones its c=1 level measured: an ngram drafter's acceptance depends on the
-    prompt), streamed one at a time with a bare HTTP client that only notes when each SSE line
-    with a non-empty `choices` arrives (the official client parses every chunk into objects,
-    slower than this server streams them) and reads the usage; per prompt (completion tokens - 1)
-    / (last such line - first). Returns the median over the prompts, and all of them."""
+    prompt), streamed one at a time with a bare HTTP client that notes when each SSE event whose
+    delta carries text arrives (the official client builds objects for every chunk, slower than
+    this server streams them) and reads the usage; per prompt (completion tokens - 1) / (last
+    such event - first), the span bench measures: vLLM's role-only first chunk and its
+    finish_reason chunk carry no token, and counting them stretched the span by ~10% on the
+    ngram server, whose 64 tokens take ~0.1 s. Returns the median over the prompts, and all."""
     prompts = load_prompts("coding")
     rates = []
     async with aiohttp.ClientSession() as session:
@@ -180,11 +186,14 @@ async def direct_rate(
                 assert resp.status == 200
                 async for line in resp.content:
                     now = time.perf_counter()
-                    if line.startswith(b"data: {") and b'"choices":[{' in line.replace(b" ", b""):
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    delta = event["choices"][0].get("delta") or {} if event.get("choices") else {}
+                    if delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content"):
                         times.append(now)
-                    elif b'"usage"' in line and line.startswith(b"data: {"):
-                        usage = json.loads(line[6:])["usage"]
-                        tokens = usage["completion_tokens"] if usage else tokens
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
             assert tokens == max_tokens and len(times) >= 2
             rates.append((tokens - 1) / (times[-1] - times[0]))
     return statistics.median(rates), rates
@@ -299,6 +308,32 @@ async def bench_pair(vllm_pair: VllmPair, tmp_path: Path, tag: str) -> dict[str,
     return profiles
 
 
+async def bench_together(vllm_pair: VllmPair, tmp_path: Path, tag: str) -> dict[str, Any]:
+    """The README's `bench --together` line (shorter): both servers measured at once at c=1, what
+    each runs at while the other is busy too (the c=2 split puts one request on each)."""
+    out = tmp_path / f"{tag}-together.json"
+    code, stdout, stderr = await run_specroute(
+        "bench", vllm_pair.plain, "--mode", "baseline", "--together", vllm_pair.ngram, "--concurrency", "1",
+        "--requests-per-level", str(LIVE_REQUESTS), "--warmup-requests", "2", "--max-tokens", str(MAX_TOKENS),
+        "--profile-out", str(out), "--no-progress", timeout_s=300,
+    )  # fmt: skip
+    assert code == 0, stderr
+    print(f"\n{tag}, together: {stdout}")
+    profile: dict[str, Any] = json.loads(out.read_text())
+    assert profile["measured_together"] is True and set(profile["modes"]) == {"baseline", "eagle"}
+    return profile
+
+
+async def served_per_pool(url: str) -> dict[str, float]:
+    """Requests a `serve` answered so far, per pool (its `specroute_requests_total`)."""
+    served = {"baseline": 0.0, "eagle": 0.0}
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        for line in (await r.text()).splitlines():
+            if match := re.match(r'specroute_requests_total\{[^}]*pool="(\w+)"[^}]*\} (\S+)', line):
+                served[match[1]] += float(match[2])
+    return served
+
+
 def averaged(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One two-mode profile whose points are the means of the runs' points (same levels)."""
     modes = {}
@@ -319,79 +354,133 @@ def averaged(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"format": "specroute.profile/v1", "name": "vLLM pair", "engine": "vllm", "modes": modes}
 
 
+async def live_levels(
+    vllm_pair: VllmPair,
+    spawn_serve: Any,
+    tmp_path: Path,
+    profile: Path,
+    levels: tuple[int, ...],
+    *policy: str,
+) -> dict[int, tuple[dict[str, Any], float]]:
+    """`serve` with `policy` in front of the pair, benched one level at a time: per level its bench
+    summary and the share of its requests (warm-up and fillers too) the eagle pool served."""
+    sp = await spawn_serve(
+        "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(profile), *policy,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    out = {}
+    for level in levels:
+        served_before = await served_per_pool(sp.url)
+        path = tmp_path / f"live-{'-'.join(policy)}-{level}.json"
+        code, _, stderr = await run_specroute(
+            "bench", sp.url, "--concurrency", str(level), "--requests-per-level", str(LIVE_REQUESTS),
+            "--warmup-requests", "2", "--max-tokens", str(MAX_TOKENS), "--out", str(path), "--no-progress",
+            timeout_s=300,
+        )  # fmt: skip
+        assert code == 0, stderr
+        served = {pool: n - served_before[pool] for pool, n in (await served_per_pool(sp.url)).items()}
+        out[level] = (json.loads(path.read_text()), served["eagle"] / sum(served.values()))
+    return out
+
+
 async def test_bench_profile_and_simulate_against_the_live_pair(
     vllm_pair: VllmPair, spawn_serve: Any, tmp_path: Path
 ) -> None:
     before = await bench_pair(vllm_pair, tmp_path, "before")
+    belief = tmp_path / "pair.json"
     code, _, stderr = await run_specroute(
         "profile", "merge", str(tmp_path / "before-baseline.json"), str(tmp_path / "before-eagle.json"),
-        "--out", str(tmp_path / "pair.json"),
+        "--out", str(belief),
     )  # fmt: skip
     assert code == 0, stderr
-    assert json.loads((tmp_path / "pair.json").read_text())["engine"] == "vllm"
+    assert json.loads(belief.read_text())["engine"] == "vllm"
+    together_before = await bench_together(vllm_pair, tmp_path, "before")
 
-    # live through serve with that profile, against the simulation of the same workload
-    sp = await spawn_serve(
-        "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(tmp_path / "pair.json"),
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    live_out = tmp_path / "live.json"
-    code, _, stderr = await run_specroute(
-        "bench", sp.url, "--concurrency", "1", "2", "--requests-per-level", "16", "--warmup-requests", "2",
-        "--max-tokens", str(MAX_TOKENS), "--out", str(live_out), "--no-progress", timeout_s=300,
-    )  # fmt: skip
-    assert code == 0, stderr
-    live = json.loads(live_out.read_text())
-    # The speed of a shared 2-core machine drifts: the profile the simulation runs from is the mean
-    # of benches taken just before and just after the live run.
+    # Live through serve with that profile. cost_model without content features: the simulated
+    # workload has no prompt text, so live and simulated cost_model decide on the same inputs.
+    cost = ("--policy", "cost_model", "--policy-param", "content_aware=false")
+    live = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (1, 2), *cost)
+    # cost_model by time to first token: at c=2 the second request goes to the idle server (a
+    # lower TTFT than a busy one), so it splits c=2 over the pair, which then shares the cores
+    by_ttft = (*cost, "--policy-param", "objective=ttft")
+    ttft_split = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (2,), *by_ttft)
+    # both requests of c=2 on the ngram server; one on each server at all times (eagle while it
+    # has none in flight, else baseline)
+    eagle = ("--policy", "fixed", "--policy-param", "pool=eagle")
+    on_eagle = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (2,), *eagle)
+    one_each = ("--policy", "threshold", "--policy-param", "threshold=1", "--policy-param", "signal=local")
+    split = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (2,), *one_each)
+    # The speed of a shared 2-core machine drifts: the servers of the simulation run from the mean
+    # of benches taken just before and just after the live runs.
     after = await bench_pair(vllm_pair, tmp_path, "after")
-    profile = tmp_path / "pair-averaged.json"
-    profile.write_text(json.dumps(averaged([before, after])))
+    together_after = await bench_together(vllm_pair, tmp_path, "after")
+    alone = tmp_path / "pair-averaged.json"
+    alone.write_text(json.dumps(averaged([before, after])))
+    both = averaged([{m: run for m in ("baseline", "eagle")} for run in (together_before, together_after)])
+    measured_together = tmp_path / "together-averaged.json"
+    measured_together.write_text(json.dumps({**both, "measured_together": True}))
+    # the servers share the machine's cores: the profile knows how each slows while the other is busy
+    truth = tmp_path / "pair-colocated.json"
+    code, stdout, stderr = await run_specroute(
+        "profile", "merge", str(alone), "--together", str(measured_together), "--out", str(truth)
+    )
+    assert code == 0 and stderr == "", stderr
+    assert "co-located pairs" in stdout
+    print(f"\n{stdout}")
     prompt_tokens = [
-        r["prompt_tokens"] for lv in live["levels"] for r in lv["requests"] if r.get("prompt_tokens")
+        r["prompt_tokens"]
+        for runs in (live, ttft_split, on_eagle, split)
+        for result, _ in runs.values()
+        for lv in result["levels"]
+        for r in lv["requests"]
+        if r.get("prompt_tokens")
     ]
     median_prompt = round(statistics.median(prompt_tokens))
 
-    async def simulated(level: int, *policy: str) -> dict[str, Any]:
+    async def simulated(
+        levels: tuple[int, ...], level: int, policy: tuple[str, ...], servers: Path = truth
+    ) -> dict[str, Any]:
+        """The live run's levels, in order (a learning policy carries what it learned from one to
+        the next, as live); `level`'s summary. The policy believes the profile serve had; the
+        servers run at the averaged speeds."""
         code, stdout, stderr = await run_specroute(
-            "simulate", "--profile", str(profile), *policy, "--concurrency", str(level),
-            "--requests-per-level", "16", "--warmup-requests", "2", "--output-tokens", f"const:{MAX_TOKENS}",
+            "simulate", "--profile", str(belief), "--server-profile", str(servers), *policy,
+            "--concurrency", *map(str, levels), "--requests-per-level", str(LIVE_REQUESTS),
+            "--warmup-requests", "2", "--output-tokens", f"const:{MAX_TOKENS}",
             "--prompt-tokens", f"const:{median_prompt}", "--json",
         )  # fmt: skip
         assert code == 0, stderr
-        out: dict[str, Any] = json.loads(stdout)["runs"][0]["levels"][0]
+        doc = json.loads(stdout)
+        assert ("colocation" in doc) == (servers == truth)
+        out: dict[str, Any] = doc["runs"][0]["levels"][levels.index(level)]
         assert out["concurrency"] == level
         return out
 
-    def compare(level: int, got: dict[str, Any], sim: dict[str, Any], what: str) -> float:
-        ratio: float = sim["mean_decode_tok_s"] / got["mean"]
-        print(f"c={level} {what}: live through serve {got['mean']:.1f} tok/s (p50 {got['p50']:.1f}, "
-              f"n={got['n']}), simulated {sim['mean_decode_tok_s']:.1f} (eagle share "
-              f"{sim['pool_share']['eagle']:.2f}), ratio {ratio:.3f}")  # fmt: skip
-        return ratio
+    async def compare(level: int, runs: dict[int, tuple[dict[str, Any], float]], policy: tuple[str, ...],
+                      what: str) -> float:  # fmt: skip
+        result, share = runs[level]
+        got = _level(result, level)["decode_tok_s"]
+        levels = tuple(runs)
+        sims = {
+            "not co-located": await simulated(levels, level, policy, alone),
+            "co-located": await simulated(levels, level, policy),
+        }
+        for name, sim in sims.items():
+            ratio = sim["mean_decode_tok_s"] / got["mean"]
+            print(f"c={level} {what}, {name}: live through serve {got['mean']:.1f} tok/s "
+                  f"(p50 {got['p50']:.1f}, n={got['n']}, eagle share {share:.2f}), simulated "
+                  f"{sim['mean_decode_tok_s']:.1f} (eagle share {sim['pool_share']['eagle']:.2f}), "
+                  f"ratio {ratio:.3f}")  # fmt: skip
+        return float(sims["co-located"]["mean_decode_tok_s"] / got["mean"])
 
-    # c=1: cost_model in front of the pair, one server busy at a time, as when it was profiled
-    assert compare(1, _level(live, 1)["decode_tok_s"], await simulated(1, "--policy", "cost_model"),
-                   "cost_model") == pytest.approx(1.0, rel=0.15)  # fmt: skip
-    # When cost_model splits c=2 over both servers, they run at once, and here they share the
-    # machine's two cores with the proxy and the client: the simulator models no co-location, so
-    # that figure (1.7-2.0x optimistic on this machine, or ~1.0 when both go to eagle) is printed,
-    # not asserted. The simulator's speed model at c=2 is checked with both requests on one server.
-    compare(2, _level(live, 2)["decode_tok_s"], await simulated(2, "--policy", "cost_model"), "cost_model")
-    fixed = await spawn_serve(
-        "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(profile),
-        "--policy", "fixed", "--policy-param", "pool=eagle", stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    fixed_out = tmp_path / "live-fixed.json"
-    code, _, stderr = await run_specroute(
-        "bench", fixed.url, "--concurrency", "2", "--requests-per-level", "16", "--warmup-requests", "2",
-        "--max-tokens", str(MAX_TOKENS), "--out", str(fixed_out), "--no-progress", timeout_s=300,
-    )  # fmt: skip
-    assert code == 0, stderr
-    got = _level(json.loads(fixed_out.read_text()), 2)["decode_tok_s"]
-    sim = await simulated(2, "--policy", "fixed", "--policy-param", "pool=eagle")
-    assert sim["pool_share"]["eagle"] == 1.0
-    assert compare(2, got, sim, "both on eagle") == pytest.approx(1.0, rel=0.15)
+    ratios = {
+        "c=1 cost_model": await compare(1, live, cost, "cost_model"),
+        "c=2 cost_model": await compare(2, live, cost, "cost_model"),
+        "c=2 cost_model objective=ttft": await compare(2, ttft_split, by_ttft, "cost_model objective=ttft"),
+        "c=2 both on eagle": await compare(2, on_eagle, eagle, "both on eagle"),
+        "c=2 one on each": await compare(2, split, one_each, "one on each server"),
+    }
+    assert ratios == pytest.approx(dict.fromkeys(ratios, 1.0), rel=0.15)
 
 
 async def test_two_replicas_each_see_the_backends_true_load(vllm_pair: VllmPair, proxy: Any) -> None:
