@@ -273,7 +273,7 @@ class BackendScraper:
             try:
                 body = await read_bounded(resp, LOADS_LIMIT_BYTES)
                 return parse_v1_loads(json.loads(body), now)
-            except (ResponseTooLarge, ValueError):
+            except (ResponseTooLarge, ValueError, RecursionError):  # deep JSON: no sample, no traceback
                 return None
 
     async def _server_info(self, session: aiohttp.ClientSession) -> int | None:

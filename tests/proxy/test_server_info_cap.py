@@ -125,6 +125,15 @@ async def test_a_hostile_server_info_leaves_the_v1_loads_cap() -> None:
         assert sample is not None and sample.max_running == 100, body[:40]
 
 
+async def test_a_deeply_nested_v1_loads_gives_the_metrics_sample() -> None:
+    """A /v1/loads nested deeper than Python's JSON parser recurses (under the size limit) is no
+    load sample: the scrape still returns what /metrics said, it does not raise."""
+    deep = b'{"loads": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    async with sglang({"/metrics": text(METRICS), "/v1/loads": raw(deep)}) as url:
+        sample = await scrape(url)
+    assert sample is not None and (sample.running, sample.queued) == (2.0, 1.0)
+
+
 async def test_sglang_without_metrics_gets_its_admission_bound_from_server_info(proxy, fake_backend) -> None:
     """An SGLang started without --enable-metrics (no /metrics, no /v1/loads) still reports its
     cap in /server_info: the admission bound and the view follow it."""
