@@ -362,6 +362,24 @@ class RawRequest:
 
 RawAnswer = Callable[[RawRequest, asyncio.StreamWriter], Awaitable[None]]
 
+RAW_COMPLETION: dict[str, Any] = {
+    "id": "x",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
+"""A non-streaming chat completion, for raw backends to answer with."""
+
+
+def raw_json_response(body: bytes, status: str = "200 OK") -> bytes:
+    """A whole HTTP/1.1 JSON response with `body`, for a `RawAnswer` to write (then it closes)."""
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode() + body
+
 
 class RawBackend:
     """A backend that answers with raw bytes, for what a well-behaved HTTP server cannot send: a

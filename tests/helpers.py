@@ -199,6 +199,14 @@ def raise_open_files_limit(needed: int) -> None:
         pytest.skip(f"open-files limit {soft} < {needed} and the hard limit does not allow more")
 
 
+def peak_rss(pid: int) -> int:
+    """A process's peak resident memory since it started (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
 def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 

@@ -11,20 +11,12 @@ import gzip
 import json
 import os
 import zlib
-from pathlib import Path
 
 import aiohttp
 from fakes import FakeBackend
-from helpers import assert_openai_error, port_of
+from helpers import assert_openai_error, peak_rss, port_of
 
 BUDGET = 64 * 1024 * 1024
-
-
-def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
 
 
 def deflate(data: bytes) -> bytes:

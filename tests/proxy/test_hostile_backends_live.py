@@ -17,8 +17,8 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from fakes import FakeBackend, RawBackend, RawRequest
-from helpers import assert_in_flight_zero, assert_openai_error, metric_samples
+from fakes import RAW_COMPLETION, FakeBackend, RawBackend, RawRequest, raw_json_response
+from helpers import assert_in_flight_zero, assert_openai_error, metric_samples, peak_rss
 
 CHAT = [{"role": "user", "content": "hello"}]
 BODY: dict[str, Any] = {"model": "m", "messages": CHAT, "stream": True}
@@ -35,21 +35,6 @@ def chunk(text: str) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
-COMPLETION = {
-    "id": "x",
-    "object": "chat.completion",
-    "created": 1,
-    "model": "m",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-}
-
-
-def whole(body: bytes, status: str = "200 OK") -> bytes:
-    return (
-        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode() + body
 
 
 def posts(rb: RawBackend) -> list[RawRequest]:
@@ -105,13 +90,13 @@ async def test_k_a_hostile_usage_event_is_relayed_not_a_second_response(spawn_se
 
 
 async def test_k_a_non_streaming_answer_with_a_5000_digit_count_is_relayed(spawn_serve, raw_backend):
-    answer_body = json.dumps({**COMPLETION, "usage": {"completion_tokens": 0}}).replace(
+    answer_body = json.dumps({**RAW_COMPLETION, "usage": {"completion_tokens": 0}}).replace(
         "0}", "9" * 5000 + "}"
     )
     raw = answer_body.encode()
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
-        w.write(whole(raw))
+        w.write(raw_json_response(raw))
 
     rb = await raw_backend(answer)
     url = await serve(spawn_serve, rb.url)
@@ -245,7 +230,7 @@ async def test_c_deep_json_from_server_info_and_generate_is_no_internal_error(sp
     deep = b'{"meta_info": ' + b"[" * 5000 + b"]" * 5000 + b"}"
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
-        w.write(whole(deep))
+        w.write(raw_json_response(deep))
 
     rb = await raw_backend(answer)
     url = await serve(spawn_serve, rb.url)
@@ -294,7 +279,7 @@ async def test_j_a_non_streaming_request_is_never_run_twice_nor_blamed(spawn_ser
     async def slow(req: RawRequest, w: asyncio.StreamWriter) -> None:
         if b"long" in req.body:
             await release.wait()  # a long generation: longer than the request timeout
-        w.write(whole(json.dumps(COMPLETION).encode()))
+        w.write(raw_json_response(json.dumps(RAW_COMPLETION).encode()))
 
     a, b = await raw_backend(slow), await raw_backend(slow)
     url = await serve(
@@ -327,12 +312,14 @@ QUEUE_FULL = (
 async def test_m_queue_full_is_backed_off_never_ejected(spawn_serve, raw_backend, fake_backend):
     async def full(req: RawRequest, w: asyncio.StreamWriter) -> None:
         if req.method == "GET":  # its health probe: it is up, only busy
-            w.write(whole(b"{}"))
+            w.write(raw_json_response(b"{}"))
         elif b'"stream": true' in req.body or b'"stream":true' in req.body:
             w.write(OK_HEAD + QUEUE_FULL)
         else:
             w.write(
-                whole(b'{"object":"error","message":"The request queue is full.","code":503}', "503 Busy")
+                raw_json_response(
+                    b'{"object":"error","message":"The request queue is full.","code":503}', "503 Busy"
+                )
             )
 
     rb = await raw_backend(full)
@@ -371,7 +358,7 @@ async def test_a_backend_4xx_is_openai_shaped_and_counted_client_error(spawn_ser
     )
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
-        w.write(whole(sglang, "400 Bad Request"))
+        w.write(raw_json_response(sglang, "400 Bad Request"))
 
     rb = await raw_backend(answer)
     url = await serve(spawn_serve, rb.url, None, "--outlier-consecutive-failures", "1")
@@ -390,13 +377,6 @@ async def test_a_backend_4xx_is_openai_shaped_and_counted_client_error(spawn_ser
 # --- L, L2, H: the memory budget ------------------------------------------------------------
 
 BUDGET = 64 * 1024 * 1024
-
-
-def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
 
 
 async def test_l_large_bodies_beyond_the_budget_get_503_not_memory(spawn_serve, fake_backend):
@@ -501,7 +481,7 @@ async def test_l_a_large_body_reaches_the_backend_byte_for_byte(spawn_serve, raw
     raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "lorem ipsum " * 500_000}]})
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
-        w.write(whole(json.dumps(COMPLETION).encode()))
+        w.write(raw_json_response(json.dumps(RAW_COMPLETION).encode()))
 
     rb = await raw_backend(answer)
     url = await serve(spawn_serve, rb.url)

@@ -13,19 +13,11 @@ import socket
 import aiohttp
 import openai
 import pytest
-from fakes import RawBackend, RawRequest
+from fakes import RAW_COMPLETION, RawBackend, RawRequest
 from helpers import BODY, CHAT, assert_openai_error
 
 CHUNK = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "a"}}]}
 EVENT = b"data: " + json.dumps(CHUNK).encode() + b"\n\n"
-COMPLETION = {
-    "id": "x",
-    "object": "chat.completion",
-    "created": 1,
-    "model": "m",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-}
 
 
 def _posts(rb: RawBackend) -> list[RawRequest]:
@@ -97,7 +89,7 @@ async def test_upstream_is_asked_for_identity_and_a_compressed_answer_stays_deco
     assert r.status == 200
     assert plain.request_headers[-1]["Accept-Encoding"] == "identity"
 
-    packed = gzip.compress(json.dumps(COMPLETION).encode())
+    packed = gzip.compress(json.dumps(RAW_COMPLETION).encode())
 
     async def gzips_anyway(req: RawRequest, w: asyncio.StreamWriter) -> None:
         w.write(
@@ -119,7 +111,7 @@ async def test_upstream_is_asked_for_identity_and_a_compressed_answer_stays_deco
 
 
 async def test_hop_by_hop_headers_named_in_connection_stop_at_the_proxy(raw_backend, proxy):
-    body = json.dumps(COMPLETION).encode()
+    body = json.dumps(RAW_COMPLETION).encode()
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
         w.write(

@@ -15,30 +15,15 @@ import json
 from typing import Any
 
 import aiohttp
-from fakes import RawBackend, RawRequest, ShiftedClock
+from fakes import RAW_COMPLETION, RawBackend, RawRequest, ShiftedClock, raw_json_response
 from helpers import assert_openai_error, metric_samples, wait_until
 
 from controller.proxy.watchdog import POLL_S
 
 FIRST_BYTE_S = 60.0
 REQUEST_S = 600.0
-COMPLETION = {
-    "id": "x",
-    "object": "chat.completion",
-    "created": 1,
-    "model": "m",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-}
 LONG = {"model": "m", "messages": [{"role": "user", "content": "long"}]}
 SHORT = {"model": "m", "messages": [{"role": "user", "content": "short"}]}
-
-
-def whole(body: bytes) -> bytes:
-    return (
-        f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode() + body
 
 
 def long_posts(*backends: RawBackend) -> list[RawRequest]:
@@ -61,7 +46,7 @@ async def pair(raw_backend: Any, proxy: Any, clock: ShiftedClock, release: async
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
         if b"long" in req.body:
             await release.wait()
-        w.write(whole(json.dumps(COMPLETION).encode()))
+        w.write(raw_json_response(json.dumps(RAW_COMPLETION).encode()))
 
     a, b = await raw_backend(answer), await raw_backend(answer)
     p = await proxy(
@@ -121,7 +106,7 @@ async def test_a_non_streaming_answer_slower_than_first_byte_timeout_s_is_served
     assert not task.done()
     release.set()
     status, body = await task
-    assert status == 200 and json.loads(body) == COMPLETION
+    assert status == 200 and json.loads(body) == RAW_COMPLETION
     assert len(long_posts(a, b)) == 1
     await p.wait_idle()
     assert p.records[-1].outcome.status == "ok"
