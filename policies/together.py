@@ -71,11 +71,6 @@ def together_mode(mode: ModeProfile) -> ModeProfile | None:
     return mode.model_copy(update={"points": points, "prefill_tok_s": prefill, "together": None})
 
 
-def colocated(profile: Profile) -> bool:
-    """Whether any mode of `profile` says it slows while the other mode's server is busy."""
-    return any(m.together is not None for m in profile.modes.values())
-
-
 def describe(profile: Profile) -> str | None:
     """One line on the co-location model a profile carries (None: none): the decode speed factors
     while the other server is busy, e.g. `... baseline x0.62 at c=1; eagle x0.58 at c=1, x0.70 at

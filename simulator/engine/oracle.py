@@ -62,55 +62,20 @@ def server_throughput(server: ServerModel, clients: int, batch: RequestBatch) ->
 
 def best_static_split(servers: Sequence[ServerModel], clients: int, batch: RequestBatch) -> Oracle:
     """The split of `clients` over `servers` with the highest total throughput (ties: the first
-    split found, servers filled in deployment order)."""
+    split found, units filled in deployment order). A unit is one server, or a co-located pair
+    (module's opening)."""
     paired = pairs(servers)
-    if paired:
-        return _best_colocated_split(servers, clients, batch, paired)
-    # best[c] = (throughput, split) using the servers seen so far with c clients on them
-    empty: tuple[int, ...] = ()
-    best: list[tuple[float, tuple[int, ...]]] = [(0.0, empty)] + [(-math.inf, empty)] * clients
-    for server in servers:
-        gain = [server_throughput(server, k, batch) for k in range(clients + 1)]
-        nxt: list[tuple[float, tuple[int, ...]]] = []
-        for c in range(clients + 1):
-            top, split = -math.inf, empty
-            for k in range(c + 1):
-                before, placed = best[c - k]
-                total = before + gain[k]
-                if total > top:
-                    top, split = total, (*placed, k)
-            nxt.append((top, split))
-        best = nxt
-    throughput, split = best[clients]
-    return Oracle(throughput, split)
-
-
-def _best_colocated_split(
-    servers: Sequence[ServerModel], clients: int, batch: RequestBatch, paired: Sequence[tuple[int, int]]
-) -> Oracle:
-    """`best_static_split` with each co-located pair searched as one unit (module's opening)."""
     in_pair = {i for pair in paired for i in pair}
     units: list[tuple[int, ...]] = sorted([*paired, *((i,) for i in range(len(servers)) if i not in in_pair)])
+    # best[c] = (throughput, clients per server of each unit) using the units seen so far with c
+    # clients on them
     nothing: tuple[tuple[int, ...], ...] = ()
     best = [(0.0, nothing)] + [(-math.inf, nothing)] * clients
     for unit in units:
-        gain: list[tuple[float, tuple[int, ...]]] = []
-        for c in range(clients + 1):
-            if len(unit) == 1:
-                gain.append((server_throughput(servers[unit[0]], c, batch), (c,)))
-                continue
-            first, second = servers[unit[0]], servers[unit[1]]
-            top, where = -math.inf, (c, 0)
-            for k in range(c + 1):  # k clients on the second server, c - k on the first
-                a = first.together if k > 0 and first.together is not None else first
-                b = second.together if c - k > 0 and second.together is not None else second
-                total = server_throughput(a, c - k, batch) + server_throughput(b, k, batch)
-                if total > top:
-                    top, where = total, (c - k, k)
-            gain.append((top, where))
+        gain = [_unit_throughput(servers, unit, c, batch) for c in range(clients + 1)]
         nxt: list[tuple[float, tuple[tuple[int, ...], ...]]] = []
         for c in range(clients + 1):
-            top, placed = -math.inf, best[0][1]
+            top, placed = -math.inf, nothing
             for k in range(c + 1):
                 before, so_far = best[c - k]
                 total = before + gain[k][0]
@@ -124,3 +89,22 @@ def _best_colocated_split(
         for i, k in zip(unit, ks, strict=True):
             split[i] = k
     return Oracle(throughput, tuple(split))
+
+
+def _unit_throughput(
+    servers: Sequence[ServerModel], unit: tuple[int, ...], c: int, batch: RequestBatch
+) -> tuple[float, tuple[int, ...]]:
+    """(throughput, clients per server) of the best placement of `c` clients on `unit`: all on a
+    single server; on a pair, the best split, each server at its together tables while the other
+    has clients."""
+    if len(unit) == 1:
+        return server_throughput(servers[unit[0]], c, batch), (c,)
+    first, second = servers[unit[0]], servers[unit[1]]
+    top, where = -math.inf, (c, 0)
+    for k in range(c + 1):  # k clients on the second server, c - k on the first
+        a = first.together if k > 0 and first.together is not None else first
+        b = second.together if c - k > 0 and second.together is not None else second
+        total = server_throughput(a, c - k, batch) + server_throughput(b, k, batch)
+        if total > top:
+            top, where = total, (c - k, k)
+    return top, where
