@@ -360,7 +360,7 @@ every case between two reference benches (ABAB): the speed of this machine's sha
 by tens of percent within a minute (one local run: a direct c=1 measurement of the plain server
 232 tok/s, 348 ten seconds later), so live and reference are measured over the same minutes."""
 REFERENCE_REQUESTS = 8
-"""Measured requests per level of each reference bench (alone at c=1 and 2, and together at c=1)."""
+"""Measured requests per server of the README's short `bench --together --rounds` run."""
 
 
 @dataclass
@@ -374,19 +374,27 @@ class LiveCase:
 
 
 async def reference(vllm_pair: VllmPair, tmp_path: Path, k: int) -> dict[str, Any]:
-    """Both servers benched alone (c=1 and 2) and together (c=1), briefly: one reference point in
-    time. Returns each server's one-mode profile and the together profile."""
+    """Both servers benched alone (c=1, c=2) and together (c=1), each level a bench of its own with
+    a live block's requests and warm-up, so that it streams the same prompts as the live blocks
+    (an ngram drafter's speed depends on the prompt: 8 requests continuing from c=1's prompts read
+    the ngram server 20% slower than the live blocks in one run). One reference point in time:
+    each server's two-point profile and the together profile."""
     out: dict[str, Any] = {}
+    block = ("--requests-per-level", str(LIVE_REQUESTS // ROUNDS), "--warmup-requests", "2")
     for url, mode in ((vllm_pair.plain, "baseline"), (vllm_pair.ngram, "eagle")):
-        path = tmp_path / f"ref{k}-{mode}.json"
-        code, _, stderr = await run_specroute(
-            "bench", url, "--concurrency", "1", "2", "--requests-per-level", str(REFERENCE_REQUESTS),
-            "--warmup-requests", "1", "--max-tokens", str(MAX_TOKENS), "--mode", mode,
-            "--profile-out", str(path), "--no-progress", timeout_s=300,
-        )  # fmt: skip
-        assert code == 0, stderr
-        out[mode] = json.loads(path.read_text())
-    out["together"] = await bench_together(vllm_pair, tmp_path, f"ref{k}", REFERENCE_REQUESTS, warmup=1)
+        levels = []
+        for level in (1, 2):
+            path = tmp_path / f"ref{k}-{mode}-{level}.json"
+            code, _, stderr = await run_specroute(
+                "bench", url, "--concurrency", str(level), *block, "--max-tokens", str(MAX_TOKENS),
+                "--mode", mode, "--profile-out", str(path), "--no-progress", timeout_s=300,
+            )  # fmt: skip
+            assert code == 0, stderr
+            levels.append(json.loads(path.read_text()))
+        profile = levels[0]
+        profile["modes"][mode]["points"] += levels[1]["modes"][mode]["points"]
+        out[mode] = profile
+    out["together"] = await bench_together(vllm_pair, tmp_path, f"ref{k}", LIVE_REQUESTS // ROUNDS)
     return out
 
 
@@ -492,7 +500,7 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
         lines.append(
             f"reference {k}: c=1 alone baseline {speeds['baseline']:.0f} eagle {speeds['eagle']:.0f} tok/s, "
             f"together baseline {together['baseline']:.0f} eagle {together['eagle']:.0f} "
-            f"(n={REFERENCE_REQUESTS} each)"
+            f"(n={LIVE_REQUESTS // ROUNDS} each)"
         )
         print(lines[-1])
     median_prompt = round(statistics.median(
