@@ -22,16 +22,25 @@ For L, L2 and H it also prints whether specroute's peak RSS stayed within
 
 Six senders post bodies back to back for a few seconds per run; targets alternate run by run.
 Printed per target and scenario, side by side: probes n, /health p50 / p99 / max (ms), p99 over
-idle p99, the statuses the senders got, RSS at the start and at peak (MiB); then the p99 ratio
-specroute / minimal per scenario and each process's VmHWM (peak since start).
+idle p99, the CPU seconds the target used per second of the run, the statuses the senders got,
+RSS at the start and at peak (MiB); then the p99 ratio specroute / minimal per scenario (of all
+rounds' probes pooled, and the median and range of the per-round ratios) and each process's
+VmHWM (peak since start).
 
     python benchmarks/hostile_bodies.py [--rounds 3] [--seconds 5] [--mb 30] [--parallel 6]
+    git archive main | tar -x -C /tmp/main-tree
+    python benchmarks/hostile_bodies.py --scenarios H --rounds 6 --against /tmp/main-tree
+
+With `--against DIR` a second specroute runs DIR's code (its PYTHONPATH) beside this tree's, in
+the same rounds (targets alternate), so old and new are measured on the same machine state; the
+ratio this tree / against, per round, is the figure to trust on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gzip
 import json
 import os
@@ -89,8 +98,15 @@ def run_server(max_body_bytes: int) -> None:
         if b'"stream": true' in raw and max_body_bytes > 1024 * 1024:  # row H: a huge first event
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            await resp.write(FIRST_EVENT)
-            await resp.write(b"data: [DONE]\n\n")
+            # 1 MiB at a time, as it drains: one write of 50 MB copied the rest of the event into
+            # the transport's buffer (~30 ms of CPU) even for the streams specroute refuses after
+            # a few MiB, and that cost of the stand-in backend took the CPU specroute's /health
+            # needed (`--against` measures old and new specroute with the same sink)
+            event = memoryview(FIRST_EVENT)
+            with contextlib.suppress(ConnectionError):
+                for at in range(0, len(event), 1 << 20):
+                    await resp.write(event[at : at + (1 << 20)])
+                await resp.write(b"data: [DONE]\n\n")
             return resp
         return web.json_response(COMPLETION)
 
@@ -216,6 +232,7 @@ def main() -> int:
         default=list(SCENARIOS),
         help="Which to run (idle always).",
     )
+    ap.add_argument("--against", help="Also run specroute from this source tree, side by side.")
     ap.add_argument("--role", choices=["sink", "probe", "refuser"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--pid", type=int, help=argparse.SUPPRESS)
@@ -241,33 +258,45 @@ def main() -> int:
     return 0
 
 
+def cpu_s(pid: int) -> float:
+    """User plus system CPU seconds the process has used (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(args: argparse.Namespace) -> None:
     me = [sys.executable, str(Path(__file__).resolve())]
     kinds = ["idle", *(k for k in SCENARIOS if k in args.scenarios and k != "idle")]
     procs: list[subprocess.Popen[str]] = []
 
-    def child(cmd: list[str], marker: str = spawn.MARKER) -> tuple[subprocess.Popen[str], str]:
+    def child(
+        cmd: list[str], marker: str = spawn.MARKER, env: dict[str, str] | None = None
+    ) -> tuple[subprocess.Popen[str], str]:
         """Started by the shared spawn helper; the text after `marker` in its readiness line."""
-        proc, line = spawn.start_sync(cmd, marker=marker, stderr=None, cwd=str(ROOT))
+        proc, line = spawn.start_sync(cmd, marker=marker, stderr=None, cwd=str(ROOT), env=env)
         procs.append(proc)
         return proc, spawn.url_of(line, marker)
 
-    targets = ("aiohttp minimal", "specroute")
+    targets = ["aiohttp minimal", "specroute"] + (["against"] if args.against else [])
     outs = {t: f"/tmp/specroute-hostile-{os.getpid()}-{i}.txt" for i, t in enumerate(targets)}
     windows: dict[tuple[str, str], list[tuple[float, float]]] = {}
     statuses: dict[tuple[str, str], Counter[str]] = {}
     rss_before: dict[tuple[str, str], int] = {}
     recovery: dict[tuple[str, str], list[float | None]] = {}
+    cpu: dict[tuple[str, str], float] = {}
     pids = {}
     try:
         _, sink = child([*me, "--role", "sink"])
-        serve, serve_url = child(
-            [sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--baseline",
-             sink, "--policy", "fixed", "--log-level", "ERROR"]
-        )  # fmt: skip
+        serve_cmd = [sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--baseline",
+                     sink, "--policy", "fixed", "--log-level", "ERROR"]  # fmt: skip
+        serve, serve_url = child(serve_cmd)
         refuser, refuser_url = child([*me, "--role", "refuser"])
         urls = {"specroute": serve_url, "aiohttp minimal": refuser_url}
         pids = {"specroute": serve.pid, "aiohttp minimal": refuser.pid}
+        if args.against:
+            tree = str(Path(args.against).resolve())
+            old, urls["against"] = child(serve_cmd, env={**os.environ, "PYTHONPATH": tree})
+            pids["against"] = old.pid
         for t in targets:
             probe = [*me, "--role", "probe", "--url", urls[t], "--pid", str(pids[t]), "--out", outs[t]]
             child(probe, "ready")
@@ -275,10 +304,12 @@ def measure(args: argparse.Namespace) -> None:
         idle_rss = {t: rss_kib(pids[t]) for t in targets}
         for r in range(args.rounds):
             for kind in kinds:
-                for t in targets if r % 2 == 0 else reversed(targets):  # alternate the order
+                for t in targets[r % len(targets) :] + targets[: r % len(targets)]:  # rotate the order
                     key = (t, kind)
                     rss_before.setdefault(key, rss_kib(pids[t]))
+                    used = cpu_s(pids[t])
                     start, end, got = asyncio.run(scenario(urls[t], kind, args))
+                    cpu[key] = cpu.get(key, 0.0) + cpu_s(pids[t]) - used
                     windows.setdefault(key, []).append((start, end))
                     statuses.setdefault(key, Counter()).update(got)
                     if kind in PARALLEL:
@@ -296,46 +327,79 @@ def measure(args: argparse.Namespace) -> None:
             tuple(float(x) for x in row.split()) for row in Path(out).read_text().splitlines() if row
         ]
         os.unlink(out)
+    report(args, kinds, targets, samples, windows, statuses, rss_before, recovery, cpu, idle_rss, hwm)
 
+
+def report(
+    args: argparse.Namespace,
+    kinds: list[str],
+    targets: list[str],
+    samples: dict[str, list[tuple[float, ...]]],
+    windows: dict[tuple[str, str], list[tuple[float, float]]],
+    statuses: dict[tuple[str, str], Counter[str]],
+    rss_before: dict[tuple[str, str], int],
+    recovery: dict[tuple[str, str], list[float | None]],
+    cpu: dict[tuple[str, str], float],
+    idle_rss: dict[str, int],
+    hwm: dict[str, int],
+) -> None:
     print(
         f"\n{args.parallel} senders posting {args.mb} MiB bodies back to back, {args.seconds:g} s per run, "
-        f"{args.rounds} runs per scenario and target (targets alternate); /health probed every 5 ms on one "
+        f"{args.rounds} runs per scenario and target (targets rotate); /health probed every 5 ms on one "
         f"connection. 'aiohttp minimal' refuses every body over 1 MiB and does nothing else: it shows what "
         f"the machine (senders, kernel, other load) costs."
+        + (f" 'against': specroute from {args.against}." if args.against else "")
     )
     print(
         f"{'target':16} {'scenario':8} {'n':>5} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} "
-        f"{'p99/idle':>8} {'RSS MiB start/peak':>18}  statuses"
+        f"{'p99/idle':>8} {'cpu/s':>5} {'RSS MiB start/peak':>18}  statuses"
     )
     p99s: dict[tuple[str, str], float] = {}
+    per_round: dict[tuple[str, str], list[float]] = {}
     for kind in kinds:
         for t in targets:
             key = (t, kind)
             inside = [s for s in samples[t] if any(a <= s[0] <= b for a, b in windows[key])]
+            per_round[key] = [
+                pct([s[1] for s in samples[t] if a <= s[0] <= b] or [float("nan")], 0.99)
+                for a, b in windows[key]
+            ]
             lat = [s[1] for s in inside]
             peak = max((s[2] for s in inside), default=0)
             p99s[key] = pct(lat, 0.99)
             shown = ", ".join(f"{k}: {v}" for k, v in sorted(statuses[key].items())) or "-"
             p50, p99, worst = statistics.median(lat), p99s[key], max(lat)
             ratio = p99 / p99s[(t, "idle")]
+            seconds = sum(b - a for a, b in windows[key])
             print(
                 f"{t:16} {kind:8} {len(lat):5d} {p50:7.1f} {p99:7.1f} {worst:7.1f} {ratio:8.1f} "
-                f"{rss_before[key] / 1024:8.0f} / {peak / 1024:6.0f}  {shown}"
+                f"{cpu[key] / seconds:5.2f} {rss_before[key] / 1024:8.0f} / {peak / 1024:6.0f}  {shown}"
             )
-    for kind in kinds:
-        ratio = p99s[("specroute", kind)] / p99s[("aiohttp minimal", kind)]
-        print(f"p99 specroute / aiohttp minimal, {kind}: {ratio:.2f}")
-    for kind in (k for k in PARALLEL if k in kinds):
-        key = ("specroute", kind)
-        inside = [x for x in samples["specroute"] if any(a <= x[0] <= b for a, b in windows[key])]
-        peak = max((x[2] for x in inside), default=0) * 1024
-        back = ", ".join("not within 30 s" if x is None else f"{x:.1f} s" for x in recovery[key])
-        print(
-            f"{kind}: specroute peak RSS {peak / 2**20:.0f} MiB, budget + 150 MiB = "
-            f"{(BUDGET >> 20) + 150} MiB: "
-            f"{'within' if peak <= BUDGET + (150 << 20) else 'OVER'}; back below 2x idle "
-            f"({2 * idle_rss['specroute'] / 1024:.0f} MiB) after {back}"
+
+    def ratios(a: str, b: str, kind: str) -> str:
+        rounds = [x / y for x, y in zip(per_round[(a, kind)], per_round[(b, kind)], strict=True)]
+        return (
+            f"{p99s[(a, kind)] / p99s[(b, kind)]:.2f} pooled; per round (n={len(rounds)}) median "
+            f"{statistics.median(rounds):.2f}, range {min(rounds):.2f}-{max(rounds):.2f}"
         )
+
+    for kind in kinds:
+        for a, b in [(t, "aiohttp minimal") for t in targets[1:]] + (
+            [("specroute", "against")] if args.against else []
+        ):
+            print(f"p99 {a} / {b}, {kind}: {ratios(a, b, kind)}")
+    for kind in (k for k in PARALLEL if k in kinds):
+        for t in targets[1:]:
+            key = (t, kind)
+            inside = [x for x in samples[t] if any(a <= x[0] <= b for a, b in windows[key])]
+            peak = max((x[2] for x in inside), default=0) * 1024
+            back = ", ".join("not within 30 s" if x is None else f"{x:.1f} s" for x in recovery[key])
+            print(
+                f"{kind}: {t} peak RSS {peak / 2**20:.0f} MiB, budget + 150 MiB = "
+                f"{(BUDGET >> 20) + 150} MiB: "
+                f"{'within' if peak <= BUDGET + (150 << 20) else 'OVER'}; back below 2x idle "
+                f"({2 * idle_rss[t] / 1024:.0f} MiB) after {back}"
+            )
     print("VmHWM (peak RSS since start): " + ", ".join(f"{t} {hwm[t] / 1024:.0f} MiB" for t in targets))
 
 

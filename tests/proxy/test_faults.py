@@ -322,14 +322,16 @@ async def test_stalled_backends_give_504_and_release_the_slot(emulator, proxy):
     base = await emulator("baseline")
     eagle = await emulator("eagle")
     base.faults.stall_s = eagle.faults.stall_s = 60.0  # accept, then say nothing
+    clock = ShiftedClock()  # the proxy's: a minute's timeouts pass in ticks, no waiting
     p = await proxy(
         baseline=[base.url],
         eagle=[eagle.url],
         policy="threshold",
-        first_byte_timeout_s=0.3,
-        request_timeout_s=0.3,  # the non-streaming request's own timeout (never re-run elsewhere)
-        health_check_interval_s=60,
+        first_byte_timeout_s=60,
+        request_timeout_s=60,  # the non-streaming request's own timeout (never re-run elsewhere)
+        health_check_interval_s=3600,
         scrape_interval_s=3600,  # no background scrape may overlap the idle check below
+        clock=clock,
     )
     c = p.client()
     for stream in (True, False):
@@ -338,7 +340,7 @@ async def test_stalled_backends_give_504_and_release_the_slot(emulator, proxy):
         # a 504 from the first-byte timeouts; waiting out the 60 s stall would be the client's
         # own 30 s timeout (APITimeoutError) instead
         with pytest.raises(openai.APIStatusError) as info:
-            await complete(c, stream=stream)
+            await clock.ticking(complete(c, stream=stream), 61)
         assert info.value.status_code == 504
         assert info.value.response.json()["error"]["code"] == "backend_timeout"
     await c.close()

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import openai
+from fakes import ShiftedClock
 from helpers import BODY, CHAT, wait_until
 
 if TYPE_CHECKING:
@@ -112,11 +113,21 @@ async def test_500_streams_30_percent_abandoned_leave_zero_in_flight(fake_backen
 
 
 async def test_release_on_every_failure_path(fake_backend, proxy):
+    """The two stalls run on the proxy's clock (`ShiftedClock.ticking`): realistic timeouts, no
+    waiting. The first byte's limit is far above the silence's, so a tick that ends a stall
+    after its first event never finds the first byte late."""
     fb = await fake_backend(chunks=6)
+    clock = ShiftedClock()
     p = await proxy(
-        baseline=[fb.url], policy="fixed", first_byte_timeout_s=0.3, idle_timeout_s=0.3, health_checks=False,
-        request_timeout_s=0.3,
+        baseline=[fb.url], policy="fixed", first_byte_timeout_s=3600, idle_timeout_s=60, health_checks=False,
+        request_timeout_s=3600, clock=clock,
     )  # fmt: skip
+    ticks = {"stall": 3601.0, "stall_mid": 61.0}  # past the first byte's limit, past the silence's
+
+    async def post() -> tuple[aiohttp.ClientResponse, bytes]:
+        async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
+            return r, await r.read()
+
     expected = {
         "ok": 200,
         "error500": 500,  # no other backend: the backend's status, in OpenAI's shape
@@ -129,8 +140,7 @@ async def test_release_on_every_failure_path(fake_backend, proxy):
     for mode, status in expected.items():
         fb.mode = mode
         p.tracker.set_healthy(fb.url, True)
-        async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
-            body = await r.read()
+        r, body = await (clock.ticking(post(), ticks[mode]) if mode in ticks else post())
         assert r.status == status, (mode, body)
         await p.wait_idle()
         assert p.tracker.total_in_flight == 0, mode

@@ -8,7 +8,7 @@ import json
 import aiohttp
 import openai
 import pytest
-from fakes import closed_port_url
+from fakes import ShiftedClock, closed_port_url
 from helpers import assert_openai_error
 
 
@@ -197,6 +197,7 @@ async def test_openai_client_sees_502_503_504(fake_backend, proxy):
     stalled.mode = "stall"
     dropping = await fake_backend()
     dropping.mode = "drop"
+    clock = ShiftedClock()
     cases = [
         (
             dict(baseline=[dropping.url], health_checks=False),
@@ -211,13 +212,15 @@ async def test_openai_client_sees_502_503_504(fake_backend, proxy):
             "no_healthy_backend",
         ),
         (  # one failure ejects (and no panic routing): the next request finds no backend
-            dict(
+            dict(  # on the proxy's clock: a minute's timeouts, no waiting (`ShiftedClock.ticking`)
                 baseline=[stalled.url],
-                first_byte_timeout_s=0.2,
-                request_timeout_s=0.2,  # a non-streaming request's own total timeout
+                first_byte_timeout_s=60,
+                request_timeout_s=60,  # a non-streaming request's own total timeout
                 health_checks=False,
                 outlier_consecutive_failures=1,
+                outlier_base_ejection_s=3600,  # a later tick must not end the ejection
                 panic_routing=False,
+                clock=clock,
             ),
             openai.InternalServerError,
             504,
@@ -228,7 +231,8 @@ async def test_openai_client_sees_502_503_504(fake_backend, proxy):
         p = await proxy(policy="fixed", **kwargs)
         client = openai.AsyncOpenAI(base_url=p.base_url, api_key="k", max_retries=0)
         with pytest.raises(exc) as info:
-            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+            call = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+            await clock.ticking(call, 61)
         await client.close()
         assert info.value.status_code == status
         assert_openai_error(info.value.response.json(), code)
