@@ -149,6 +149,18 @@ def configure_bench(b: argparse.ArgumentParser) -> None:
         "and --profile-out gets both modes as measured together (`profile merge --together` makes "
         "them the together points of a profile measured alone)",
     )
+    b.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --together: each level measured alone and together in turn, N together runs "
+        "between N+1 alone runs of each server (each run --requests-per-level requests), so the "
+        "machine's drift falls on both alike; prints each server's slowdown per level with its "
+        "rounds' range, --profile-out gets each mode's alone points with its together points (no "
+        "`profile merge --together` needed), --out's alone results go beside it (NAME.alone.json, "
+        "NAME.together.alone.json)",
+    )
     b.add_argument("--profile-name", default=None, help="name field of the written profile")
     b.add_argument(
         "--import-sglang",
@@ -318,6 +330,12 @@ def run_bench(args: argparse.Namespace) -> int:
         if eta is not None and lv.concurrency != config.levels[-1]:
             print(f"    sweep: {fmt_duration(eta)} to go (estimate)", flush=True)
 
+    if args.rounds is not None and not args.together:
+        raise CommandError("--rounds needs --together URL2 (it interleaves alone and together runs)")
+    if args.rounds is not None and args.rounds < 1:
+        raise CommandError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.together and args.rounds is not None:
+        return _run_rounds(args, config)
     if args.together:
         return _run_together(args, config)
     runner = BenchRunner(config, on_level=on_level, progress=not args.no_progress)
@@ -396,6 +414,68 @@ def _run_together(args: argparse.Namespace, config: BenchConfig) -> int:
             return 1
         print(f"wrote {args.profile_out}: modes {', '.join(profile.modes)}")
     return code
+
+
+def _run_rounds(args: argparse.Namespace, config: BenchConfig) -> int:
+    """`--together URL2 --rounds N` (controller.bench.together.run_rounds): alone and together in
+    turn, one profile with each mode's alone points and together points."""
+    from dataclasses import replace
+
+    from controller.bench.together import describe_factors, other, run_rounds, together_profile, with_suffix
+
+    if not args.mode:
+        raise CommandError("--together needs --mode (of URL; URL2 gets the other one)")
+    try:
+        second = replace(config, url=args.together, label=None)
+    except ValueError as e:
+        raise CommandError(f"--together: {e}") from None
+    modes = (args.mode, other(args.mode))
+    print(
+        f"bench {args.url} ({modes[0]}) and {args.together} ({modes[1]}), alone and together in turn: "
+        f"{args.rounds} together runs between {args.rounds + 1} alone runs of each, per level",
+        flush=True,
+    )
+
+    def on_run(kind: str, k: int, i: int, lv: LevelResult) -> None:
+        print(f"  round {k} {kind:8s} {modes[i]:8s} {level_line(lv)}", flush=True)
+
+    try:
+        rounds = run_async(run_rounds(config, second, args.rounds, on_run=on_run))
+    except BenchError as e:
+        raise CommandError(str(e)) from None
+    for line in describe_factors(rounds, modes):
+        print(line)
+    if args.out:
+        together_path = with_suffix(args.out, "together")
+        for path, result in (
+            (args.out, rounds.together[0]),
+            (together_path, rounds.together[1]),
+            (with_suffix(args.out, "alone"), rounds.alone[0]),
+            (with_suffix(together_path, "alone"), rounds.alone[1]),
+        ):
+            try:
+                result.write(path)
+            except OSError as e:
+                print(f"specroute bench: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+                return 1
+            print(f"wrote {path}")
+    if args.profile_out:
+        try:
+            alone = [
+                (args.url, rounds.alone[0].to_profile(modes[0])),
+                (args.together, rounds.alone[1].to_profile(modes[1])),
+            ]
+            together = together_profile(*rounds.together, args.mode)
+            profile = merge_profiles(
+                alone, args.profile_name or f"{args.url} + {args.together}, alone and together",
+                together=("measured together in the same rounds", together),
+            )  # fmt: skip
+            _write_profile(profile, args.profile_out)
+        except (ResultFileError, ProfileError, OSError) as e:
+            print(f"specroute bench: no profile written: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.profile_out}: modes {', '.join(profile.modes)}, each with together points")
+    return 0
 
 
 def report_categories(result: BenchResult) -> None:

@@ -4,6 +4,7 @@ not yet complete), reasoning as `delta.reasoning`, a small context; and the resu
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +184,58 @@ async def test_bench_together_measures_both_servers_at_once(emulator: Any, tmp_p
     fast = profile.mode("eagle").points[0].decode_tok_s
     slow = profile.mode("baseline").points[0].decode_tok_s
     assert fast / slow == pytest.approx(2.0, rel=0.1)  # each server's own speed, measured side by side
+
+
+async def test_bench_together_in_rounds_interleaves_alone_and_together(emulator: Any, tmp_path: Path) -> None:
+    base = await emulator(profile=flat_profile(), time_scale=0.5)
+    spec = await emulator(profile=flat_profile(SPEED * 2), time_scale=0.5)
+    out, prof = tmp_path / "run.json", tmp_path / "pair.json"
+    code, stdout, stderr = await run_specroute(
+        "bench", base.url, "--together", spec.url, "--mode", "baseline", "--rounds", "2",
+        "--concurrency", "1", "--requests-per-level", "3", "--warmup-requests", "1", "--max-tokens", "16",
+        "--ignore-eos", "--out", str(out), "--profile-out", str(prof), "--no-progress",
+    )  # fmt: skip
+    assert code == 0, stderr
+    # the order of the runs: alone, alone, together, alone, alone, together, alone, alone
+    runs = json.loads(out.read_text())["metadata"]["runs"]
+    assert [(r["kind"], r["server"]) for r in runs] == [
+        *[("alone", base.url), ("alone", spec.url), ("together", base.url), ("together", spec.url)] * 2,
+        ("alone", base.url), ("alone", spec.url),
+    ]  # fmt: skip
+    files = {
+        "together baseline": out, "together eagle": tmp_path / "run.together.json",
+        "alone baseline": tmp_path / "run.alone.json", "alone eagle": tmp_path / "run.together.alone.json",
+    }  # fmt: skip
+    measured = {}
+    for name, path in files.items():
+        (level,) = json.loads(path.read_text())["levels"]
+        measured[name] = [r for r in level["requests"] if r["phase"] == "measured"]
+        assert level["summary"]["n"] == len(measured[name]) and level["summary"]["errors"] == 0
+    # 2 together runs and 3 alone runs of 3 requests each, pooled
+    assert {name: len(rs) for name, rs in measured.items()} == {
+        "together baseline": 6, "together eagle": 6, "alone baseline": 9, "alone eagle": 9,
+    }  # fmt: skip
+    # pooled runs follow each other in time
+    starts = [r["start_s"] for r in measured["alone baseline"]]
+    assert starts == sorted(starts)
+    # emulators do not share cores: together is as fast as alone, each round's factor near 1
+    line = next(x for x in stdout.splitlines() if x.startswith("c=1: decode speed together / alone"))
+    factors = [float(f) for f in re.findall(r"x(\d+\.\d+) \(n=2, rounds", line)]
+    assert len(factors) == 2 and factors == pytest.approx([1.0, 1.0], rel=0.15), line
+    profile = load_profile(str(prof))
+    alone = {mode: profile.mode(mode).points[0] for mode in ("baseline", "eagle")}
+    assert alone["eagle"].decode_tok_s / alone["baseline"].decode_tok_s == pytest.approx(2.0, rel=0.15)
+    for mode, point in alone.items():
+        together = profile.mode(mode).together
+        assert point.samples == 9 and together is not None
+        assert together.points[0].decode_tok_s == pytest.approx(point.decode_tok_s, rel=0.15)
+
+
+async def test_bench_rounds_needs_together_and_a_positive_count(emulator: Any) -> None:
+    base = await emulator(profile=flat_profile(), time_scale=0.5)
+    code, _, stderr = await run_specroute("bench", base.url, "--rounds", "2", "--mode", "baseline")
+    assert code == 2 and "--rounds needs --together" in stderr
+    code, _, stderr = await run_specroute(
+        "bench", base.url, "--together", base.url, "--rounds", "0", "--mode", "baseline"
+    )
+    assert code == 2 and "--rounds must be at least 1, got 0" in stderr

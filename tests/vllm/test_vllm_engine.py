@@ -10,8 +10,10 @@ reading vLLM's running/queued/accept length; `bench` writing a profile whose c=1
 15% of a direct measurement; `simulate` with that profile predicting the per-request speed at
 c=1 and 2 within 15% of the live run through `serve` (the two servers share the machine's cores:
 the profile gets their together points from `bench --together`, and c=2 is checked with cost_model,
-with cost_model splitting the pair, both requests on one server and one on each); and two replicas
-each seeing a backend's requests within 20% of the truth. The figures are printed (`pytest -s`).
+with cost_model splitting the pair, both requests on one server and one on each; the live runs
+are cut in blocks between reference benches, so the servers the simulation runs were measured over
+the same minutes as the live run they are compared with); and two replicas each seeing a
+backend's requests within 20% of the truth. The figures are printed (`pytest -s`).
 """
 
 from __future__ import annotations
@@ -276,17 +278,13 @@ async def test_scraper_reads_running_queued_and_accept_length(vllm_pair: VllmPai
     assert engine is not None and engine.name == "vllm"
 
 
-def _level(result: dict[str, Any], concurrency: int) -> dict[str, Any]:
-    return next(lv["summary"] for lv in result["levels"] if lv["concurrency"] == concurrency)
-
-
-async def bench_pair(vllm_pair: VllmPair, tmp_path: Path, tag: str) -> dict[str, Any]:
-    """The README's bench lines (shorter): a one-mode profile per server; their JSON by mode."""
+async def bench_pair(vllm_pair: VllmPair, tmp_path: Path) -> dict[str, Any]:
+    """The README's bench lines (shorter): a one-mode profile per server (the profile `serve` gets),
+    each bench's c=1 speed checked against direct measurements just before and just after it."""
     profiles = {}
     for url, mode in ((vllm_pair.plain, "baseline"), (vllm_pair.ngram, "eagle")):
-        out = tmp_path / f"{tag}-{mode}.json"
-        if tag == "before":  # a direct measurement just before the bench and one just after
-            direct_before, _ = await direct_rate(url, first=2, n=16)
+        out = tmp_path / f"bench-{mode}.json"
+        direct_before, _ = await direct_rate(url, first=2, n=16)
         code, stdout, stderr = await run_specroute(
             "bench", url, "--concurrency", "1", "2", "--requests-per-level", "16", "--warmup-requests", "2",
             "--max-tokens", str(MAX_TOKENS), "--mode", mode, "--profile-out", str(out), "--no-progress",
@@ -294,28 +292,29 @@ async def bench_pair(vllm_pair: VllmPair, tmp_path: Path, tag: str) -> dict[str,
         )  # fmt: skip
         assert code == 0, stderr
         assert "warning: --mode" not in stderr
-        print(f"\n{tag}: {stdout}")
+        print(f"\n{stdout}")
         profiles[mode] = json.loads(out.read_text())
-        if tag == "before":  # bench's c=1 speed against the direct measurements around it
-            direct_after, rates = await direct_rate(url, first=2, n=16)  # bench's c=1 prompts
-            direct = (direct_before + direct_after) / 2
-            benched = profiles[mode]["modes"][mode]["points"][0]["decode_tok_s"]
-            print(f"{mode}: bench c=1 {benched:.1f} tok/s, direct {direct:.1f} (medians of "
-                  f"{len(rates)} prompts before and after the bench: {direct_before:.1f}, "
-                  f"{direct_after:.1f})")  # fmt: skip
-            assert benched == pytest.approx(direct, rel=0.15)
+        direct_after, rates = await direct_rate(url, first=2, n=16)  # bench's c=1 prompts
+        direct = (direct_before + direct_after) / 2
+        benched = profiles[mode]["modes"][mode]["points"][0]["decode_tok_s"]
+        print(f"{mode}: bench c=1 {benched:.1f} tok/s, direct {direct:.1f} (medians of "
+              f"{len(rates)} prompts before and after the bench: {direct_before:.1f}, "
+              f"{direct_after:.1f})")  # fmt: skip
+        assert benched == pytest.approx(direct, rel=0.15)
     assert profiles["eagle"]["engine"] == "vllm" and profiles["eagle"]["modes"]["eagle"]["accept_length"] > 1
     return profiles
 
 
-async def bench_together(vllm_pair: VllmPair, tmp_path: Path, tag: str) -> dict[str, Any]:
+async def bench_together(
+    vllm_pair: VllmPair, tmp_path: Path, tag: str, requests: int = LIVE_REQUESTS, warmup: int = 2
+) -> dict[str, Any]:
     """The README's `bench --together` line (shorter): both servers measured at once at c=1, what
     each runs at while the other is busy too (the c=2 split puts one request on each)."""
     out = tmp_path / f"{tag}-together.json"
     code, stdout, stderr = await run_specroute(
         "bench", vllm_pair.plain, "--mode", "baseline", "--together", vllm_pair.ngram, "--concurrency", "1",
-        "--requests-per-level", str(LIVE_REQUESTS), "--warmup-requests", "2", "--max-tokens", str(MAX_TOKENS),
-        "--profile-out", str(out), "--no-progress", timeout_s=300,
+        "--requests-per-level", str(requests), "--warmup-requests", str(warmup),
+        "--max-tokens", str(MAX_TOKENS), "--profile-out", str(out), "--no-progress", timeout_s=300,
     )  # fmt: skip
     assert code == 0, stderr
     print(f"\n{tag}, together: {stdout}")
@@ -354,69 +353,106 @@ def averaged(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"format": "specroute.profile/v1", "name": "vLLM pair", "engine": "vllm", "modes": modes}
 
 
-async def live_levels(
-    vllm_pair: VllmPair,
-    spawn_serve: Any,
-    tmp_path: Path,
-    profile: Path,
-    levels: tuple[int, ...],
-    *policy: str,
-) -> dict[int, tuple[dict[str, Any], float]]:
-    """`serve` with `policy` in front of the pair, benched one level at a time: per level its bench
-    summary and the share of its requests (warm-up and fillers too) the eagle pool served."""
-    sp = await spawn_serve(
-        "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(profile), *policy,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    out = {}
-    for level in levels:
-        served_before = await served_per_pool(sp.url)
-        path = tmp_path / f"live-{'-'.join(policy)}-{level}.json"
+ROUNDS = 4
+"""The live runs are cut in this many blocks of LIVE_REQUESTS / ROUNDS requests, each block of
+every case between two reference benches (ABAB): the speed of this machine's shared cores drifts
+by tens of percent within a minute (one local run: a direct c=1 measurement of the plain server
+232 tok/s, 348 ten seconds later), so live and reference are measured over the same minutes."""
+REFERENCE_REQUESTS = 8
+"""Measured requests per level of each reference bench (alone at c=1 and 2, and together at c=1)."""
+
+
+@dataclass
+class LiveCase:
+    name: str
+    concurrency: int
+    policy: tuple[str, ...]
+    url: str = ""
+    requests: list[dict[str, Any]] | None = None
+    served: dict[str, float] | None = None
+
+
+async def reference(vllm_pair: VllmPair, tmp_path: Path, k: int) -> dict[str, Any]:
+    """Both servers benched alone (c=1 and 2) and together (c=1), briefly: one reference point in
+    time. Returns each server's one-mode profile and the together profile."""
+    out: dict[str, Any] = {}
+    for url, mode in ((vllm_pair.plain, "baseline"), (vllm_pair.ngram, "eagle")):
+        path = tmp_path / f"ref{k}-{mode}.json"
         code, _, stderr = await run_specroute(
-            "bench", sp.url, "--concurrency", str(level), "--requests-per-level", str(LIVE_REQUESTS),
-            "--warmup-requests", "2", "--max-tokens", str(MAX_TOKENS), "--out", str(path), "--no-progress",
-            timeout_s=300,
+            "bench", url, "--concurrency", "1", "2", "--requests-per-level", str(REFERENCE_REQUESTS),
+            "--warmup-requests", "1", "--max-tokens", str(MAX_TOKENS), "--mode", mode,
+            "--profile-out", str(path), "--no-progress", timeout_s=300,
         )  # fmt: skip
         assert code == 0, stderr
-        served = {pool: n - served_before[pool] for pool, n in (await served_per_pool(sp.url)).items()}
-        out[level] = (json.loads(path.read_text()), served["eagle"] / sum(served.values()))
+        out[mode] = json.loads(path.read_text())
+    out["together"] = await bench_together(vllm_pair, tmp_path, f"ref{k}", REFERENCE_REQUESTS, warmup=1)
     return out
+
+
+async def live_block(case: LiveCase, tmp_path: Path, k: int) -> None:
+    """One block of `case` through its `serve`: its measured requests and what each pool served."""
+    served_before = await served_per_pool(case.url)
+    path = tmp_path / f"live-{case.name.replace(' ', '_')}-{k}.json"
+    code, _, stderr = await run_specroute(
+        "bench", case.url, "--concurrency", str(case.concurrency),
+        "--requests-per-level", str(LIVE_REQUESTS // ROUNDS), "--warmup-requests", "2",
+        "--max-tokens", str(MAX_TOKENS), "--out", str(path), "--no-progress", timeout_s=300,
+    )  # fmt: skip
+    assert code == 0, stderr
+    served_after = await served_per_pool(case.url)
+    (level,) = json.loads(path.read_text())["levels"]
+    case.requests = (case.requests or []) + [r for r in level["requests"] if r["phase"] == "measured"]
+    case.served = {
+        pool: (case.served or {}).get(pool, 0.0) + served_after[pool] - served_before[pool]
+        for pool in served_after
+    }
 
 
 async def test_bench_profile_and_simulate_against_the_live_pair(
     vllm_pair: VllmPair, spawn_serve: Any, tmp_path: Path
 ) -> None:
-    before = await bench_pair(vllm_pair, tmp_path, "before")
+    await bench_pair(vllm_pair, tmp_path)
     belief = tmp_path / "pair.json"
     code, _, stderr = await run_specroute(
-        "profile", "merge", str(tmp_path / "before-baseline.json"), str(tmp_path / "before-eagle.json"),
+        "profile", "merge", str(tmp_path / "bench-baseline.json"), str(tmp_path / "bench-eagle.json"),
         "--out", str(belief),
     )  # fmt: skip
     assert code == 0, stderr
     assert json.loads(belief.read_text())["engine"] == "vllm"
-    together_before = await bench_together(vllm_pair, tmp_path, "before")
 
     # Live through serve with that profile. cost_model without content features: the simulated
     # workload has no prompt text, so live and simulated cost_model decide on the same inputs.
     cost = ("--policy", "cost_model", "--policy-param", "content_aware=false")
-    live = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (1, 2), *cost)
-    # cost_model by time to first token: at c=2 the second request goes to the idle server (a
-    # lower TTFT than a busy one), so it splits c=2 over the pair, which then shares the cores
-    by_ttft = (*cost, "--policy-param", "objective=ttft")
-    ttft_split = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (2,), *by_ttft)
-    # both requests of c=2 on the ngram server; one on each server at all times (eagle while it
-    # has none in flight, else baseline)
-    eagle = ("--policy", "fixed", "--policy-param", "pool=eagle")
-    on_eagle = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (2,), *eagle)
-    one_each = ("--policy", "threshold", "--policy-param", "threshold=1", "--policy-param", "signal=local")
-    split = await live_levels(vllm_pair, spawn_serve, tmp_path, belief, (2,), *one_each)
-    # The speed of a shared 2-core machine drifts: the servers of the simulation run from the mean
-    # of benches taken just before and just after the live runs.
-    after = await bench_pair(vllm_pair, tmp_path, "after")
-    together_after = await bench_together(vllm_pair, tmp_path, "after")
+    cases = [
+        LiveCase("c=1 cost_model", 1, cost),
+        LiveCase("c=2 cost_model", 2, cost),
+        # cost_model by time to first token: at c=2 the second request goes to the idle server (a
+        # lower TTFT than a busy one), so it splits c=2 over the pair, which then shares the cores
+        LiveCase("c=2 cost_model objective=ttft", 2, (*cost, "--policy-param", "objective=ttft")),
+        # both requests of c=2 on the ngram server
+        LiveCase("c=2 both on eagle", 2, ("--policy", "fixed", "--policy-param", "pool=eagle")),
+        # one on each server at all times (eagle while it has none in flight, else baseline)
+        LiveCase("c=2 one on each", 2, ("--policy", "threshold", "--policy-param", "threshold=1",
+                                         "--policy-param", "signal=local")),
+    ]  # fmt: skip
+    for case in cases:
+        sp = await spawn_serve(
+            "--baseline", vllm_pair.plain, "--eagle", vllm_pair.ngram, "--profile", str(belief), *case.policy,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        case.url = sp.url
+    references = [await reference(vllm_pair, tmp_path, 0)]
+    for k in range(ROUNDS):
+        for case in cases:
+            await live_block(case, tmp_path, k)
+        references.append(await reference(vllm_pair, tmp_path, k + 1))
+
+    # The simulation's servers run at the mean of the references around each block (trapezoid
+    # weights: the first and last count once, the ones between twice).
+    weighted = [references[0], *(r for r in references[1:-1] for _ in range(2)), references[-1]]
     alone = tmp_path / "pair-averaged.json"
-    alone.write_text(json.dumps(averaged([before, after])))
-    both = averaged([{m: run for m in ("baseline", "eagle")} for run in (together_before, together_after)])
+    alone.write_text(json.dumps(averaged([{m: r[m] for m in ("baseline", "eagle")} for r in weighted])))
+    both = averaged([{m: r["together"] for m in ("baseline", "eagle")} for r in weighted])
     measured_together = tmp_path / "together-averaged.json"
     measured_together.write_text(json.dumps({**both, "measured_together": True}))
     # the servers share the machine's cores: the profile knows how each slows while the other is busy
@@ -427,60 +463,53 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
     assert code == 0 and stderr == "", stderr
     assert "co-located pairs" in stdout
     print(f"\n{stdout}")
-    prompt_tokens = [
-        r["prompt_tokens"]
-        for runs in (live, ttft_split, on_eagle, split)
-        for result, _ in runs.values()
-        for lv in result["levels"]
-        for r in lv["requests"]
-        if r.get("prompt_tokens")
-    ]
-    median_prompt = round(statistics.median(prompt_tokens))
+    lines = [stdout.strip().splitlines()[-1]]
+    for k, ref in enumerate(references):
+        speeds = {m: ref[m]["modes"][m]["points"][0]["decode_tok_s"] for m in ("baseline", "eagle")}
+        together = {m: ref["together"]["modes"][m]["points"][0]["decode_tok_s"] for m in speeds}
+        lines.append(
+            f"reference {k}: c=1 alone baseline {speeds['baseline']:.0f} eagle {speeds['eagle']:.0f} tok/s, "
+            f"together baseline {together['baseline']:.0f} eagle {together['eagle']:.0f} "
+            f"(n={REFERENCE_REQUESTS} each)"
+        )
+        print(lines[-1])
+    median_prompt = round(statistics.median(
+        r["prompt_tokens"] for case in cases for r in case.requests or [] if r.get("prompt_tokens")
+    ))  # fmt: skip
 
-    async def simulated(
-        levels: tuple[int, ...], level: int, policy: tuple[str, ...], servers: Path = truth
-    ) -> dict[str, Any]:
-        """The live run's levels, in order (a learning policy carries what it learned from one to
-        the next, as live); `level`'s summary. The policy believes the profile serve had; the
-        servers run at the averaged speeds."""
+    async def simulated(case: LiveCase, servers: Path) -> dict[str, Any]:
+        """The case's level, LIVE_REQUESTS requests. The policy believes the profile serve had; the
+        servers run at the references' speeds."""
         code, stdout, stderr = await run_specroute(
-            "simulate", "--profile", str(belief), "--server-profile", str(servers), *policy,
-            "--concurrency", *map(str, levels), "--requests-per-level", str(LIVE_REQUESTS),
+            "simulate", "--profile", str(belief), "--server-profile", str(servers), *case.policy,
+            "--concurrency", str(case.concurrency), "--requests-per-level", str(LIVE_REQUESTS),
             "--warmup-requests", "2", "--output-tokens", f"const:{MAX_TOKENS}",
             "--prompt-tokens", f"const:{median_prompt}", "--json",
         )  # fmt: skip
         assert code == 0, stderr
         doc = json.loads(stdout)
         assert ("colocation" in doc) == (servers == truth)
-        out: dict[str, Any] = doc["runs"][0]["levels"][levels.index(level)]
-        assert out["concurrency"] == level
-        return out
+        (out,) = doc["runs"][0]["levels"]
+        assert out["concurrency"] == case.concurrency
+        return dict(out)
 
-    async def compare(level: int, runs: dict[int, tuple[dict[str, Any], float]], policy: tuple[str, ...],
-                      what: str) -> float:  # fmt: skip
-        result, share = runs[level]
-        got = _level(result, level)["decode_tok_s"]
-        levels = tuple(runs)
-        sims = {
-            "not co-located": await simulated(levels, level, policy, alone),
-            "co-located": await simulated(levels, level, policy),
-        }
-        for name, sim in sims.items():
-            ratio = sim["mean_decode_tok_s"] / got["mean"]
-            print(f"c={level} {what}, {name}: live through serve {got['mean']:.1f} tok/s "
-                  f"(p50 {got['p50']:.1f}, n={got['n']}, eagle share {share:.2f}), simulated "
-                  f"{sim['mean_decode_tok_s']:.1f} (eagle share {sim['pool_share']['eagle']:.2f}), "
-                  f"ratio {ratio:.3f}")  # fmt: skip
-        return float(sims["co-located"]["mean_decode_tok_s"] / got["mean"])
-
-    ratios = {
-        "c=1 cost_model": await compare(1, live, cost, "cost_model"),
-        "c=2 cost_model": await compare(2, live, cost, "cost_model"),
-        "c=2 cost_model objective=ttft": await compare(2, ttft_split, by_ttft, "cost_model objective=ttft"),
-        "c=2 both on eagle": await compare(2, on_eagle, eagle, "both on eagle"),
-        "c=2 one on each": await compare(2, split, one_each, "one on each server"),
-    }
-    assert ratios == pytest.approx(dict.fromkeys(ratios, 1.0), rel=0.15)
+    ratios = {}
+    for case in cases:
+        rates = [r["decode_tok_s"] for r in case.requests or []]
+        assert len(rates) == LIVE_REQUESTS and case.served
+        live = statistics.mean(rates)
+        share = case.served["eagle"] / sum(case.served.values())
+        for name, servers in (("not co-located", alone), ("co-located", truth)):
+            sim = await simulated(case, servers)
+            ratio = sim["mean_decode_tok_s"] / live
+            line = (f"{case.name}, {name}: live through serve {live:.1f} tok/s (p50 "
+                    f"{statistics.median(rates):.1f}, sd {statistics.stdev(rates):.1f}, n={len(rates)}, "
+                    f"eagle share {share:.2f}), simulated {sim['mean_decode_tok_s']:.1f} (eagle share "
+                    f"{sim['pool_share']['eagle']:.2f}), ratio {ratio:.3f}")  # fmt: skip
+            print(line)
+            lines.append(line)
+        ratios[case.name] = ratio  # the co-located one: what the profile with together points predicts
+    assert ratios == pytest.approx(dict.fromkeys(ratios, 1.0), rel=0.15), "\n".join(lines)
 
 
 async def test_two_replicas_each_see_the_backends_true_load(vllm_pair: VllmPair, proxy: Any) -> None:
