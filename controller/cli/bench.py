@@ -378,18 +378,23 @@ def run_bench(args: argparse.Namespace) -> int:
     return _write_outputs(args, result, interrupted)
 
 
-def _run_together(args: argparse.Namespace, config: BenchConfig) -> int:
-    """`--together URL2` (controller.bench.together): both sweeps at once, one two-mode profile."""
+def _second_server(args: argparse.Namespace, config: BenchConfig) -> BenchConfig:
+    """`--together URL2`'s config: URL's with URL2 (which gets the other `--mode`)."""
     from dataclasses import replace
-
-    from controller.bench.together import other, run_together, together_profile, with_suffix
 
     if not args.mode:
         raise CommandError("--together needs --mode (of URL; URL2 gets the other one)")
     try:
-        second = replace(config, url=args.together, label=None)
+        return replace(config, url=args.together, label=None)
     except ValueError as e:
         raise CommandError(f"--together: {e}") from None
+
+
+def _run_together(args: argparse.Namespace, config: BenchConfig) -> int:
+    """`--together URL2` (controller.bench.together): both sweeps at once, one two-mode profile."""
+    from controller.bench.together import other, run_together, together_profile, with_suffix
+
+    second = _second_server(args, config)
     print(f"bench {args.url} ({args.mode}) together with {args.together} ({other(args.mode)})", flush=True)
     try:
         first_result, second_result = run_async(
@@ -419,16 +424,9 @@ def _run_together(args: argparse.Namespace, config: BenchConfig) -> int:
 def _run_rounds(args: argparse.Namespace, config: BenchConfig) -> int:
     """`--together URL2 --rounds N` (controller.bench.together.run_rounds): alone and together in
     turn, one profile with each mode's alone points and together points."""
-    from dataclasses import replace
-
     from controller.bench.together import describe_factors, other, run_rounds, together_profile, with_suffix
 
-    if not args.mode:
-        raise CommandError("--together needs --mode (of URL; URL2 gets the other one)")
-    try:
-        second = replace(config, url=args.together, label=None)
-    except ValueError as e:
-        raise CommandError(f"--together: {e}") from None
+    second = _second_server(args, config)
     modes = (args.mode, other(args.mode))
     print(
         f"bench {args.url} ({modes[0]}) and {args.together} ({modes[1]}), alone and together in turn: "
