@@ -323,14 +323,17 @@ def why_line(row: Row, max_tokens: int, scale: float = 1.0) -> str:
         f"{share}: at {row.concurrency} in flight the EAGLE-3 server alone {said} the plain one "
         f"(e2e {_rel(plain.e2e_s, eagle.e2e_s)}, {n}): decode {decode}, TTFT {ttft}"
     )
-    eagle_decodes_faster = verdict(plain.decode_tok_s, eagle.decode_tok_s, True) == "faster"
+    decode_verdict = verdict(plain.decode_tok_s, eagle.decode_tok_s, True)
+    eagle_decodes_faster = decode_verdict == "faster"
     if plain.ttft_s is not None and eagle.ttft_s is not None and eagle.ttft_s.mean > 5 * plain.ttft_s.mean:
         cap = f" (it runs at most {row.eagle_cap} at once)" if row.eagle_cap else ""
         out += f"; its requests wait in its queue{cap}"
     if e2e != "faster" and eagle_decodes_faster:
         out += f"; TTFT decides on {max_tokens}-token answers, not decode"
-    elif e2e != "faster" and _rel(plain.decode_tok_s, eagle.decode_tok_s).startswith("-"):
+    elif e2e != "faster" and decode_verdict == "slower":
         out += "; its per-request decode is slower at this batch size"
+    elif e2e != "faster" and decode_verdict == "not distinguishable":
+        out += "; its per-request decode is no faster at this batch size"
     return out
 
 

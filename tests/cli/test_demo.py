@@ -182,6 +182,22 @@ def test_table_verdicts_are_compares_on_e2e_and_say_why_eagle_was_chosen() -> No
     assert "lone stream +3.7% faster" in sentence and 'README "When specroute helps"' in sentence
 
 
+def test_why_line_calls_eagle_decode_slower_only_when_compare_would() -> None:
+    """A decode difference inside the intervals (the demo at concurrency 1: 92.0 ± 5.0 against
+    92.6 ± 0.0 tok/s) is "no faster", not "slower"; a clear one is "slower"."""
+    for eagle_decode, expected, absent in (
+        ((92.0, 5.0), "its per-request decode is no faster", "decode is slower"),
+        ((70.0, 1.0), "its per-request decode is slower", "no faster"),
+    ):
+        s = {"baseline": _summary((92.6, 0.1), 90, e2e=(1.6, 0.02), ttft=(0.21, 0.01)),
+             "eagle": _summary(eagle_decode, 88, e2e=(1.7, 0.02), ttft=(0.23, 0.01))}  # fmt: skip
+        s |= {"specroute": _summary((92.0, 1.0), 90, e2e=(1.6, 0.02)),
+              "2x baseline": _summary((92.0, 1.0), 90, e2e=(1.6, 0.02))}  # fmt: skip
+        text = demo.format_row(demo.Row(1, s, {"baseline": 8}), 1.0, 128)
+        why = " ".join(ln.strip() for ln in text.splitlines())
+        assert expected in why and absent not in why, why
+
+
 def test_plot_has_the_tables_columns_for_the_four_ways() -> None:
     pytest.importorskip("matplotlib")
     s = {w: _summary((90.0, 1.0), 100) for w in demo.WAYS}

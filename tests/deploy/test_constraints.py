@@ -5,6 +5,7 @@ into a fresh virtual environment (a `load` test; it needs the package index)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -86,6 +87,43 @@ def test_the_pinned_set_is_closed_and_is_what_the_tests_run_with() -> None:
         f"this environment differs from constraints.txt: {', '.join(drift)}; reinstall with "
         "`pip install -c constraints.txt -e '.[dev]'`, or update the pins (README \"Reproducible installs\")"
     )
+
+
+_PROJECT_ARG = re.compile(r"""^['"]?(\.|\.\[[\w,]+\]|\S*\.whl)['"]?$""")
+"""A pip argument that installs specroute itself: `.`, `.[extra]` (quoted or not), a wheel."""
+
+
+def _project_installs(text: str) -> list[str]:
+    """Each `pip install` command of `text` (a shell script, Dockerfile or Markdown code block)
+    whose arguments install specroute itself."""
+    found = []
+    for command in re.findall(r"pip install[^&\n]*", text.replace("\\\n", " ")):
+        if any(_PROJECT_ARG.match(arg) for arg in command.split()[2:]):
+            found.append(command.strip())
+    return found
+
+
+def _code_blocks(markdown: str) -> str:
+    return "\n".join(re.findall(r"^```[a-z]*\n(.*?)^```", markdown, flags=re.M | re.S))
+
+
+def test_ci_the_image_and_the_readme_install_through_the_pinned_set() -> None:
+    """CI's install line (.ci/run), the image's (deploy/Dockerfile) and every install command of
+    the READMEs' code blocks install specroute with `-c constraints.txt`: the pins are used, not
+    only written down."""
+    sources = {
+        ".ci/run": (ROOT / ".ci" / "run").read_text(),
+        "deploy/Dockerfile": (ROOT / "deploy" / "Dockerfile").read_text(),
+        "README.md": _code_blocks((ROOT / "README.md").read_text()),
+        "deploy/README.md": _code_blocks((ROOT / "deploy" / "README.md").read_text()),
+    }
+    for name, text in sources.items():
+        commands = _project_installs(text)
+        assert commands, f"{name}: no pip install of specroute found"
+        for command in commands:
+            assert re.search(r"(^|\s)-c \S*constraints\.txt(\s|$)", command), (
+                f"{name}: {command!r} installs specroute without -c constraints.txt"
+            )
 
 
 def _index_reachable() -> bool:

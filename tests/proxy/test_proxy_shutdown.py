@@ -57,6 +57,41 @@ async def test_drain_timeout_cuts_streams_and_aborts_upstream(fake_backend, spaw
     assert fb.active == 0 and fb.aborted == 1
 
 
+async def test_openai_sdk_sees_a_stream_cut_by_the_drain_like_a_broken_backend(fake_backend, spawn_serve):
+    """Through the official client, a stream the drain timeout cuts raises what a stream a
+    backend broke raises: `openai.APIError` carrying the OpenAI-shaped `stream_broken` error, not
+    `APIConnectionError` (the stream ends with the error event and `[DONE]`, not a torn socket)."""
+    fb = await fake_backend(chunks=10)
+    sp = await spawn_serve(
+        "--baseline", fb.url, "--policy", "fixed", "--shutdown-grace-s", "0", "--drain-timeout-s", "0.5"
+    )
+    client = openai.AsyncOpenAI(base_url=sp.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def stream_error(mode: str, on_first_chunk: signal.Signals | None = None) -> openai.APIError:
+        stream = await client.chat.completions.create(**chat, extra_body={"fake_mode": mode})
+        texts: list[str] = []
+        with pytest.raises(openai.APIError) as caught:
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    texts.append(chunk.choices[0].delta.content)
+                    if on_first_chunk is not None and len(texts) == 1:
+                        sp.signal(on_first_chunk)
+        assert texts, "the stream was cut before its first token"
+        assert not isinstance(caught.value, openai.APIConnectionError), repr(caught.value)
+        return caught.value
+
+    broken = await stream_error("die_mid")  # the backend drops the connection after 2 tokens
+    cut = await stream_error("stall_mid", on_first_chunk=signal.SIGTERM)  # stalls; the drain cuts it
+    await client.close()
+    assert await sp.wait(timeout_s=30) == 0
+    for err in (broken, cut):
+        assert isinstance(err.body, dict) and err.body.get("code") == "stream_broken", err.body
+        assert type(err) is type(broken)
+    assert "shutting down" in cut.message and "shutting down" not in broken.message
+    assert fb.aborted == 1  # the stalled upstream request was aborted, not left running
+
+
 async def _raw_exchange(port: int, request: bytes) -> bytes:
     """One request on a fresh connection; the whole answer (read until the server closes)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
