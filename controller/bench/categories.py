@@ -3,7 +3,9 @@
 
 Per category, over the measured successful requests of every level: the accept length (tokens
 per verify step, from each request's `spec_tokens_details`, which bench asks for when the
-prompts have categories) and the
+prompts have categories; a server that sends none but counts accepted and drafted tokens, as
+vLLM does on `/metrics`, gets a probe after the sweep instead: `CATEGORY_PROBE` requests per
+category one at a time, each's accept length from the counters' deltas around it) and the
 per-request decode rate, each as a mean with its 95% t-interval (`policies.stats.estimate`). A
 category's speed factor is its mean accept length over the reference accept length (the
 server's average over the run, else the mean over every measured request): written into the
@@ -40,8 +42,11 @@ class CategorySummary:
         }
 
 
-def by_category(levels: Sequence[LevelResult]) -> list[CategorySummary]:
-    """One summary per category, sorted by name (requests without a category are left out)."""
+def by_category(
+    levels: Sequence[LevelResult], probe: dict[str, list[float]] | None = None
+) -> list[CategorySummary]:
+    """One summary per category, sorted by name (requests without a category are left out);
+    `probe`'s accept lengths (the counter probe's, per category) where no request had its own."""
     accepts: dict[str, list[float]] = {}
     rates: dict[str, list[float]] = {}
     counts: dict[str, int] = {}
@@ -54,6 +59,8 @@ def by_category(levels: Sequence[LevelResult]) -> list[CategorySummary]:
                 accepts.setdefault(r.category, []).append(r.accept_length)
             if r.decode_tok_s is not None:
                 rates.setdefault(r.category, []).append(r.decode_tok_s)
+    if probe and not accepts:
+        accepts = {c: list(values) for c, values in probe.items() if c in counts and values}
     return [
         CategorySummary(c, counts[c], estimate(accepts.get(c, [])), estimate(rates.get(c, [])))
         for c in sorted(counts)
@@ -72,7 +79,7 @@ def category_factors(summaries: Sequence[CategorySummary], reference: float | No
     return {s.category: round(s.accept_length.mean / reference, 4) for s in measured if s.accept_length}
 
 
-def describe(summaries: Sequence[CategorySummary], factors: dict[str, float]) -> str:
+def describe(summaries: Sequence[CategorySummary], factors: dict[str, float], probed: bool = False) -> str:
     """The per-category table bench prints (mean ± 95% CI half-width)."""
 
     def fmt(e: Estimate | None, digits: int) -> str:
@@ -89,9 +96,15 @@ def describe(summaries: Sequence[CategorySummary], factors: dict[str, float]) ->
             f"decode {fmt(s.decode_tok_s, 1)} tok/s"
             + ("" if factor is None else f"  speed factor {factor:.3f}")
         )
+    if probed and any(s.accept_length for s in summaries):
+        lines.append(
+            "  (accept lengths from the server's accepted/drafted token counters around each of the probe's "
+            "requests, sent one at a time after the sweep: exact only while no one else uses the server)"
+        )
     if not any(s.accept_length for s in summaries):
         lines.append(
-            "  (no accept lengths: the server did not send spec_tokens_details; an SGLang EAGLE server "
-            "answers return_spec_tokens_details)"
+            "  (no accept lengths: the server did not send spec_tokens_details and counts no accepted "
+            "and drafted tokens; an SGLang EAGLE server answers return_spec_tokens_details, vLLM counts "
+            "them on /metrics)"
         )
     return "\n".join(lines)

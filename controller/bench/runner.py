@@ -115,6 +115,10 @@ def specroute_version() -> str:
         return "unknown"
 
 
+CATEGORY_PROBE = 8
+"""Requests per category of the counter probe (servers that send no per-request acceptance)."""
+
+
 class BenchRunner:
     """Runs a sweep; `result` holds every finished level, also after an interruption."""
 
@@ -210,8 +214,44 @@ class BenchRunner:
             md["server_info_end"] = end_info  # vLLM: its counters, for the sweep's own accept length
             if end_info["avg_spec_accept_length"] is not None:
                 md["server_info"]["avg_spec_accept_length"] = end_info["avg_spec_accept_length"]
+            if self.prompts.categorized and not self._accept_lengths_seen() and end_info.get("spec_drafts"):
+                # no per-request details, but counters (vLLM): per category from their deltas
+                md["category_probe"] = await self._probe_categories(session, model)
             md["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
         return self.result
+
+    def _accept_lengths_seen(self) -> bool:
+        return any(r.accept_length is not None for lv in self.result.levels for r in lv.requests)
+
+    async def _probe_categories(self, session: aiohttp.ClientSession, model: str) -> dict[str, list[float]]:
+        """Per category, the accept length of each of `CATEGORY_PROBE` requests sent one at a time
+        after the sweep: 1 + accepted / drafted tokens between the server's counters read just
+        before and just after it (exact only while no one else uses the server)."""
+        c = self.config
+        by: dict[str, list[int]] = {}
+        for i, prompt in enumerate(self.prompts.prompts):
+            if prompt.category is not None:
+                by.setdefault(prompt.category, []).append(i)
+        url = self.base + ("/v1/chat/completions" if c.endpoint == "chat" else "/v1/completions")
+        out: dict[str, list[float]] = {}
+        t0 = time.perf_counter()
+        for category, indexes in sorted(by.items()):
+            for k in range(CATEGORY_PROBE):
+                self._next_prompt = indexes[k % len(indexes)]
+                body = self._body(model)
+                before = await fetch_server_info(session, self.base)
+                r = await one_request(session, url, body, c.endpoint, "measured", t0, c.timeout_s)
+                after = await fetch_server_info(session, self.base)
+                if not r.ok:
+                    continue
+                try:
+                    accepted = float(after["spec_accepted_tokens"]) - float(before["spec_accepted_tokens"])
+                    drafts = float(after["spec_drafts"]) - float(before["spec_drafts"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if drafts > 0 and accepted >= 0:
+                    out.setdefault(category, []).append(1.0 + accepted / drafts)
+        return out
 
     async def _run_level(self, session: aiohttp.ClientSession, level: int, model: str) -> LevelResult:
         c = self.config

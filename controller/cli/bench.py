@@ -479,12 +479,12 @@ def _run_rounds(args: argparse.Namespace, config: BenchConfig) -> int:
 def report_categories(result: BenchResult) -> None:
     """Per-category acceptance and speed (`controller.bench.categories`): printed, and kept in the
     result's metadata (the profile's eagle mode gets the speed factors as `categories`)."""
-    summaries = by_category(result.levels)
+    summaries = by_category(result.levels, result.metadata.get("category_probe"))
     accept = (result.metadata.get("server_info") or {}).get("avg_spec_accept_length")
     factors = category_factors(summaries, accept if isinstance(accept, int | float) else None)
     result.metadata["categories"] = [s.to_json() for s in summaries]
     result.metadata["category_factors"] = factors
-    print(describe(summaries, factors))
+    print(describe(summaries, factors, probed=bool(result.metadata.get("category_probe"))))
 
 
 def _write_outputs(args: argparse.Namespace, result: BenchResult, interrupted: bool) -> int:

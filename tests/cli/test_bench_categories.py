@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from helpers import run_specroute
 
 from controller.bench.categories import by_category, category_factors
@@ -71,6 +72,70 @@ async def test_bench_reports_categories_and_writes_priors(tmp_path: Path) -> Non
     code_e2e = policy.choose(RequestInfo(max_tokens=100, hint="code"), view, 0.0).predicted_e2e_s["eagle"]
     prose_e2e = policy.choose(RequestInfo(max_tokens=100, hint="prose"), view, 0.0).predicted_e2e_s["eagle"]
     assert prose_e2e > 1.5 * code_e2e
+
+
+async def test_a_server_without_details_gets_accept_lengths_from_its_counters(tmp_path: Path) -> None:
+    """A vLLM-like server: no per-request acceptance in its answers, but its /metrics counts
+    accepted and drafted tokens (10 drafts a request, accept length 4 for code, 2 for prose)."""
+    counters = {"accepted": 0.0, "drafts": 0.0}
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        text = body["messages"][-1]["content"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = int(body["max_tokens"])
+        for i in range(n):
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": n, "total_tokens": n + 9}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        counters["drafts"] += 10
+        counters["accepted"] += 10 * (3 if "def " in text else 1)
+        return resp
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=(
+            'vllm:num_requests_running{engine="0"} 0\nvllm:num_requests_waiting{engine="0"} 0\n'
+            f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {counters["accepted"]}\n'
+            f'vllm:spec_decode_num_drafts_total{{engine="0"}} {counters["drafts"]}\n'
+        ))  # fmt: skip
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    out, prof = tmp_path / "r.json", tmp_path / "eagle.json"
+    try:
+        code, stdout, stderr = await run_specroute(
+            "bench", f"http://127.0.0.1:{runner.addresses[0][1]}",
+            "--prompts", str(prompt_file(tmp_path / "p.jsonl")), "--concurrency", "2",
+            "--requests-per-level", "12", "--warmup-requests", "0", "--max-tokens", "16", "--out", str(out),
+            "--profile-out", str(prof), "--mode", "eagle", "--no-progress",
+        )  # fmt: skip
+    finally:
+        await runner.cleanup()
+    assert code == 0, stderr
+    assert "counters around each of the probe's requests" in stdout
+    meta = json.loads(out.read_text())["metadata"]
+    assert {c: len(v) for c, v in meta["category_probe"].items()} == {"code": 8, "prose": 8}
+    cats = {c["category"]: c for c in meta["categories"]}
+    assert cats["code"]["accept_length"]["mean"] == pytest.approx(4.0)
+    assert cats["prose"]["accept_length"]["mean"] == pytest.approx(2.0)
+    # relative to the sweep's own accept length (about half code, half prose with the filler: ~3),
+    # which the probe after it does not move
+    eagle = load_profile(prof).mode("eagle")
+    assert eagle.accept_length is not None and eagle.accept_length == pytest.approx(3.0, rel=0.05)
+    assert eagle.categories == pytest.approx(
+        {"code": 4 / eagle.accept_length, "prose": 2 / eagle.accept_length}, rel=1e-3
+    )
 
 
 def test_category_summaries_and_factors() -> None:
