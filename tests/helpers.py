@@ -30,18 +30,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import resource
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.cli import main, spawn
@@ -179,6 +181,19 @@ async def start_module(
         [sys.executable, "-m", module, *args],
         marker=marker, stderr=stderr, stdin=None, env=env, preexec_fn=preexec_fn, timeout_s=timeout_s,
     )  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: web.Application) -> AsyncIterator[str]:
+    """`app` served on 127.0.0.1 at a free port while the block runs; its base URL."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 def free_port() -> int:

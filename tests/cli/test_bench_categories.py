@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from helpers import run_specroute
+from helpers import run_specroute, serve_app
 
 from controller.bench.categories import by_category, category_factors
 from controller.bench.prompts import PromptError, load_prompts
@@ -108,20 +108,13 @@ async def test_a_server_without_details_gets_accept_lengths_from_its_counters(tm
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     out, prof = tmp_path / "r.json", tmp_path / "eagle.json"
-    try:
+    async with serve_app(app) as url:
         code, stdout, stderr = await run_specroute(
-            "bench", f"http://127.0.0.1:{runner.addresses[0][1]}",
-            "--prompts", str(prompt_file(tmp_path / "p.jsonl")), "--concurrency", "2",
+            "bench", url, "--prompts", str(prompt_file(tmp_path / "p.jsonl")), "--concurrency", "2",
             "--requests-per-level", "12", "--warmup-requests", "0", "--max-tokens", "16", "--out", str(out),
             "--profile-out", str(prof), "--mode", "eagle", "--no-progress",
         )  # fmt: skip
-    finally:
-        await runner.cleanup()
     assert code == 0, stderr
     assert "counters around each of the probe's requests" in stdout
     meta = json.loads(out.read_text())["metadata"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from helpers import run_specroute
+from helpers import run_specroute, serve_app
 
 from controller.bench.prefill import fit_lengths
 from controller.bench.runner import run_sweep
@@ -105,19 +105,12 @@ async def test_prefill_failures_report_the_servers_message(tmp_path: Path) -> No
     app = web.Application()
     app.router.add_post("/v1/chat/completions", refuse)
     app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with serve_app(app) as url:
         _, stdout, stderr = await run_specroute(
             "bench", url, "--prefill", "--prefill-lengths", "100", "200", "--prefill-repeats", "1",
             "--concurrency", "1", "--requests-per-level", "1", "--warmup-requests", "0", "--no-progress",
             "--out", str(tmp_path / "run.json"),
         )  # fmt: skip
-    finally:
-        await runner.cleanup()
     assert "prefill not measured" in stdout + stderr
     assert "maximum context length is 1024 tokens" in stdout + stderr
 
