@@ -273,7 +273,7 @@ class BenchResult:
         mode_data: dict[str, Any] = {"points": points}
         if isinstance(info.get("max_running_requests"), int):
             mode_data["max_running_requests"] = info["max_running_requests"]
-        accept = _sweep_accept_length(info, self.metadata.get("server_info_end"))
+        accept = accept_length_between(info, self.metadata.get("server_info_end"))
         if accept is None:
             accept = info.get("avg_spec_accept_length")
         if mode == "eagle" and isinstance(accept, int | float) and accept > 0:
@@ -305,9 +305,10 @@ def robust(e: Estimate) -> float:
     return e.p50 if e.p50 is not None and e.p50 > 0 else e.mean
 
 
-def _sweep_accept_length(start: Any, end: Any) -> float | None:
-    """vLLM's accept length over the sweep alone: 1 + accepted / drafts between the counters read
-    before and after it (None without both, or without a draft in between)."""
+def accept_length_between(start: Any, end: Any) -> float | None:
+    """vLLM's accept length between two readings of its counters (`fetch_server_info`'s), e.g.
+    before and after a sweep: 1 + accepted / drafts between them (None without both, or without a
+    draft in between)."""
     try:
         accepted = float(end["spec_accepted_tokens"]) - float(start["spec_accepted_tokens"])
         drafts = float(end["spec_drafts"]) - float(start["spec_drafts"])

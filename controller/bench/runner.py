@@ -57,7 +57,14 @@ from controller.bench.prefill import DEFAULT_PREFILL_REPEATS, PrefillResult, mea
 from controller.bench.progress import SweepProgress, level_point
 from controller.bench.prompts import Endpoint, PromptSet, load_prompts
 from controller.bench.queue_watch import QueueWatch
-from controller.bench.result import BenchResult, LevelResult, Phase, RequestResult, summarize
+from controller.bench.result import (
+    BenchResult,
+    LevelResult,
+    Phase,
+    RequestResult,
+    accept_length_between,
+    summarize,
+)
 
 __all__ = ["DEFAULT_LEVELS", "BenchConfig", "BenchError", "BenchRunner", "run_sweep"]
 
@@ -220,6 +227,10 @@ class BenchRunner:
             md["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
         return self.result
 
+    def _url(self) -> str:
+        """Where the requests go: the endpoint's OpenAI route."""
+        return self.base + ("/v1/chat/completions" if self.config.endpoint == "chat" else "/v1/completions")
+
     def _accept_lengths_seen(self) -> bool:
         return any(r.accept_length is not None for lv in self.result.levels for r in lv.requests)
 
@@ -232,7 +243,6 @@ class BenchRunner:
         for i, prompt in enumerate(self.prompts.prompts):
             if prompt.category is not None:
                 by.setdefault(prompt.category, []).append(i)
-        url = self.base + ("/v1/chat/completions" if c.endpoint == "chat" else "/v1/completions")
         out: dict[str, list[float]] = {}
         t0 = time.perf_counter()
         for category, indexes in sorted(by.items()):
@@ -240,23 +250,15 @@ class BenchRunner:
                 self._next_prompt = indexes[k % len(indexes)]
                 body = self._body(model)
                 before = await fetch_server_info(session, self.base)
-                r = await one_request(session, url, body, c.endpoint, "measured", t0, c.timeout_s)
-                after = await fetch_server_info(session, self.base)
-                if not r.ok:
-                    continue
-                try:
-                    accepted = float(after["spec_accepted_tokens"]) - float(before["spec_accepted_tokens"])
-                    drafts = float(after["spec_drafts"]) - float(before["spec_drafts"])
-                except (KeyError, TypeError, ValueError):
-                    continue
-                if drafts > 0 and accepted >= 0:
-                    out.setdefault(category, []).append(1.0 + accepted / drafts)
+                r = await one_request(session, self._url(), body, c.endpoint, "measured", t0, c.timeout_s)
+                accept = accept_length_between(before, await fetch_server_info(session, self.base))
+                if r.ok and accept is not None:
+                    out.setdefault(category, []).append(accept)
         return out
 
     async def _run_level(self, session: aiohttp.ClientSession, level: int, model: str) -> LevelResult:
         c = self.config
-        path = "/v1/chat/completions" if c.endpoint == "chat" else "/v1/completions"
-        url = self.base + path
+        url = self._url()
         n_target = c.requests_per_level
         completed = measured_started = measured_done = 0
         results: list[RequestResult] = []

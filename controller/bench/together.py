@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -54,11 +54,7 @@ async def run_together(
             replace(c, levels=(level,), prefill_lengths=c.prefill_lengths if i == 0 else ())
             for c in (first, second)
         ]
-        runners = [BenchRunner(c) for c in configs]
-        runners[0].keep_busy, runners[1].keep_busy = _measuring(runners[1]), _measuring(runners[0])
-        done = await asyncio.gather(*(r.run() for r in runners))
-        for k, result in enumerate(done):
-            result.metadata["together_with"] = configs[1 - k].url
+        for k, result in enumerate(await _run_pair(configs)):
             if i == 0:
                 results.append(result)
             else:
@@ -124,11 +120,7 @@ async def run_rounds(
                 alone_speeds[i].append(_speed(result))
             if k == rounds:
                 break
-            pair = [BenchRunner(c) for c in one]
-            pair[0].keep_busy, pair[1].keep_busy = _measuring(pair[1]), _measuring(pair[0])
-            done = await asyncio.gather(*(r.run() for r in pair))
-            for i, result in enumerate(done):
-                result.metadata["together_with"] = one[1 - i].url
+            for i, result in enumerate(await _run_pair(one)):
                 keep("together", k, i, result)
                 together_speeds[i].append(_speed(result))
             one = [replace(c, prefill_lengths=()) for c in one]
@@ -207,9 +199,15 @@ def describe_factors(rounds: Rounds, names: tuple[str, str]) -> list[str]:
     return lines
 
 
-def _measuring(runner: BenchRunner) -> Callable[[], bool]:
-    """Whether `runner`'s level still has measured requests to finish."""
-    return lambda: runner.measuring
+async def _run_pair(configs: Sequence[BenchConfig]) -> list[BenchResult]:
+    """Two one-level sweeps at once, each sending fillers until the other's measured requests are
+    done too; each result names the other server (`together_with`)."""
+    first, second = BenchRunner(configs[0]), BenchRunner(configs[1])
+    first.keep_busy, second.keep_busy = lambda: second.measuring, lambda: first.measuring
+    done = await asyncio.gather(first.run(), second.run())
+    for k, result in enumerate(done):
+        result.metadata["together_with"] = configs[1 - k].url
+    return list(done)
 
 
 def together_profile(first: BenchResult, second: BenchResult, mode: Pool, name: str | None = None) -> Profile:
