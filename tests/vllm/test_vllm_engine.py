@@ -30,7 +30,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -299,7 +299,7 @@ async def bench_pair(vllm_pair: VllmPair, tmp_path: Path) -> dict[str, Any]:
 
 
 async def bench_together(
-    vllm_pair: VllmPair, tmp_path: Path, tag: str, requests: int = LIVE_REQUESTS, warmup: int = 2
+    vllm_pair: VllmPair, tmp_path: Path, tag: str, requests: int, warmup: int = 2
 ) -> dict[str, Any]:
     """The README's `bench --together` line (shorter): both servers measured at once at c=1, what
     each runs at while the other is busy too (the c=2 split puts one request on each)."""
@@ -364,8 +364,10 @@ class LiveCase:
     concurrency: int
     policy: tuple[str, ...]
     url: str = ""
-    requests: list[dict[str, Any]] | None = None
-    served: dict[str, float] | None = None
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    """The measured requests of its blocks, in order."""
+    served: dict[str, float] = field(default_factory=lambda: {"baseline": 0.0, "eagle": 0.0})
+    """Requests its `serve` answered per pool during its blocks (warm-up and fillers too)."""
 
 
 async def reference(vllm_pair: VllmPair, tmp_path: Path, k: int) -> dict[str, Any]:
@@ -410,11 +412,9 @@ async def live_block(case: LiveCase, tmp_path: Path, k: int) -> None:
     assert code == 0, stderr
     served_after = await served_per_pool(case.url)
     (level,) = json.loads(path.read_text())["levels"]
-    case.requests = (case.requests or []) + [r for r in level["requests"] if r["phase"] == "measured"]
-    case.served = {
-        pool: (case.served or {}).get(pool, 0.0) + served_after[pool] - served_before[pool]
-        for pool in served_after
-    }
+    case.requests += [r for r in level["requests"] if r["phase"] == "measured"]
+    for pool, n in served_after.items():
+        case.served[pool] += n - served_before[pool]
 
 
 async def test_bench_profile_and_simulate_against_the_live_pair(
@@ -518,7 +518,7 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
         )
         print(lines[-1])
     median_prompt = round(statistics.median(
-        r["prompt_tokens"] for case in cases for r in case.requests or [] if r.get("prompt_tokens")
+        r["prompt_tokens"] for case in cases for r in case.requests if r.get("prompt_tokens")
     ))  # fmt: skip
 
     async def simulated(case: LiveCase, servers: Path) -> dict[str, Any]:
@@ -544,8 +544,8 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
 
     ratios = {}
     for case in cases:
-        rates = [r["decode_tok_s"] for r in case.requests or []]
-        assert len(rates) == LIVE_REQUESTS and case.served
+        rates = [r["decode_tok_s"] for r in case.requests]
+        assert len(rates) == LIVE_REQUESTS and sum(case.served.values()) > 0
         live = statistics.mean(rates)
         share = case.served["eagle"] / sum(case.served.values())
         for name, servers in (("not co-located", alone), ("co-located", truth)):
