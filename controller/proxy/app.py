@@ -190,6 +190,7 @@ def create_app(
             unhealthy_threshold=settings.health_check_unhealthy_threshold,
             healthy_threshold=settings.health_check_healthy_threshold,
             engine_of=scraper.engine,
+            clock=clock,
         )
         app[HEALTH] = checker
         decisions = None

@@ -15,12 +15,17 @@ server info"). vLLM has no `/ready`; its `/health` checks that the engine proces
 without generating. A backend that answers the
 path with 404 (vLLM before its engine is known, an SGLang release without `/ready`) is probed on
 `/health` from then on, logged once. Redirects are not followed.
+
+A probe's timeout and the pause between rounds are on the proxy's injected clock
+(`ClockTimeout`), like every other deadline, so a test moves time past them instead of waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -28,12 +33,15 @@ import aiohttp
 from controller.proxy.engines import Engine
 from controller.proxy.limits import read_bounded
 from controller.proxy.load import BackendState, LoadTracker
+from controller.proxy.watchdog import Clock, ClockTimeout
 
 log = logging.getLogger("specroute.health")
 
 DEFAULT_PATH = "/ready"
 FALLBACK_PATH = "/health"
 _PROBE_LIMIT_BYTES = 1 << 20
+_NO_LIMIT = aiohttp.ClientTimeout()
+"""The session's own limits off for a probe: its one limit is `timeout_s` on the clock."""
 
 
 class HealthChecker:
@@ -48,6 +56,7 @@ class HealthChecker:
         unhealthy_threshold: int = 2,
         healthy_threshold: int = 1,
         engine_of: Callable[[str], Engine | None] | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         """`engine_of(name)`: the backend's engine when known; with the default `path` the probe
         goes to that engine's health path."""
@@ -55,7 +64,8 @@ class HealthChecker:
         self.session = session
         self.path = path
         self.interval_s = interval_s
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout_s = timeout_s
+        self.clock = clock
         self.unhealthy_threshold = unhealthy_threshold
         self.healthy_threshold = healthy_threshold
         self._paths = {b.name: path for b in tracker}
@@ -74,9 +84,10 @@ class HealthChecker:
     async def probe(self, backend: BackendState) -> bool:
         path, engine = self._path(backend.name)
         try:
-            async with self.session.get(
-                backend.url + path, timeout=self.timeout, allow_redirects=False
-            ) as resp:
+            async with (
+                ClockTimeout(self.timeout_s, self.clock),
+                self.session.get(backend.url + path, timeout=_NO_LIMIT, allow_redirects=False) as resp,
+            ):
                 await read_bounded(resp, _PROBE_LIMIT_BYTES)
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError, OSError):
@@ -119,4 +130,11 @@ class HealthChecker:
         """Probe forever (until cancelled), starting with one round right away."""
         while True:
             await self.check_all()
-            await asyncio.sleep(self.interval_s)
+            await pause(self.interval_s, self.clock)
+
+
+async def pause(seconds: float, clock: Clock) -> None:
+    """`asyncio.sleep(seconds)` on `clock`."""
+    with contextlib.suppress(TimeoutError):
+        async with ClockTimeout(seconds, clock):
+            await asyncio.Event().wait()  # never set: only the timeout ends it
