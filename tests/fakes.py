@@ -128,6 +128,8 @@ class FakeBackend:
         self.requests: list[dict[str, Any]] = []
         self.request_headers: list[dict[str, str]] = []
         self.active = 0
+        self.stalled = 0
+        """Requests this backend is holding in a stall (`stall`, `stall_mid`) right now."""
         self.max_active = 0
         self.completed = 0
         self.aborted = 0
@@ -213,7 +215,7 @@ class FakeBackend:
                 status = {"error500": 500, "bad_request": 400, "queue_full": 503}[mode]
                 return web.json_response(sglang_error(f"fake {mode}", status), status=status)
             if mode == "stall" and not body.get("stream"):
-                await asyncio.sleep(3600)
+                await self._stall()
             if mode == "drop":
                 assert request.transport is not None
                 request.transport.abort()
@@ -243,6 +245,14 @@ class FakeBackend:
             raise
         finally:
             self.active -= 1
+
+    async def _stall(self) -> None:
+        """Say nothing more (until the proxy gives up and its connection's close cancels this)."""
+        self.stalled += 1
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            self.stalled -= 1
 
     def _usage(self, body: dict[str, Any], n: int) -> dict[str, Any]:
         prompt = len(json.dumps(body.get("messages", body.get("prompt", "")))) // 4
@@ -316,7 +326,7 @@ class FakeBackend:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         if mode == "stall":
-            await asyncio.sleep(3600)
+            await self._stall()
         if mode == "queue_full":
             await resp.write(sse_error(QUEUE_FULL) + SSE_DONE)
             return resp
@@ -329,7 +339,7 @@ class FakeBackend:
         for i, tok in enumerate(tokens):
             if mode in ("die_mid", "stall_mid") and i == self.fail_after:
                 if mode == "stall_mid":
-                    await asyncio.sleep(3600)
+                    await self._stall()
                 assert request.transport is not None
                 request.transport.abort()
                 return resp
@@ -441,17 +451,21 @@ class ShiftedClock:
     def advance(self, seconds: float) -> None:
         self.offset += seconds
 
-    async def ticking(self, aw: Awaitable[Any], step_s: float) -> Any:
+    async def ticking(self, aw: Awaitable[Any], step_s: float, when: Callable[[], bool] | None = None) -> Any:
         """Await `aw` while this clock moves on by `step_s` every two of the proxy's deadline
         polls (`POLL_S`): each deadline shorter than `step_s` that `aw` meets expires at the next
         tick, whenever it was armed, so a chain of timeouts (a first byte on one backend, then
         on the next) runs in a few real tenths of a second. Every deadline on this clock moves:
-        limits that must not expire meanwhile (an idle timeout) are set well above `step_s`."""
+        limits that must not expire meanwhile (an idle timeout) are set well above `step_s`.
+
+        `when`: a tick happens only when it holds at that moment (an in-process proxy runs on
+        this loop, so nothing moves between the check and the step): e.g. "every request in
+        flight is one that only a timeout ends", so no healthy request's deadline is moved."""
         from controller.proxy.watchdog import POLL_S
 
         task = asyncio.ensure_future(aw)
         while not task.done():
             await asyncio.wait({task}, timeout=2 * POLL_S)
-            if not task.done():
+            if not task.done() and (when is None or when()):
                 self.advance(step_s)
         return task.result()

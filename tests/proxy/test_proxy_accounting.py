@@ -189,25 +189,39 @@ async def test_in_flight_tokens_follow_max_tokens(fake_backend, proxy):
 
 async def test_chaos_mix_of_failures_and_abandons_leaves_zero_in_flight(fake_backend, proxy):
     """Random per-request backend behaviour (errors, queue-full, stalls, deaths mid-stream) and random
-    client abandonment, streaming and not, on both pools at once."""
+    client abandonment, streaming and not, on both pools at once. The stalls end by the proxy's
+    timeouts on its clock, moved on only when every request the proxy has in flight is one a
+    backend is stalling: then the minute's limits pass at once and no other request is cut."""
+    clock = ShiftedClock()
     backends, p = await _two_per_pool(
         fake_backend,
         proxy,
         chunks=6,
         threshold=6,
-        first_byte_timeout_s=0.3,
-        request_timeout_s=0.3,
-        idle_timeout_s=0.3,
+        first_byte_timeout_s=60,
+        request_timeout_s=60,
+        idle_timeout_s=60,
+        body_timeout_s=3600,  # limits no tick may reach: only the stalls' end
+        admission_wait_s=3600,  # (a wait for a queue-full back-off to end)
+        health_check_timeout_s=3600,
         health_check_interval_s=0.1,
+        clock=clock,
     )
     rng = random.Random(11)
     modes = ["ok"] * 6 + ["error500", "bad_request", "queue_full", "stall", "die_mid", "stall_mid"]
     gate = asyncio.Semaphore(32)
     statuses: list[int] = []
+    stalls = 0
+
+    def only_stalls() -> bool:
+        held = [p.tracker.get(b.url).in_flight for b in backends]
+        return sum(held) > 0 and held == [b.stalled for b in backends]
 
     async def one(session: aiohttp.ClientSession) -> None:
+        nonlocal stalls
         body = {**BODY, "stream": rng.random() < 0.8, "fake_mode": rng.choice(modes)}
         abandon = rng.random() < 0.2
+        stalls += body["fake_mode"] == "stall"
         async with gate:
             async with session.post(p.url + "/v1/chat/completions", json=body) as r:
                 statuses.append(r.status)
@@ -218,11 +232,12 @@ async def test_chaos_mix_of_failures_and_abandons_leaves_zero_in_flight(fake_bac
                 await r.read()
 
     async with aiohttp.ClientSession() as s:
-        await asyncio.gather(*(one(s) for _ in range(300)))
+        await clock.ticking(asyncio.gather(*(one(s) for _ in range(300))), 61, when=only_stalls)
     await p.wait_idle()
     assert p.in_flight_samples() == [0.0] * 4
     assert sum(b.in_flight_tokens for b in p.tracker) == 0
     assert len(statuses) == 300 and set(statuses) <= {200, 400, 500, 502, 503, 504}
+    assert statuses.count(504) == stalls > 0  # each stall timed out (on both pools), nothing else did
     await wait_until(lambda: all(b.active == 0 for b in backends), 3.0)
     assert [b.active for b in backends] == [0, 0, 0, 0]
     total = sum(
