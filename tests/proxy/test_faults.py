@@ -152,7 +152,8 @@ async def _eagle_process_first(
     **settings: Any,
 ) -> tuple[EmulatorProcess, EmulatorServer, RunningProxy]:
     """An eagle emulator as a subprocess (killable, freezable) at full time scale, an in-process
-    baseline one, and a proxy that sends everything to eagle; health checks every 0.2 s."""
+    baseline one, and a proxy that sends everything to eagle; health checks every 0.2 s unless
+    `settings` say otherwise."""
     eagle = await emulator_process("eagle", "--time-scale", "1")
     base = await emulator("baseline")
     p = await proxy(
@@ -160,8 +161,7 @@ async def _eagle_process_first(
         eagle=[eagle.url],
         policy="fixed",
         policy_params={"pool": "eagle"},
-        health_check_interval_s=0.2,
-        **settings,
+        **{"health_check_interval_s": 0.2, **settings},
     )
     return eagle, base, p
 
@@ -226,25 +226,31 @@ async def _ejected(proxy_url: str, backend: str, want: bool) -> bool:
 
 
 async def test_frozen_backend_times_out_and_traffic_moves(emulator_process, emulator, proxy):
-    """SIGSTOP: the kernel still accepts connections, nothing answers (a hung server)."""
-    eagle, _, p = await _eagle_process_first(
-        emulator_process, emulator, proxy,
-        first_byte_timeout_s=0.5, idle_timeout_s=0.5, health_check_timeout_s=0.3,
+    """SIGSTOP: the kernel still accepts connections, nothing answers (a hung server). The
+    proxy's timeouts and health probes run on its clock (`ShiftedClock`): a minute's limits pass
+    in ticks while only the frozen backend is waited on, no waiting."""
+    clock = ShiftedClock()
+    eagle, base, p = await _eagle_process_first(
+        emulator_process, emulator, proxy, clock=clock,
+        first_byte_timeout_s=60, idle_timeout_s=60, health_check_timeout_s=5, health_check_interval_s=5,
     )  # fmt: skip
     c = p.client()
     stream = await c.chat.completions.create(model="m", messages=CHAT, stream=True, **LONG)
     await stream.__anext__()
     eagle.freeze()
     try:
-        with pytest.raises(openai.APIError, match=r"sent nothing for 0\.5 s"):
-            await asyncio.wait_for(_consume(stream), 10)
-        pool, text = await complete(c, stream=True)  # first byte times out on eagle: retried
+        with pytest.raises(openai.APIError, match=r"sent nothing for 60 s"):
+            await clock.ticking(_consume(stream), 61)
+        # the first byte times out on eagle: retried on baseline (no tick once it is there)
+        pool, text = await clock.ticking(
+            complete(c, stream=True), 61, when=lambda: p.tracker.get(base.url).in_flight == 0
+        )
         assert pool == "baseline" and text
-        assert await wait_until(lambda: _healthy(p.url, eagle.url, False), 5)
+        assert await clock.ticking(wait_until(lambda: _healthy(p.url, eagle.url, False), 30), 61)
         await assert_in_flight_zero(p.url)
     finally:
         eagle.freeze(False)
-    assert await wait_until(lambda: _healthy(p.url, eagle.url, True), 10)
+    assert await clock.ticking(wait_until(lambda: _healthy(p.url, eagle.url, True), 30), 61)
     # the frozen stream's upstream connection was closed: the emulator aborts it once it runs again
     assert await wait_until(lambda: _running_is(eagle.url, 0), 10)
     pool, _ = await complete(c, stream=False)
