@@ -9,7 +9,8 @@
   (`simulator.emulator.app.run_emulator`); its default time scale is the `emulator_time_scale` fixture,
   which a test module may override.
 - `spawn_serve(*args, env=..., stderr=..., preexec_fn=...)` runs `specroute serve --port 0 ...` as
-  a subprocess and returns a `ServeProcess` (its URL read from the "specroute listening on" line).
+  a subprocess and returns a `ServeProcess` (its URL read from the "specroute listening on" line);
+  with `SPECROUTE_TEST_CLOCK=1` in `env`, `ServeProcess.advance_clock(s)` moves its clock on.
 """
 
 from __future__ import annotations
@@ -205,6 +206,15 @@ class ServeProcess:
 
     async def wait(self, timeout_s: float = 30.0) -> int:
         return await asyncio.wait_for(self.proc.wait(), timeout_s)
+
+    async def advance_clock(self, seconds: float) -> None:
+        """Move the process's clock on (it must run with `SPECROUTE_TEST_CLOCK=1`, see
+        `controller.cli.driven_clock`): its deadlines pass as if `seconds` had."""
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(self.url + "/_test/clock", json={"advance_s": seconds}) as r,
+        ):
+            assert r.status == 200, await r.text()
 
 
 async def start_serve(

@@ -8,7 +8,7 @@ import gc
 import logging
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic.fields import FieldInfo
@@ -22,6 +22,9 @@ from policies.params import parse_assignments
 from policies.profile import ProfileError
 from policies.registry import PolicyRegistry, default_registry
 from policies.spec import PolicyContext, PolicyError
+
+if TYPE_CHECKING:
+    from controller.cli.driven_clock import DrivenClock
 
 log = logging.getLogger("specroute")
 
@@ -185,7 +188,12 @@ async def _serve(
     from controller.cli.reload import ConfigReloader, ReloadMetrics
     from controller.proxy.app import ADMIN, METRICS, create_app, drain, make_runner, reopen_decision_log
 
-    app = create_app(settings, policy, registry=registry, context=context)
+    clock = _driven_clock(settings)
+    if clock is None:
+        app = create_app(settings, policy, registry=registry, context=context)
+    else:
+        app = create_app(settings, policy, registry=registry, context=context, clock=clock)
+        app.router.add_post(clock.PATH, clock.handle)
     # `drain` below does the waiting; aiohttp's own shutdown then has only idle connections left.
     runner = make_runner(app, shutdown_timeout=0.5)
     await runner.setup()
@@ -247,6 +255,22 @@ async def _serve(
     finally:
         await runner.cleanup()
     log.warning("stopped")
+
+
+def _driven_clock(settings: Settings) -> DrivenClock | None:
+    """The test-only clock when `SPECROUTE_TEST_CLOCK` asks for it (see `driven_clock`)."""
+    from controller.cli import driven_clock
+
+    if not driven_clock.wanted(os.environ):
+        return None
+    if not driven_clock.loopback(settings.host):
+        raise CommandError(f"{driven_clock.ENV} is for tests only: refused on host {settings.host}")
+    log.warning(
+        "%s is set: this process runs on a clock any client can move (POST %s); tests only",
+        driven_clock.ENV,
+        driven_clock.PATH,
+    )
+    return driven_clock.DrivenClock()
 
 
 async def _grace_period(app: Any, stop: asyncio.Event, grace_s: float) -> None:

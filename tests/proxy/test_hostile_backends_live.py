@@ -18,7 +18,7 @@ import aiohttp
 import openai
 import pytest
 from fakes import RAW_COMPLETION, FakeBackend, RawBackend, RawRequest, raw_json_response
-from helpers import assert_in_flight_zero, assert_openai_error, metric_samples, peak_rss
+from helpers import assert_in_flight_zero, assert_openai_error, metric_samples, peak_rss, wait_until
 
 CHAT = [{"role": "user", "content": "hello"}]
 BODY: dict[str, Any] = {"model": "m", "messages": CHAT, "stream": True}
@@ -274,6 +274,7 @@ async def test_b_an_absurd_usage_does_not_lose_the_decision_log_line(
 
 
 async def test_j_a_non_streaming_request_is_never_run_twice_nor_blamed(spawn_serve, raw_backend):
+    """On the process's driven clock (`SPECROUTE_TEST_CLOCK`): realistic limits, no waiting."""
     release = asyncio.Event()
 
     async def slow(req: RawRequest, w: asyncio.StreamWriter) -> None:
@@ -282,23 +283,32 @@ async def test_j_a_non_streaming_request_is_never_run_twice_nor_blamed(spawn_ser
         w.write(raw_json_response(json.dumps(RAW_COMPLETION).encode()))
 
     a, b = await raw_backend(slow), await raw_backend(slow)
-    url = await serve(
-        spawn_serve, a.url, b.url, "--policy-param", "pool=baseline", "--first-byte-timeout-s", "0.2",
-        "--request-timeout-s", "1", "--outlier-consecutive-failures", "1",
+    sp = await spawn_serve(
+        "--baseline", a.url, "--eagle", b.url, "--policy", "fixed", "--policy-param", "pool=baseline",
+        "--health-check-interval-s", "3600", "--log-level", "ERROR", "--first-byte-timeout-s", "10",
+        "--request-timeout-s", "60", "--outlier-consecutive-failures", "1",
+        env={"SPECROUTE_TEST_CLOCK": "1"},
     )  # fmt: skip
     long_body = {"model": "m", "messages": [{"role": "user", "content": "long"}]}
     short_body = {"model": "m", "messages": CHAT}
-    long_ones = [asyncio.create_task(post_raw(url, long_body)) for _ in range(3)]
-    shorts = [await post_raw(url, short_body) for _ in range(5)]  # longer than first_byte_timeout_s? no
+    long_ones = [asyncio.create_task(post_raw(sp.url, long_body)) for _ in range(3)]
+
+    def long_posts() -> list[RawRequest]:
+        return [r for r in posts(a) + posts(b) if b"long" in r.body]
+
+    assert await wait_until(lambda: len(long_posts()) == 3)
+    await sp.advance_clock(11)  # past the first byte's limit: a stream's would fail over now
+    shorts = [await post_raw(sp.url, short_body) for _ in range(5)]  # the backend serves others
+    assert all(s == 200 for s, _ in shorts)
+    assert not any(t.done() for t in long_ones) and len(long_posts()) == 3
+    await sp.advance_clock(50)  # past the request's own limit
     results = await asyncio.gather(*long_ones)
     release.set()
-    assert all(s == 200 for s, _ in shorts)
     for status, body in results:
         assert status == 504
         assert_openai_error(json.loads(body), "backend_timeout")
-    long_posts = [r for r in posts(a) + posts(b) if b"long" in r.body]
-    assert len(long_posts) == 3  # each sent once: no GPU work doubled
-    assert await ejections(url) == 0.0  # the backend served others meanwhile: not its fault
+    assert len(long_posts()) == 3  # each sent once: no GPU work doubled
+    assert await ejections(sp.url) == 0.0  # the backend served others meanwhile: not its fault
 
 
 # --- M: overload is not failure -------------------------------------------------------------
