@@ -14,13 +14,25 @@ the clients:
                 a 30 MB prose body (issue 25's row L: served, or 503 when the memory budget is
                 held) and a gzip body inflating to 30 MB (row L2: 413 by its compression ratio)
 
-and a fault schedule that repeats every 60 s: eagle answers 500 (5 s), baseline stalls past
-first_byte_timeout_s (5 s), eagle frozen with SIGSTOP (6 s), baseline drops streams after 3
-chunks (5 s), eagle refuses connections (4 s), baseline fails its health probe (5 s).
+The baseline pool has a second backend, `rogue` (`rogue_backend.py`), which relays to the
+baseline emulator and misbehaves on cue as issue 25's hostile probe did (rows K, B, I, C, G, H,
+M, J, A; L and L2 are the hostile clients'). serve runs from a config file holding an
+`admin_token` (row D: no log line may show it), `backend_header: false` (row N: no answer a
+client reads may name a backend) and a decision log (row F).
+
+A fault schedule repeats every 150 s, one 10 s slot each: eagle answers 500 (5 s), baseline
+stalls past first_byte_timeout_s (5 s), eagle frozen with SIGSTOP (6 s), baseline drops streams
+after 3 chunks (5 s), eagle refuses connections (4 s), baseline fails its health probe (5 s),
+then the rogue's modes K, B, I, C, G, H, M, J, A (5 s each). Operations, once a cycle: the
+decision log renamed away and SIGHUP (logrotate), the config file rewritten in two parts around
+a SIGHUP (row E), the decision log removed.
 
 Afterwards (faults off, clients stopped, 15 s to settle) it prints: serve's RSS and /health
 latency per minute (n, p50, p99, max), the in-flight gauges and the emulators' running requests
-(drift: must be 0), what clients saw by cause, and specroute's own counters.
+(drift: must be 0), what clients saw by cause, the normal clients' failures by the fault window
+they overlapped (its length plus 6 s after), specroute's own counters, what the rogue did, the
+decision log's lines (each must be whole JSON), and whether serve's stderr or any body a client
+read holds the admin token or a backend's address.
 
     python benchmarks/soak.py [--minutes 10] [--normal 16]
 """
@@ -33,13 +45,16 @@ import gzip
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +67,8 @@ ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 PROFILE = "kimi-k25-int4-8gpu"
 CHAT = [{"role": "user", "content": "Write a short note about queues."}]
+ADMIN_TOKEN = "soak-admin-9d2f7c41e8b3"
+GRACE_S = 6.0
 
 
 # --- the backend child --------------------------------------------------------------------
@@ -101,9 +118,17 @@ class Backend:
 # --- clients ------------------------------------------------------------------------------
 
 
+SEEN: list[bytes] = []
+"""Error bodies and error events clients read (row N: none may name a backend)."""
+NAMED: list[str] = []
+"""Answers that carried x-specroute-backend (row N: none may)."""
+
+
 class Tally:
     def __init__(self) -> None:
         self.by_kind: dict[str, Counter[str]] = {}
+        self.timed: dict[str, list[tuple[float, float, str]]] = {}
+        """The normal and slow clients' requests: (start, end, outcome) on time.monotonic()."""
 
     def add(self, kind: str, outcome: str) -> None:
         self.by_kind.setdefault(kind, Counter())[outcome] += 1
@@ -126,9 +151,12 @@ async def _stream_outcome(r: aiohttp.ClientResponse, pace: float = 0.0, chunk: i
             await asyncio.sleep(pace)
     else:
         data = await r.read()
-    events = [e.removeprefix(b"data: ") for e in data.split(b"\n\n") if e.strip()]
+    # events end with a blank line in any of SSE's framings (LF, CRLF, CR): row G relays CRLF
+    lf = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    events = [e.removeprefix(b"data: ") for e in lf.split(b"\n\n") if e.strip()]
     for e in events:
         if e.startswith(b'{"error"'):
+            SEEN.append(e)
             return f"stream error {_error_code(e)}"
     return "ok" if events and events[-1] == b"[DONE]" else "stream ended without [DONE]"
 
@@ -150,14 +178,19 @@ async def one_request(s: aiohttp.ClientSession, url: str, rng: random.Random, **
     path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
         async with s.post(url + path, json=body) as r:
+            if "x-specroute-backend" in r.headers:
+                NAMED.append(r.headers["x-specroute-backend"])
             if r.status != 200:
-                return f"HTTP {r.status} {_error_code(await r.read())}"
+                raw = await r.read()
+                SEEN.append(raw)
+                return f"HTTP {r.status} {_error_code(raw)}"
             if not stream:
                 await r.read()
                 return "ok"
-            if "vanish_after" in how:
-                for _ in range(how["vanish_after"]):
-                    await r.content.readuntil(b"\n\n")
+            if "vanish_after" in how:  # (events of any size and framing: rows H and G)
+                ends = 0
+                while ends < how["vanish_after"] and (part := await r.content.readany()):
+                    ends += part.count(b"\n\n") + part.count(b"\r\n\r\n")
                 r.close()
                 return "disconnected (on purpose)"
             return await _stream_outcome(r, how.get("pace", 0.0), how.get("chunk", 0))
@@ -176,7 +209,11 @@ async def loop_clients(kind: str, n: int, url: str, end: float, tally: Tally, **
                 extra = dict(how)
                 if kind == "disconnectors":
                     extra = {"stream": True, "max_tokens": 2000, "vanish_after": rng.randint(1, 3)}
-                tally.add(kind, await one_request(s, url, rng, **extra))
+                began = time.monotonic()
+                outcome = await one_request(s, url, rng, **extra)
+                tally.add(kind, outcome)
+                if kind in ("normal", "slow"):
+                    tally.timed.setdefault(kind, []).append((began, time.monotonic(), outcome))
 
     await asyncio.gather(*(worker(i) for i in range(n)))
 
@@ -245,33 +282,94 @@ async def hostile(url: str, end: float, tally: Tally) -> None:
             await asyncio.sleep(2.0)
 
 
-async def faults(base: Backend, eagle: Backend, end: float, log: list[str]) -> None:
-    """Repeat every 60 s: (second, backend, action, seconds)."""
-    schedule = [
+class Rogue:
+    """The rogue baseline backend (`rogue_backend.py`) relaying to `upstream`; modes via stdin."""
+
+    def __init__(self, upstream: str) -> None:
+        cmd = [sys.executable, str(HERE / "rogue_backend.py"), "--upstream", upstream]
+        self.proc, line = spawn.start_sync(cmd, stdin=subprocess.PIPE, stderr=None, cwd=str(ROOT))
+        self.url = spawn.url_of(line)
+        self.mode = "rogue"
+
+    def fault(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+
+@dataclass
+class Ops:
+    """What the operations events act on: serve's pid, its config file and decision log."""
+
+    pid: int
+    config: Path
+    decisions: Path
+    text: str
+
+
+def operate(ops: Ops, action: str) -> None:
+    if action == "rotate":  # logrotate's create mode: move the file away, then SIGHUP
+        n = len(list(ops.decisions.parent.glob(ops.decisions.name + ".*")))
+        if ops.decisions.exists():
+            ops.decisions.rename(ops.decisions.with_name(f"{ops.decisions.name}.{n + 1}"))
+        os.kill(ops.pid, signal.SIGHUP)
+    elif action == "remove":
+        ops.decisions.unlink(missing_ok=True)
+    elif action == "half":  # row E: SIGHUP while the file is half written (cut inside the token's line)
+        cut = ops.text.index("admin_token:") + len("admin_token: ") + 4
+        ops.config.write_text(ops.text[:cut])
+        os.kill(ops.pid, signal.SIGHUP)
+
+
+Window = tuple[float, float, str]
+"""A fault window: start and end on time.monotonic(), and what it was."""
+
+
+async def faults(
+    base: Backend, eagle: Backend, rogue: Rogue, ops: Ops, end: float, log: list[Window]
+) -> None:
+    """Repeat every 150 s: (second, backend or None for an operation, action, seconds)."""
+    schedule: list[tuple[int, Backend | Rogue | None, str, float]] = [
         (0, eagle, "error_rate=1.0", 5),
         (10, base, "stall_s=8.0", 5),
         (20, eagle, "SIGSTOP", 6),
         (30, base, "die_after_chunks=3", 5),
         (40, eagle, "refuse_connections=true", 4),
         (50, base, "unhealthy=true", 5),
+        *((60 + 10 * i, rogue, f"mode={m}", 5) for i, m in enumerate("KBICGHMJA")),
+        (5, None, "rotate", 0),
+        (45, None, "half", 0.5),
+        (95, None, "remove", 0),
     ]
+    schedule.sort(key=lambda row: row[0])
+    cycle_s = 150
     start = time.monotonic()
+    cycle = 0
     while True:
         for at, backend, action, length in schedule:
-            cycle = (time.monotonic() - start) // 60
-            when = start + cycle * 60 + at
+            when = start + cycle * cycle_s + at
             if when + length > end:
                 return
             await asyncio.sleep(max(0.0, when - time.monotonic()))
-            log.append(f"{time.monotonic() - start:6.1f} s {backend.mode}: {action} for {length} s")
+            began = time.monotonic()
+            if backend is None:
+                operate(ops, action)
+                await asyncio.sleep(length)
+                if action == "half":
+                    ops.config.write_text(ops.text)  # the rest of the file
+                log.append((began, time.monotonic(), f"ops: {action}"))
+                continue
             if action == "SIGSTOP":
+                assert isinstance(backend, Backend)
                 backend.freeze(True)
                 await asyncio.sleep(length)
                 backend.freeze(False)
             else:
                 backend.fault(action)
                 await asyncio.sleep(length)
-                backend.fault("clear")
+                backend.fault("mode=" if backend is rogue else "clear")
+            log.append((began, time.monotonic(), f"{backend.mode}: {action}"))
+        cycle += 1
 
 
 # --- reading the results ------------------------------------------------------------------
@@ -298,9 +396,11 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def soak(args: argparse.Namespace, url: str, base: Backend, eagle: Backend) -> tuple[Tally, list[str]]:
+async def soak(
+    args: argparse.Namespace, url: str, base: Backend, eagle: Backend, rogue: Rogue, ops: Ops
+) -> tuple[Tally, list[Window]]:
     tally = Tally()
-    log: list[str] = []
+    log: list[Window] = []
     end = time.monotonic() + args.minutes * 60
     await asyncio.gather(
         loop_clients("normal", args.normal, url, end, tally),
@@ -308,7 +408,7 @@ async def soak(args: argparse.Namespace, url: str, base: Backend, eagle: Backend
         loop_clients("disconnectors", 3, url, end, tally),
         stoppers(2, url, end, tally),
         hostile(url, end, tally),
-        faults(base, eagle, end, log),
+        faults(base, eagle, rogue, ops, end, log),
     )
     return tally, log
 
@@ -328,19 +428,32 @@ def main() -> int:
 
     procs: list[subprocess.Popen[str]] = []
     out = f"/tmp/specroute-soak-{os.getpid()}.txt"
+    work = Path(tempfile.mkdtemp(prefix="specroute-soak-"))
     base = Backend("baseline", args.time_scale, 1)
     eagle = Backend("eagle", args.time_scale, 2)
     procs += [base.proc, eagle.proc]
+    rogue = Rogue(base.url)
+    procs.append(rogue.proc)
+    decisions = work / "decisions.jsonl"
+    text = (
+        f"baseline: baseline={base.url},rogue={rogue.url}\neagle: eagle={eagle.url}\n"
+        f"admin_token: {ADMIN_TOKEN}\nbackend_header: false\ndecision_log: {decisions}\n"
+    )
+    config = work / "specroute.yaml"
+    config.write_text(text)
+    stderr_path = work / "serve.stderr"
     try:
-        serve, line = spawn.start_sync(
-            [sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--baseline", base.url,
-             "--eagle", eagle.url, "--policy", "cost_model", "--profile", PROFILE, "--log-level", "ERROR",
-             "--first-byte-timeout-s", "5", "--idle-timeout-s", "5", "--client-write-timeout-s", "5",
-             "--connect-timeout-s", "1", "--health-check-interval-s", "1", "--health-check-timeout-s", "1",
-             "--outlier-base-ejection-s", "5", "--eagle-backend-max-in-flight", "10",
-             "--baseline-backend-max-in-flight", "32", "--admission-wait-s", "2"],
-            stderr=None, cwd=str(ROOT),
-        )  # fmt: skip
+        with stderr_path.open("w") as stderr:
+            serve, line = spawn.start_sync(
+                [sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--config", str(config),
+                 "--policy", "cost_model", "--profile", PROFILE, "--log-level", "WARNING",
+                 "--first-byte-timeout-s", "5", "--idle-timeout-s", "5", "--client-write-timeout-s", "5",
+                 "--connect-timeout-s", "1", "--health-check-interval-s", "1",
+                 "--health-check-timeout-s", "1", "--outlier-base-ejection-s", "5",
+                 "--eagle-backend-max-in-flight", "10", "--baseline-backend-max-in-flight", "32",
+                 "--admission-wait-s", "2", "--request-timeout-s", "60"],
+                stderr=stderr, cwd=str(ROOT),
+            )  # fmt: skip
         procs.append(serve)
         url = spawn.url_of(line)
         probe, _ = spawn.start_sync(
@@ -350,12 +463,15 @@ def main() -> int:
         )  # fmt: skip
         procs.append(probe)
         started = time.monotonic()
-        tally, log = asyncio.run(soak(args, url, base, eagle))
+        ops = Ops(serve.pid, config, decisions, text)
+        tally, log = asyncio.run(soak(args, url, base, eagle, rogue, ops))
         base.fault("clear")
         eagle.fault("clear")
+        rogue.fault("mode=")
         time.sleep(15)  # faults off, clients gone: everything must drain to zero
         final = asyncio.run(metric_values(url))
         busy = {b.mode: asyncio.run(emulator_busy(b.url)) for b in (base, eagle)}
+        rogue_stats = asyncio.run(json_of(rogue.url + "/_rogue/stats"))
         hwm = Path(f"/proc/{serve.pid}/status").read_text()
         hwm_kib = int(next(line.split()[1] for line in hwm.splitlines() if line.startswith("VmHWM:")))
     finally:
@@ -367,7 +483,63 @@ def main() -> int:
     rows = [tuple(float(x) for x in row.split()) for row in Path(out).read_text().splitlines() if row]
     os.unlink(out)
     report(args, started, rows, tally, log, final, busy, hwm_kib)
+    report_rows(tally, log, rogue_stats, work, [base.url, eagle.url, rogue.url])
     return 0
+
+
+async def json_of(url: str) -> Any:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        return await r.json()
+
+
+def attribute(timed: list[tuple[float, float, str]], log: list[Window]) -> Counter[str]:
+    """The normal clients' failures by the fault window they overlapped (the window's length plus
+    `GRACE_S` after it: a timeout or an ejection that began in it), the latest such fault first;
+    operations only when no fault overlaps; else "outside any window"."""
+    out: Counter[str] = Counter()
+    for began, ended, outcome in timed:
+        if outcome == "ok":
+            continue
+        hits = [w for w in log if began <= w[1] + GRACE_S and ended >= w[0]]
+        faults_ = [w for w in hits if not w[2].startswith("ops:")] or hits
+        label = max(faults_, key=lambda w: w[0])[2] if faults_ else "outside any window"
+        out[f"{label}: {outcome}"] += 1
+    return out
+
+
+def report_rows(
+    tally: Tally, log: list[Window], rogue_stats: dict[str, int], work: Path, urls: list[str]
+) -> None:
+    for kind, timed in tally.timed.items():
+        print(f"\n{kind} clients' failures by fault window (its length + {GRACE_S:g} s):")
+        for what, n in sorted(attribute(timed, log).items(), key=lambda kv: -kv[1]):
+            print(f"  {n:6d}  {what}")
+    print("\nthe rogue backend did:", dict(sorted(rogue_stats.items())))
+    lines = whole = 0
+    files = sorted(work.glob("decisions.jsonl*"))
+    for f in files:
+        for line in f.read_bytes().splitlines():
+            lines += 1
+            try:
+                json.loads(line)
+                whole += 1
+            except ValueError:
+                pass
+    print(
+        f"decision log (row F): {len(files)} files, {lines} lines, {lines - whole} not whole JSON (must be 0)"
+    )
+    stderr = (work / "serve.stderr").read_text(errors="replace")
+    print(
+        f"serve's stderr (row D): {len(stderr.splitlines())} lines, admin token in it: "
+        f"{ADMIN_TOKEN in stderr} (must be False)"
+    )
+    named = [b for b in SEEN if any(u.encode() in b or u.removeprefix("http://").encode() in b for u in urls)]
+    named += [b for b in SEEN if any(n in b for n in (b'"baseline"', b"rogue"))]
+    print(
+        f"row N: {len(SEEN)} error bodies/events read, {len(named)} naming a backend, "
+        f"{len(NAMED)} answers with x-specroute-backend (all must be 0)"
+    )
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def report(
@@ -375,15 +547,15 @@ def report(
     started: float,
     rows: list[tuple[float, ...]],
     tally: Tally,
-    log: list[str],
+    log: list[Window],
     final: dict[tuple[str, tuple[tuple[str, str], ...]], float],
     busy: dict[str, int],
     hwm_kib: int,
 ) -> None:
     print(f"\nsoak: {args.minutes:g} min, {args.normal} normal clients + slow/stoppers/disconnectors/hostile")
     print("faults (first cycle):")
-    for line in log[:6]:
-        print("   ", line)
+    for began, ended, what in log[:18]:
+        print(f"    {began - started:6.1f} s  {what} for {ended - began:.1f} s")
     print(f"   ... {len(log)} fault windows in all")
     print("\nminute  /health n   p50 ms   p99 ms   max ms   RSS MiB min/max")
     minutes = int(args.minutes + 0.999)
@@ -427,6 +599,11 @@ def report(
     print("  failovers by pool: ", summed("specroute_failovers_total", "pool"))
     print("  ejections:         ", summed("specroute_backend_ejections_total", "backend"))
     print("  client write timeouts:", summed("specroute_client_write_timeouts_total", ""))
+    print("  config reloads by result (row E):", summed("specroute_config_reloads_total", "result"))
+    print(
+        "  decision-log records dropped (row F):",
+        summed("specroute_decision_log_dropped_records_total", "reason"),
+    )
     print("  admission waits / rejections:", summed("specroute_admission_waits_total", ""),
           summed("specroute_admission_rejections_total", ""))  # fmt: skip
 
