@@ -244,10 +244,12 @@ async def test_c_deep_json_from_server_info_and_generate_is_no_internal_error(sp
 # --- B: absurd token counts -----------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "huge", [b"1" + b"0" * 400, b"1e30", b"1e400", b"-1e30"], ids=["digits", "1e30", "inf", "neg"]
+)
 async def test_b_an_absurd_usage_does_not_lose_the_decision_log_line(
-    spawn_serve, raw_backend, tmp_path: Path
+    spawn_serve, raw_backend, tmp_path: Path, huge: bytes
 ):
-    huge = b"1" + b"0" * 400
     usage = (
         b'{"id":"x","choices":[],"usage":{"prompt_tokens":' + huge + b',"completion_tokens":' + huge + b"}}"
     )
@@ -268,6 +270,10 @@ async def test_b_an_absurd_usage_does_not_lose_the_decision_log_line(
     (line,) = log_path.read_text().splitlines()
     record = json.loads(line)
     assert record["status"] == "ok"
+    assert record["completion_tokens"] is None  # an absurd count is not taken ...
+    assert (
+        sum((await metric_samples(url, "specroute_output_tokens_total")).values()) == 0.0
+    )  # ... nor counted
 
 
 # --- J: long non-streaming requests ---------------------------------------------------------
