@@ -92,9 +92,23 @@ async def test_a_declared_length_over_the_limit_is_refused_unread(fake_backend, 
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: 1000000000\r\n\r\n"
     )
-    answer = await raw_exchange(port_of(p.url), head + b"{", timeout_s=15)
+    # Read the answer, not until the close: aiohttp lingers up to 10 s for the body it refused.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(p.url))
+    try:
+        writer.write(head + b"{")
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 15)
+        length = int(
+            next(
+                v
+                for k, _, v in (h.partition(b": ") for h in answer.split(b"\r\n"))
+                if k.lower() == b"content-length"
+            )
+        )
+        body = await asyncio.wait_for(reader.readexactly(length), 15)
+    finally:
+        writer.close()
     assert answer.startswith(b"HTTP/1.1 413")
-    assert_openai_error(json.loads(answer.partition(b"\r\n\r\n")[2]), "payload_too_large")
+    assert_openai_error(json.loads(body), "payload_too_large")
 
 
 # --- headers ------------------------------------------------------------------------------
