@@ -7,12 +7,17 @@ compares the documents bit for bit (every float as printed), listing the runs th
 
     python benchmarks/simulator_reference.py --record /tmp/ref      # before a change
     python benchmarks/simulator_reference.py --check /tmp/ref       # after it
+    python benchmarks/simulator_reference.py --check /tmp/ref --engine native   # the mypyc build
+
+`--engine` (default python) says which simulator runs: the pure Python, or the compiled build
+(`specroute native build`; `simulator.native`), which must give the same documents to the bit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -304,10 +309,17 @@ RUNS: dict[str, list[str]] = {
 }
 
 
-def child(args: list[str]) -> int:
+def child(engine: str, args: list[str]) -> int:
     """`specroute simulate ARGS --json`, plus a digest of every simulated request's times, server
     and cache hit (the JSON only holds summaries) as the document's last line."""
     import hashlib
+
+    from simulator import native
+
+    if engine == "native":
+        status = native.activate()
+        if not status.active:
+            raise SystemExit(f"--engine native: {status.reason}")
 
     import simulator.engine.runner as runner
     from controller.cli import main as cli_main
@@ -331,9 +343,10 @@ def child(args: list[str]) -> int:
     return rc or 0
 
 
-def run(args: list[str]) -> str:
-    cmd = [sys.executable, __file__, "--child", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+def run(engine: str, args: list[str]) -> str:
+    cmd = [sys.executable, __file__, "--child", engine, *args]
+    env = {**os.environ, "SPECROUTE_NATIVE": "1" if engine == "native" else "0"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr}")
     return out.stdout
@@ -341,18 +354,24 @@ def run(args: list[str]) -> str:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        return child(sys.argv[2:])
+        return child(sys.argv[2], sys.argv[3:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--record", type=Path)
     g.add_argument("--check", type=Path)
     ap.add_argument("--only", nargs="*", help="Run only these names.")
+    ap.add_argument(
+        "--engine",
+        choices=("python", "native"),
+        default="python",
+        help="The pure-Python simulator or its compiled build (`specroute native build`).",
+    )
     args = ap.parse_args()
     names = args.only or list(RUNS)
     bad = 0
     for name in names:
         t = time.perf_counter()
-        text = run(RUNS[name])
+        text = run(args.engine, RUNS[name])
         secs = time.perf_counter() - t
         if args.record:
             args.record.mkdir(parents=True, exist_ok=True)

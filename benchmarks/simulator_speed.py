@@ -11,9 +11,12 @@ path costs. Workload generation is not timed (it is done once, before the repeat
     git archive main | tar -x -C /tmp/main-tree
     python benchmarks/simulator_speed.py --against /tmp/main-tree   # this tree beside another
 
-With `--against DIR` each repeat runs once in a fresh process per tree (this one, then DIR's
-code with the same driver, alternating which goes first), so both figures come from the same
-run on the same machine state; the ratio is the figure to trust on a shared machine.
+With a compiled build of this tree (`specroute native build`, see `simulator.native`) the pure
+Python and the build are timed side by side (`--engine both`, the default): each repeat runs
+once in a fresh process per engine. With `--against DIR` each repeat runs once in a fresh
+process per tree (this one, then DIR's code with the same driver, rotating which goes first),
+so both figures come from the same run on the same machine state; the ratio is the figure to
+trust on a shared machine.
 
 Targets: issue 5, 200,000 simulated requests per second with `cost_model`; issue 23, 150,000.
 """
@@ -38,6 +41,14 @@ sys.path.insert(
     if "--tree" in sys.argv
     else str(Path(__file__).resolve().parents[1]),
 )
+
+if "--child" in sys.argv and sys.argv[sys.argv.index("--engine") + 1] == "native":
+    # the compiled build must be loaded before anything of the simulator is imported
+    from simulator import native
+
+    _status = native.activate()
+    if not _status.active:
+        raise SystemExit(f"--engine native: {_status.reason}")
 
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.params import parse_policy_ref
@@ -107,6 +118,13 @@ def _args() -> argparse.Namespace:
         type=Path,
         help="Also time the source tree DIR (e.g. an archive of main), alternating fresh processes.",
     )
+    ap.add_argument(
+        "--engine",
+        choices=("python", "native", "both"),
+        default="both",
+        help="The pure-Python simulator, its compiled build (`specroute native build`), or both side "
+        "by side in fresh processes (default both; python alone when no build exists).",
+    )
     ap.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args()
@@ -149,52 +167,70 @@ def _child(args: argparse.Namespace) -> int:
     return 0
 
 
-def _against(args: argparse.Namespace, where: str) -> int:
-    """This tree and `args.against`, one fresh process per (repeat, tree), alternating order."""
-    trees = {"this tree": _tree(), "against": str(args.against.resolve())}
+def _variants(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(label, source tree, engine) of every figure: this tree's engines, then `--against`'s."""
+    from simulator import native
+
+    engines = ["python", "native"] if args.engine == "both" else [args.engine]
+    if args.engine == "both" and native.find() is None:
+        print("no compiled build of this tree (`specroute native build` makes one): timing pure Python only")
+        engines = ["python"]
+    out = [(f"this/{e}", _tree(), e) for e in engines]
+    if args.against is not None:
+        out.append(("against", str(args.against.resolve()), "python"))
+    return out
+
+
+def _against(args: argparse.Namespace, where: str, variants: list[tuple[str, str, str]]) -> int:
+    """Every variant, one fresh process per (repeat, variant), the order rotating by repeat."""
     print(
         f"simulator speed: {args.requests:,} requests, Poisson {args.rate:g}/s, output {args.output_tokens}, "
-        f"baseline=1,eagle=1, profile {args.profile!r}; {where}; python {sys.version.split()[0]}\n"
-        f"  this tree: {trees['this tree']}\n  against:   {trees['against']}"
+        f"baseline=1,eagle=1, profile {args.profile!r}; {where}; python {sys.version.split()[0]}"
     )
+    for label, tree, engine in variants:
+        print(f"  {label:<12} {engine:<7} {tree}")
+    labels = [v[0] for v in variants]
     names = ["(engine alone)", *args.policies]
     runs: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
     for rep in range(args.repeats):
-        order = list(trees) if rep % 2 == 0 else list(trees)[::-1]
-        for label in order:
-            cmd = [sys.executable, __file__, "--child", "--tree", trees[label],
+        k = rep % len(variants)
+        for label, tree, engine in variants[k:] + variants[:k]:
+            cmd = [sys.executable, __file__, "--child", "--tree", tree, "--engine", engine,
                    "--requests", str(args.requests), "--rate", str(args.rate),
                    "--output-tokens", args.output_tokens, "--profile", args.profile,
                    "--seed", str(args.seed), "--policies", *names]  # fmt: skip
-            env = {**os.environ, "PYTHONPATH": trees[label]}
+            env = {**os.environ, "PYTHONPATH": tree}
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if done.returncode != 0:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
             for name, row in json.loads(done.stdout.strip().splitlines()[-1]).items():
                 runs.setdefault((label, name), []).append(tuple(row))
     print(
-        f"\n{'tree':<10} {'policy':<16} {'n':>3} {'median req/s':>13} {'min':>10} {'max':>10} "
+        f"\n{'variant':<12} {'policy':<16} {'n':>3} {'median req/s':>13} {'min':>10} {'max':>10} "
         f"{'cpu req/s':>10} {'eagle %':>8} {'vs 150k':>8}"
     )
     medians: dict[tuple[str, str], tuple[float, float]] = {}
     for name in names:
-        for label in trees:
+        for label in labels:
             rows = runs[(label, name)]
             rates = [args.requests / r[0] for r in rows]
             cpu = statistics.median(args.requests / r[1] for r in rows)
             med = statistics.median(rates)
             medians[(label, name)] = (med, cpu)
             print(
-                f"{label:<10} {name:<16} {len(rates):>3} {med:>13,.0f} {min(rates):>10,.0f} "
+                f"{label:<12} {name:<16} {len(rates):>3} {med:>13,.0f} {min(rates):>10,.0f} "
                 f"{max(rates):>10,.0f} {cpu:>10,.0f} {100 * rows[-1][3]:>8.1f} {med / 150_000:>7.2f}x"
             )
-    print("\nthis tree / against (median wall, median cpu):")
+    first = labels[0]
+    print(f"\neach variant / {first} (median wall, median cpu):")
     for name in names:
-        (w1, c1), (w0, c0) = medians[("this tree", name)], medians[("against", name)]
-        print(f"  {name:<16} {w1 / w0:.2f}x wall, {c1 / c0:.2f}x cpu")
-    same = all(runs[("this tree", n)][0][2:] == runs[("against", n)][0][2:] for n in names)
-    print(f"simulated seconds and eagle share equal in both trees: {same}")
-    print(f"\nn = repeats of {args.requests:,} requests each, one fresh process per (repeat, tree).")
+        w0, c0 = medians[(first, name)]
+        for label in labels[1:]:
+            w1, c1 = medians[(label, name)]
+            print(f"  {name:<16} {label:<12} {w1 / w0:.2f}x wall, {c1 / c0:.2f}x cpu")
+    same = all(runs[(label, n)][0][2:] == runs[(first, n)][0][2:] for n in names for label in labels)
+    print(f"simulated seconds and eagle share equal in every variant: {same}")
+    print(f"\nn = repeats of {args.requests:,} requests each, one fresh process per (repeat, variant).")
     return 0
 
 
@@ -203,8 +239,9 @@ def main() -> int:
     where = pin_one_core()
     if args.child:
         return _child(args)
-    if args.against is not None:
-        return _against(args, where)
+    variants = _variants(args)
+    if len(variants) > 1 or variants[0][2] == "native":
+        return _against(args, where, variants)
     profile, (batch, servers), gen_s = _workload(args)
     registry = default_registry()
     print(

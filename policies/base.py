@@ -1,4 +1,5 @@
-"""The policy seam: plain data in, a `Decision` out. A leaf module: it imports nothing of ours.
+"""The policy seam: plain data in, a `Decision` out. The values are defined in `policies.values`
+(a leaf, apart so that it compiles: see there) and re-exported here; import them from this module.
 
 How it works: the controller (live proxy) and the simulator both build a `RequestInfo` and a
 `LoadView`, call `policy.choose(request, view, now)`, act on the returned `Decision`, and when
@@ -21,280 +22,56 @@ simulator and the proxy's view through them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-Pool = Literal["baseline", "eagle"]
-POOLS: tuple[Pool, Pool] = ("baseline", "eagle")
-EndpointKind = Literal["chat", "completions", "generate"]
-"""The OpenAI routes, and SGLang's native `/generate`."""
-
-
-def other_pool(pool: Pool) -> Pool:
-    return "eagle" if pool == "baseline" else "baseline"
-
-
-def parse_pool(value: str) -> Pool:
-    """Validate a pool name coming from the outside (config, header, CLI)."""
-    if value == "baseline":
-        return "baseline"
-    if value == "eagle":
-        return "eagle"
-    raise ValueError(f"unknown pool {value!r}: expected 'baseline' or 'eagle'")
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFeatures:
-    """Compact, text-free features of what a request asks (built by `policies.features`, the one
-    extractor the proxy and the simulator share). Hashes are stable 64-bit ints (blake2b of the
-    text, never Python's salted `hash`), so a run reproduces to the bit and replicas agree."""
-
-    family: int = 0
-    """Prompt family: hash of the system prompt's first block (or, without a system prompt, of
-    the first block of the prompt); 0 when there is no text."""
-    grams: tuple[int, ...] = ()
-    """Hashed word n-gram ids of a bounded slice of the canonical prompt text (system prompt,
-    last user message, tool definitions), sorted, without repeats, at most a few hundred."""
-    temperature: float | None = None
-    """Sampling temperature as sent (None: the server's default)."""
-    top_p: float | None = None
-    top_k: int | None = None
-    response_format: str | None = None
-    """`response_format.type` ("json_object", "json_schema", "text", ...), or None."""
-    tools: int = 0
-    """Number of tool definitions sent."""
-    n: int = 1
-    model: int = 0
-    """Hash of the `model` field; 0 when absent."""
-
-
-@dataclass(slots=True)
-class RequestInfo:
-    """What a policy may know about a request (never its text)."""
-
-    endpoint: EndpointKind = "chat"
-    stream: bool = True
-    prompt_tokens: int = 0
-    """Estimate of the prompt length in tokens."""
-    max_tokens: int | None = None
-    hint: str | None = None
-    """Domain tag from `x-specroute-hint` (e.g. "code", "prose"), bounded by the controller."""
-    forced_pool: Pool | None = None
-    """Pool forced by the client (`x-specroute-mode`) when the config allows it."""
-    features: RequestFeatures | None = None
-    """What the request asks, as compact features (None when no extractor ran, e.g. traces
-    without text); `hint` above stays the client's own word and is a feature too."""
-
-
-HINT_HEADER = "x-specroute-hint"
-"""The request header that carries `RequestInfo.hint` (read by the proxy and the emulator)."""
-
-
-@dataclass(slots=True, init=False)
-class BackendLoad:
-    """Load of one backend as seen at decision time (built by `policies.view`, for the proxy and
-    the simulator alike).
-
-    `load` and `admits` are derived from the other fields by the constructor (the one place
-    each rule is written) and stored, not computed per read: the routing core and the policies
-    read them several times per decision, and a plain field costs a fifth of a property's read.
-    `dataclasses.replace` rebuilds them from the new fields."""
-
-    name: str
-    pool: Pool
-    healthy: bool
-    """Health-wise usable: its probes pass and the outlier detector has not ejected it (or the
-    proxy is in panic mode). Whether it takes a request now is `admits`."""
-    in_flight: int
-    """Requests this proxy replica has in flight on the backend (exact)."""
-    in_flight_tokens: int
-    """Output-token budget (max_tokens) of those requests."""
-    running: int | None
-    """Backend-reported running requests, already combined with the requests this replica
-    dispatched/finished since the sample; None when there is no fresh sample."""
-    queued: int | None
-    """Backend-reported waiting requests (same combination); None without a fresh sample."""
-    accept_length: float | None
-    sample_age_s: float | None
-    cached_tokens: int
-    """Tokens of THIS request's prompt the router believes the backend holds in its prefix cache
-    (the longest prefix of the request's block fingerprint in the backend's prefix index, in
-    tokens); 0 when unknown or when prefix tracking is off. Set per decision."""
-    full: bool
-    """At its admission bound (its own or its pool's in-flight bound): it takes no request now."""
-    max_running: int | None = None
-    """The running-request cap the backend reports (SGLang's `/server_info`, `/v1/loads`; vLLM's
-    learned full batch): beyond it requests wait in its queue. None: not reported, the profile's
-    `max_running_requests` applies (always so in the simulator, whose servers run the profile)."""
-    load: int = field(init=False, compare=False)
-    """The larger of the local in-flight count and the backend-reported load (running + queued,
-    when there is a fresh sample)."""
-    admits: bool = field(init=False, compare=False)
-    """Whether this backend may take a request now: healthy and not full. The routing core and
-    the policies route only to backends that admit."""
-
-    def __init__(
-        self,
-        name: str,
-        pool: Pool,
-        healthy: bool = True,
-        in_flight: int = 0,
-        in_flight_tokens: int = 0,
-        running: int | None = None,
-        queued: int | None = None,
-        accept_length: float | None = None,
-        sample_age_s: float | None = None,
-        cached_tokens: int = 0,
-        full: bool = False,
-        max_running: int | None = None,
-    ) -> None:
-        self.name = name
-        self.pool = pool
-        self.healthy = healthy
-        self.in_flight = in_flight
-        self.in_flight_tokens = in_flight_tokens
-        self.running = running
-        self.queued = queued
-        self.accept_length = accept_length
-        self.sample_age_s = sample_age_s
-        self.cached_tokens = cached_tokens
-        self.full = full
-        self.max_running = max_running
-        if running is None:
-            self.load = in_flight
-        else:
-            scraped = running + queued if queued else running
-            self.load = scraped if scraped > in_flight else in_flight
-        self.admits = healthy and not full
-
-    @property
-    def scraped(self) -> int | None:
-        """Backend-reported running + queued, or None without a fresh sample."""
-        if self.running is None:
-            return None
-        return self.running + (self.queued or 0)
-
-
-@dataclass(slots=True)
-class PoolLoad:
-    pool: Pool
-    backends: tuple[BackendLoad, ...] = ()
-
-    @property
-    def healthy(self) -> tuple[BackendLoad, ...]:
-        """Backends that pass their health checks (full or not)."""
-        return tuple(b for b in self.backends if b.healthy)
-
-    @property
-    def admitting(self) -> tuple[BackendLoad, ...]:
-        """Backends that may take a request now (`BackendLoad.admits`)."""
-        return tuple(b for b in self.backends if b.admits)
-
-    @property
-    def in_flight(self) -> int:
-        return sum(b.in_flight for b in self.backends)
-
-    @property
-    def load(self) -> int:
-        return sum(b.load for b in self.backends)
-
-
-@dataclass(slots=True)
-class LoadView:
-    """Per pool and per backend load at one instant."""
-
-    baseline: PoolLoad = field(default_factory=lambda: PoolLoad("baseline"))
-    eagle: PoolLoad = field(default_factory=lambda: PoolLoad("eagle"))
-
-    def pool(self, pool: Pool) -> PoolLoad:
-        return self.baseline if pool == "baseline" else self.eagle
-
-    def has_healthy(self, pool: Pool) -> bool:
-        return any(b.healthy for b in self.pool(pool).backends)
-
-    def admits(self, pool: Pool) -> bool:
-        """Whether some backend of `pool` may take a request now."""
-        return any(b.admits for b in self.pool(pool).backends)
-
-
-@dataclass(slots=True)
-class Decision:
-    """What a policy decided. `reason` is a short, bounded string (a metric label).
-
-    A policy picks the pool; it may leave `backend` empty ("") and the routing core
-    (`policies.routing.Router`) returns a completed copy with the backend within the pool and
-    its `backend_load` (moved to the other pool, reason `<pool>_unavailable`, when its pool has
-    no backend that admits). A policy that names an admitting backend of its pool keeps it."""
-
-    pool: Pool
-    backend: str
-    reason: str
-    predicted_ttft_s: Mapping[Pool, float] = field(default_factory=dict)
-    predicted_e2e_s: Mapping[Pool, float] = field(default_factory=dict)
-    backend_load: int = 0
-    """Load of the chosen backend at decision time, before this request joined it."""
-    policy: str = ""
-    accept_factor: float | None = None
-    """The eagle speed factor the policy used for this request (1 = the profile's eagle speed),
-    when it predicted one from the request's content; None otherwise."""
-
-
-class NoHealthyBackend(Exception):
-    """Raised by the routing core (`policies.routing`) when a request has nowhere to go: neither
-    pool has a healthy backend, or the pool the client forced has none."""
-
-
-class InvalidDecision(Exception):
-    """A policy returned a decision the routing core cannot act on (an unknown pool or backend)."""
-
-
-OutcomeStatus = Literal["ok", "error", "timeout", "client_closed", "client_error"]
-"""`client_error`: the backend answered 4xx (the client's mistake, not the backend's)."""
-
-
-@dataclass(slots=True)
-class Outcome:
-    """A finished request: the decision plus what actually happened."""
-
-    request: RequestInfo
-    decision: Decision
-    started_at: float
-    """The `now` that was passed to `choose`."""
-    ttft_s: float | None
-    completion_tokens: int | None
-    duration_s: float
-    status: OutcomeStatus
-    accept_length: float | None = None
-    """Tokens per verify step the eagle backend reported for this request (SGLang's
-    `spec_tokens_details`, when asked for), or None."""
-    cached_tokens: int | None = None
-    """Prompt tokens the backend reported it served from its prefix cache
-    (`usage.prompt_tokens_details.cached_tokens`, SGLang's `--enable-cache-report`), or None."""
-    failed_over: bool = False
-    """The request was moved to another backend after `decision` (its first backend failed
-    before the first byte): `decision.backend_load` is not the load of the backend that served
-    it. Such an outcome does not teach (`policies.routing.teaches`)."""
-
-    @property
-    def forced(self) -> bool:
-        """The client forced the pool (`x-specroute-mode`): the policy did not choose it."""
-        return self.request.forced_pool is not None
-
-    @property
-    def decode_tok_s(self) -> float | None:
-        """Per-request decode rate after the first token, or None when unknown."""
-        if (
-            self.status != "ok"
-            or self.ttft_s is None
-            or self.completion_tokens is None
-            or self.completion_tokens < 2
-        ):
-            return None
-        decode_time = self.duration_s - self.ttft_s
-        if decode_time <= 0:
-            return None
-        return (self.completion_tokens - 1) / decode_time
+from policies.values import (
+    HINT_HEADER as HINT_HEADER,
+)
+from policies.values import (
+    POOLS as POOLS,
+)
+from policies.values import (
+    BackendLoad as BackendLoad,
+)
+from policies.values import (
+    Decision as Decision,
+)
+from policies.values import (
+    EndpointKind as EndpointKind,
+)
+from policies.values import (
+    InvalidDecision as InvalidDecision,
+)
+from policies.values import (
+    LoadView as LoadView,
+)
+from policies.values import (
+    NoHealthyBackend as NoHealthyBackend,
+)
+from policies.values import (
+    Outcome as Outcome,
+)
+from policies.values import (
+    OutcomeStatus as OutcomeStatus,
+)
+from policies.values import (
+    Pool as Pool,
+)
+from policies.values import (
+    PoolLoad as PoolLoad,
+)
+from policies.values import (
+    RequestFeatures as RequestFeatures,
+)
+from policies.values import (
+    RequestInfo as RequestInfo,
+)
+from policies.values import (
+    other_pool as other_pool,
+)
+from policies.values import (
+    parse_pool as parse_pool,
+)
 
 
 @runtime_checkable

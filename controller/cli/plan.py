@@ -31,6 +31,7 @@ from policies import together
 from policies.params import parse_assignments, split_policy_ref
 from policies.profile import Profile, resolve_profile
 from policies.registry import default_registry
+from simulator import native
 from simulator.engine.results import Slo
 from simulator.engine.servers import SERVER_KINDS, ServerKind
 from simulator.engine.workloads import generate
@@ -264,7 +265,7 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"note: {together.describe(profile)}", file=sys.stderr)
             print(json.dumps(doc, indent=2))
         else:
-            print(format_plan(result, description))
+            print(format_plan(result, description + native.describe()))
             print(f"\nconfig for {result.reference.best.label} written to {args.out}")
         if args.report:
             report = write_report(result, args.report, description=description, config_path=args.out)

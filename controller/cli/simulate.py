@@ -36,6 +36,7 @@ from policies import together
 from policies.params import parse_assignments, parse_policy_ref, split_policy_ref
 from policies.profile import Profile, resolve_profile
 from policies.registry import default_registry
+from simulator import native
 from simulator.engine.report import align_columns, format_table, write_report
 from simulator.engine.results import RunResult, Slo
 from simulator.engine.routers import SPLITS, RouterSetup
@@ -300,7 +301,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
                 print(f"note: {together.describe(servers)}", file=sys.stderr)
             print(json.dumps(doc, indent=2))
         else:
-            print(description)
+            print(description + native.describe())
             print(format_table(runs))
         if args.report:
             path = write_report(runs, args.report, title="specroute simulation", description=description)
@@ -358,7 +359,7 @@ def _tune_main(args: argparse.Namespace) -> int:
         for point, reason in skipped:
             shown = ",".join(f"{k}={point[k]}" for k, _ in grid)
             print(f"warning: grid point {shown} skipped: {reason}", file=sys.stderr)
-        print(_describe(spec, profile, servers))
+        print(_describe(spec, profile, servers) + native.describe())
         print(f"objective: {args.objective} ({OBJECTIVE_UNITS[args.objective]})")
         columns = [
             c for c in ("throughput_tok_s", "mean_e2e_s", "p99_ttft_s", "p99_e2e_s") if c != args.objective

@@ -34,14 +34,11 @@ from policies.base import (
 from policies.prefix import PrefixIndex
 from policies.routing import Router, least_loaded_index
 from policies.view import backend_load, believed_cached, dispatched, load_view, true_load
+from simulator.engine.errors import SimulationError
 from simulator.engine.routers import Routers
 from simulator.engine.server import Server
 
 _INFO_CACHE_MAX = 1 << 16
-
-
-class SimulationError(RuntimeError):
-    """The simulation cannot proceed (e.g. a policy picked a backend that does not exist)."""
 
 
 class Columns(Protocol):

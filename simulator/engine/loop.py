@@ -29,7 +29,8 @@ from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.routing import reset
 from simulator.engine.clients import FILLER, MEASURED, NOT_SENT, WARMUP, ClosedLoop, OpenLoop
 from simulator.engine.colocation import link, server_types
-from simulator.engine.dispatch import Dispatcher, LeastLoaded, OneRouter, Replicas, Requests, SimulationError
+from simulator.engine.dispatch import Dispatcher, LeastLoaded, OneRouter, Replicas, Requests
+from simulator.engine.errors import SimulationError
 from simulator.engine.events import EventQueue
 from simulator.engine.routers import RouterGroup, Routers
 from simulator.engine.server import Prompts, Server

@@ -246,9 +246,8 @@ class Server:
         v = self.v + (t - self.t_last) * self.rate
         self.v = v
         self.t_last = t
-        entry = (v + work, r)
-        heapq.heappush(dheap, entry)
-        if dheap[0] is entry:
+        heapq.heappush(dheap, (v + work, r))
+        if dheap[0][1] == r:  # it went to the top (by value: compiled code boxes a new tuple)
             self._reschedule(t + work / self.rate)
 
     def completion(self, seq: int, t: float) -> None:
