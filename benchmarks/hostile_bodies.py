@@ -270,10 +270,10 @@ def measure(args: argparse.Namespace) -> None:
     procs: list[subprocess.Popen[str]] = []
 
     def child(
-        cmd: list[str], marker: str = spawn.MARKER, env: dict[str, str] | None = None
+        cmd: list[str], marker: str = spawn.MARKER, env: dict[str, str] | None = None, cwd: Path = ROOT
     ) -> tuple[subprocess.Popen[str], str]:
         """Started by the shared spawn helper; the text after `marker` in its readiness line."""
-        proc, line = spawn.start_sync(cmd, marker=marker, stderr=None, cwd=str(ROOT), env=env)
+        proc, line = spawn.start_sync(cmd, marker=marker, stderr=None, cwd=str(cwd), env=env)
         procs.append(proc)
         return proc, spawn.url_of(line, marker)
 
@@ -294,8 +294,10 @@ def measure(args: argparse.Namespace) -> None:
         urls = {"specroute": serve_url, "aiohttp minimal": refuser_url}
         pids = {"specroute": serve.pid, "aiohttp minimal": refuser.pid}
         if args.against:
-            tree = str(Path(args.against).resolve())
-            old, urls["against"] = child(serve_cmd, env={**os.environ, "PYTHONPATH": tree})
+            tree = Path(args.against).resolve()
+            # run from the tree too: `python -m` puts the working directory before PYTHONPATH, so
+            # from ROOT the "against" specroute ran this tree's code
+            old, urls["against"] = child(serve_cmd, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree)
             pids["against"] = old.pid
         for t in targets:
             probe = [*me, "--role", "probe", "--url", urls[t], "--pid", str(pids[t]), "--out", outs[t]]
