@@ -81,10 +81,11 @@ class MemoryBudget:
         self._pending: asyncio.TimerHandle | None = None
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
-    def take(self, n: int) -> bool:
-        """Take `n` bytes if the budget has them; False (and nothing taken) otherwise."""
+    def take(self, n: int, *, count: bool = True) -> bool:
+        """Take `n` bytes if the budget has them; False (and nothing taken, a refusal counted
+        unless not `count`: the caller will wait instead) otherwise."""
         if self.used + n > self.limit:
-            self.refusals += 1
+            self.refusals += count
             return False
         self.used += n
         return True
@@ -154,12 +155,12 @@ class Charge:
         self.budget = budget
         self.held = 0
 
-    def grow_to(self, n: int) -> bool:
+    def grow_to(self, n: int, *, count: bool = True) -> bool:
         """Hold `n` bytes in all (more than now: take the difference); False when refused."""
         more = n - self.held
         if more <= 0:
             return True
-        if not self.budget.take(more):
+        if not self.budget.take(more, count=count):
             return False
         self.held = n
         return True

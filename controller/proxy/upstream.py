@@ -254,14 +254,19 @@ async def _room_for_large_event(
     share = budget.limit // 2
     if ANSWER_COPIES * size > share:
         raise _OverBudget  # can never fit
-    need = min(share, ANSWER_COPIES * max(size, attempt.limit))
-    if charge.held >= need:
+    await _wait_for(charge, min(share, ANSWER_COPIES * max(size, attempt.limit)), attempt, clock)
+
+
+async def _wait_for(charge: Charge, n: int, attempt: Attempt, clock: Callable[[], float]) -> None:
+    """`charge.grow_to(n)`, waiting in the budget's queue for up to `budget_wait_s` when it does
+    not fit now; `_OverBudget` when the wait ends without it."""
+    if charge.held >= n:
         return
     try:
         async with ClockTimeout(attempt.budget_wait_s, clock):
-            await charge.grow_to_waiting(need)
+            await charge.grow_to_waiting(n)
     except TimeoutError:
-        budget.refusals += 1
+        charge.budget.refusals += 1
         raise _OverBudget from None
 
 
@@ -317,8 +322,10 @@ async def _read_first_event(
             if size > limit:
                 raise _TooLarge(f"first event larger than {limit} bytes")
             if size <= RESERVE_FROM:
-                if not charge.grow_to(ANSWER_COPIES * size):
-                    raise _OverBudget
+                # The first MiB waits too when it does not fit now (the large events before it
+                # hold the budget), instead of a 502 and the client's retry at once.
+                if not charge.grow_to(ANSWER_COPIES * size, count=False):
+                    await _wait_for(charge, ANSWER_COPIES * size, attempt, clock)
             else:
                 await _room_for_large_event(charge, size, attempt, clock)
     except BaseException:

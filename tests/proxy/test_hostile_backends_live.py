@@ -444,8 +444,9 @@ async def test_h_huge_first_events_beyond_the_budget_get_502_not_memory(spawn_se
 async def test_h_large_first_events_wait_their_turn_for_the_budget_instead_of_502(spawn_serve, raw_backend):
     """Six streams whose first event is 5 MB, a 64 MiB budget: a first event past 1 MiB is charged
     at once for the largest allowed (capped at half the budget, which one 5 MB event fits), so
-    they are read one after the other, each waiting its turn having read about 1 MiB; each is
-    relayed whole, none refused (charged as they grew, most were refused with 502)."""
+    they are read one after the other, each waiting its turn having read about 1 MiB (or less:
+    the first MiB waits too when the budget is full); each is relayed whole, none refused
+    (charged as they grew, most were refused with 502)."""
     first = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"' + b"y" * (5 << 20) + b'"}}]}\n\n'
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
