@@ -33,7 +33,10 @@ VmHWM (peak since start).
 
 With `--against DIR` a second specroute runs DIR's code (its PYTHONPATH) beside this tree's, in
 the same rounds (targets alternate), so old and new are measured on the same machine state; the
-ratio this tree / against, per round, is the figure to trust on a shared machine.
+ratio this tree / against, per round, is the figure to trust on a shared machine. With `--relay`
+a second reference runs too, 'aiohttp relay': a plain aiohttp proxy in front of the same sink
+(forwards, relays chunk by chunk, no limits), so under H it carries the same 50 MB events; the
+issue's figure stays the ratio to the minimal server, which never carries them.
 """
 
 from __future__ import annotations
@@ -124,6 +127,47 @@ def run_server(max_body_bytes: int) -> None:
         await site.start()
         print(f"listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
         await asyncio.Event().wait()
+
+    import uvloop
+
+    uvloop.run(main())
+
+
+def run_relay(sink: str) -> None:
+    """`--relay`'s reference: an aiohttp server that forwards each completion request to the
+    sink and relays its answer chunk by chunk as it comes (`iter_any`), nothing else: no budget,
+    no checks. Under H it carries the same 50 MB events as specroute (all 24 at once), which the
+    minimal server never does. Prints its URL, serves forever."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        session: aiohttp.ClientSession = request.app["session"]
+        headers = {"Content-Type": "application/json"}
+        async with session.post(sink + "/v1/chat/completions", data=raw, headers=headers) as r:
+            resp = web.StreamResponse(
+                status=r.status, headers={"Content-Type": r.headers.get("Content-Type", "application/json")}
+            )
+            await resp.prepare(request)
+            async for piece in r.content.iter_any():
+                await resp.write(piece)
+            await resp.write_eof()
+            return resp
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def main() -> None:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", answer)
+        app.router.add_get("/health", ok)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            app["session"] = session
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            print(f"listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+            await asyncio.Event().wait()
 
     import uvloop
 
@@ -233,7 +277,13 @@ def main() -> int:
         help="Which to run (idle always).",
     )
     ap.add_argument("--against", help="Also run specroute from this source tree, side by side.")
-    ap.add_argument("--role", choices=["sink", "probe", "refuser"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--relay",
+        action="store_true",
+        help="Also run 'aiohttp relay' (forwards to the sink and relays its answers, nothing else): "
+        "a second reference that carries the backend's bytes, where the minimal server answers alone.",
+    )
+    ap.add_argument("--role", choices=["sink", "probe", "refuser", "relay"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--pid", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -246,6 +296,9 @@ def main() -> int:
         return 0
     if args.role == "refuser":
         run_server(1024 * 1024)
+        return 0
+    if args.role == "relay":
+        run_relay(args.url)
         return 0
     for kind in ("lists", "numbers", "prose"):
         BODIES[kind] = body(kind, args.mb * 1024 * 1024)
@@ -270,14 +323,15 @@ def measure(args: argparse.Namespace) -> None:
     procs: list[subprocess.Popen[str]] = []
 
     def child(
-        cmd: list[str], marker: str = spawn.MARKER, env: dict[str, str] | None = None
+        cmd: list[str], marker: str = spawn.MARKER, env: dict[str, str] | None = None, cwd: Path = ROOT
     ) -> tuple[subprocess.Popen[str], str]:
         """Started by the shared spawn helper; the text after `marker` in its readiness line."""
-        proc, line = spawn.start_sync(cmd, marker=marker, stderr=None, cwd=str(ROOT), env=env)
+        proc, line = spawn.start_sync(cmd, marker=marker, stderr=None, cwd=str(cwd), env=env)
         procs.append(proc)
         return proc, spawn.url_of(line, marker)
 
     targets = ["aiohttp minimal", "specroute"] + (["against"] if args.against else [])
+    targets += ["aiohttp relay"] if args.relay else []
     outs = {t: f"/tmp/specroute-hostile-{os.getpid()}-{i}.txt" for i, t in enumerate(targets)}
     windows: dict[tuple[str, str], list[tuple[float, float]]] = {}
     statuses: dict[tuple[str, str], Counter[str]] = {}
@@ -294,9 +348,14 @@ def measure(args: argparse.Namespace) -> None:
         urls = {"specroute": serve_url, "aiohttp minimal": refuser_url}
         pids = {"specroute": serve.pid, "aiohttp minimal": refuser.pid}
         if args.against:
-            tree = str(Path(args.against).resolve())
-            old, urls["against"] = child(serve_cmd, env={**os.environ, "PYTHONPATH": tree})
+            tree = Path(args.against).resolve()
+            # run from the tree too: `python -m` puts the working directory before PYTHONPATH, so
+            # from ROOT the "against" specroute ran this tree's code
+            old, urls["against"] = child(serve_cmd, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree)
             pids["against"] = old.pid
+        if args.relay:
+            relay, urls["aiohttp relay"] = child([*me, "--role", "relay", "--url", sink])
+            pids["aiohttp relay"] = relay.pid
         for t in targets:
             probe = [*me, "--role", "probe", "--url", urls[t], "--pid", str(pids[t]), "--out", outs[t]]
             child(probe, "ready")
@@ -384,9 +443,10 @@ def report(
         )
 
     for kind in kinds:
-        for a, b in [(t, "aiohttp minimal") for t in targets[1:]] + (
-            [("specroute", "against")] if args.against else []
-        ):
+        pairs = [(t, "aiohttp minimal") for t in targets[1:]]
+        pairs += [("specroute", "against")] if args.against else []
+        pairs += [(t, "aiohttp relay") for t in targets[1:-1]] if args.relay else []
+        for a, b in pairs:
             print(f"p99 {a} / {b}, {kind}: {ratios(a, b, kind)}")
     for kind in (k for k in PARALLEL if k in kinds):
         for t in targets[1:]:

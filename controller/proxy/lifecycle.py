@@ -294,6 +294,7 @@ class RequestLifecycle:
             stream=self.info.stream,
             timeout_s=s.first_byte_timeout_s if self.info.stream else s.request_timeout_s,
             limit=s.response_limit_bytes,
+            budget_wait_s=s.admission_wait_s,
         )
 
     async def _try(self) -> Upstream:

@@ -17,6 +17,7 @@ when it is under 1 MiB, else in a worker thread in short steps (`load_large_json
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import json.decoder
 import json.scanner
@@ -55,7 +56,7 @@ class JsonBudget:
         self._inside = False  # the next byte is inside a string
         self._carry = b""  # an escaping backslash that ended the previous slice
 
-    def feed(self, text: bytes | bytearray, *, final: bool) -> None:
+    def feed(self, text: bytes | bytearray | memoryview, *, final: bool) -> None:
         """Scan what `text` (the whole text so far) holds beyond `scanned`: whole slices only,
         unless `final`."""
         if final and not self.scanned and len(text) <= min(self.max_values, self.max_containers):
@@ -125,30 +126,35 @@ async def read_body(
         if not charge.grow_to(BODY_COPIES * declared):  # refused before a byte of it is read
             raise MemoryBusy("specroute is holding as much request data as its memory budget allows")
     ratio = max_ratio if declared is None and encoded else None
-    buf = bytearray()
+    # A BytesIO, not a bytearray: its getvalue() hands over the buffer it grew (no copy while
+    # nothing else views it), where bytes(bytearray) copied a 30 MB body once more at its end.
+    buf = io.BytesIO()
+    size = 0
     content = request.content
     try:
         async with ClockTimeout(None if content.is_eof() else timeout_s, clock):
             while chunk := await content.readany():
-                buf += chunk
-                if len(buf) > limit:
+                buf.write(chunk)
+                size += len(chunk)
+                if size > limit:
                     raise PayloadTooLarge(f"request body too large: more than {limit} bytes")
-                if ratio is not None and len(buf) > SLICE and len(buf) > ratio * content.total_raw_bytes:
+                if ratio is not None and size > SLICE and size > ratio * content.total_raw_bytes:
                     raise PayloadTooLarge(
                         f"compressed request body inflates more than {ratio:g} times "
-                        f"({len(buf)} bytes from {content.total_raw_bytes})"
+                        f"({size} bytes from {content.total_raw_bytes})"
                     )
-                if charge is not None and not charge.grow_to(BODY_COPIES * len(buf)):
+                if charge is not None and not charge.grow_to(BODY_COPIES * size):
                     raise MemoryBusy("specroute is holding as much request data as its memory budget allows")
-                budget.feed(buf, final=False)
+                if size - budget.scanned >= budget.slice_bytes:
+                    with buf.getbuffer() as view:  # released before the next write (BytesIO's rule)
+                        budget.feed(view, final=False)
+        with buf.getbuffer() as view:
+            budget.feed(view, final=True)
+        return buf.getvalue()
     except TimeoutError:
-        buf.clear()
         raise RequestTimeout(f"request body not received within {timeout_s:g} s") from None
-    except BaseException:
-        buf.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
-        raise
-    budget.feed(buf, final=True)
-    return bytes(buf)
+    finally:
+        buf.close()  # on an error too: the exception's traceback keeps this frame until the cyclic GC
 
 
 LARGE_JSON = 1 << 20
@@ -162,9 +168,14 @@ def _scanstring(s: str, end: int, strict: bool = True) -> tuple[str, int]:
     characters, so no C call holds the GIL for the whole of a 30 MB string. A window is cut
     where the 12 characters before the cut hold no backslash (no escape or surrogate pair is
     split), and decoded on its own with a closing quote added; the string's own closing quote
-    inside it ends the scan. The result is `scanstring`'s (any error: the caller parses again
-    with `json.loads`, for its message)."""
-    parts: list[str] = []
+    inside it ends the scan. A string without escapes (every window decodes to as many
+    characters as it has) is returned as one slice of `s`: its windows are checked and let go,
+    not kept and joined (a 30 MB prose prompt held twice more at the join: row L of
+    `benchmarks/hostile_bodies.py`). The result is `scanstring`'s (any error: the caller parses
+    again with `json.loads`, for its message)."""
+    start = end
+    parts: list[str] | None = None
+    """The decoded windows, kept from the first one that held an escape (None: none yet)."""
     while end + WINDOW < len(s):
         stop = cut = end + WINDOW
         floor = max(end, stop - 4096)
@@ -174,13 +185,23 @@ def _scanstring(s: str, end: int, strict: bool = True) -> tuple[str, int]:
             break  # escapes all along: the rest in one call
         piece = s[end:cut]
         text, at = _c_scanstring(piece + '"', 0, strict)
-        parts.append(text)
-        if at <= len(piece):  # the string's own closing quote
-            return "".join(parts), end + at
+        closed = at <= len(piece)  # the string's own closing quote
+        if parts is None and len(text) != (at - 1 if closed else len(piece)):
+            parts = [s[start:end]]  # an escape: from here on the decoded windows are kept
+        if parts is not None:
+            parts.append(text)
+        if closed:
+            return (s[start : end + at - 1] if parts is None else "".join(parts)), end + at
         end = cut
-    text, end = _c_scanstring(s, end, strict)
+    text, stop = _c_scanstring(s, end, strict)
+    if parts is None and end == start:  # a short string: one call decoded it all
+        return text, stop
+    if parts is None and len(text) == stop - 1 - end:
+        return s[start : stop - 1], stop
+    if parts is None:
+        parts = [s[start:end]]
     parts.append(text)
-    return "".join(parts), end
+    return "".join(parts), stop
 
 
 _c_scanstring: Callable[[str, int, bool], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]

@@ -5,12 +5,14 @@ this budget first, in the step that allocates them, and gives them back when it 
 request bodies as they are read (after decompression, charged `BODY_COPIES` times: the read
 buffer, its bytes and the parsed JSON live at once), a stream's first event and held-back bytes,
 and a non-streaming answer. A body of declared length is charged whole before it is read, and
-an answer (or first event) past 1 MiB is charged ahead of its bytes, doubling towards
-`response_limit_bytes` (`upstream._reserve`), so work that cannot fit is refused early, not
-after many megabytes were read only to be dropped. `take` never waits: when the budget cannot
-cover the bytes, the caller refuses the work at once (a client gets 503 with `Retry-After`; a
-backend's answer that does not fit is answered 502), so the process stays up instead of running
-out of memory. A
+a non-streaming answer past 1 MiB is charged ahead of its bytes, doubling towards
+`response_limit_bytes` (`upstream._reserve`), and a stream's first event past 1 MiB at once for
+the largest allowed, so work that cannot fit is refused early, not after many megabytes were
+read only to be dropped. `take` never waits: when the budget cannot cover the bytes, the caller
+refuses the work at once (a client gets 503 with `Retry-After`; a backend's answer that does not
+fit is answered 502), so the process stays up instead of running out of memory. Only a large
+first event waits (`take_waiting`, first come first served, bounded by `admission_wait_s`): it
+stops reading until the budget has its share, then 502 if none came. A
 `Charge` belongs to one request and is released once, from a `finally`, whatever happened.
 
 `keep_heap_small` makes the memory of a request that ended go back to the OS at once.
@@ -23,7 +25,9 @@ container.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+from collections import deque
 from collections.abc import Callable
 
 BODY_COPIES = 5
@@ -66,7 +70,7 @@ _trim: Callable[[int], object] | None = None
 
 
 class MemoryBudget:
-    __slots__ = ("_given", "_pending", "limit", "refusals", "used")
+    __slots__ = ("_given", "_pending", "_waiters", "limit", "refusals", "used")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -75,18 +79,56 @@ class MemoryBudget:
         """How often `take` refused (a metric reads it)."""
         self._given = 0
         self._pending: asyncio.TimerHandle | None = None
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
-    def take(self, n: int) -> bool:
-        """Take `n` bytes if the budget has them; False (and nothing taken) otherwise."""
+    def take(self, n: int, *, count: bool = True) -> bool:
+        """Take `n` bytes if the budget has them; False (and nothing taken, a refusal counted
+        unless not `count`: the caller will wait instead) otherwise."""
         if self.used + n > self.limit:
-            self.refusals += 1
+            self.refusals += count
             return False
         self.used += n
         return True
 
+    async def take_waiting(self, n: int) -> None:
+        """Take `n` bytes (at most `limit`), waiting, first come first served, until others have
+        given back enough; the caller bounds the wait (cancelled, nothing is taken). Only large
+        reservations wait (`upstream`: a first event past 1 MiB): `take` does not wait behind
+        them, so ordinary requests are not held up by one."""
+        if not self._waiters and self.used + n <= self.limit:
+            self.used += n
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (n, waiter)
+        self._waiters.append(entry)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.give(n)  # woken with the bytes taken, then cancelled before it ran
+            else:
+                with contextlib.suppress(ValueError):  # not handed over: still queued, or popped as done
+                    self._waiters.remove(entry)
+                self._wake()  # the next waiter may fit now
+            raise
+
+    def _wake(self) -> None:
+        """Hand the bytes given back to the waiters at the head of the queue that they cover."""
+        waiters = self._waiters
+        while waiters:
+            n, waiter = waiters[0]
+            if not waiter.done():
+                if self.used + n > self.limit:
+                    return
+                self.used += n
+                waiter.set_result(None)
+            waiters.popleft()
+
     def give(self, n: int) -> None:
         self.used = max(0, self.used - n)
         self._given += n
+        if self._waiters:
+            self._wake()
         if self.used or self._given < TRIM_AFTER or _trim is None or self._pending is not None:
             return
         try:
@@ -113,15 +155,22 @@ class Charge:
         self.budget = budget
         self.held = 0
 
-    def grow_to(self, n: int) -> bool:
+    def grow_to(self, n: int, *, count: bool = True) -> bool:
         """Hold `n` bytes in all (more than now: take the difference); False when refused."""
         more = n - self.held
         if more <= 0:
             return True
-        if not self.budget.take(more):
+        if not self.budget.take(more, count=count):
             return False
         self.held = n
         return True
+
+    async def grow_to_waiting(self, n: int) -> None:
+        """`grow_to` that waits for the budget (`MemoryBudget.take_waiting`); `n` <= its limit."""
+        more = n - self.held
+        if more > 0:
+            await self.budget.take_waiting(more)
+            self.held = n
 
     def shrink_to(self, n: int) -> None:
         if n < self.held:

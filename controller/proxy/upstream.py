@@ -51,7 +51,8 @@ from controller.proxy.watchdog import ClockTimeout
 
 FailureKind = Literal["unreachable", "failed", "protocol", "overload", "timeout", "budget"]
 RESERVE_FROM = 1 << 20
-"""Answer bytes up to which the charge follows the bytes read; past it, it doubles ahead."""
+"""Answer bytes up to which the charge follows the bytes read; past it, a first event is charged
+for the largest allowed at once, a non-streaming answer doubles ahead."""
 COUNTED: frozenset[FailureKind] = frozenset({"unreachable", "failed", "protocol"})
 """Failures the outlier detector counts as they are (a timeout counts only if slow for others)."""
 
@@ -143,10 +144,11 @@ def _os_reason(e: OSError) -> str:
 
 
 def _reserve(charge: Charge, size: int, limit: int) -> bool:
-    """Charge for an answer of `size` bytes so far: up to `ANSWER_COPIES` times a reservation that
-    doubles from `RESERVE_FROM` as the answer grows (capped at `limit`). A large answer is refused
-    as soon as the budget cannot hold what it is growing towards, after a few MiB read, not after
-    tens of MiB read by many answers that all end refused (`benchmarks/hostile_bodies.py`, row H)."""
+    """Charge for a non-streaming answer of `size` bytes so far (no Content-Length): up to
+    `ANSWER_COPIES` times a reservation that doubles from `RESERVE_FROM` as the answer grows
+    (capped at `limit`). A large answer is refused as soon as the budget cannot hold what it is
+    growing towards, after a few MiB read, not after tens of MiB read by many answers that all
+    end refused."""
     if size <= RESERVE_FROM:
         return charge.grow_to(ANSWER_COPIES * size)
     target = RESERVE_FROM
@@ -235,14 +237,51 @@ def _start(pieces: list[bytes], n: int = 4096) -> bytes:
     return b"".join(out)
 
 
-async def _read_first_event(resp: aiohttp.ClientResponse, limit: int, charge: Charge) -> FirstEvent:
+async def _room_for_large_event(
+    charge: Charge, size: int, attempt: Attempt, clock: Callable[[], float]
+) -> None:
+    """A first event past `RESERVE_FROM` bytes: charge at once what the largest allowed event
+    needs (`ANSWER_COPIES` x `response_limit_bytes`, at most half the budget), waiting for it
+    first come first served for up to `budget_wait_s`, without reading more of the stream (the
+    backend waits on TCP's flow control). So only as many large first events as the budget
+    holds are read at a time, each to its end, and the others wait having read ~1 MiB (charged:
+    with half the budget left to the waiters' few MiB each, the head of the queue gets its
+    share as soon as a holder is done). Charged as they grew, doubling ahead, they were all read
+    for several MiB and most then refused, their clients coming back at once: under row H
+    (`benchmarks/hostile_bodies.py`) specroute read ~8 MB per refused stream, 4.8 GB in 8 s
+    for 2 streams relayed. A first event that half the budget cannot hold is refused."""
+    budget = charge.budget
+    share = budget.limit // 2
+    if ANSWER_COPIES * size > share:
+        raise _OverBudget  # can never fit
+    await _wait_for(charge, min(share, ANSWER_COPIES * max(size, attempt.limit)), attempt, clock)
+
+
+async def _wait_for(charge: Charge, n: int, attempt: Attempt, clock: Callable[[], float]) -> None:
+    """`charge.grow_to(n)`, waiting in the budget's queue for up to `budget_wait_s` when it does
+    not fit now; `_OverBudget` when the wait ends without it."""
+    if charge.held >= n:
+        return
+    try:
+        async with ClockTimeout(attempt.budget_wait_s, clock):
+            await charge.grow_to_waiting(n)
+    except TimeoutError:
+        charge.budget.refusals += 1
+        raise _OverBudget from None
+
+
+async def _read_first_event(
+    resp: aiohttp.ClientResponse, attempt: Attempt, charge: Charge, clock: Callable[[], float]
+) -> FirstEvent:
     """The bytes up to the end of the first event, plus what is buffered already; fewer at the
     end of the stream. Only the new bytes of each read are searched (a read without a line end
-    costs two `memchr`s), and the charge is taken ahead as the event grows (`_reserve`). The
-    reads are kept as they came, not joined: a first event over `PIECE` bytes goes to the client
-    as those reads, so no step copies or scans more than one read and the event loop keeps
-    serving while a 50 MB first event passes (`benchmarks/hostile_bodies.py`, row H; a
-    whole-event join, scan and write took ~0.5 s of the loop per such stream)."""
+    costs two `memchr`s), and the charge follows the bytes up to `RESERVE_FROM`, then is taken
+    whole for the largest event allowed (`_room_for_large_event`). The reads are kept as they
+    came, not joined: a first event over `PIECE` bytes goes to the client as those reads, so no
+    step copies or scans more than one read and the event loop keeps serving while a 50 MB
+    first event passes (`benchmarks/hostile_bodies.py`, row H; a whole-event join, scan and
+    write took ~0.5 s of the loop per such stream)."""
+    limit = attempt.limit
     reads: list[bytes] = []
     size = 0
     prev = b""
@@ -282,8 +321,13 @@ async def _read_first_event(resp: aiohttp.ClientResponse, limit: int, charge: Ch
             prev = chunk if len(chunk) >= 16 else (prev + chunk)[-16:]
             if size > limit:
                 raise _TooLarge(f"first event larger than {limit} bytes")
-            if not _reserve(charge, size, limit):
-                raise _OverBudget
+            if size <= RESERVE_FROM:
+                # The first MiB waits too when it does not fit now (the large events before it
+                # hold the budget), instead of a 502 and the client's retry at once.
+                if not charge.grow_to(ANSWER_COPIES * size, count=False):
+                    await _wait_for(charge, ANSWER_COPIES * size, attempt, clock)
+            else:
+                await _room_for_large_event(charge, size, attempt, clock)
     except BaseException:
         reads.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
         chunk = prev = b""
@@ -328,6 +372,8 @@ class Attempt:
     """`first_byte_timeout_s` for a stream, `request_timeout_s` otherwise."""
     limit: int
     """`response_limit_bytes`."""
+    budget_wait_s: float = 0.0
+    """How long a large first event may wait for room in the memory budget (`admission_wait_s`)."""
 
 
 async def open_upstream(
@@ -368,7 +414,7 @@ async def _judge(
     if attempt.stream and status == 200 and encoded:  # compressed despite identity: relayed as is
         return Upstream(resp, await resp.content.readany(), True, clock(), opaque=True)
     if attempt.stream and status == 200:
-        first = await _read_first_event(resp, attempt.limit, charge)
+        first = await _read_first_event(resp, attempt, charge, clock)
         head, pieces = first.head, first.pieces
         ended = resp.content.at_eof()
         verdict, why = first_event(_start(pieces) if pieces else head, first.size)

@@ -84,3 +84,21 @@ def test_the_memory_budget_refuses_past_its_limit_and_a_charge_releases_once():
     a.release()
     b.release()
     assert budget.used == 0
+
+
+async def test_waiting_charges_get_the_budget_in_arrival_order_and_a_cancelled_one_takes_nothing():
+    budget = MemoryBudget(100)
+    holder, first, second, third = (Charge(budget) for _ in range(4))
+    assert holder.grow_to(90)
+    waits = [asyncio.ensure_future(c.grow_to_waiting(n)) for c, n in ((first, 50), (second, 40), (third, 10))]
+    await asyncio.sleep(0)
+    assert not any(w.done() for w in waits) and budget.used == 90  # the third fits, but waits its turn
+    waits[1].cancel()
+    holder.shrink_to(40)  # 60 free: the first (50) is handed its bytes, the third (10) too
+    await asyncio.sleep(0)
+    assert waits[0].done() and waits[2].done() and waits[1].cancelled()
+    assert (first.held, second.held, third.held) == (50, 0, 10) and budget.used == 100
+    assert budget.refusals == 0  # waiting is not refusing
+    for c in (holder, first, third):
+        c.release()
+    assert budget.used == 0

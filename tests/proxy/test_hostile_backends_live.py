@@ -457,6 +457,63 @@ async def test_h_huge_first_events_beyond_the_budget_get_502_not_memory(spawn_se
     assert await ejections(sp.url) == 0.0
 
 
+async def test_h_large_first_events_wait_their_turn_for_the_budget_instead_of_502(spawn_serve, raw_backend):
+    """Six streams whose first event is 5 MB, a 64 MiB budget: a first event past 1 MiB is charged
+    at once for the largest allowed (capped at half the budget, which one 5 MB event fits), so
+    they are read one after the other, each waiting its turn having read about 1 MiB (or less:
+    the first MiB waits too when the budget is full); each is relayed whole, none refused
+    (charged as they grew, most were refused with 502)."""
+    first = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"' + b"y" * (5 << 20) + b'"}}]}\n\n'
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD + first + DONE)
+
+    rb = await raw_backend(answer)
+    sp = await spawn_serve(
+        "--baseline", rb.url, "--policy", "fixed", "--policy-param", "pool=baseline",
+        "--memory-budget-bytes", str(BUDGET), "--health-check-interval-s", "3600", "--log-level", "ERROR",
+    )  # fmt: skip
+    results = await asyncio.gather(*(post_raw(sp.url, BODY) for _ in range(6)))
+    assert results == [(200, first + DONE)] * 6
+    assert await requests_total(sp.url, rb.url, "ok") == 6.0
+    assert len(posts(rb)) == 6
+    assert peak_rss(sp.proc.pid) <= BUDGET + 150 * 1024 * 1024
+    await assert_in_flight_zero(sp.url)
+
+
+async def test_h_a_large_first_event_gets_502_when_no_room_comes_within_the_wait(spawn_serve, raw_backend):
+    """Two streams whose backend sends 2 MiB of a 5 MB first event and then waits: the budget
+    holds one of them (half of 64 MiB), and with `--admission-wait-s 0` the other is refused at
+    once, 502 `answer_over_memory_budget` (nothing reached its client; not retried, no ejection).
+    Then the backend finishes the first, which is relayed whole."""
+    first = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"' + b"y" * (5 << 20) + b'"}}]}\n\n'
+    release = asyncio.Event()
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        w.write(OK_HEAD + first[: 2 << 20])
+        await w.drain()
+        await release.wait()
+        w.write(first[2 << 20 :] + DONE)
+
+    rb = await raw_backend(answer)
+    sp = await spawn_serve(
+        "--baseline", rb.url, "--policy", "fixed", "--policy-param", "pool=baseline",
+        "--memory-budget-bytes", str(BUDGET), "--admission-wait-s", "0",
+        "--health-check-interval-s", "3600", "--log-level", "ERROR",
+    )  # fmt: skip
+    pending = {asyncio.ensure_future(post_raw(sp.url, BODY)) for _ in range(2)}
+    done, pending = await asyncio.wait(pending, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+    release.set()  # the backend may finish now (both stuck: `done` is empty and the test fails)
+    (refused,) = [t.result() for t in done]
+    assert refused[0] == 502
+    assert_openai_error(json.loads(refused[1]), "answer_over_memory_budget")
+    (relayed,) = [await t for t in pending]
+    assert relayed == (200, first + DONE)
+    assert len(posts(rb)) == 2
+    assert await ejections(sp.url) == 0.0
+    await assert_in_flight_zero(sp.url)
+
+
 @pytest.mark.parametrize(("end", "member"), [(b"\n\n", b""), (b"\r\n\r\n", b""), (b"\n\n", b'"sglext":{},')])
 async def test_h_a_large_first_event_is_relayed_whole_and_the_usage_after_it_stripped(
     spawn_serve, raw_backend, end, member
