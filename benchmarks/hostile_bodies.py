@@ -121,11 +121,7 @@ def run_server(max_body_bytes: int) -> None:
         app.router.add_post("/v1/chat/completions", answer)
         app.router.add_get("/ready", ok)
         app.router.add_get("/health", ok)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        print(f"listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+        await spawn.listen(app)
         await asyncio.Event().wait()
 
     import uvloop
@@ -162,11 +158,7 @@ def run_relay(sink: str) -> None:
         app.router.add_get("/health", ok)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             app["session"] = session
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            print(f"listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+            await spawn.listen(app)
             await asyncio.Event().wait()
 
     import uvloop

@@ -137,11 +137,7 @@ def run_passthrough(upstream: str) -> None:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         app = web.Application()
         app.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        print(f"listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+        await spawn.listen(app)
         await asyncio.Event().wait()
 
     _uvloop_run(main())

@@ -34,6 +34,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from controller.cli import spawn
+
 DONE = b"data: [DONE]\n\n"
 QUEUE_FULL = (
     b'data: {"error": {"object": "error", "message": "The request queue is full.", '
@@ -187,16 +189,12 @@ def main() -> int:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("GET", "/{tail:.*}", rogue.get)
         app.router.add_route("POST", "/{tail:.*}", rogue.post)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
         rogue.session = aiohttp.ClientSession(
             auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None),
             headers={"Accept-Encoding": "identity"},
         )
-        print(f"listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+        runner = await spawn.listen(app, handler_cancellation=True)
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)

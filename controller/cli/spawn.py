@@ -11,6 +11,7 @@ This module is in the package (not in `tests/` or `benchmarks/`) because all thr
 package, while neither of the other two folders is importable from the other. There are two
 flavours of one rule: `start`/`read_listening` for asyncio callers (tests, the demo), and
 `start_sync`/`read_listening_sync` for plain-thread ones (most benchmarks, synchronous tests).
+The child's side, for a small aiohttp server a benchmark runs as a child: `listen`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ MARKER = "listening on "
 
 Stream = int | IO[Any] | None
 """A child's stderr: `subprocess.PIPE`, `DEVNULL`, an open file, or None (inherit)."""
+
+
+async def listen(app: Any, **runner_options: Any) -> Any:
+    """Serve the aiohttp `app` on 127.0.0.1 at a free port and print the listening line (what
+    `read_listening` waits for); returns its `web.AppRunner` (the caller keeps it running)."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None, **runner_options)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    print(f"{MARKER}http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+    return runner
 
 
 class StartError(RuntimeError):
