@@ -215,7 +215,9 @@ def activate() -> Status:
     return _status
 
 
-def _activate() -> Status:
+def _lookup() -> Status:
+    """The build for the sources on disk, not loaded: inactive, with its directory when there is
+    one (`status` and `_activate` both start here)."""
     if os.environ.get("SPECROUTE_NATIVE", "").strip().lower() in OFF_VALUES:
         return Status(False, "turned off (SPECROUTE_NATIVE=0)")
     try:
@@ -224,10 +226,19 @@ def _activate() -> Status:
         return Status(False, f"cannot read the sources or builds ({e})")
     if directory is None:
         return Status(False, "no build for these sources: `specroute native build` compiles one")
+    return Status(False, "built for these sources (`specroute simulate` loads it)", directory)
+
+
+def _activate() -> Status:
+    found = _lookup()
+    directory = found.directory
+    if directory is None:
+        return found
     loaded = [m for m in MODULES if m in sys.modules]
     if loaded:
         return Status(False, f"{', '.join(loaded)} already loaded as pure Python", directory)
     entries = [(importlib.import_module(p), str(directory.joinpath(*p.split(".")))) for p in PACKAGES]
+    before = set(sys.modules)
     sys.path.append(str(directory))  # the build's shared library, a top-level module
     for package, path in entries:
         package.__path__.insert(0, path)
@@ -240,8 +251,10 @@ def _activate() -> Status:
         for package, path in entries:
             package.__path__.remove(path)
         sys.path.remove(str(directory))
-        for m in MODULES:
-            sys.modules.pop(m, None)
+        # every module imported meanwhile goes, not only MODULES: a pure module that imported
+        # a compiled one (policies.base re-exports policies.values) would keep its classes
+        for name in set(sys.modules) - before:
+            del sys.modules[name]
         why = f"the build in {directory} does not load ({e}): `specroute native build --force`"
         return Status(False, why, directory)
     return Status(True, f"compiled build {directory.name}", directory)
@@ -256,11 +269,4 @@ def describe() -> str:
 
 def status() -> Status:
     """What `activate()` did in this process, or what it would find (without loading it)."""
-    if _status is not None:
-        return _status
-    if os.environ.get("SPECROUTE_NATIVE", "").strip().lower() in OFF_VALUES:
-        return Status(False, "turned off (SPECROUTE_NATIVE=0)")
-    directory = find()
-    if directory is None:
-        return Status(False, "no build for these sources: `specroute native build` compiles one")
-    return Status(False, "built for these sources (`specroute simulate` loads it)", directory)
+    return _status if _status is not None else _lookup()

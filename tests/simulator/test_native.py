@@ -132,6 +132,16 @@ async def test_a_broken_build_is_noted_and_the_pure_python_runs(builds: Path, tm
     assert "does not load" in err and "running the pure Python" in err
     rc, want, _ = await run_specroute(*args, env=_env(builds, SPECROUTE_NATIVE="0"))
     assert out == want
+    # nothing of the half-loaded build stays: the pure modules see the pure values
+    probe = (
+        "from simulator import native; s = native.activate(); "
+        "import policies.base, policies.values, policies.view; "
+        "print(s.active, policies.base.BackendLoad is policies.values.BackendLoad, "
+        "policies.values.__file__.endswith('.py'), policies.view.__file__.endswith('.py'))"
+    )
+    rc, out, err = await run_command(sys.executable, "-c", probe, env=_env(broken))
+    assert rc == 0, err
+    assert out.split() == ["False", "True", "True", "True"]
 
 
 async def test_no_compiler_is_a_clear_error(tmp_path: Path) -> None:
