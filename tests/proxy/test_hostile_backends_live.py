@@ -37,6 +37,11 @@ def chunk(text: str) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
+def big_event(size: int) -> bytes:
+    """One chat chunk event whose content is `size` bytes."""
+    return b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"' + b"y" * size + b'"}}]}\n\n'
+
+
 def posts(rb: RawBackend) -> list[RawRequest]:
     return [r for r in rb.requests if r.method == "POST"]
 
@@ -435,7 +440,7 @@ async def test_l2_a_gzip_bomb_is_refused_by_its_ratio(spawn_serve, fake_backend)
 
 
 async def test_h_huge_first_events_beyond_the_budget_get_502_not_memory(spawn_serve, raw_backend):
-    first = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"' + b"y" * (20 << 20) + b'"}}]}\n\n'
+    first = big_event(20 << 20)
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
         w.write(OK_HEAD + first + DONE)
@@ -463,7 +468,7 @@ async def test_h_large_first_events_wait_their_turn_for_the_budget_instead_of_50
     they are read one after the other, each waiting its turn having read about 1 MiB (or less:
     the first MiB waits too when the budget is full); each is relayed whole, none refused
     (charged as they grew, most were refused with 502)."""
-    first = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"' + b"y" * (5 << 20) + b'"}}]}\n\n'
+    first = big_event(5 << 20)
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
         w.write(OK_HEAD + first + DONE)
@@ -486,7 +491,7 @@ async def test_h_a_large_first_event_gets_502_when_no_room_comes_within_the_wait
     holds one of them (half of 64 MiB), and with `--admission-wait-s 0` the other is refused at
     once, 502 `answer_over_memory_budget` (nothing reached its client; not retried, no ejection).
     Then the backend finishes the first, which is relayed whole."""
-    first = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"' + b"y" * (5 << 20) + b'"}}]}\n\n'
+    first = big_event(5 << 20)
     release = asyncio.Event()
 
     async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
@@ -496,12 +501,9 @@ async def test_h_a_large_first_event_gets_502_when_no_room_comes_within_the_wait
         w.write(first[2 << 20 :] + DONE)
 
     rb = await raw_backend(answer)
-    sp = await spawn_serve(
-        "--baseline", rb.url, "--policy", "fixed", "--policy-param", "pool=baseline",
-        "--memory-budget-bytes", str(BUDGET), "--admission-wait-s", "0",
-        "--health-check-interval-s", "3600", "--log-level", "ERROR",
-    )  # fmt: skip
-    pending = {asyncio.ensure_future(post_raw(sp.url, BODY)) for _ in range(2)}
+    budget = ("--memory-budget-bytes", str(BUDGET), "--admission-wait-s", "0")
+    url = await serve(spawn_serve, rb.url, None, *budget)
+    pending = {asyncio.ensure_future(post_raw(url, BODY)) for _ in range(2)}
     done, pending = await asyncio.wait(pending, timeout=60, return_when=asyncio.FIRST_COMPLETED)
     release.set()  # the backend may finish now (both stuck: `done` is empty and the test fails)
     (refused,) = [t.result() for t in done]
@@ -510,8 +512,8 @@ async def test_h_a_large_first_event_gets_502_when_no_room_comes_within_the_wait
     (relayed,) = [await t for t in pending]
     assert relayed == (200, first + DONE)
     assert len(posts(rb)) == 2
-    assert await ejections(sp.url) == 0.0
-    await assert_in_flight_zero(sp.url)
+    assert await ejections(url) == 0.0
+    await assert_in_flight_zero(url)
 
 
 @pytest.mark.parametrize(("end", "member"), [(b"\n\n", b""), (b"\r\n\r\n", b""), (b"\n\n", b'"sglext":{},')])
