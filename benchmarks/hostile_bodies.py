@@ -37,6 +37,11 @@ ratio this tree / against, per round, is the figure to trust on a shared machine
 a second reference runs too, 'aiohttp relay': a plain aiohttp proxy in front of the same sink
 (forwards, relays chunk by chunk, no limits), so under H it carries the same 50 MB events; the
 issue's figure stays the ratio to the minimal server, which never carries them.
+
+The minimal server is probed all along, so each target's runs are also read beside it: the
+target's p99 in its own runs over the minimal server's p99 in the same windows, when it serves
+nothing but its probe ("idle beside it"): the same machine load, read off a server that carries
+none of it (under H the minimal server's own runs are a storm of tiny requests, a different load).
 """
 
 from __future__ import annotations
@@ -434,7 +439,28 @@ def report(
             f"{statistics.median(rounds):.2f}, range {min(rounds):.2f}-{max(rounds):.2f}"
         )
 
+    def beside(t: str, kind: str) -> str:
+        """p99 of `t` in its own runs of `kind` over the minimal server's p99 in the same windows
+        (probed all along, it does nothing then): the same load on the machine, read off a server
+        that carries none of it."""
+        spans = windows[(t, kind)]
+        mine = [pct([s[1] for s in samples[t] if a <= s[0] <= b] or [float("nan")], 0.99) for a, b in spans]
+        idle = [
+            pct([s[1] for s in samples["aiohttp minimal"] if a <= s[0] <= b] or [float("nan")], 0.99)
+            for a, b in spans
+        ]
+        near = [s[1] for s in samples["aiohttp minimal"] if any(a <= s[0] <= b for a, b in spans)]
+        rounds = [x / y for x, y in zip(mine, idle, strict=True)]
+        near_p99 = pct(near, 0.99)
+        return (
+            f"{p99s[(t, kind)] / near_p99:.2f} pooled (minimal's p99 beside it {near_p99:.1f} ms, "
+            f"n={len(near)}); per round (n={len(rounds)}) median {statistics.median(rounds):.2f}, "
+            f"range {min(rounds):.2f}-{max(rounds):.2f}"
+        )
+
     for kind in kinds:
+        for t in targets[1:]:
+            print(f"p99 {t} / aiohttp minimal idle beside it (same windows), {kind}: {beside(t, kind)}")
         pairs = [(t, "aiohttp minimal") for t in targets[1:]]
         pairs += [("specroute", "against")] if args.against else []
         pairs += [(t, "aiohttp relay") for t in targets[1:-1]] if args.relay else []
