@@ -58,16 +58,21 @@ _RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
 
 
 def _check_sampling(params: Mapping[str, Any], where: str) -> None:
+    """The sampling ranges, for the keys the body has (most name none of them: a missing or null
+    key costs one `dict.get`, on every request's path)."""
     for key, ok, wanted in _RANGES:
-        number = _number(params.get(key))
+        value = params.get(key)
+        if value is None:
+            continue
+        number = _number(value)
         if number is not None and not ok(number):
-            raise BadRequest(f"'{where}{key}' must be {wanted}, got {params[key]!r}", param=where + key)
-    top_k = _integer(params.get("top_k"))
+            raise BadRequest(f"'{where}{key}' must be {wanted}, got {value!r}", param=where + key)
+    value = params.get("top_k")
+    top_k = None if value is None else _integer(value)
     if top_k is not None and top_k != -1 and top_k < 1:
         raise BadRequest(f"'{where}top_k' must be -1 (all) or at least 1, got {top_k}", param=where + "top_k")
     n = params.get("n")
-    count = _integer(n)
-    if n is not None and (count is None or count < 1):
+    if n is not None and ((count := _integer(n)) is None or count < 1):
         raise BadRequest(f"'{where}n' must be an integer of at least 1, got {n!r}", param=where + "n")
 
 
