@@ -76,7 +76,7 @@ class MemoryBudget:
         self.limit = limit
         self.used = 0
         self.refusals = 0
-        """How often `take` refused (a metric reads it)."""
+        """How often work was refused (`specroute_memory_budget_refusals_total` reads it)."""
         self._given = 0
         self._pending: asyncio.TimerHandle | None = None
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
@@ -111,6 +111,11 @@ class MemoryBudget:
                     self._waiters.remove(entry)
                 self._wake()  # the next waiter may fit now
             raise
+
+    @property
+    def waiting(self) -> int:
+        """Reservations waiting for the budget now (large first events, `take_waiting`)."""
+        return sum(1 for _, waiter in self._waiters if not waiter.done())
 
     def _wake(self) -> None:
         """Hand the bytes given back to the waiters at the head of the queue that they cover."""

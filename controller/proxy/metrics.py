@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from controller.proxy.load import LoadTracker
+from controller.proxy.memory import MemoryBudget
 from policies.base import Outcome
 
 # Buckets that fit LLM serving: TTFT 10 ms..60 s, whole requests up to 10 min, decode rates
@@ -93,6 +94,36 @@ class _TrackerCollector(Collector):
             if b.accept_length is not None:
                 accept.add_metric(key, b.accept_length)
         yield from (in_flight, healthy, running, queued, accept, age, ejected, bound)
+
+
+class BudgetCollector(Collector):
+    """The memory budget (`controller.proxy.memory`) as it stands at scrape time: its limit, what
+    requests hold of it, and how often it refused work (a request body answered 503, a backend's
+    answer 502, a large first event that waited in vain)."""
+
+    def __init__(self, budget: MemoryBudget) -> None:
+        self._budget = budget
+
+    def collect(self) -> Iterator[Metric]:
+        b = self._budget
+        yield GaugeMetricFamily(
+            "specroute_memory_budget_bytes", "The memory budget (memory_budget_bytes).", value=b.limit
+        )
+        yield GaugeMetricFamily(
+            "specroute_memory_budget_used_bytes",
+            "Bytes of the memory budget requests hold now (bodies, first events, held-back bytes, answers).",
+            value=b.used,
+        )
+        yield GaugeMetricFamily(
+            "specroute_memory_budget_waiting",
+            "Large first events waiting for room in the memory budget now (they read nothing meanwhile).",
+            value=b.waiting,
+        )
+        yield CounterMetricFamily(
+            "specroute_memory_budget_refusals",
+            "Work refused because the memory budget could not hold it (503 bodies, 502 answers).",
+            value=b.refusals,
+        )
 
 
 class Metrics:

@@ -513,7 +513,49 @@ async def test_h_a_large_first_event_gets_502_when_no_room_comes_within_the_wait
     assert relayed == (200, first + DONE)
     assert len(posts(rb)) == 2
     assert await ejections(url) == 0.0
+    assert (await metric_samples(url, "specroute_memory_budget_refusals_total"))[()] == 1.0
     await assert_in_flight_zero(url)
+
+
+async def test_h_large_first_events_leave_room_for_ordinary_answers(spawn_serve, raw_backend):
+    """Row H's backend also serves ordinary streams. Two of its 5 MB first events arrive half
+    way and stall, each charged for the largest allowed (half of a 64 MiB budget): the first holds
+    its half, the second waits (`specroute_memory_budget_waiting`); meanwhile ordinary streams
+    get 200, byte for byte, not 502. Then the large ones are relayed whole, in turn, and the
+    budget is empty again, having refused nothing."""
+    first = big_event(5 << 20)
+    small = chunk("fine") + DONE
+    release = asyncio.Event()
+
+    async def answer(req: RawRequest, w: asyncio.StreamWriter) -> None:
+        if b"large" not in req.body:
+            w.write(OK_HEAD + small)
+            return
+        w.write(OK_HEAD + first[: 2 << 20])
+        await w.drain()
+        await release.wait()
+        w.write(first[2 << 20 :] + DONE)
+
+    rb = await raw_backend(answer)
+    url = await serve(spawn_serve, rb.url, None, "--memory-budget-bytes", str(BUDGET))
+    large = {**BODY, "messages": [{"role": "user", "content": "large"}]}
+    stalled = [asyncio.ensure_future(post_raw(url, large)) for _ in range(2)]
+
+    async def one_holds_one_waits() -> bool:
+        used = (await metric_samples(url, "specroute_memory_budget_used_bytes"))[()]
+        waiting = (await metric_samples(url, "specroute_memory_budget_waiting"))[()]
+        return used >= BUDGET // 2 and waiting == 1
+
+    assert await wait_until(one_holds_one_waits, 30.0)
+    ordinary = await asyncio.gather(*(post_raw(url, BODY) for _ in range(4)))
+    assert ordinary == [(200, small)] * 4
+    assert not any(t.done() for t in stalled)
+    release.set()
+    assert [await t for t in stalled] == [(200, first + DONE)] * 2
+    assert (await metric_samples(url, "specroute_memory_budget_refusals_total"))[()] == 0.0
+    assert await requests_total(url, rb.url, "ok") == 6.0
+    await assert_in_flight_zero(url)
+    assert (await metric_samples(url, "specroute_memory_budget_used_bytes"))[()] == 0.0
 
 
 @pytest.mark.parametrize(("end", "member"), [(b"\n\n", b""), (b"\r\n\r\n", b""), (b"\n\n", b'"sglext":{},')])
