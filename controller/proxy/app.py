@@ -413,6 +413,9 @@ def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.
         # has not delivered complete headers by then: the slowloris / idle-connection guard.
         keepalive_timeout=app[SETTINGS].header_timeout_s,
         logger=http_log,  # malformed client HTTP is logged without the client's bytes
+        # request bodies are decoded by `limits.read_body`, in bounded steps: aiohttp inflated
+        # them as they arrived, and the rest of a refused one again while it lingered
+        auto_decompress=False,
     )
 
 

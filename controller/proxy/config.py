@@ -241,6 +241,13 @@ class Settings(BaseModel):
         "held against its Content-Length, or without one (chunked) against the bytes received so far "
         "as it inflates, so a small gzip bomb is refused early.",
     )
+    body_read_concurrency: int = Field(
+        default=4,
+        gt=0,
+        description="Request bodies read at once among the costly ones (declared over 1 MiB, compressed, "
+        "or chunked); the others wait for a turn, reading nothing, up to admission_wait_s, then get 503 "
+        "with Retry-After. Bounds how long /health and small requests wait behind hostile bodies.",
+    )
     client_write_timeout_s: float = Field(
         default=30.0,
         gt=0,

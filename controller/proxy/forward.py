@@ -39,7 +39,7 @@ from controller.proxy.errors import BadRequest, NoBackendAvailable, SpecrouteErr
 from controller.proxy.headers import HINT_HEADER, MODE_HEADER, client_headers, upstream_headers
 from controller.proxy.identity import BackendIdentity
 from controller.proxy.lifecycle import RequestLifecycle
-from controller.proxy.limits import JsonBudget, read_body
+from controller.proxy.limits import BodyGate, JsonBudget, read_body
 from controller.proxy.load import BackendState, LoadTracker
 from controller.proxy.memory import Charge, MemoryBudget
 from controller.proxy.metrics import Metrics
@@ -171,6 +171,7 @@ class Forwarder:
             max_waiting=settings.admission_max_waiting, clock=clock, backoff_s=settings.overload_backoff_s,
         )  # fmt: skip
         self.budget = budget or MemoryBudget(settings.memory_budget_bytes)
+        self.body_gate = BodyGate(settings.body_read_concurrency, settings.admission_wait_s, clock)
         self.identity = BackendIdentity.from_settings(settings)
         """What clients may learn of the backends: every client-bound message passes it."""
         self.active: set[asyncio.Task[Any]] = set()
@@ -273,13 +274,21 @@ class Forwarder:
 
     async def read_body(self, request: web.Request, charge: Charge | None = None) -> bytes:
         """The request body within `body_limit_bytes`, the JSON budget, the compression ratio,
-        the memory budget (`charge`) and `body_timeout_s`."""
+        the memory budget (`charge`) and `body_timeout_s`; a costly one in its turn at the
+        `BodyGate` (`body_read_concurrency`)."""
         s = self.settings
         budget = JsonBudget(s.body_max_json_values, s.body_max_json_containers)
-        return await read_body(
-            request, limit=s.body_limit_bytes, budget=budget, timeout_s=s.body_timeout_s,
-            charge=charge, max_ratio=s.body_max_compression_ratio, clock=self.clock,
-        )  # fmt: skip
+        gated = BodyGate.gated(request)
+        if gated:
+            await self.body_gate.acquire()
+        try:
+            return await read_body(
+                request, limit=s.body_limit_bytes, budget=budget, timeout_s=s.body_timeout_s,
+                charge=charge, max_ratio=s.body_max_compression_ratio, clock=self.clock,
+            )  # fmt: skip
+        finally:
+            if gated:
+                self.body_gate.release()
 
     async def handle(self, request: web.Request, endpoint: EndpointKind, path: str) -> web.StreamResponse:
         task = asyncio.current_task()

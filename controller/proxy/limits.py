@@ -23,7 +23,8 @@ import json.decoder
 import json.scanner
 import re
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -97,6 +98,73 @@ class JsonBudget:
             raise PayloadTooLarge(f"request body has more than {self.max_values} JSON values")
 
 
+class _Inflater:
+    """A request body's Content-Encoding undone in steps of at most `SLICE` decoded bytes, so the
+    caller checks its limits between steps and a bomb is never inflated past them. gzip (members
+    back to back too) and deflate (zlib-wrapped, or raw as some clients send it); the server
+    runs with aiohttp's own decompression off (`app.make_runner`): it inflated as bytes arrived,
+    and again for the rest of a refused body while it lingered to read it out, so every refused
+    gzip bomb was inflated whole on the event loop (row L2: /health waited ~2.7 s)."""
+
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding
+        self._d: Any = None
+        self._members = 0
+
+    def _new(self, first: bytes) -> Any:
+        if self.encoding == "deflate":
+            zlib_wrapped = bool(first[:1]) and first[0] & 0xF == 8
+            return zlib.decompressobj(zlib.MAX_WBITS if zlib_wrapped else -zlib.MAX_WBITS)
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+
+    def steps(self, raw: bytes) -> Iterator[bytes]:
+        """The decoded bytes of `raw` (what follows what came before), `SLICE` at most at a time."""
+        data = raw
+        while True:
+            if self._d is None or (self._d.eof and data):
+                if self._d is not None and self.encoding == "deflate":  # one stream, nothing after it
+                    raise BadRequest("request body could not be read: data after the deflate stream's end")
+                self._members += 1
+                if self._members > MAX_MEMBERS:
+                    raise BadRequest(f"request body could not be read: more than {MAX_MEMBERS} gzip members")
+                self._d = self._new(data)
+            try:
+                out = self._d.decompress(data, SLICE)
+            except zlib.error as e:
+                raise BadRequest(f"request body could not be read: not valid {self.encoding} ({e})") from None
+            full = len(out) == SLICE  # more may be pending inside zlib even with no input left
+            data = self._d.unused_data if self._d.eof else self._d.unconsumed_tail
+            if out:
+                yield out
+            if not data and (not full or self._d.eof):
+                return
+
+    def finish(self) -> None:
+        """BadRequest when the body ended inside a compressed stream."""
+        if self._d is not None and not self._d.eof:
+            raise BadRequest(f"request body could not be read: truncated {self.encoding} data")
+
+
+MAX_MEMBERS = 64
+"""Most gzip members one body may be made of (each costs a decompressor: a body of many tiny
+members would be a loop of them with nothing decoded to yield on)."""
+BUDGET_FULL = "specroute is holding as much request data as its memory budget allows"
+
+ENCODINGS = {"gzip": "gzip", "x-gzip": "gzip", "deflate": "deflate"}
+"""Request Content-Encodings specroute undoes (`identity` is none)."""
+
+
+def _inflater(request: web.Request) -> _Inflater | None:
+    name = request.headers.get("Content-Encoding", "").strip().lower()
+    if name in ("", "identity"):
+        return None
+    if name not in ENCODINGS:
+        raise BadRequest(
+            f"unsupported Content-Encoding {name[:40]!r} (gzip and deflate are)", param="Content-Encoding"
+        )
+    return _Inflater(ENCODINGS[name])
+
+
 async def read_body(
     request: web.Request,
     *,
@@ -112,42 +180,49 @@ async def read_body(
     `charge` cannot take it from the memory budget (`BODY_COPIES` bytes per byte read), with 408
     when not complete within `timeout_s` (on `clock`).
 
-    A compressed body's ratio is held against its declared `Content-Length` when it has one;
-    without one (chunked), against the compressed bytes received so far, as it inflates: past
-    the first `SLICE` decoded bytes, decoded > `max_ratio` x received is a 413. (aiohttp inflates
-    a bounded piece per read, so what is held before the check is bounded too.)"""
+    A compressed body (`_Inflater`) is decoded here, `SLICE` bytes per step with the checks
+    between steps and a turn of the event loop every `YIELD_EVERY` bytes. Its ratio is held
+    against its declared `Content-Length` when it has one; without one (chunked), against the
+    compressed bytes received so far, as it inflates: past the first `SLICE` decoded bytes,
+    decoded > `max_ratio` x received is a 413."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"request body too large: {declared} bytes declared, the limit is {limit}")
-    encoded = bool(request.headers.get("Content-Encoding"))
-    if declared is not None and max_ratio is not None and encoded:
+    inflater = _inflater(request)
+    if declared is not None and max_ratio is not None and inflater is not None:
         limit = min(limit, max(SLICE, int(declared * max_ratio)))  # a compressed body's inflation
-    if declared is not None and charge is not None and not encoded:
+    if declared is not None and charge is not None and inflater is None:
         if not charge.grow_to(BODY_COPIES * declared):  # refused before a byte of it is read
-            raise MemoryBusy("specroute is holding as much request data as its memory budget allows")
-    ratio = max_ratio if declared is None and encoded else None
+            raise MemoryBusy(BUDGET_FULL)
+    ratio = max_ratio if declared is None and inflater is not None else None
     # A BytesIO, not a bytearray: its getvalue() hands over the buffer it grew (no copy while
     # nothing else views it), where bytes(bytearray) copied a 30 MB body once more at its end.
     buf = io.BytesIO()
-    size = 0
+    size = received = 0
     content = request.content
     try:
         async with ClockTimeout(None if content.is_eof() else timeout_s, clock):
-            while chunk := await content.readany():
-                buf.write(chunk)
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"request body too large: more than {limit} bytes")
-                if ratio is not None and size > SLICE and size > ratio * content.total_raw_bytes:
-                    raise PayloadTooLarge(
-                        f"compressed request body inflates more than {ratio:g} times "
-                        f"({size} bytes from {content.total_raw_bytes})"
-                    )
-                if charge is not None and not charge.grow_to(BODY_COPIES * size):
-                    raise MemoryBusy("specroute is holding as much request data as its memory budget allows")
-                if size - budget.scanned >= budget.slice_bytes:
-                    with buf.getbuffer() as view:  # released before the next write (BytesIO's rule)
-                        budget.feed(view, final=False)
+            while raw := await content.readany():
+                received += len(raw)
+                for chunk in (raw,) if inflater is None else inflater.steps(raw):
+                    buf.write(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLarge(f"request body too large: more than {limit} bytes")
+                    if ratio is not None and size > SLICE and size > ratio * received:
+                        raise PayloadTooLarge(
+                            f"compressed request body inflates more than {ratio:g} times "
+                            f"({size} bytes from {received})"
+                        )
+                    if charge is not None and not charge.grow_to(BODY_COPIES * size):
+                        raise MemoryBusy(BUDGET_FULL)
+                    if size - budget.scanned >= budget.slice_bytes:
+                        with buf.getbuffer() as view:  # released before the next write (BytesIO's rule)
+                            budget.feed(view, final=False)
+                    if inflater is not None and size % YIELD_EVERY < len(chunk):
+                        await asyncio.sleep(0)  # a compressed read inflates to many slices
+        if inflater is not None:
+            inflater.finish()
         with buf.getbuffer() as view:
             budget.feed(view, final=True)
         return buf.getvalue()
@@ -155,6 +230,10 @@ async def read_body(
         raise RequestTimeout(f"request body not received within {timeout_s:g} s") from None
     finally:
         buf.close()  # on an error too: the exception's traceback keeps this frame until the cyclic GC
+
+
+YIELD_EVERY = SLICE
+"""Decoded bytes of a compressed body after which its reader gives the event loop a turn."""
 
 
 LARGE_JSON = 1 << 20
@@ -240,6 +319,64 @@ def load_json(raw: bytes) -> Any:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise BadRequest("request body is nested too deeply") from None
+
+
+class BodiesBusy(SpecrouteError):
+    """Every turn for a large or compressed request body was taken for `admission_wait_s`."""
+
+    status = 503
+    type = "server_error"
+    code = "bodies_busy"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Retry-After": "1"})
+
+
+GATED_FROM = 1 << 20
+"""Request bodies declared larger than this (and every compressed or chunked one) wait for a
+turn at the `BodyGate`."""
+
+
+class BodyGate:
+    """How many costly request bodies are read at once: those declared over `GATED_FROM` bytes,
+    compressed ones (inflating and scanning them is the work, not their bytes on the wire) and
+    chunked ones (no declared size). The rest wait, first come first served, reading nothing
+    (aiohttp's flow control holds their senders), for up to `wait_s`, then 503 with Retry-After.
+
+    Why: the event loop serves every connection in turn, so /health waits behind one piece of
+    work per body being read. Under row L2 (`benchmarks/hostile_bodies.py`: 50 clients posting
+    gzip bombs, each inflated to 100x its size and scanned before its 413) 50 bodies in
+    flight made every /health answer wait ~2.7 s; with a few at once it waits behind a few
+    pieces. Ordinary bodies (under 1 MiB, plain, with a Content-Length) never wait here."""
+
+    def __init__(self, slots: int, wait_s: float, clock: Clock = time.monotonic) -> None:
+        self.slots = slots
+        self.wait_s = wait_s
+        self.clock = clock
+        self._sem = asyncio.Semaphore(slots)
+
+    @staticmethod
+    def gated(request: web.Request) -> bool:
+        declared = request.content_length
+        return declared is None or declared > GATED_FROM or bool(request.headers.get("Content-Encoding"))
+
+    async def acquire(self) -> None:
+        """A turn, or BodiesBusy after `wait_s` without one."""
+        try:
+            async with ClockTimeout(self.wait_s, self.clock):
+                await self._sem.acquire()
+        except TimeoutError:
+            raise BodiesBusy(
+                f"specroute is reading {self.slots} large or compressed request bodies already; retry shortly"
+            ) from None
+
+    def release(self) -> None:
+        self._sem.release()
+
+    @property
+    def full(self) -> bool:
+        """Whether every turn is taken now."""
+        return self._sem.locked()
 
 
 class MemoryBusy(SpecrouteError):

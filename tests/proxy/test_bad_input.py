@@ -7,13 +7,17 @@ the broken HTTP; the official openai client is the well-behaved neighbour."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import json
+import random
 import resource
 import signal
 import socket
+import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -304,6 +308,97 @@ async def test_content_encoding_is_decoded_once_or_rejected(fake_backend, proxy,
     assert "Traceback" not in caplog.text
     await _normal_request(p.base_url)
     assert p.in_flight_samples() == [0.0]
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    c = zlib.compressobj(6, zlib.DEFLATED, -zlib.MAX_WBITS)
+    return c.compress(data) + c.flush()
+
+
+async def test_every_encoding_a_client_sends_is_decoded_in_steps_or_refused_clearly(fake_backend, proxy):
+    """specroute decodes request bodies itself (aiohttp's decoding is off): gzip (also as
+    `x-gzip`, and as several members back to back), zlib-wrapped and raw deflate reach the
+    backend as the JSON they hold; a truncated or corrupt body, data after a deflate stream, too
+    many gzip members and an encoding specroute does not decode are a 400 naming the problem, the
+    backend never asked. A large gzip body arrives whole (decoded over many steps)."""
+    fb = await fake_backend(chunks=2)
+    p = await proxy(baseline=[fb.url], policy="fixed", health_checks=False)
+    payload = json.dumps({**BODY, "stream": False}).encode()
+    half = len(payload) // 2
+    good = {
+        "gzip": gzip.compress(payload),
+        "x-gzip": gzip.compress(payload),
+        "GZip ": gzip.compress(payload[:half]) + gzip.compress(payload[half:]),
+        "deflate": zlib.compress(payload),
+        "identity": payload,
+    }
+    text = base64.b64encode(random.Random(7).randbytes(3 << 20)).decode()  # inflates ~1.3x, not 100x
+    long = {**BODY, "stream": False, "messages": [{"role": "user", "content": text}]}
+    bad = {
+        ("gzip", gzip.compress(payload)[:-12]): "truncated gzip",
+        ("gzip", b"\x1f\x8b" + bytes(30)): "not valid gzip",
+        ("deflate", zlib.compress(payload) + b"more"): "after the deflate",
+        ("gzip", b"".join(gzip.compress(b" ") for _ in range(80)) + gzip.compress(payload)): "gzip members",
+        ("br", payload): "unsupported Content-Encoding 'br'",
+    }
+    async with aiohttp.ClientSession() as s:
+
+        async def post(encoding: str, data: bytes) -> tuple[int, Any]:
+            headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+            async with s.post(p.url + "/v1/chat/completions", data=data, headers=headers) as r:
+                return r.status, await r.json()
+
+        for encoding, data in [*good.items(), ("deflate", _raw_deflate(payload))]:
+            status, answer = await post(encoding, data)
+            assert status == 200, (encoding, answer)
+            assert fb.requests[-1]["messages"] == CHAT
+        assert (await post("gzip", gzip.compress(json.dumps(long).encode(), 9)))[0] == 200
+        assert fb.requests[-1]["messages"] == long["messages"]
+        served = len(fb.requests)
+        for (encoding, data), needle in bad.items():
+            status, answer = await post(encoding, data)
+            assert status == 400, (encoding, needle, answer)
+            assert needle in answer["error"]["message"], answer
+    assert len(fb.requests) == served
+    await _normal_request(p.base_url)
+    assert p.in_flight_samples() == [0.0]
+
+
+async def test_costly_bodies_are_read_a_few_at_a_time_and_small_ones_never_wait(fake_backend, proxy):
+    """`body_read_concurrency`: a chunked body (no declared size) being sent slowly holds the
+    one turn; another chunked body gets 503 `bodies_busy` with Retry-After once
+    `admission_wait_s` is over; a small body with a Content-Length is served meanwhile; when the
+    slow one is complete it is served too."""
+    fb = await fake_backend(chunks=2)
+    p = await proxy(
+        baseline=[fb.url], policy="fixed", health_checks=False, body_read_concurrency=1, admission_wait_s=0.2
+    )
+    payload = json.dumps({**BODY, "stream": False}).encode()
+    go = asyncio.Event()
+
+    async def slowly() -> Any:
+        yield payload[:10]
+        await go.wait()
+        yield payload[10:]
+
+    async def chunked(s: aiohttp.ClientSession, data: Any) -> tuple[int, Any, str | None]:
+        headers = {"Content-Type": "application/json"}
+        async with s.post(p.url + "/v1/chat/completions", data=data, headers=headers) as r:
+            return r.status, await r.json(), r.headers.get("Retry-After")
+
+    async def once(data: bytes) -> Any:
+        yield data
+
+    async with aiohttp.ClientSession() as s:
+        slow = asyncio.ensure_future(chunked(s, slowly()))
+        assert await wait_until(lambda: p.forwarder.body_gate.full, 10.0)
+        status, answer, retry = await chunked(s, once(payload))
+        assert (status, answer["error"]["code"], retry) == (503, "bodies_busy", "1")
+        async with s.post(p.url + "/v1/chat/completions", json={**BODY, "stream": False}) as r:
+            assert r.status == 200  # a Content-Length under 1 MiB: no turn needed
+        go.set()
+        assert (await slow)[0] == 200
+    assert len(fb.requests) == 2
 
 
 async def test_client_that_stops_reading_releases_its_slot(fake_backend, proxy):
