@@ -238,6 +238,7 @@ async def _serve(
             settle_s=settings.reload_settle_s,
             redactor=redactor,
             hooks=[lambda: reopen_decision_log(app)],
+            sleep=asyncio.sleep if clock is None else clock.sleep,  # a driven clock moves the settle too
         )
         loop.add_signal_handler(signal.SIGHUP, reloader.request)
         if early_reload.pending:
