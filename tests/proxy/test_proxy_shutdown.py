@@ -279,7 +279,7 @@ async def test_sighup_during_start_up_is_remembered_not_fatal(fake_backend, tmp_
     os.mkfifo(fifo)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--config", str(fifo),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        "--shutdown-grace-s", "0", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
         # opening the FIFO for writing succeeds once serve has it open for reading

@@ -82,7 +82,7 @@ async def test_a_file_written_in_two_parts_around_a_sighup_is_applied_only_whole
     cfg = tmp_path / "specroute.yaml"
     head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 10\npolicy: fixed\n"
     cfg.write_text(head + "policy_params: {pool: baseline}\n")
-    sp = await spawn_serve("--config", str(cfg), "--shutdown-grace-s", "0", env=DRIVEN)
+    sp = await spawn_serve("--config", str(cfg), env=DRIVEN)
     stderr = StderrLines(sp)
     assert await _pool(sp.url) == "baseline"
     # Part one alone is a complete, valid file (fixed, its default pool: baseline, with seed 7);
@@ -116,7 +116,7 @@ async def test_a_file_that_keeps_changing_or_does_not_validate_is_not_applied(
     cfg = tmp_path / "specroute.yaml"
     head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 10\npolicy: fixed\n"
     cfg.write_text(head + "policy_params: {pool: eagle}\n")
-    sp = await spawn_serve("--config", str(cfg), "--shutdown-grace-s", "0", env=DRIVEN)
+    sp = await spawn_serve("--config", str(cfg), env=DRIVEN)
     stderr = StderrLines(sp)
     assert await _pool(sp.url) == "eagle"
 
