@@ -7,10 +7,12 @@ have to wait its timeouts out. With the variable set, `serve` runs on `time.mono
 offset and answers `POST /_test/clock` with a JSON body `{"advance_s": N}` by moving the offset
 on N seconds, so the test moves a deadline past instead of sleeping. `DrivenClock.sleep` is a
 sleep on this clock (it ends at the advance that moves the clock past its deadline, or when real
-time gets there): `serve` gives it to the config reloader, so the settle intervals of a SIGHUP
-reload (`reload_settle_s`) move too. What is not on the clock is not moved: the waits of the
-shutdown (`shutdown_grace_s`, `drain_timeout_s`), aiohttp's own header timeout, and the scrape
-interval.
+time gets there): `serve` gives it to the config reloader and to the shutdown's grace period,
+so the settle intervals of a SIGHUP reload (`reload_settle_s`) and `shutdown_grace_s` move too
+(the listener still takes this route during the grace). What is not on the clock is not moved:
+the drain (`drain_timeout_s`: the listener is closed by then and every connection closes after
+its answer, so no request could reach this route to move it), aiohttp's own header timeout, and
+the scrape interval.
 
 Never set it outside tests: whoever reaches the port could then expire every timeout and every
 ejection at will. `serve` refuses it unless it listens on a loopback address, and warns at start-up.
