@@ -10,7 +10,8 @@
   which a test module may override.
 - `spawn_serve(*args, env=..., stderr=..., preexec_fn=...)` runs `specroute serve --port 0 ...` as
   a subprocess and returns a `ServeProcess` (its URL read from the "specroute listening on" line);
-  with `SPECROUTE_TEST_CLOCK=1` in `env`, `ServeProcess.advance_clock(s)` moves its clock on.
+  with `SPECROUTE_TEST_CLOCK=1` in `env`, `ServeProcess.advance_clock(s)` moves its clock on. Its
+  `shutdown_grace_s` is 0 unless the test sets it (see `start_serve`).
 """
 
 from __future__ import annotations
@@ -217,6 +218,9 @@ class ServeProcess:
             assert r.status == 200, await r.text()
 
 
+SHUTDOWN_GRACE_ENV = "SPECROUTE_SHUTDOWN_GRACE_S"
+
+
 async def start_serve(
     *args: str,
     env: dict[str, str] | None = None,
@@ -225,10 +229,15 @@ async def start_serve(
     preexec_fn: Callable[[], Any] | None = None,
 ) -> ServeProcess:
     """Run `specroute serve --port 0 ARGS` and wait for its listening line. `stderr` is piped
-    unless DEVNULL is passed (a test that does not read it and makes serve log a lot)."""
+    unless DEVNULL is passed (a test that does not read it and makes serve log a lot).
+
+    `shutdown_grace_s` is 0 unless the test sets it (`--shutdown-grace-s`, or in `env`): the
+    shipped 5 s would make every SIGTERM of a test wait 5 s with `/ready` at 503 before the
+    drain, which only the shutdown tests look at (they set it themselves)."""
+    environ = {SHUTDOWN_GRACE_ENV: "0", **os.environ, **(env or {})}
     proc, line = await start_module(
         "controller.cli", "serve", "--port", "0", *args, marker="specroute listening on ",
-        stderr=stderr, env={**os.environ, **(env or {})}, preexec_fn=preexec_fn, timeout_s=timeout_s,
+        stderr=stderr, env=environ, preexec_fn=preexec_fn, timeout_s=timeout_s,
     )  # fmt: skip
     return ServeProcess(proc, spawn.url_of(line))
 

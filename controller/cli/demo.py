@@ -182,7 +182,10 @@ async def _start_servers(kids: Children, args: argparse.Namespace) -> dict[str, 
         kids.start("baseline emulator 2", ["emulate", "--mode", "baseline", *common], "listening"),
         kids.start("eagle emulator", ["emulate", "--mode", "eagle", *common], "listening"),
     )
+    # Quick probes and scrapes; and no shutdown grace: no balancer polls the demo's /ready, so
+    # the 5 s of `shutdown_grace_s` would only hold the demo's exit up.
     fast = ["--port", "0", "--health-check-interval-s", "0.5", "--scrape-interval-s", "0.5"]
+    fast += ["--shutdown-grace-s", "0"]
     specroute = ["serve", "--baseline", base, "--eagle", eagle, "--policy", args.policy]
     two_plain = [
         "serve",

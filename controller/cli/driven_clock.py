@@ -5,9 +5,14 @@ back-offs, ejections, health probes) reads the one clock `create_app` is given. 
 pass a shifted clock; a `serve` subprocess has no such seam, so a test of the real process would
 have to wait its timeouts out. With the variable set, `serve` runs on `time.monotonic()` plus an
 offset and answers `POST /_test/clock` with a JSON body `{"advance_s": N}` by moving the offset
-on N seconds, so the test moves a deadline past instead of sleeping. What is not on the clock is
-not moved: the waits of the shutdown (`shutdown_grace_s`, `drain_timeout_s`), aiohttp's own
-header timeout, and the scrape interval.
+on N seconds, so the test moves a deadline past instead of sleeping. `DrivenClock.sleep` is a
+sleep on this clock (it ends at the advance that moves the clock past its deadline, or when real
+time gets there): `serve` gives it to the config reloader and to the shutdown's grace period,
+so the settle intervals of a SIGHUP reload (`reload_settle_s`) and `shutdown_grace_s` move too
+(the listener still takes this route during the grace). What is not on the clock is not moved:
+the drain (`drain_timeout_s`: the listener is closed by then and every connection closes after
+its answer, so no request could reach this route to move it), aiohttp's own header timeout, and
+the scrape interval.
 
 Never set it outside tests: whoever reaches the port could then expire every timeout and every
 ejection at will. `serve` refuses it unless it listens on a loopback address, and warns at start-up.
@@ -15,6 +20,8 @@ ejection at will. `serve` refuses it unless it listens on a loopback address, an
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import json
 import math
@@ -49,9 +56,21 @@ class DrivenClock:
 
     def __init__(self) -> None:
         self.offset = 0.0
+        self._moved = asyncio.Event()
+        """Set (and replaced by a fresh one) by each advance: wakes the sleepers."""
 
     def __call__(self) -> float:
         return time.monotonic() + self.offset
+
+    async def sleep(self, seconds: float) -> None:
+        """`asyncio.sleep(seconds)` on this clock: returns once the clock has passed `seconds`
+        from the call, by real time going by or by an advance, whichever comes first. It waits
+        on the loop's timer for the real time left and on an event each advance sets (and
+        replaces), then reads the clock again."""
+        deadline = self() + seconds
+        while (left := deadline - self()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._moved.wait(), left)
 
     async def handle(self, request: web.Request) -> web.Response:
         """`POST /_test/clock {"advance_s": N}`: move on N >= 0 seconds; answers the offset."""
@@ -62,4 +81,6 @@ class DrivenClock:
         if not math.isfinite(advance) or advance < 0:
             return web.json_response({"error": "advance_s must be finite and >= 0"}, status=400)
         self.offset += advance
+        moved, self._moved = self._moved, asyncio.Event()
+        moved.set()
         return web.json_response({"offset_s": self.offset})

@@ -91,8 +91,12 @@ async def read_stable(
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> bytes:
     """The file's bytes once two reads `settle_s` apart agree (FileUnstable after `attempts`
-    reads that did not; OSError when it cannot be read)."""
+    reads that did not; OSError when it cannot be read). The first read and each read that
+    found the file changed are logged at INFO (a test on a driven clock waits for those lines
+    before it moves the clock on); `sleep` is `asyncio.sleep` unless the caller's clock is
+    another (`serve` on `controller.cli.driven_clock`)."""
     last = await asyncio.to_thread(snapshot, path)
+    log.info("SIGHUP: config file %s read; reading it again in %g s to see it settled", path, settle_s)
     for _ in range(attempts):
         await sleep(settle_s)
         now = await asyncio.to_thread(snapshot, path)

@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -189,6 +190,8 @@ async def _serve(
     from controller.proxy.app import ADMIN, METRICS, create_app, drain, make_runner, reopen_decision_log
 
     clock = _driven_clock(settings)
+    # The reload's settle intervals and the shutdown's grace sleep on the app's clock too.
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep if clock is None else clock.sleep
     if clock is None:
         app = create_app(settings, policy, registry=registry, context=context)
     else:
@@ -238,6 +241,7 @@ async def _serve(
             settle_s=settings.reload_settle_s,
             redactor=redactor,
             hooks=[lambda: reopen_decision_log(app)],
+            sleep=sleep,
         )
         loop.add_signal_handler(signal.SIGHUP, reloader.request)
         if early_reload.pending:
@@ -245,7 +249,7 @@ async def _serve(
             reloader.request()
         await stop.wait()
         reloader.cancel()
-        await _grace_period(app, stop, settings.shutdown_grace_s)
+        await _grace_period(app, stop, settings.shutdown_grace_s, sleep)
         log.warning(
             "shutting down: listener closed; draining %d in-flight request(s) for up to %g s",
             app[ADMIN].fwd.tracker.total_in_flight,
@@ -273,9 +277,14 @@ def _driven_clock(settings: Settings) -> DrivenClock | None:
     return driven_clock.DrivenClock()
 
 
-async def _grace_period(app: Any, stop: asyncio.Event, grace_s: float) -> None:
+async def _grace_period(
+    app: Any, stop: asyncio.Event, grace_s: float, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+) -> None:
     """`/ready` answers 503 from now on while requests are still served for `grace_s` (see
-    `controller.proxy.shutdown`); a second SIGTERM/SIGINT ends the wait early."""
+    `controller.proxy.shutdown`); a second SIGTERM/SIGINT ends the wait early. The wait is
+    `sleep(grace_s)` raced against the second signal: `asyncio.sleep`, or on a driven clock
+    (`controller.cli.driven_clock`) its own sleep, so a test moves the grace past (the listener
+    is still open then) instead of waiting for it."""
     from controller.proxy.shutdown import SHUTDOWN
 
     app[SHUTDOWN].begin()
@@ -283,11 +292,15 @@ async def _grace_period(app: Any, stop: asyncio.Event, grace_s: float) -> None:
         return
     log.warning("shutting down: /ready answers 503; still serving for %g s (shutdown_grace_s)", grace_s)
     stop.clear()
+    second = asyncio.ensure_future(stop.wait())
+    timer = asyncio.ensure_future(sleep(grace_s))
     try:
-        await asyncio.wait_for(stop.wait(), grace_s)
+        await asyncio.wait({second, timer}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (second, timer):
+            task.cancel()
+    if second.done() and not second.cancelled():
         log.warning("second signal: grace period cut short")
-    except TimeoutError:
-        pass
 
 
 def run_policies(args: argparse.Namespace) -> int:

@@ -133,7 +133,8 @@ def readme_stack() -> Iterator[int]:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 text=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # the teardown's SIGTERM need not wait serve's 5 s grace (no balancer here)
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "SPECROUTE_SHUTDOWN_GRACE_S": "0"},
             )
             procs.append(proc)
             spawn.read_listening_sync(proc, timeout_s=60, what=cmd)

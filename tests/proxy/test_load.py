@@ -98,11 +98,13 @@ async def stack(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Stack]]
             )  # fmt: skip
             procs.append(proc)
             urls.append(url)
+        # no shutdown grace: the SIGTERM at teardown need not wait 5 s with /ready at 503 first
         proc, url = await _spawn(
-            ["serve", "--port", "0", "--baseline", urls[0], "--eagle", urls[1], "--log-level", "WARNING"],
+            ["serve", "--port", "0", "--baseline", urls[0], "--eagle", urls[1], "--log-level", "WARNING",
+             "--shutdown-grace-s", "0"],
             tmp_path / "serve.log",
             "specroute listening on",
-        )
+        )  # fmt: skip
         procs.append(proc)
         return Stack(url, proc.pid, urls, procs)
 

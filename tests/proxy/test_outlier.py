@@ -5,8 +5,6 @@ nothing is left, and probes that need more than one bad answer. The detector is 
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import openai
 from helpers import BODY, wait_until
@@ -91,16 +89,25 @@ async def test_panic_mode_serves_when_every_backend_looks_down(fake_backend, pro
 
 
 async def test_one_failed_probe_does_not_take_a_backend_out(fake_backend, proxy):
+    """The rounds are counted by the probes the backend received, not timed by sleeps (a round's
+    answer is chosen as its probe arrives, and the count is polled ten times a round)."""
     fb = await fake_backend()
     p = await proxy(
-        baseline=[fb.url], policy="fixed", health_check_interval_s=0.1, health_check_unhealthy_threshold=3
-    )
-    assert await wait_until(lambda: fb.health_status == 200 and p.tracker.get(fb.url).healthy, 2)
-    await asyncio.sleep(0.3)  # several passing rounds
+        baseline=[fb.url], policy="fixed", health_check_interval_s=0.05, health_check_unhealthy_threshold=3,
+        health_check_healthy_threshold=50,  # once out, it would stay out through the rounds below
+    )  # fmt: skip
+
+    async def rounds(n: int) -> None:
+        """Until `n` more probes have reached the backend."""
+        seen = len(fb.probes)
+        assert await wait_until(lambda: len(fb.probes) >= seen + n, 5, interval_s=0.005)
+
+    assert await wait_until(lambda: p.tracker.get(fb.url).healthy, 2)
+    await rounds(3)  # several passing rounds
     fb.health_status = 503
-    await asyncio.sleep(0.15)  # about one failed round
+    await rounds(1)  # one failed round (the next probe may come before the poll sees it: two)
     fb.health_status = 200
-    await asyncio.sleep(0.3)
+    await rounds(3)  # and passing ones after it: the failed one has been counted by now
     assert p.tracker.get(fb.url).healthy  # a blip is not a failure
     fb.health_status = 503
     assert await wait_until(lambda: not p.tracker.get(fb.url).healthy, 5)  # a lasting one is

@@ -11,6 +11,8 @@ from aiohttp import web
 from fakes import SSE_DONE, ShiftedClock, closed_port_url, sse, stream_chunk
 from helpers import BODY, CHAT, wait_until
 
+from controller.proxy.watchdog import POLL_S
+
 
 async def test_dead_backend_is_skipped_without_client_visible_error(fake_backend, proxy):
     live = await fake_backend(chunks=3)
@@ -216,7 +218,7 @@ async def test_forced_pool_is_kept_on_failover(fake_backend, proxy):
 async def test_a_silence_shorter_than_the_idle_timeout_is_never_cut(proxy):
     """The idle timer is re-armed lazily, not per chunk: a chunk that arrives just after a re-arm
     must still buy the stream a full `idle_timeout_s` of silence. The proxy's clock is moved on
-    by 7 s of the 8 s instead of the test sleeping for them; a silence past the limit on the
+    by 7.4 s of the 8 s instead of the test sleeping for them; a silence past the limit on the
     same clock cuts the stream (the control)."""
     idle = 8.0
     clock = ShiftedClock()
@@ -238,7 +240,9 @@ async def test_a_silence_shorter_than_the_idle_timeout_is_never_cut(proxy):
         async with aiohttp.ClientSession() as s, s.post(p.url + "/v1/chat/completions", json=BODY) as r:
             first = await r.content.readuntil(b"\n\n") + await r.content.readuntil(b"\n\n")
             clock.advance(seconds)
-            await asyncio.sleep(0.5)  # real time for the watchdog's checks (every POLL_S)
+            # the watchdog's timer is due within POLL_S, this sleep's later: it has checked once
+            # the clock moved by the time the sleep ends (the loop runs its timers in order)
+            await asyncio.sleep(2 * POLL_S)
             go.set()
             return first + await r.read()
 
@@ -250,7 +254,7 @@ async def test_a_silence_shorter_than_the_idle_timeout_is_never_cut(proxy):
     try:
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         p = await proxy(baseline=[url], policy="fixed", idle_timeout_s=idle, health_checks=False, clock=clock)
-        body = await silent_for(7.0)  # with the 0.5 s slept: a silence shorter than idle_timeout_s
+        body = await silent_for(7.4)  # with the 0.1 s slept: 7.5 s, shorter than idle_timeout_s
         assert b"stream_broken" not in body and b"sent nothing" not in body, body
         assert body.endswith(b'"finish_reason":"stop","matched_stop":null}]}\n\ndata: [DONE]\n\n')
         await p.wait_idle()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import pytest
@@ -15,8 +16,11 @@ from helpers import WHOLE_BODY as BODY
 from helpers import metric_samples, wait_until
 from prometheus_client import CollectorRegistry
 
-from controller.cli.reload import ConfigReloader, FileUnstable, ReloadMetrics, read_stable
+from controller.cli.reload import STABLE_ATTEMPTS, ConfigReloader, FileUnstable, ReloadMetrics, read_stable
 from controller.proxy.config import Settings, load_settings
+
+if TYPE_CHECKING:
+    from conftest import ServeProcess
 
 
 async def _pool(url: str) -> str:
@@ -30,9 +34,45 @@ async def _reloads(url: str) -> dict[str, float]:
     return {dict(labels)["result"]: v for labels, v in samples.items()}
 
 
-async def _read_stderr(sp) -> asyncio.Future[bytes]:
-    assert sp.proc.stderr is not None
-    return asyncio.ensure_future(sp.proc.stderr.read())
+class StderrLines:
+    """`serve`'s stderr read line by line as it comes (a task), so a test waits for a log line
+    instead of sleeping for what it reports."""
+
+    def __init__(self, sp: ServeProcess) -> None:
+        assert sp.proc.stderr is not None
+        self.lines: list[str] = []
+        self._stream = sp.proc.stderr
+        self._task = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        while raw := await self._stream.readline():
+            self.lines.append(raw.decode(errors="replace"))
+
+    def count(self, needle: str) -> int:
+        return sum(needle in line for line in self.lines)
+
+    async def wait_for(self, needle: str, count: int = 1, timeout_s: float = 30.0) -> None:
+        """Until `count` lines so far contain `needle` (AssertionError after `timeout_s`)."""
+        assert await wait_until(lambda: self.count(needle) >= count, timeout_s, interval_s=0.01), (
+            f"no {count} line(s) with {needle!r} in:\n{self.text()}"
+        )
+
+    async def all(self) -> str:
+        """Everything, once the process has closed its stderr (it exited)."""
+        await self._task
+        return self.text()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+DRIVEN = {"SPECROUTE_TEST_CLOCK": "1"}
+"""serve on the driven clock (`controller.cli.driven_clock`): the settle intervals pass when the
+test moves the clock, not by waiting for them."""
+READ = "read; reading it again in"
+"""The reload's first read of the file (`read_stable`): it is settling from here on."""
+CHANGING = "is changing; waiting for it to settle"
+"""A read that found the file changed since the one before (`read_stable`)."""
 
 
 async def test_a_file_written_in_two_parts_around_a_sighup_is_applied_only_whole(
@@ -40,10 +80,10 @@ async def test_a_file_written_in_two_parts_around_a_sighup_is_applied_only_whole
 ):
     base, eagle = await fake_backend(), await fake_backend()
     cfg = tmp_path / "specroute.yaml"
-    head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 2.0\npolicy: fixed\n"
+    head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 10\npolicy: fixed\n"
     cfg.write_text(head + "policy_params: {pool: baseline}\n")
-    sp = await spawn_serve("--config", str(cfg))
-    stderr = await _read_stderr(sp)
+    sp = await spawn_serve("--config", str(cfg), env=DRIVEN)
+    stderr = StderrLines(sp)
     assert await _pool(sp.url) == "baseline"
     # Part one alone is a complete, valid file (fixed, its default pool: baseline, with seed 7);
     # part two turns it into the one meant (pool eagle). A SIGHUP comes between the two writes.
@@ -51,18 +91,20 @@ async def test_a_file_written_in_two_parts_around_a_sighup_is_applied_only_whole
         f.write(head + "seed: 7\n")
         f.flush()
         sp.signal(signal.SIGHUP)
-        await asyncio.sleep(0.5)  # well within reload_settle_s: the reload has read part one
+        await stderr.wait_for(READ)  # the reload has read part one; 10 s to settle on its clock
         f.write("policy_params: {pool: eagle}\n")
+    await sp.advance_clock(10)  # the second read finds the file changed ...
+    await stderr.wait_for(CHANGING)
+    await sp.advance_clock(10)  # ... the third finds it as the second did: applied
 
     async def serves_eagle() -> bool:
         return await _pool(sp.url) == "eagle"
 
-    assert await wait_until(serves_eagle, 30.0, interval_s=0.1)
+    assert await wait_until(serves_eagle, 30.0, interval_s=0.05)
     assert (await _reloads(sp.url))["ok"] == 1
     sp.signal(signal.SIGTERM)
     assert await sp.wait() == 0
-    text = (await stderr).decode()
-    assert "is changing; waiting for it to settle" in text
+    text = await stderr.all()
     swaps = [line for line in text.splitlines() if "routing policy is now" in line]
     assert len(swaps) == 1 and '"pool": "eagle"' in swaps[0], swaps  # part one was never applied
 
@@ -72,59 +114,61 @@ async def test_a_file_that_keeps_changing_or_does_not_validate_is_not_applied(
 ):
     base, eagle = await fake_backend(), await fake_backend()
     cfg = tmp_path / "specroute.yaml"
-    head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 0.5\npolicy: fixed\n"
+    head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 10\npolicy: fixed\n"
     cfg.write_text(head + "policy_params: {pool: eagle}\n")
-    sp = await spawn_serve("--config", str(cfg))
-    stderr = await _read_stderr(sp)
+    sp = await spawn_serve("--config", str(cfg), env=DRIVEN)
+    stderr = StderrLines(sp)
     assert await _pool(sp.url) == "eagle"
-
-    # 1. a writer that never stops (a line every 20 ms for longer than 8 reads 0.5 s apart)
-    stop = asyncio.Event()
-
-    async def writer() -> None:
-        with open(cfg, "w") as f:  # noqa: ASYNC230 - a writer that never finishes, on purpose
-            f.write(head + "policy_params: {pool: baseline}\n")
-            i = 0
-            while not stop.is_set():
-                f.write(f"# still writing {i}\n")
-                f.flush()
-                i += 1
-                await asyncio.sleep(0.02)
-
-    task = asyncio.create_task(writer())
-    await asyncio.sleep(0.1)
-    sp.signal(signal.SIGHUP)
 
     async def counted(result: str) -> bool:
         return (await _reloads(sp.url)).get(result, 0) >= 1
 
-    assert await wait_until(lambda: counted("unstable"), 30.0, interval_s=0.1)
-    stop.set()
-    await task
+    # 1. a writer that never stops: a new line before each of the reload's reads, 10 s apart on
+    # its clock, for all of its 8 reads
+    with open(cfg, "w") as f:  # noqa: ASYNC230 - a writer that never finishes, on purpose
+        f.write(head + "policy_params: {pool: baseline}\n")
+        f.flush()
+        sp.signal(signal.SIGHUP)
+        await stderr.wait_for(READ)
+        for i in range(STABLE_ATTEMPTS):
+            f.write(f"# still writing {i}\n")
+            f.flush()
+            await sp.advance_clock(10)
+            await stderr.wait_for(CHANGING, i + 1)
+        assert await wait_until(lambda: counted("unstable"), 30.0, interval_s=0.05)
     assert await _pool(sp.url) == "eagle"
     assert (await metric_samples(sp.url, "specroute_config_last_reload_successful"))[()] == 0.0
 
+    async def settled(reads: int) -> None:
+        """The reload's first read (the `reads`-th of the test) taken, the clock past its settle."""
+        await stderr.wait_for(READ, reads)
+        await sp.advance_clock(10)
+
     # 2. stable, but it does not validate whole (a bad value further down), or names no backend
-    for broken in (head + "policy_params: {pool: baseline}\nidle_timeout_s: -1\n", "policy: fixed\n"):
+    for reads, broken in enumerate(
+        (head + "policy_params: {pool: baseline}\nidle_timeout_s: -1\n", "policy: fixed\n"), start=2
+    ):
         before = (await _reloads(sp.url)).get("invalid", 0)
         cfg.write_text(broken)
         sp.signal(signal.SIGHUP)
+        await settled(reads)
 
         async def rose(b: float = before) -> bool:
             return (await _reloads(sp.url)).get("invalid", 0) == b + 1
 
-        assert await wait_until(rose, 30.0, interval_s=0.1)
+        assert await wait_until(rose, 30.0, interval_s=0.05)
         assert await _pool(sp.url) == "eagle"
 
     # 3. a good file again is applied, and the gauge says so
     cfg.write_text(head + "policy_params: {pool: baseline}\n")
     sp.signal(signal.SIGHUP)
-    assert await wait_until(lambda: counted("ok"), 30.0, interval_s=0.1)
+    await settled(4)
+    assert await wait_until(lambda: counted("ok"), 30.0, interval_s=0.05)
     assert await _pool(sp.url) == "baseline"
     assert (await metric_samples(sp.url, "specroute_config_last_reload_successful"))[()] == 1.0
     sp.signal(signal.SIGTERM)
     assert await sp.wait() == 0
-    text = (await stderr).decode()
+    text = await stderr.all()
     assert "was still changing after 8 reads" in text
     assert "idle_timeout_s" in text and "no backend configured" in text
 
