@@ -370,6 +370,9 @@ async def test_ctrl_c_keeps_finished_levels(server: Running, tmp_path: Path) -> 
         str(out),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        # Ctrl-C as a terminal delivers it, whatever this process inherited: a shell without job
+        # control starts background commands with SIGINT ignored, and a child inherits that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None
     # the second level is slow (requests 3 and later): interrupt it once the first is out
