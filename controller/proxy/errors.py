@@ -130,6 +130,17 @@ class Overloaded(SpecrouteError):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
+class RetrySoon(SpecrouteError):
+    """503 with `Retry-After: 1`: specroute or its backends are busy now, not broken; the
+    subclasses say with what (`code`)."""
+
+    status = 503
+    type = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Retry-After": "1"})
+
+
 class BackendFailed(SpecrouteError):
     """The backend failed before the first byte (refused, reset, broken answer)."""
 

@@ -17,6 +17,7 @@ when it is under 1 MiB, else in a worker thread in short steps (`load_large_json
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import json.decoder
@@ -24,13 +25,13 @@ import json.scanner
 import re
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from controller.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout, SpecrouteError
+from controller.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout, RetrySoon
 from controller.proxy.memory import BODY_COPIES, Charge
 from controller.proxy.watchdog import Clock, ClockTimeout
 
@@ -321,15 +322,10 @@ def load_json(raw: bytes) -> Any:
         raise BadRequest("request body is nested too deeply") from None
 
 
-class BodiesBusy(SpecrouteError):
+class BodiesBusy(RetrySoon):
     """Every turn for a large or compressed request body was taken for `admission_wait_s`."""
 
-    status = 503
-    type = "server_error"
     code = "bodies_busy"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, headers={"Retry-After": "1"})
 
 
 GATED_FROM = 1 << 20
@@ -360,8 +356,13 @@ class BodyGate:
         declared = request.content_length
         return declared is None or declared > GATED_FROM or bool(request.headers.get("Content-Encoding"))
 
-    async def acquire(self) -> None:
-        """A turn, or BodiesBusy after `wait_s` without one."""
+    @contextlib.asynccontextmanager
+    async def turn(self, request: web.Request) -> AsyncIterator[None]:
+        """A turn for `request`'s body if it is a costly one (BodiesBusy after `wait_s`
+        without one), held while the body is read; none needed for the others."""
+        if not self.gated(request):
+            yield
+            return
         try:
             async with ClockTimeout(self.wait_s, self.clock):
                 await self._sem.acquire()
@@ -369,9 +370,10 @@ class BodyGate:
             raise BodiesBusy(
                 f"specroute is reading {self.slots} large or compressed request bodies already; retry shortly"
             ) from None
-
-    def release(self) -> None:
-        self._sem.release()
+        try:
+            yield
+        finally:
+            self._sem.release()
 
     @property
     def full(self) -> bool:
@@ -379,15 +381,10 @@ class BodyGate:
         return self._sem.locked()
 
 
-class MemoryBusy(SpecrouteError):
+class MemoryBusy(RetrySoon):
     """The memory budget cannot hold this request now (others hold it): retry shortly."""
 
-    status = 503
-    type = "server_error"
     code = "memory_budget_exceeded"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, headers={"Retry-After": "1"})
 
 
 class ResponseTooLarge(aiohttp.ClientPayloadError):

@@ -35,7 +35,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
-from controller.proxy.errors import BackendFailed, BackendTimeout, SpecrouteError
+from controller.proxy.errors import BackendFailed, BackendTimeout, RetrySoon, SpecrouteError
 from controller.proxy.memory import ANSWER_COPIES, Charge
 from controller.proxy.sse import (
     BLANK_LINE,
@@ -57,15 +57,10 @@ COUNTED: frozenset[FailureKind] = frozenset({"unreachable", "failed", "protocol"
 """Failures the outlier detector counts as they are (a timeout counts only if slow for others)."""
 
 
-class BackendOverloaded(SpecrouteError):
+class BackendOverloaded(RetrySoon):
     """Every backend the request could use said its queue is full: retry shortly."""
 
-    status = 503
-    type = "server_error"
     code = "backend_overloaded"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, headers={"Retry-After": "1"})
 
 
 class MemoryBudgetExceeded(SpecrouteError):
