@@ -255,6 +255,11 @@ def back_below(pid: int, kib: float, within_s: float) -> float | None:
     return None
 
 
+def window_p99(samples: list[tuple[float, ...]], start: float, end: float) -> float:
+    """p99 of the latencies probed between `start` and `end` (NaN when none was)."""
+    return pct([s[1] for s in samples if start <= s[0] <= end] or [float("nan")], 0.99)
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -416,10 +421,7 @@ def report(
         for t in targets:
             key = (t, kind)
             inside = [s for s in samples[t] if any(a <= s[0] <= b for a, b in windows[key])]
-            per_round[key] = [
-                pct([s[1] for s in samples[t] if a <= s[0] <= b] or [float("nan")], 0.99)
-                for a, b in windows[key]
-            ]
+            per_round[key] = [window_p99(samples[t], a, b) for a, b in windows[key]]
             lat = [s[1] for s in inside]
             peak = max((s[2] for s in inside), default=0)
             p99s[key] = pct(lat, 0.99)
@@ -444,13 +446,9 @@ def report(
         (probed all along, it does nothing then): the same load on the machine, read off a server
         that carries none of it."""
         spans = windows[(t, kind)]
-        mine = [pct([s[1] for s in samples[t] if a <= s[0] <= b] or [float("nan")], 0.99) for a, b in spans]
-        idle = [
-            pct([s[1] for s in samples["aiohttp minimal"] if a <= s[0] <= b] or [float("nan")], 0.99)
-            for a, b in spans
-        ]
+        idle = [window_p99(samples["aiohttp minimal"], a, b) for a, b in spans]
         near = [s[1] for s in samples["aiohttp minimal"] if any(a <= s[0] <= b for a, b in spans)]
-        rounds = [x / y for x, y in zip(mine, idle, strict=True)]
+        rounds = [x / y for x, y in zip(per_round[(t, kind)], idle, strict=True)]
         near_p99 = pct(near, 0.99)
         return (
             f"{p99s[(t, kind)] / near_p99:.2f} pooled (minimal's p99 beside it {near_p99:.1f} ms, "
