@@ -278,17 +278,11 @@ class Forwarder:
         `BodyGate` (`body_read_concurrency`)."""
         s = self.settings
         budget = JsonBudget(s.body_max_json_values, s.body_max_json_containers)
-        gated = BodyGate.gated(request)
-        if gated:
-            await self.body_gate.acquire()
-        try:
+        async with self.body_gate.turn(request):
             return await read_body(
                 request, limit=s.body_limit_bytes, budget=budget, timeout_s=s.body_timeout_s,
                 charge=charge, max_ratio=s.body_max_compression_ratio, clock=self.clock,
             )  # fmt: skip
-        finally:
-            if gated:
-                self.body_gate.release()
 
     async def handle(self, request: web.Request, endpoint: EndpointKind, path: str) -> web.StreamResponse:
         task = asyncio.current_task()
