@@ -231,8 +231,9 @@ class Settings(BaseModel):
         gt=0,
         description="What all requests together may hold in memory: request bodies (after "
         "decompression), streams' first events and held-back bytes, non-streaming answers. Over it, "
-        "new requests get 503 with Retry-After and a backend answer that does not fit gets 502 "
-        "(the default suits a 1 GiB container).",
+        "new requests get 503 with Retry-After and a backend answer that does not fit gets 502; a body "
+        "or first event over 1 MiB that fits in half of it first waits for room (reading nothing) up to "
+        "admission_wait_s. The default suits a 1 GiB container.",
     )
     body_max_compression_ratio: float = Field(
         default=100.0,
@@ -350,7 +351,8 @@ class Settings(BaseModel):
         default=10.0,
         ge=0,
         description="How long a request may wait in specroute for a free slot when every backend it may "
-        "use is at its bound; then 429 with Retry-After.",
+        "use is at its bound, then 429 with Retry-After; also how long a large body or first event "
+        "waits for a body turn or for room in the memory budget, then 503 (body) or 502 (answer).",
     )
     admission_max_waiting: int = Field(
         default=1024, ge=0, description="Most requests waiting for a slot at once; beyond it, 429 at once."

@@ -274,14 +274,14 @@ class Forwarder:
 
     async def read_body(self, request: web.Request, charge: Charge | None = None) -> bytes:
         """The request body within `body_limit_bytes`, the JSON budget, the compression ratio,
-        the memory budget (`charge`) and `body_timeout_s`; a costly one in its turn at the
-        `BodyGate` (`body_read_concurrency`)."""
+        the memory budget (`charge`; a large body waits up to `admission_wait_s` for room) and
+        `body_timeout_s`; a costly one in its turn at the `BodyGate` (`body_read_concurrency`)."""
         s = self.settings
         budget = JsonBudget(s.body_max_json_values, s.body_max_json_containers)
         async with self.body_gate.turn(request):
             return await read_body(
-                request, limit=s.body_limit_bytes, budget=budget, timeout_s=s.body_timeout_s,
-                charge=charge, max_ratio=s.body_max_compression_ratio, clock=self.clock,
+                request, limit=s.body_limit_bytes, budget=budget, timeout_s=s.body_timeout_s, charge=charge,
+                max_ratio=s.body_max_compression_ratio, wait_s=s.admission_wait_s, clock=self.clock,
             )  # fmt: skip
 
     async def handle(self, request: web.Request, endpoint: EndpointKind, path: str) -> web.StreamResponse:

@@ -93,8 +93,8 @@ class MemoryBudget:
     async def take_waiting(self, n: int) -> None:
         """Take `n` bytes (at most `limit`), waiting, first come first served, until others have
         given back enough; the caller bounds the wait (cancelled, nothing is taken). Only large
-        reservations wait (`upstream`: a first event past 1 MiB): `take` does not wait behind
-        them, so ordinary requests are not held up by one."""
+        reservations wait (a first event past 1 MiB, `upstream`; a body declared over 1 MiB,
+        `limits`): `take` does not wait behind them, so ordinary requests are not held up by one."""
         if not self._waiters and self.used + n <= self.limit:
             self.used += n
             return
@@ -114,7 +114,7 @@ class MemoryBudget:
 
     @property
     def waiting(self) -> int:
-        """Reservations waiting for the budget now (large first events, `take_waiting`)."""
+        """Reservations waiting for the budget now (large first events and bodies, `take_waiting`)."""
         return sum(1 for _, waiter in self._waiters if not waiter.done())
 
     def _wake(self) -> None:

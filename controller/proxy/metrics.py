@@ -116,7 +116,7 @@ class BudgetCollector(Collector):
         )
         yield GaugeMetricFamily(
             "specroute_memory_budget_waiting",
-            "Large first events waiting for room in the memory budget now (they read nothing meanwhile).",
+            "Large bodies and first events waiting for room in the memory budget now (reading nothing).",
             value=b.waiting,
         )
         yield CounterMetricFamily(

@@ -22,7 +22,8 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from helpers import BODY, CHAT, assert_openai_error, raise_open_files_limit, wait_until
+from fakes import ShiftedClock
+from helpers import BODY, CHAT, assert_openai_error, metric_samples, raise_open_files_limit, wait_until
 from helpers import port_of as _port
 from helpers import raw_exchange as _raw
 from helpers import raw_post as _request
@@ -398,6 +399,66 @@ async def test_costly_bodies_are_read_a_few_at_a_time_and_small_ones_never_wait(
             assert r.status == 200  # a Content-Length under 1 MiB: no turn needed
         go.set()
         assert (await slow)[0] == 200
+    assert len(fb.requests) == 2
+
+
+async def test_a_large_body_waits_for_room_in_the_memory_budget_instead_of_being_read_for_nothing(
+    fake_backend, proxy
+):
+    """A body declared over 1 MiB that the memory budget cannot hold now waits for room, reading
+    nothing, instead of a 503 at once (after which the client's whole body was read out and
+    dropped): three 1.5 MiB bodies being sent slowly hold the budget (5 copies each: 22.5 of 24
+    MiB); a fourth waits (`specroute_memory_budget_waiting` 1, nothing of it reaches the backend)
+    and is served once one of the three is done. One that waits past `admission_wait_s` (on the
+    proxy's clock) gets 503 `memory_budget_exceeded` with Retry-After, counted as a refusal; when
+    the slow senders give up, the budget is empty again."""
+    clock = ShiftedClock()
+    fb = await fake_backend(chunks=2)
+    p = await proxy(
+        baseline=[fb.url], policy="fixed", health_checks=False, memory_budget_bytes=24 << 20,
+        admission_wait_s=60.0, body_timeout_s=3600.0, clock=clock,
+    )  # fmt: skip
+    prompt = [{"role": "user", "content": "x" * (3 << 19)}]
+    payload = json.dumps({**BODY, "stream": False, "messages": prompt}).encode()
+    budget = p.forwarder.budget
+
+    async def slow_sender() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        held = budget.used
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(p.url))
+        writer.write(_request("/v1/chat/completions", payload)[: 10 - len(payload)])  # headers + 10 bytes
+        await writer.drain()
+        assert await wait_until(lambda: budget.used > held, 10.0)
+        return reader, writer
+
+    async def one_waiting() -> bool:
+        return (await metric_samples(p.url, "specroute_memory_budget_waiting"))[()] == 1.0
+
+    async def post(s: aiohttp.ClientSession) -> tuple[int, Any, str | None]:
+        headers = {"Content-Type": "application/json"}
+        async with s.post(p.url + "/v1/chat/completions", data=payload, headers=headers) as r:
+            return r.status, await r.json(), r.headers.get("Retry-After")
+
+    slow = [await slow_sender() for _ in range(3)]
+    async with aiohttp.ClientSession() as s:
+        fourth = asyncio.ensure_future(post(s))
+        assert await wait_until(one_waiting, 10.0)
+        assert fb.requests == [] and not fourth.done()
+        reader, writer = slow.pop(0)
+        writer.write(payload[10:])
+        answer = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        status, _, _ = await fourth
+        assert status == 200
+        assert len(fb.requests) == 2
+
+        slow.append(await slow_sender())  # the budget is full again
+        status, answer, retry = await clock.ticking(post(s), 61.0)
+        assert (status, answer["error"]["code"], retry) == (503, "memory_budget_exceeded", "1")
+        assert (await metric_samples(p.url, "specroute_memory_budget_refusals_total"))[()] == 1.0
+    for _, writer in slow:
+        writer.close()
+    assert await wait_until(lambda: budget.used == 0, 10.0)
     assert len(fb.requests) == 2
 
 
