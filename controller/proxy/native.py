@@ -104,7 +104,7 @@ def generate_completion_tokens(data: bytes) -> int | None:
     last: dict[int, int] = {}
     for line in data.split(b"\n"):
         line = line.strip()
-        if not line.startswith(b"data:") or b"completion_tokens" not in line:
+        if not line.startswith(b"data:") or line.find(b"completion_tokens") < 0:
             continue
         event = parse_json(line[5:])
         if not isinstance(event, dict):

@@ -53,7 +53,7 @@ def accept_length(details: Any, completion_tokens: int | None) -> float | None:
 def drop_sglext_member(body: bytes) -> tuple[bytes, dict[str, Any] | None]:
     """A whole JSON answer without its top-level `"sglext"` member when that member holds only
     the details (every other byte unchanged), and the details; the answer as is otherwise."""
-    if b'"sglext"' not in body:
+    if body.find(b'"sglext"') < 0:
         return body, None
     try:
         text = body.decode()
