@@ -5,9 +5,9 @@ session, clock, metrics registry) so tests build the real app around fakes. One 
 opens the shared `ClientSession` (unless one was passed in), runs the health checker and the
 backend scraper (`controller.proxy.scrape.ScrapeLoop`, samples into `app[TRACKER]`), and opens and
 closes the decision log (`settings.decision_log`, written by `controller.proxy.decision_record`;
-`reopen_decision_log` makes it open its path anew). Inside the error middleware,
-`identity_middleware` passes specroute's error messages through `controller.proxy.identity`
-(backend names hidden from clients with `backend_header: false`).
+`reopen_decision_log` makes it open its path anew). The error middleware passes specroute's
+error messages through `controller.proxy.identity` (`errors.CLIENT_TEXT`: backend names hidden
+from clients with `backend_header: false`).
 
 Shadow policies (`settings.shadow_policies`, or built ones passed as `shadows=`) are asked by
 the `Forwarder` on every request. Further observers: pass `observers=[callable]`, or append to
@@ -34,6 +34,7 @@ from controller.proxy.config import Settings
 from controller.proxy.decision_record import DecisionLogger, open_decision_log
 from controller.proxy.engines import Engine
 from controller.proxy.errors import (
+    CLIENT_TEXT,
     NoBackendAvailable,
     NotFound,
     ShuttingDown,
@@ -44,7 +45,6 @@ from controller.proxy.errors import (
 from controller.proxy.forward import Forwarder, Observer, RequestRecord
 from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
 from controller.proxy.health import HealthChecker
-from controller.proxy.identity import IDENTITY, identity_middleware
 from controller.proxy.info import model_info, server_info
 from controller.proxy.limits import read_bounded
 from controller.proxy.load import LoadTracker
@@ -96,9 +96,7 @@ def create_app(
 ) -> web.Application:
     """`shadows`: (label, policy) pairs; None builds `settings.shadow_policies` (PolicyError)."""
     keep_heap_small()  # what a request held goes back to the OS when it ends (the memory budget)
-    app = web.Application(
-        client_max_size=settings.body_limit_bytes, middlewares=[error_middleware, identity_middleware]
-    )
+    app = web.Application(client_max_size=settings.body_limit_bytes, middlewares=[error_middleware])
     ctx = context if context is not None else policy_context(settings)
     tracker = LoadTracker(
         settings.baseline,
@@ -142,7 +140,8 @@ def create_app(
     fwd.observers.append(AcceptanceMetrics(registry_, lambda: fwd.policy))
     fwd.observers.append(MismatchWatch(metrics))
     app[SETTINGS] = settings
-    app[IDENTITY] = fwd.identity
+    if not fwd.identity.show:
+        app[CLIENT_TEXT] = fwd.identity.for_clients
     app[TRACKER] = tracker
     app[METRICS] = metrics
     app[FORWARDER] = fwd

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from aiohttp import web
@@ -210,14 +211,23 @@ async def expect_handler(request: web.Request) -> web.StreamResponse | None:
     return None
 
 
+CLIENT_TEXT: web.AppKey[Callable[[str], str]] = web.AppKey("client_text")
+"""What the app's errors' messages pass on their way to a client (`identity.BackendIdentity.
+for_clients`, set when backend names are hidden: `backend_header: false`); absent: as they are."""
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Render our errors, and every error aiohttp raises itself (404, 405, 413, 400 ...), in
-    OpenAI's shape; other HTTP exceptions (redirects) pass."""
+    OpenAI's shape; other HTTP exceptions (redirects) pass. The message of every specroute
+    error passes the app's `CLIENT_TEXT` (a backend's own answers are relayed as they are)."""
     try:
         resp: web.StreamResponse = await handler(request)
         return resp
     except SpecrouteError as e:
+        for_clients = request.app.get(CLIENT_TEXT)
+        if for_clients is not None:
+            e.message = for_clients(e.message)
         return e.response()
     except web.HTTPNotFound:
         return NotFound(f"unknown route {request.method} {request.path}").response()

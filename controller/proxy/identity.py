@@ -6,7 +6,7 @@ and in `/ready`. With `backend_header: false` they learn only the pool: every te
 client goes through `BackendIdentity.for_clients`, the one place that hides names, which turns
 "backend gpu-3" into "a baseline backend" (and any other mention of a name, URL or host:port
 into the same). Call it where specroute's own words leave for a client: the error responses
-(`identity_middleware`, installed by the app) and the error event that ends a broken stream.
+(the app's error middleware, `errors.CLIENT_TEXT`) and the error event that ends a broken stream.
 `/ready` lists healthy backends by name only when names are shown, and `server_info` drops
 a backend's addresses from the launch arguments it relays (`host`, `port`, ...).
 
@@ -20,15 +20,12 @@ could otherwise read the key the backend checks.
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from aiohttp import web
-
 from controller.proxy.config import Settings
-from controller.proxy.errors import SpecrouteError
 from controller.proxy.redact import MASK
 from policies.base import POOLS, Pool
 
@@ -101,21 +98,3 @@ class BackendIdentity:
             else:
                 out[key] = value
         return out
-
-
-IDENTITY = web.AppKey("identity", BackendIdentity)
-
-
-@web.middleware
-async def identity_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Runs inside the error middleware: the message of every specroute error on its way to a
-    client passes `for_clients` (a backend's own answers are relayed as they are)."""
-    try:
-        return await handler(request)
-    except SpecrouteError as e:
-        identity = request.app.get(IDENTITY)
-        if identity is not None and not identity.show:
-            e.message = identity.for_clients(e.message)
-        raise
