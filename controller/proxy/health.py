@@ -84,12 +84,11 @@ class HealthChecker:
     async def probe(self, backend: BackendState) -> bool:
         path, engine = self._path(backend.name)
         try:
-            async with (
-                ClockTimeout(self.timeout_s, self.clock),
-                self.session.get(backend.url + path, timeout=_NO_LIMIT, allow_redirects=False) as resp,
-            ):
-                await read_bounded(resp, _PROBE_LIMIT_BYTES)
-                status = resp.status
+            with ClockTimeout(self.timeout_s, self.clock):
+                url = backend.url + path
+                async with self.session.get(url, timeout=_NO_LIMIT, allow_redirects=False) as resp:
+                    await read_bounded(resp, _PROBE_LIMIT_BYTES)
+                    status = resp.status
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
         if status == 404 and path != FALLBACK_PATH:
@@ -136,5 +135,5 @@ class HealthChecker:
 async def pause(seconds: float, clock: Clock) -> None:
     """`asyncio.sleep(seconds)` on `clock`."""
     with contextlib.suppress(TimeoutError):
-        async with ClockTimeout(seconds, clock):
+        with ClockTimeout(seconds, clock):
             await asyncio.Event().wait()  # never set: only the timeout ends it

@@ -277,7 +277,7 @@ class RequestLifecycle:
         if sr is None or not sr.prepared or transport is None or transport.is_closing():
             return
         try:
-            async with ClockTimeout(CUT_WRITE_S, self.fwd.clock):
+            with ClockTimeout(CUT_WRITE_S, self.fwd.clock):
                 await sr.write(terminal_bytes("stream cut: specroute is shutting down"))  # names no backend
                 await sr.write_eof()
         except BaseException:
@@ -385,7 +385,7 @@ class RequestLifecycle:
         # is given up after client_write_timeout_s instead of holding its connection forever.
         limit = self.fwd.settings.client_write_timeout_s
         try:
-            async with ClockTimeout(limit, self.fwd.clock):
+            with ClockTimeout(limit, self.fwd.clock):
                 await out.prepare(self.request)
                 await out.write_eof()
         except TimeoutError:
@@ -553,7 +553,7 @@ class RequestLifecycle:
         """Write (and end, with `eof`) within client_write_timeout_s; False when the client was given up."""
         limit = self.fwd.settings.client_write_timeout_s
         try:
-            async with ClockTimeout(limit, self.fwd.clock):
+            with ClockTimeout(limit, self.fwd.clock):
                 if eof:
                     await sr.write_eof(data)
                 elif data:

@@ -176,7 +176,7 @@ async def _read_whole(resp: aiohttp.ClientResponse, limit: int, charge: Charge) 
 def _ends_an_event_within(prev: bytes | bytearray, chunk: bytes) -> bool:
     """Whether an event ends in `chunk` (read right after `prev`): only the new bytes and the
     three before them are searched, and a chunk with no line end at all costs two `memchr`s."""
-    if b"\n" not in chunk and b"\r" not in chunk:
+    if chunk.find(b"\n") < 0 and chunk.find(b"\r") < 0:
         return False
     return last_event_end(prev[-3:] + chunk[:3]) >= 0 or last_event_end(chunk) >= 0
 
@@ -258,7 +258,7 @@ async def _wait_for(charge: Charge, n: int, attempt: Attempt, clock: Callable[[]
     if charge.held >= n:
         return
     try:
-        async with ClockTimeout(attempt.budget_wait_s, clock):
+        with ClockTimeout(attempt.budget_wait_s, clock):
             await charge.grow_to_waiting(n)
     except TimeoutError:
         charge.budget.refusals += 1
@@ -354,7 +354,7 @@ class SlicedBody(aiohttp.BytesPayload):
             await asyncio.sleep(0)  # a write the socket took whole did not give the loop a turn
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a call per field
 class Attempt:
     """What `open_upstream` needs besides the session: where, what, and the bounds."""
 
@@ -380,7 +380,7 @@ async def open_upstream(
 ) -> Upstream:
     resp: aiohttp.ClientResponse | None = None
     try:
-        async with ClockTimeout(attempt.timeout_s, clock):
+        with ClockTimeout(attempt.timeout_s, clock):
             data = attempt.data
             resp = await session.post(
                 attempt.url,

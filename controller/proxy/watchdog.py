@@ -43,32 +43,37 @@ def poll_s(clock: Clock) -> float:
 
 class ClockTimeout:
     """`asyncio.timeout(seconds)` on `clock`: the block is cancelled once `clock()` has passed
-    `seconds` from entry, and `TimeoutError` raised out of it; None means no limit."""
+    `seconds` from entry, and `TimeoutError` raised out of it; None means no limit. A plain
+    `with` inside a task (entering and leaving need no await: no coroutine per use, and every
+    request enters a few)."""
 
-    __slots__ = ("_clock", "_deadline", "_expired", "_handle", "_loop", "_poll", "_task", "seconds")
+    __slots__ = ("_clock", "_deadline", "_expired", "_handle", "_loop", "_task", "seconds")
 
     def __init__(self, seconds: float | None, clock: Clock = time.monotonic) -> None:
         self.seconds = seconds
         self._clock = clock
-        self._poll = poll_s(clock)
         self._deadline = 0.0
         self._expired = False
         self._task: asyncio.Task[object] | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def __aenter__(self) -> ClockTimeout:
-        if self.seconds is not None:
+    def __enter__(self) -> ClockTimeout:
+        seconds = self.seconds
+        if seconds is not None:
             self._task = asyncio.current_task()
-            self._loop = asyncio.get_running_loop()
-            self._deadline = self._clock() + self.seconds
-            self._arm()
+            loop = self._loop = asyncio.get_running_loop()
+            clock = self._clock
+            self._deadline = clock() + seconds
+            # the first `_arm`, inline (every request enters a few of these)
+            wait = max(0.0, seconds) if clock is time.monotonic else min(max(0.0, seconds), POLL_S)
+            self._handle = loop.call_later(wait, self._fire)
         return self
 
     def _arm(self) -> None:
         assert self._loop is not None
         remaining = max(0.0, self._deadline - self._clock())
-        self._handle = self._loop.call_later(min(remaining, self._poll), self._fire)
+        self._handle = self._loop.call_later(min(remaining, poll_s(self._clock)), self._fire)
 
     def _fire(self) -> None:
         if self._clock() >= self._deadline:
@@ -78,7 +83,7 @@ class ClockTimeout:
         else:
             self._arm()
 
-    async def __aexit__(
+    def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._handle is not None:
@@ -103,7 +108,7 @@ class RelayWatchdog:
         self.write_s = write_s
         self.clock = clock
         """What `reading`'s and `writing`'s `now` are read from, and the deadlines compared to."""
-        self.tick_s = min(idle_s, write_s, poll_s(clock))
+        self.tick_s = min(idle_s, write_s) if clock is time.monotonic else min(idle_s, write_s, POLL_S)
         self.side: Side = "backend"
         self.since = 0.0
         self.credit = 0.0

@@ -14,13 +14,13 @@ from controller.proxy.watchdog import ClockTimeout, RelayWatchdog, Stalled
 async def test_a_clock_timeout_fires_when_its_clock_passes_the_deadline_not_before():
     clock = ShiftedClock()
     with pytest.raises(TimeoutError):
-        async with ClockTimeout(3600.0, clock):
+        with ClockTimeout(3600.0, clock):
             await asyncio.sleep(0.2)
             clock.advance(3600.0)
             await asyncio.sleep(60)  # cut by the timeout (else no TimeoutError: the test fails)
-    async with ClockTimeout(3600.0, clock):
+    with ClockTimeout(3600.0, clock):
         await asyncio.sleep(0.2)  # not over: nothing raised
-    async with ClockTimeout(None, clock):
+    with ClockTimeout(None, clock):
         await asyncio.sleep(0.01)  # no limit
 
 
@@ -28,7 +28,7 @@ async def test_a_clock_timeout_passes_on_a_cancellation_that_is_not_its_own():
     clock = ShiftedClock()
 
     async def body() -> None:
-        async with ClockTimeout(3600.0, clock):
+        with ClockTimeout(3600.0, clock):
             await asyncio.sleep(60)
 
     task = asyncio.create_task(body())
@@ -40,7 +40,7 @@ async def test_a_clock_timeout_passes_on_a_cancellation_that_is_not_its_own():
 
 async def test_on_the_real_clock_a_clock_timeout_fires_on_time():
     with pytest.raises(TimeoutError):
-        async with ClockTimeout(0.05):
+        with ClockTimeout(0.05):
             await asyncio.sleep(60)
 
 
