@@ -99,11 +99,18 @@ class Capacity:
     def blocked(self, forced: Pool | None, now: float) -> bool:
         """Whether a request (forced to a pool, or not) must wait: some backend it may use is
         usable, and every such backend is full."""
-        usable = [b for b in self.tracker.usable(now) if forced is None or b.pool == forced]
+        tracker = self.tracker
+        usable = tracker.usable(now)
+        if forced is not None:
+            usable = [b for b in usable if b.pool == forced]
         if not usable:
             return False
-        room = {p: self.tracker.pool_has_room(p) for p in POOLS}
-        return not any(room[b.pool] and b.has_room(now) for b in usable)
+        bounds = tracker.pool_max_in_flight
+        room = {p: bounds[p] is None or tracker.pool_has_room(p) for p in POOLS}
+        for b in usable:  # (a loop, not any() over a generator: on every request's path)
+            if room[b.pool] and b.has_room(now):
+                return False
+        return True
 
     async def admit(self, forced: Pool | None, now: float) -> float:
         """Return once the request may be routed (at once in the usual case, without suspending);

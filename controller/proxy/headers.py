@@ -59,11 +59,11 @@ def forwardable(key: str, value: str) -> str:
 
 def upstream_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     """The client's request headers that go to the backend, plus `Accept-Encoding: identity`."""
-    drop = _REQUEST_DROP | connection_named(headers)
+    drop = _REQUEST_DROP | connection_named(headers) if headers.get("Connection") else _REQUEST_DROP
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in headers.items():
         if key.lower() not in drop:
-            out.add(key, forwardable(key, value))
+            out.add(key, value if value.isascii() else forwardable(key, value))
     out["Accept-Encoding"] = "identity"
     return out
 
@@ -72,7 +72,11 @@ def client_headers(
     backend_headers: Mapping[str, str], decision: Decision, *, show_backend: bool
 ) -> CIMultiDict[str]:
     """The backend's response headers for the client, with specroute's own."""
-    drop = _RESPONSE_DROP | connection_named(backend_headers)
+    drop = (
+        _RESPONSE_DROP | connection_named(backend_headers)
+        if backend_headers.get("Connection")
+        else _RESPONSE_DROP
+    )
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in backend_headers.items():
         if key.lower() not in drop:

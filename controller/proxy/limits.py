@@ -196,14 +196,22 @@ async def read_body(
         limit = min(limit, max(SLICE, int(declared * max_ratio)))  # a compressed body's inflation
     if declared is not None and charge is not None and inflater is None:
         await _room_for_body(charge, BODY_COPIES * declared, wait_s if declared > GATED_FROM else 0.0, clock)
+    content = request.content
+    if inflater is None and declared is not None and content.is_eof():
+        # The usual request: a plain body the first read brought whole (its size checked and
+        # charged above): taken as it is, without the read loop.
+        raw = content.read_nowait()
+        if len(raw) > limit:
+            raise PayloadTooLarge(f"request body too large: more than {limit} bytes")
+        budget.feed(raw, final=True)
+        return raw
     ratio = max_ratio if declared is None and inflater is not None else None
     # A BytesIO, not a bytearray: its getvalue() hands over the buffer it grew (no copy while
     # nothing else views it), where bytes(bytearray) copied a 30 MB body once more at its end.
     buf = io.BytesIO()
     size = received = 0
-    content = request.content
     try:
-        async with ClockTimeout(None if content.is_eof() else timeout_s, clock):
+        with ClockTimeout(None if content.is_eof() else timeout_s, clock):
             while raw := await content.readany():
                 received += len(raw)
                 for chunk in (raw,) if inflater is None else inflater.steps(raw):
@@ -248,7 +256,7 @@ async def _room_for_body(charge: Charge, n: int, wait_s: float, clock: Clock) ->
             raise MemoryBusy(BUDGET_FULL)
         return
     try:
-        async with ClockTimeout(wait_s, clock):
+        with ClockTimeout(wait_s, clock):
             await charge.grow_to_waiting(n)
     except TimeoutError:
         budget.refusals += 1
@@ -386,7 +394,7 @@ class BodyGate:
             yield
             return
         try:
-            async with ClockTimeout(self.wait_s, self.clock):
+            with ClockTimeout(self.wait_s, self.clock):
                 await self._sem.acquire()
         except TimeoutError:
             raise BodiesBusy(

@@ -202,20 +202,33 @@ class LoadTracker:
         of the request's prompt `blocks` on each backend, at most `prompt_tokens` (the request's
         estimate: blocks of canonical text also hold the chat roles, which the estimate does
         not count)."""
-        stale = self.stale_after_s
-        usable = {b.name for b in self.usable(now)}
-        room = {p: self.pool_has_room(p) for p in POOLS}
-        return load_view(
-            b.load(
-                now,
-                stale,
-                b.name in usable,
-                self.replicas,
-                full=not (room[b.pool] and b.has_room(now)),
-                cached_tokens=believed_cached(b.prefixes, blocks, prompt_tokens),
-            )
-            for b in self.backends.values()
-        )
+        # Built once per request: `usable`, `pool_has_room`, `has_room` and `load` inline.
+        stale, replicas = self.stale_after_s, self.replicas
+        backends = list(self.backends.values())
+        up = [b for b in backends if b.healthy and (b.ejected_until is None or now >= b.ejected_until)]
+        usable = {b.name for b in (up if up or not self.panic else backends)}
+        bounds = self.pool_max_in_flight
+        in_pool = dict.fromkeys(POOLS, 0)
+        for b in backends:
+            in_pool[b.pool] += b.in_flight
+        loads = []
+        for b in backends:
+            bound = bounds[b.pool]
+            room = bound is None or in_pool[b.pool] < bound
+            if room and b.backoff_until is not None and now < b.backoff_until:
+                room = False
+            elif room and b.max_in_flight is not None and b.in_flight >= b.max_in_flight:
+                room = False
+            load = backend_load(
+                b.name, b.pool, b.in_flight, b.in_flight_tokens,
+                healthy=b.name in usable, full=not room,
+                cached_tokens=believed_cached(b.prefixes, blocks, prompt_tokens) if blocks else 0,
+                running=b.running, queued=b.queued, sample_time=b.sample_time,
+                sample_in_flight=b.sample_in_flight, accept_length=b.accept_length, now=now,
+                stale_after_s=stale, replicas=replicas, max_running=b.max_running,
+            )  # fmt: skip
+            loads.append(load)
+        return load_view(loads)
 
     def reserve(self, name: str, tokens: int = 0, blocks: tuple[int, ...] = ()) -> Reservation:
         """Take a slot on `name` for a request whose prompt fingerprint is `blocks` (recorded in

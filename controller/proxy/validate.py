@@ -41,6 +41,8 @@ def _number(value: Any) -> float | None:
 
 def _integer(value: Any) -> int | None:
     """The value as an int when it is an integral JSON number below 2**53, else None."""
+    if type(value) is int:  # the usual case, without the float round trip
+        return value if abs(value) < 2**53 else None
     number = _number(value)
     if number is None or not math.isfinite(number) or not number.is_integer() or abs(number) >= 2**53:
         return None
@@ -57,9 +59,14 @@ _RANGES: tuple[tuple[str, Callable[[float], bool], str], ...] = (
 )
 
 
+_SAMPLING_KEYS = frozenset([*(key for key, _, _ in _RANGES), "top_k", "n"])
+
+
 def _check_sampling(params: Mapping[str, Any], where: str) -> None:
     """The sampling ranges, for the keys the body has (most name none of them: a missing or null
-    key costs one `dict.get`, on every request's path)."""
+    key costs one `dict.get`, on every request's path; a body with none of them, one test)."""
+    if _SAMPLING_KEYS.isdisjoint(params):
+        return
     for key, ok, wanted in _RANGES:
         value = params.get(key)
         if value is None:
