@@ -471,6 +471,9 @@ class RequestLifecycle:
                         if charge.held:  # the first event is out: only what is held back stays charged
                             charge.shrink_to(len(held.pending))
                     chunk = await content.readany()
+                # The end, inside the watchdog: its last write is timed by the stream's timer
+                # (`writing`), not by a timer of its own.
+                return await self._end(up, sr, held.rest() + chunk, b"".join(tail), strip_usage, dog)
         except Stalled as e:
             if e.side == "client":
                 self._client_stalled(e.seconds)
@@ -485,7 +488,6 @@ class RequestLifecycle:
                 raise ConnectionResetError from None  # our own client went away (write failed)
             await self._broken(sr, f"stream broke: {type(e).__name__}")
             return False
-        return await self._end(up, sr, held.rest() + chunk, b"".join(tail), strip_usage)
 
     async def _relay_pieces(
         self, pieces: list[bytes], sr: web.StreamResponse, dog: RelayWatchdog, tail: list[bytes], after: int
@@ -515,9 +517,19 @@ class RequestLifecycle:
                 await asyncio.sleep(0)  # a write the socket took whole did not give the loop a turn
 
     async def _end(
-        self, up: Upstream, sr: web.StreamResponse, last: bytes, tail: bytes, strip_usage: bool
+        self,
+        up: Upstream,
+        sr: web.StreamResponse,
+        last: bytes,
+        tail: bytes,
+        strip_usage: bool,
+        dog: RelayWatchdog,
     ) -> bool:
-        """The backend's stream ended: relay its last piece, and judge how it ended."""
+        """The backend's stream ended: relay its last piece, and judge how it ended. Runs
+        inside the relay's watchdog (`dog`): a last write blocked for client_write_timeout_s
+        is a `Stalled` client. From here on it waits only on the client (`writing`): an error
+        event that blocks is the client's stall, never the backend's silence."""
+        dog.writing(self.fwd.clock())
         if not up.opaque and last and not ends_an_event(last):
             # The answer ended inside an event: a close-delimited stream whose connection was
             # torn (without chunked framing the end of the body looks like its end).
@@ -540,7 +552,7 @@ class RequestLifecycle:
         last = self._filter(last, strip_usage)
         if self.spec is not None:
             self.accept_length = accept_length(self.spec.details, as_count(self.tokens))
-        await self._write_or_give_up(sr, last, eof=True)
+        await sr.write_eof(last)
         return True
 
     async def _broken(self, sr: web.StreamResponse, why: str) -> None:

@@ -61,8 +61,8 @@ class ClockTimeout:
     def __enter__(self) -> ClockTimeout:
         seconds = self.seconds
         if seconds is not None:
-            self._task = asyncio.current_task()
             loop = self._loop = asyncio.get_running_loop()
+            self._task = asyncio.current_task(loop)  # (with the loop given: one getpid() less)
             clock = self._clock
             self._deadline = clock() + seconds
             # the first `_arm`, inline (every request enters a few of these)
@@ -127,7 +127,7 @@ class RelayWatchdog:
         self.side, self.since = "client", now
 
     def __enter__(self) -> RelayWatchdog:
-        self._task = asyncio.current_task()
+        self._task = asyncio.current_task(self._loop)
         self.reading(self.clock())
         self._handle = self._loop.call_later(self.tick_s, self._fire)
         return self
