@@ -163,7 +163,8 @@ async def test_a_slow_reader_is_not_blamed_on_the_backend(fake_backend, proxy, c
         body = json.dumps({**BODY, "max_tokens": 24_000}).encode()
         await loop.sock_sendall(sock, raw_post("/v1/chat/completions", body))
         assert await wait_until(lambda: fb.active == 1, 5)
-        await asyncio.sleep(0.5)  # the socket buffers fill: the proxy's write blocks
+        # the socket buffers fill: the proxy's write blocks (the gauge reads the relay's watchdog)
+        assert await wait_until(lambda: p.sample("specroute_client_writes_blocked") == 1.0, 10)
         clock.advance(6.0)
         await asyncio.sleep(2 * POLL_S)  # the watchdog's timer (due within POLL_S) has checked since
         async with asyncio.timeout(60):
@@ -179,6 +180,7 @@ async def test_a_slow_reader_is_not_blamed_on_the_backend(fake_backend, proxy, c
     await p.wait_idle()
     assert p.records[-1].outcome.status == "ok"
     assert "sent nothing" not in caplog.text
+    assert p.sample("specroute_client_writes_blocked") == 0.0
 
 
 async def test_a_client_that_stops_reading_is_given_up_and_its_connection_closed(fake_backend, proxy):
