@@ -513,7 +513,10 @@ async def test_client_that_stops_reading_releases_its_slot(fake_backend, proxy):
     closes the upstream request (the backend sees the abort) and releases the slot; others are
     served. (test_hostile_clients.py checks that its connection is closed too.)"""
     fb = await fake_backend(chunks=400_000)  # ~50 MB of events: far more than the socket buffers hold
-    p = await proxy(baseline=[fb.url], policy="fixed", client_write_timeout_s=1.0, health_checks=False)
+    clock = ShiftedClock()  # client_write_timeout_s passes on it once the proxy's write blocks
+    p = await proxy(
+        baseline=[fb.url], policy="fixed", client_write_timeout_s=30, health_checks=False, clock=clock
+    )
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
@@ -525,7 +528,9 @@ async def test_client_that_stops_reading_releases_its_slot(fake_backend, proxy):
         assert await wait_until(lambda: fb.active == 1, 5)
         fb.chunks = 8  # later requests get short answers
         await _normal_request(p.base_url)  # served while the stuck reader holds its stream
-        assert await wait_until(lambda: p.tracker.total_in_flight == 0, 30), p.in_flight_samples()
+        assert await wait_until(lambda: p.sample("specroute_client_writes_blocked") == 1.0, 10)
+        clock.advance(31)
+        assert await wait_until(lambda: p.tracker.total_in_flight == 0, 5), p.in_flight_samples()
         assert await wait_until(lambda: fb.aborted == 1 and fb.active == 0, 5)
     finally:
         sock.close()
