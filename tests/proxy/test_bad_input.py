@@ -416,9 +416,11 @@ async def test_costly_bodies_are_read_a_few_at_a_time_and_small_ones_never_wait(
     `admission_wait_s` is over; a small body with a Content-Length is served meanwhile; when the
     slow one is complete it is served too."""
     fb = await fake_backend(chunks=2)
+    clock = ShiftedClock()  # admission_wait_s passes on it (the slow body's limit is out of reach)
     p = await proxy(
-        baseline=[fb.url], policy="fixed", health_checks=False, body_read_concurrency=1, admission_wait_s=0.2
-    )
+        baseline=[fb.url], policy="fixed", health_checks=False, body_read_concurrency=1, admission_wait_s=10,
+        body_timeout_s=3600, clock=clock,
+    )  # fmt: skip
     payload = json.dumps({**BODY, "stream": False}).encode()
     go = asyncio.Event()
 
@@ -438,7 +440,7 @@ async def test_costly_bodies_are_read_a_few_at_a_time_and_small_ones_never_wait(
     async with aiohttp.ClientSession() as s:
         slow = asyncio.ensure_future(chunked(s, slowly()))
         assert await wait_until(lambda: p.forwarder.body_gate.full, 10.0)
-        status, answer, retry = await chunked(s, once(payload))
+        status, answer, retry = await asyncio.wait_for(clock.ticking(chunked(s, once(payload)), 11), 5)
         assert (status, answer["error"]["code"], retry) == (503, "bodies_busy", "1")
         async with s.post(p.url + "/v1/chat/completions", json={**BODY, "stream": False}) as r:
             assert r.status == 200  # a Content-Length under 1 MiB: no turn needed
