@@ -464,8 +464,11 @@ class ShiftedClock:
         from controller.proxy.watchdog import POLL_S
 
         task = asyncio.ensure_future(aw)
-        while not task.done():
-            await asyncio.wait({task}, timeout=2 * POLL_S)
-            if not task.done() and (when is None or when()):
-                self.advance(step_s)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=2 * POLL_S)
+                if not task.done() and (when is None or when()):
+                    self.advance(step_s)
+        finally:
+            task.cancel()  # when this is cancelled (a test's timeout), `aw` ends with it
         return task.result()

@@ -49,7 +49,7 @@ from controller.proxy.info import model_info, server_info
 from controller.proxy.limits import read_bounded
 from controller.proxy.load import LoadTracker
 from controller.proxy.memory import keep_heap_small
-from controller.proxy.metrics import BudgetCollector, Metrics
+from controller.proxy.metrics import BudgetCollector, Metrics, RelayCollector
 from controller.proxy.outlier import OutlierDetector
 from controller.proxy.scrape import ScrapeLoop, apply_reported_cap
 from controller.proxy.shadow import ShadowPolicies, build_shadows
@@ -137,6 +137,7 @@ def create_app(
         ),
     )
     registry_.register(BudgetCollector(fwd.budget))
+    registry_.register(RelayCollector(fwd.relays))
     fwd.observers.append(AcceptanceMetrics(registry_, lambda: fwd.policy))
     fwd.observers.append(MismatchWatch(metrics))
     app[SETTINGS] = settings

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from controller.proxy.config import Settings
 from controller.proxy.errors import Overloaded
 from controller.proxy.load import BackendState, LoadTracker, Reservation
+from controller.proxy.watchdog import poll_s
 from policies.base import POOLS, Pool
 from policies.profile import Profile
 
@@ -126,6 +127,7 @@ class Capacity:
         loop = asyncio.get_running_loop()
         started = self.clock()
         deadline = started + self.wait_s
+        poll = poll_s(self.clock)  # a clock not the loop's (a test's) is read every POLL_S
         waiter = _Waiter(frozenset(POOLS if forced is None else (forced,)))
         self._waiters.append(waiter)
         self.metrics.waits.inc()
@@ -142,7 +144,7 @@ class Capacity:
                         retry_after_s=RETRY_AFTER_S,
                     )
                 try:
-                    async with asyncio.timeout(min(remaining, RECHECK_S)):
+                    async with asyncio.timeout(min(remaining, RECHECK_S, poll)):
                         await waiter.wake
                 except TimeoutError:
                     pass

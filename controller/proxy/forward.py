@@ -49,6 +49,7 @@ from controller.proxy.prefixes import blocks_on_loop, prompt_blocks
 from controller.proxy.request import check_body, estimate_prompt_tokens, parse_body
 from controller.proxy.shadow import ShadowChoice, ShadowPolicies
 from controller.proxy.upstream import COUNTED, UpstreamFailure
+from controller.proxy.watchdog import RelayWatchdog
 from policies.base import (
     Decision,
     EndpointKind,
@@ -176,6 +177,8 @@ class Forwarder:
         """What clients may learn of the backends: every client-bound message passes it."""
         self.active: set[asyncio.Task[Any]] = set()
         """The handler tasks of requests in progress (a shutdown cancels those left after draining)."""
+        self.relays: set[RelayWatchdog] = set()
+        """The watchdogs of the streams being relayed (`specroute_client_writes_blocked` reads them)."""
         self.observers: list[Observer] = observers if observers is not None else []
         self.shadows = shadows if shadows else None
         self.session: aiohttp.ClientSession | None = None

@@ -86,6 +86,7 @@ class Forwarding(Protocol):
     session: aiohttp.ClientSession | None
     cache_reporters: set[str]
     client_timeout: aiohttp.ClientTimeout
+    relays: set[RelayWatchdog]
 
     def response_headers(self, resp: aiohttp.ClientResponse, decision: Decision) -> CIMultiDict[str]: ...
     def attempt_failed(self, backend: BackendState, failure: UpstreamFailure, sent_at: float) -> None: ...
@@ -441,7 +442,9 @@ class RequestLifecycle:
         charge, spec = self.charge, self.spec
         chunk = up.head
         try:
-            with RelayWatchdog(settings.idle_timeout_s, settings.client_write_timeout_s, clock) as dog:
+            with RelayWatchdog(
+                settings.idle_timeout_s, settings.client_write_timeout_s, clock, self.fwd.relays
+            ) as dog:
                 if up.pieces:
                     await self._relay_pieces(up.pieces, sr, dog, tail, len(chunk))
                     if not chunk and not (up.ended or content.at_eof()):

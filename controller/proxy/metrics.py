@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from controller.proxy.load import LoadTracker
 from controller.proxy.memory import MemoryBudget
+from controller.proxy.watchdog import RelayWatchdog
 from policies.base import Outcome
 
 # Buckets that fit LLM serving: TTFT 10 ms..60 s, whole requests up to 10 min, decode rates
@@ -123,6 +124,22 @@ class BudgetCollector(Collector):
             "specroute_memory_budget_refusals",
             "Work refused because the memory budget could not hold it (503 bodies, 502 answers).",
             value=b.refusals,
+        )
+
+
+class RelayCollector(Collector):
+    """Streams whose write to the client is blocked at scrape time: their relay (`RelayWatchdog`
+    in `relays`) waits for a client that reads slower than the stream, or not at all (given up
+    after `client_write_timeout_s`)."""
+
+    def __init__(self, relays: set[RelayWatchdog]) -> None:
+        self._relays = relays
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "specroute_client_writes_blocked",
+            "Streamed answers whose write to the client is blocked now (a client slower than its stream).",
+            value=sum(1 for dog in self._relays if dog.side == "client"),
         )
 
 

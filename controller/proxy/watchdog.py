@@ -19,6 +19,11 @@ Both limits, and `ClockTimeout` (`asyncio.timeout` for the request path), read t
 injected clock, not the loop's: with the real clock (`time.monotonic`, the loop's own) a timer
 fires at the deadline; with another (a test's `ShiftedClock`) the timer also polls every
 `POLL_S`, so a test moves time past a deadline instead of sleeping for it.
+
+A watchdog given a `live` set is in it while it runs: whoever reads the set on the event loop
+(`specroute_client_writes_blocked`, at scrape time) sees `side == "client"` only for a relay
+suspended in a write the client has not taken, as `writing` is followed by `reading` in the same
+step when the write does not block.
 """
 
 from __future__ import annotations
@@ -103,7 +108,13 @@ class Stalled(Exception):
 
 
 class RelayWatchdog:
-    def __init__(self, idle_s: float, write_s: float, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        idle_s: float,
+        write_s: float,
+        clock: Clock = time.monotonic,
+        live: set[RelayWatchdog] | None = None,
+    ) -> None:
         self.idle_s = idle_s
         self.write_s = write_s
         self.clock = clock
@@ -116,6 +127,7 @@ class RelayWatchdog:
         self._loop = asyncio.get_running_loop()
         self._task: asyncio.Task[object] | None = None
         self._handle: asyncio.TimerHandle | None = None
+        self._live = live
 
     def reading(self, now: float, credit: float = 0.0) -> None:
         """From `now` on the relay waits for the backend, which gets `credit` seconds more than
@@ -130,6 +142,8 @@ class RelayWatchdog:
         self._task = asyncio.current_task(self._loop)
         self.reading(self.clock())
         self._handle = self._loop.call_later(self.tick_s, self._fire)
+        if self._live is not None:
+            self._live.add(self)
         return self
 
     def _limit(self) -> float:
@@ -150,6 +164,8 @@ class RelayWatchdog:
     ) -> None:
         if self._handle is not None:
             self._handle.cancel()
+        if self._live is not None:
+            self._live.discard(self)
         side = self.expired
         if side is not None and kind is asyncio.CancelledError and self._task is not None:
             if self._task.uncancel() == 0:  # our cancellation, not the client's or a shutdown's

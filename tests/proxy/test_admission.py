@@ -11,7 +11,10 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from fakes import ShiftedClock
 from helpers import CHAT, assert_openai_error, wait_until
+
+from controller.proxy.watchdog import POLL_S
 
 
 async def _hold(c: openai.AsyncOpenAI, **kw: Any) -> Any:
@@ -108,18 +111,24 @@ async def test_a_forced_pool_waits_for_its_own_slot(fake_backend, proxy):
 
 
 async def test_past_the_wait_a_429_with_retry_after(fake_backend, proxy):
-    base = await fake_backend(delay_s=0.05)
+    """A request that finds every backend full waits `admission_wait_s` (10 s, on the proxy's
+    clock), not less, then gets 429."""
+    base = await fake_backend(chunks=1000, delay_s=0.05)  # the held stream outlasts the test
+    clock = ShiftedClock()
     p = await proxy(
-        baseline=[base.url], policy="fixed", baseline_backend_max_in_flight=1, admission_wait_s=0.3,
-        health_checks=False,
+        baseline=[base.url], policy="fixed", baseline_backend_max_in_flight=1, admission_wait_s=10,
+        health_checks=False, clock=clock,
     )  # fmt: skip
     c = p.client()
     held = await _hold(c)
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
+    waiting = asyncio.ensure_future(_one(c))
+    assert await wait_until(lambda: p.sample("specroute_admission_waiting_requests") == 1.0, 10)
+    clock.advance(9)
+    await asyncio.sleep(2 * POLL_S)  # the wait's timer (due within POLL_S) has checked since
+    assert not waiting.done(), "refused before admission_wait_s"
+    clock.advance(2)
     with pytest.raises(openai.RateLimitError) as info:
-        await _one(c)
-    assert loop.time() - t0 >= 0.3
+        await asyncio.wait_for(waiting, 5)
     assert info.value.status_code == 429
     assert info.value.response.headers["Retry-After"] == "1"
     assert_openai_error(info.value.response.json(), "rate_limit_exceeded")

@@ -28,6 +28,8 @@ from helpers import port_of as _port
 from helpers import raw_exchange as _raw
 from helpers import raw_post as _request
 
+from controller.proxy.watchdog import POLL_S
+
 
 async def _normal_request(base_url: str) -> None:
     """A well-behaved client: a streaming chat completion through the official client."""
@@ -205,10 +207,20 @@ async def test_slowloris_headers_are_cut_by_the_header_timeout(fake_backend, pro
     assert p.in_flight_samples() == [0.0]
 
 
+BODY_TIMEOUT_S = 30.0
+"""`body_timeout_s` of the slow-body tests: a realistic limit, moved past on the proxy's clock."""
+
+
 @pytest.mark.parametrize("trickle", [False, True])
 async def test_slowloris_body_gets_408(fake_backend, proxy, trickle):
+    """A body that stops (or trickles a byte at a time, never reaching its declared length) is
+    answered 408 once `body_timeout_s` has passed on the proxy's clock since its read began: not
+    1 s before, and the proxy serves others meanwhile."""
     fb = await fake_backend(chunks=2)
-    p = await proxy(baseline=[fb.url], policy="fixed", body_timeout_s=0.5, health_checks=False)
+    clock = ShiftedClock()
+    p = await proxy(
+        baseline=[fb.url], policy="fixed", body_timeout_s=BODY_TIMEOUT_S, health_checks=False, clock=clock
+    )
     reader, writer = await asyncio.open_connection("127.0.0.1", _port(p.url))
     head = _request("/v1/chat/completions", b"", content_length=1000)
     writer.write(head + b'{"messages": [')
@@ -216,13 +228,19 @@ async def test_slowloris_body_gets_408(fake_backend, proxy, trickle):
     try:
 
         async def trickler() -> None:
-            for _ in range(200):  # a byte every 20 ms: would take 20 s to finish
+            for _ in range(200):  # a byte every 20 ms, far from the 1000 declared
                 writer.write(b" ")
                 await asyncio.sleep(0.02)
 
         task = asyncio.create_task(trickler()) if trickle else None
+        assert await wait_until(lambda: len(p.forwarder.active) == 1, 5)  # its body's read has begun
         await _normal_request(p.base_url)  # served meanwhile
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        answered = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+        clock.advance(BODY_TIMEOUT_S - 1)
+        await asyncio.sleep(3 * POLL_S)  # the deadline's timer (due within POLL_S) has checked since
+        assert not answered.done(), "answered before body_timeout_s"
+        clock.advance(2)
+        head = await asyncio.wait_for(answered, 5.0)
         status, headers, _ = _split_response(head)
         answer = head + await reader.readexactly(int(headers["content-length"]))
         if task is not None:
@@ -236,6 +254,33 @@ async def test_slowloris_body_gets_408(fake_backend, proxy, trickle):
     assert len(fb.requests) == 1  # only the normal request reached the backend
     assert p.in_flight_samples() == [0.0]
     assert p.sample("specroute_rejected_requests_total", code="408") == 1.0
+
+
+async def test_a_body_that_trickles_in_within_body_timeout_s_is_served(fake_backend, proxy):
+    """The body timeout bounds the whole read, not a pause: a body sent in three pieces over 29 s
+    of the proxy's clock (of 30) is read to its end and forwarded."""
+    fb = await fake_backend(chunks=2)
+    clock = ShiftedClock()
+    p = await proxy(
+        baseline=[fb.url], policy="fixed", body_timeout_s=BODY_TIMEOUT_S, health_checks=False, clock=clock
+    )
+    body = json.dumps(BODY).encode()
+    cut = len(body) // 3
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(p.url))
+    try:
+        writer.write(_request("/v1/chat/completions", b"", content_length=len(body)) + body[:cut])
+        assert await wait_until(lambda: len(p.forwarder.active) == 1, 5)  # its body's read has begun
+        for piece, advance in ((body[cut : 2 * cut], 15.0), (body[2 * cut :], BODY_TIMEOUT_S - 1 - 15.0)):
+            clock.advance(advance)
+            await asyncio.sleep(3 * POLL_S)  # the deadline's timer has checked the moved clock
+            writer.write(piece)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+    finally:
+        writer.close()
+    status, _, _ = _split_response(head)
+    assert status == 200
+    assert len(fb.requests) == 1 and fb.requests[0]["messages"] == BODY["messages"]
+    assert p.sample("specroute_rejected_requests_total", code="408") is None
 
 
 def _soft_limit(soft: int) -> Callable[[], None]:
@@ -371,9 +416,11 @@ async def test_costly_bodies_are_read_a_few_at_a_time_and_small_ones_never_wait(
     `admission_wait_s` is over; a small body with a Content-Length is served meanwhile; when the
     slow one is complete it is served too."""
     fb = await fake_backend(chunks=2)
+    clock = ShiftedClock()  # admission_wait_s passes on it (the slow body's limit is out of reach)
     p = await proxy(
-        baseline=[fb.url], policy="fixed", health_checks=False, body_read_concurrency=1, admission_wait_s=0.2
-    )
+        baseline=[fb.url], policy="fixed", health_checks=False, body_read_concurrency=1, admission_wait_s=10,
+        body_timeout_s=3600, clock=clock,
+    )  # fmt: skip
     payload = json.dumps({**BODY, "stream": False}).encode()
     go = asyncio.Event()
 
@@ -393,7 +440,7 @@ async def test_costly_bodies_are_read_a_few_at_a_time_and_small_ones_never_wait(
     async with aiohttp.ClientSession() as s:
         slow = asyncio.ensure_future(chunked(s, slowly()))
         assert await wait_until(lambda: p.forwarder.body_gate.full, 10.0)
-        status, answer, retry = await chunked(s, once(payload))
+        status, answer, retry = await asyncio.wait_for(clock.ticking(chunked(s, once(payload)), 11), 5)
         assert (status, answer["error"]["code"], retry) == (503, "bodies_busy", "1")
         async with s.post(p.url + "/v1/chat/completions", json={**BODY, "stream": False}) as r:
             assert r.status == 200  # a Content-Length under 1 MiB: no turn needed
@@ -468,7 +515,10 @@ async def test_client_that_stops_reading_releases_its_slot(fake_backend, proxy):
     closes the upstream request (the backend sees the abort) and releases the slot; others are
     served. (test_hostile_clients.py checks that its connection is closed too.)"""
     fb = await fake_backend(chunks=400_000)  # ~50 MB of events: far more than the socket buffers hold
-    p = await proxy(baseline=[fb.url], policy="fixed", client_write_timeout_s=1.0, health_checks=False)
+    clock = ShiftedClock()  # client_write_timeout_s passes on it once the proxy's write blocks
+    p = await proxy(
+        baseline=[fb.url], policy="fixed", client_write_timeout_s=30, health_checks=False, clock=clock
+    )
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
@@ -480,7 +530,9 @@ async def test_client_that_stops_reading_releases_its_slot(fake_backend, proxy):
         assert await wait_until(lambda: fb.active == 1, 5)
         fb.chunks = 8  # later requests get short answers
         await _normal_request(p.base_url)  # served while the stuck reader holds its stream
-        assert await wait_until(lambda: p.tracker.total_in_flight == 0, 30), p.in_flight_samples()
+        assert await wait_until(lambda: p.sample("specroute_client_writes_blocked") == 1.0, 10)
+        clock.advance(31)
+        assert await wait_until(lambda: p.tracker.total_in_flight == 0, 5), p.in_flight_samples()
         assert await wait_until(lambda: fb.aborted == 1 and fb.active == 0, 5)
     finally:
         sock.close()

@@ -487,6 +487,7 @@ async def test_stream_broken_mid_event_still_ends_with_a_parseable_error_event(f
         "choices": [{"index": 0, "delta": {"content": "a"}}],
     }
     event = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    stalling = asyncio.Event()
 
     async def half_event(request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -500,6 +501,7 @@ async def test_stream_broken_mid_event_still_ends_with_a_parseable_error_event(f
             assert request.transport is not None
             request.transport.abort()
             return resp
+        stalling.set()
         await asyncio.sleep(3600)
         return resp
 
@@ -510,14 +512,15 @@ async def test_stream_broken_mid_event_still_ends_with_a_parseable_error_event(f
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        p = await proxy(baseline=[url], policy="fixed", idle_timeout_s=0.5, health_checks=False)
+        clock = ShiftedClock()  # idle_timeout_s passes on it once the backend stalls (not its pace)
+        p = await proxy(baseline=[url], policy="fixed", idle_timeout_s=60, health_checks=False, clock=clock)
         async with (
             aiohttp.ClientSession() as s,
             s.post(
                 p.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT, "stream": True}
             ) as r,
         ):
-            body = await asyncio.wait_for(r.read(), 10)
+            body = await asyncio.wait_for(clock.ticking(r.read(), 61, when=stalling.is_set), 10)
         events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
         assert events[-1] == b"[DONE]", body
         assert json.loads(events[0])["choices"][0]["delta"]["content"] == "a"

@@ -163,7 +163,8 @@ async def test_a_slow_reader_is_not_blamed_on_the_backend(fake_backend, proxy, c
         body = json.dumps({**BODY, "max_tokens": 24_000}).encode()
         await loop.sock_sendall(sock, raw_post("/v1/chat/completions", body))
         assert await wait_until(lambda: fb.active == 1, 5)
-        await asyncio.sleep(0.5)  # the socket buffers fill: the proxy's write blocks
+        # the socket buffers fill: the proxy's write blocks (the gauge reads the relay's watchdog)
+        assert await wait_until(lambda: p.sample("specroute_client_writes_blocked") == 1.0, 10)
         clock.advance(6.0)
         await asyncio.sleep(2 * POLL_S)  # the watchdog's timer (due within POLL_S) has checked since
         async with asyncio.timeout(60):
@@ -179,16 +180,19 @@ async def test_a_slow_reader_is_not_blamed_on_the_backend(fake_backend, proxy, c
     await p.wait_idle()
     assert p.records[-1].outcome.status == "ok"
     assert "sent nothing" not in caplog.text
+    assert p.sample("specroute_client_writes_blocked") == 0.0
 
 
 async def test_a_client_that_stops_reading_is_given_up_and_its_connection_closed(fake_backend, proxy):
-    """After client_write_timeout_s of a blocked write the stream is given up: the upstream request
-    is closed (the backend aborts) and the client's connection is aborted, so neither its socket
-    nor its unsent buffer outlives the request."""
+    """After client_write_timeout_s (30 s, on the proxy's clock) of a blocked write the stream is
+    given up, not before: the upstream request is closed (the backend aborts) and the client's
+    connection is aborted, so neither its socket nor its unsent buffer outlives the request."""
     fb = await fake_backend(chunks=400_000)  # far more than the socket buffers hold
+    clock = ShiftedClock()
     p = await proxy(
-        baseline=[fb.url], policy="fixed", health_checks=False, client_write_timeout_s=0.5, idle_timeout_s=60
-    )
+        baseline=[fb.url], policy="fixed", health_checks=False, client_write_timeout_s=30, idle_timeout_s=60,
+        clock=clock,
+    )  # fmt: skip
     sock = _slow_socket()
     loop = asyncio.get_running_loop()
     await loop.sock_connect(sock, ("127.0.0.1", port_of(p.url)))
@@ -196,7 +200,12 @@ async def test_a_client_that_stops_reading_is_given_up_and_its_connection_closed
         body = json.dumps({**BODY, "max_tokens": 400_000}).encode()
         await loop.sock_sendall(sock, raw_post("/v1/chat/completions", body))
         assert await wait_until(lambda: fb.active == 1, 5)
-        assert await wait_until(lambda: p.tracker.total_in_flight == 0, 15)
+        assert await wait_until(lambda: p.sample("specroute_client_writes_blocked") == 1.0, 10)
+        clock.advance(29)
+        await asyncio.sleep(2 * POLL_S)  # the watchdog's timer (due within POLL_S) has checked since
+        assert p.tracker.total_in_flight == 1 and fb.aborted == 0  # not given up before the 30 s
+        clock.advance(2)
+        assert await wait_until(lambda: p.tracker.total_in_flight == 0, 5)
         assert await wait_until(lambda: fb.aborted == 1 and fb.active == 0, 5)
         # the proxy dropped the connection: reading drains what was buffered, then it ends
         async with asyncio.timeout(10):

@@ -145,20 +145,30 @@ async def test_nothing_is_retried_after_the_first_byte(fake_backend, proxy):
 
 
 async def test_idle_timeout_after_first_byte_ends_stream_with_error(fake_backend, proxy):
+    """A backend that goes silent mid-stream for `idle_timeout_s` (60 s, on the proxy's clock:
+    moved on only while it stalls and the client has what it sent) is cut with an error event."""
     fb = await fake_backend(chunks=6)
     fb.mode = "stall_mid"
-    p = await proxy(baseline=[fb.url], policy="fixed", idle_timeout_s=0.3)
+    clock = ShiftedClock()
+    p = await proxy(baseline=[fb.url], policy="fixed", idle_timeout_s=60, clock=clock)
     client = openai.AsyncOpenAI(base_url=p.base_url, api_key="k", max_retries=0)
     stream = await client.chat.completions.create(model="m", messages=CHAT, stream=True)
     got = []
-    try:
-        async for c in stream:
-            got.append(c)
+
+    async def consume() -> str:
+        try:
+            async for c in stream:
+                got.append(c)
+        except openai.APIError as e:
+            return str(e)
         raise AssertionError("the stream should end with an error event")
-    except openai.APIError as e:
-        assert "sent nothing for 0.3 s" in str(e)
+
+    # role chunk + 2 content chunks arrived before the silence
+    ticking = clock.ticking(consume(), 61, when=lambda: fb.stalled == 1 and len(got) == 3)
+    error = await asyncio.wait_for(ticking, 10)
+    assert "sent nothing for 60 s" in error
     await client.close()
-    assert len(got) == 3  # role chunk + 2 content chunks arrived before the silence
+    assert len(got) == 3
     await p.wait_idle()
     assert p.records[-1].outcome.status == "timeout"
     assert p.tracker.total_in_flight == 0

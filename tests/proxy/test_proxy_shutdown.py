@@ -15,7 +15,7 @@ import sys
 import aiohttp
 import openai
 import pytest
-from helpers import BODY, run_specroute, wait_until
+from helpers import BODY, metric_samples, run_specroute, wait_until
 
 from controller.cli import spawn
 
@@ -268,7 +268,11 @@ async def test_shutdown_ends_within_drain_plus_two_seconds_whatever_clients_do(f
         stuck.append(sock)
     try:
         assert await wait_until(lambda: fb.active == 3, 10)
-        await asyncio.sleep(1.0)  # the socket buffers fill up; the proxy's writes block
+
+        async def all_blocked() -> bool:  # the socket buffers are full: the proxy's writes block
+            return (await metric_samples(sp.url, "specroute_client_writes_blocked"))[()] == 3.0
+
+        assert await wait_until(all_blocked, 10)
         t0 = loop.time()
         sp.signal(signal.SIGTERM)
         # exit 0 with the clients still stuck: serve cut them, not before the drain timeout (how
