@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -79,6 +79,26 @@ CHUNK_BYTES = 64 * 1024
 
 _WANTED_BYTES = frozenset(name.encode() for name in WANTED_SAMPLES)
 _PREFIXES = tuple(e.prefix.encode() for e in ENGINES.values())
+_MARKS = _PREFIXES + tuple(n for n in sorted(_WANTED_BYTES) if not n.startswith(_PREFIXES))
+"""What a line worth a look starts with: an engine's prefix (every wanted name has one today), or a
+wanted name without one."""
+
+
+def _lines_starting(data: bytes, mark: bytes) -> Iterator[bytes]:
+    """The lines of `data` (whole lines) that start with `mark`, found by `bytes.find` (a `memchr`
+    scan): a large answer of other samples costs no Python step per line (8 MB of them: a Python
+    loop over their 200k lines took ~0.1 s, the whole filtering budget, in a process with a large
+    heap; a MULTILINE regex, ~8 ns a byte)."""
+    at = 0 if data.startswith(mark) else -1
+    if at < 0 and (found := data.find(b"\n" + mark)) >= 0:
+        at = found + 1
+    while at >= 0:
+        end = data.find(b"\n", at)
+        yield data[at:] if end < 0 else data[at:end]
+        if end < 0:
+            return
+        found = data.find(b"\n" + mark, end)
+        at = -1 if found < 0 else found + 1
 
 
 class ScrapeBudgetExceeded(Exception):
@@ -110,19 +130,19 @@ async def read_metric_lines(
             size += len(chunk)
             if size > limit:
                 raise ResponseTooLarge(f"answer larger than {limit} bytes")
-            lines = (tail + chunk).split(b"\n")
-            tail = lines.pop()
+            data = tail + chunk
+            cut = data.rfind(b"\n") + 1  # whole lines now, the rest with the next read
+            data, tail = data[:cut], data[cut:]
         else:
-            lines, tail = [tail], b""
-        for line in lines:
-            if not line or line[0] == 35:  # "#": HELP and TYPE lines are not needed
-                continue
-            end = line.find(b"{")
-            name = line[: end if end >= 0 else line.find(b" ")]
-            if name in _WANTED_BYTES:
-                kept.append(line)
-            elif len(seen) < len(_PREFIXES) and name.startswith(_PREFIXES):
-                seen.add(name[: name.find(b":") + 1])
+            data, tail = tail, b""
+        for mark in _MARKS:  # (HELP and TYPE lines start with "#": never looked at)
+            for line in _lines_starting(data, mark):
+                end = line.find(b"{")
+                name = line[: end if end >= 0 else line.find(b" ")]
+                if name in _WANTED_BYTES:
+                    kept.append(line)
+                elif mark in _PREFIXES:
+                    seen.add(mark)
         spent += time.thread_time() - started
         if spent > budget_s:
             raise ScrapeBudgetExceeded(f"filtering took over {budget_s:g} s of CPU after {size} bytes")
