@@ -106,8 +106,7 @@ class Capacity:
             usable = [b for b in usable if b.pool == forced]
         if not usable:
             return False
-        bounds = tracker.pool_max_in_flight
-        room = {p: bounds[p] is None or tracker.pool_has_room(p) for p in POOLS}
+        room = {p: tracker.pool_has_room(p) for p in POOLS}
         for b in usable:  # (a loop, not any() over a generator: on every request's path)
             if room[b.pool] and b.has_room(now):
                 return False

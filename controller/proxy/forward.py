@@ -24,7 +24,7 @@ import asyncio
 import json
 import logging
 import re
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,14 +39,14 @@ from controller.proxy.errors import BadRequest, NoBackendAvailable, SpecrouteErr
 from controller.proxy.headers import HINT_HEADER, MODE_HEADER, client_headers, upstream_headers
 from controller.proxy.identity import BackendIdentity
 from controller.proxy.lifecycle import RequestLifecycle
-from controller.proxy.limits import LARGE_JSON, BodyGate, JsonBudget, load_json, read_body
+from controller.proxy.limits import BodyGate, JsonBudget, read_body
 from controller.proxy.load import BackendState, LoadTracker
 from controller.proxy.memory import Charge, MemoryBudget
 from controller.proxy.metrics import Metrics
 from controller.proxy.native import generate_max_tokens
 from controller.proxy.outlier import OutlierDetector
-from controller.proxy.prefixes import blocks_on_loop, prompt_blocks
-from controller.proxy.request import check_body, estimate_prompt_tokens, parse_body
+from controller.proxy.prefixes import prompt_blocks
+from controller.proxy.request import estimate_prompt_tokens, parse_body, parse_small_body
 from controller.proxy.shadow import ShadowChoice, ShadowPolicies
 from controller.proxy.upstream import COUNTED, UpstreamFailure
 from controller.proxy.watchdog import RelayWatchdog
@@ -279,18 +279,13 @@ class Forwarder:
         """The request body within `body_limit_bytes`, the JSON budget, the compression ratio,
         the memory budget (`charge`; a large body waits up to `admission_wait_s` for room) and
         `body_timeout_s`; a costly one in its turn at the `BodyGate` (`body_read_concurrency`)."""
-        if BodyGate.gated(request):
-            async with self.body_gate.turn(request):
-                return await self._read_body(request, charge)
-        return await self._read_body(request, charge)  # an ordinary body needs no turn
-
-    def _read_body(self, request: web.Request, charge: Charge | None) -> Coroutine[Any, Any, bytes]:
         s = self.settings
         budget = JsonBudget(s.body_max_json_values, s.body_max_json_containers)
-        return read_body(
-            request, limit=s.body_limit_bytes, budget=budget, timeout_s=s.body_timeout_s, charge=charge,
-            max_ratio=s.body_max_compression_ratio, wait_s=s.admission_wait_s, clock=self.clock,
-        )  # fmt: skip
+        async with self.body_gate.turn(request):
+            return await read_body(
+                request, limit=s.body_limit_bytes, budget=budget, timeout_s=s.body_timeout_s, charge=charge,
+                max_ratio=s.body_max_compression_ratio, wait_s=s.admission_wait_s, clock=self.clock,
+            )  # fmt: skip
 
     async def handle(self, request: web.Request, endpoint: EndpointKind, path: str) -> web.StreamResponse:
         task = asyncio.current_task()
@@ -309,15 +304,13 @@ class Forwarder:
         """Read, parse, admit and decide; the lifecycle made in the deciding step."""
         try:
             raw = await self.read_body(request, charge)
-            small = len(raw) < LARGE_JSON  # parsed here, without a coroutine
-            body = check_body(load_json(raw), endpoint) if small else await parse_body(raw, endpoint)
+            body = parse_small_body(raw, endpoint)  # without a coroutine
+            if body is None:
+                body = await parse_body(raw, endpoint)
             info = request_info(
                 body, endpoint, request.headers, self.settings.allow_client_override, self.features_wanted()
             )
-            blocks: tuple[int, ...] = ()
-            if self.settings.prefix_tracking:
-                now_blocks = blocks_on_loop(body, endpoint, len(raw))
-                blocks = await prompt_blocks(body, endpoint, len(raw)) if now_blocks is None else now_blocks
+            blocks = await prompt_blocks(body, endpoint, len(raw)) if self.settings.prefix_tracking else ()
             headers = upstream_headers(request.headers)
             if self.settings.log_bodies:
                 log.info("request %s %s", path, raw[:65536].decode(errors="replace"))

@@ -57,13 +57,20 @@ def forwardable(key: str, value: str) -> str:
     return value
 
 
+def _dropped(base: frozenset[str], headers: Mapping[str, str]) -> frozenset[str]:
+    """`base` and the headers `Connection` names (`base` itself when it names none: no new set
+    per request)."""
+    named = connection_named(headers)
+    return base | named if named else base
+
+
 def upstream_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     """The client's request headers that go to the backend, plus `Accept-Encoding: identity`."""
-    drop = _REQUEST_DROP | connection_named(headers) if headers.get("Connection") else _REQUEST_DROP
+    drop = _dropped(_REQUEST_DROP, headers)
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in headers.items():
         if key.lower() not in drop:
-            out.add(key, value if value.isascii() else forwardable(key, value))
+            out.add(key, forwardable(key, value))
     out["Accept-Encoding"] = "identity"
     return out
 
@@ -72,11 +79,7 @@ def client_headers(
     backend_headers: Mapping[str, str], decision: Decision, *, show_backend: bool
 ) -> CIMultiDict[str]:
     """The backend's response headers for the client, with specroute's own."""
-    drop = (
-        _RESPONSE_DROP | connection_named(backend_headers)
-        if backend_headers.get("Connection")
-        else _RESPONSE_DROP
-    )
+    drop = _dropped(_RESPONSE_DROP, backend_headers)
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in backend_headers.items():
         if key.lower() not in drop:

@@ -363,6 +363,9 @@ GATED_FROM = 1 << 20
 turn at the `BodyGate`."""
 
 
+_NO_TURN: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
+
+
 class BodyGate:
     """How many costly request bodies are read at once: those declared over `GATED_FROM` bytes,
     compressed ones (inflating and scanning them is the work, not their bytes on the wire) and
@@ -386,13 +389,14 @@ class BodyGate:
         declared = request.content_length
         return declared is None or declared > GATED_FROM or bool(request.headers.get("Content-Encoding"))
 
-    @contextlib.asynccontextmanager
-    async def turn(self, request: web.Request) -> AsyncIterator[None]:
+    def turn(self, request: web.Request) -> contextlib.AbstractAsyncContextManager[None]:
         """A turn for `request`'s body if it is a costly one (BodiesBusy after `wait_s`
-        without one), held while the body is read; none needed for the others."""
-        if not self.gated(request):
-            yield
-            return
+        without one), held while the body is read; none needed for the others (a shared
+        `nullcontext`: an ordinary body costs no generator-based context manager)."""
+        return self._turn() if self.gated(request) else _NO_TURN
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
         try:
             with ClockTimeout(self.wait_s, self.clock):
                 await self._sem.acquire()

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from controller.proxy.config import BackendSpec, parse_backend
-from policies.base import POOLS, BackendLoad, LoadView, Pool
+from policies.base import POOLS, LoadView, Pool
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.view import STALE_AFTER_S, backend_load, believed_cached, dispatched, load_view
 
@@ -83,37 +83,6 @@ class BackendState:
             return False
         bound = self.max_in_flight
         return bound is None or self.in_flight < bound
-
-    def load(
-        self,
-        now: float,
-        stale_after_s: float,
-        available: bool = True,
-        replicas: float = 1.0,
-        *,
-        full: bool = False,
-        cached_tokens: int = 0,
-    ) -> BackendLoad:
-        """This backend's load at `now` (`policies.view.backend_load`); `available` becomes the
-        view's `healthy`, `full` says it takes no request now."""
-        return backend_load(
-            self.name,
-            self.pool,
-            self.in_flight,
-            self.in_flight_tokens,
-            healthy=available,
-            full=full,
-            cached_tokens=cached_tokens,
-            running=self.running,
-            queued=self.queued,
-            sample_time=self.sample_time,
-            sample_in_flight=self.sample_in_flight,
-            accept_length=self.accept_length,
-            now=now,
-            stale_after_s=stale_after_s,
-            replicas=replicas,
-            max_running=self.max_running,
-        )
 
 
 @dataclass(slots=True)
@@ -202,33 +171,22 @@ class LoadTracker:
         of the request's prompt `blocks` on each backend, at most `prompt_tokens` (the request's
         estimate: blocks of canonical text also hold the chat roles, which the estimate does
         not count)."""
-        # Built once per request: `usable`, `pool_has_room`, `has_room` and `load` inline.
         stale, replicas = self.stale_after_s, self.replicas
-        backends = list(self.backends.values())
-        up = [b for b in backends if b.healthy and (b.ejected_until is None or now >= b.ejected_until)]
-        usable = {b.name for b in (up if up or not self.panic else backends)}
-        bounds = self.pool_max_in_flight
-        in_pool = dict.fromkeys(POOLS, 0)
-        for b in backends:
-            in_pool[b.pool] += b.in_flight
-        loads = []
-        for b in backends:
-            bound = bounds[b.pool]
-            room = bound is None or in_pool[b.pool] < bound
-            if room and b.backoff_until is not None and now < b.backoff_until:
-                room = False
-            elif room and b.max_in_flight is not None and b.in_flight >= b.max_in_flight:
-                room = False
-            load = backend_load(
-                b.name, b.pool, b.in_flight, b.in_flight_tokens,
-                healthy=b.name in usable, full=not room,
-                cached_tokens=believed_cached(b.prefixes, blocks, prompt_tokens) if blocks else 0,
-                running=b.running, queued=b.queued, sample_time=b.sample_time,
-                sample_in_flight=b.sample_in_flight, accept_length=b.accept_length, now=now,
-                stale_after_s=stale, replicas=replicas, max_running=b.max_running,
-            )  # fmt: skip
-            loads.append(load)
-        return load_view(loads)
+        usable = {b.name for b in self.usable(now)}
+        room = {p: self.pool_has_room(p) for p in POOLS}
+        return load_view(
+            [
+                backend_load(
+                    b.name, b.pool, b.in_flight, b.in_flight_tokens,
+                    healthy=b.name in usable, full=not (room[b.pool] and b.has_room(now)),
+                    cached_tokens=believed_cached(b.prefixes, blocks, prompt_tokens),
+                    running=b.running, queued=b.queued, sample_time=b.sample_time,
+                    sample_in_flight=b.sample_in_flight, accept_length=b.accept_length, now=now,
+                    stale_after_s=stale, replicas=replicas, max_running=b.max_running,
+                )
+                for b in self.backends.values()
+            ]
+        )  # fmt: skip
 
     def reserve(self, name: str, tokens: int = 0, blocks: tuple[int, ...] = ()) -> Reservation:
         """Take a slot on `name` for a request whose prompt fingerprint is `blocks` (recorded in

@@ -165,11 +165,8 @@ class Charge:
         more = n - self.held
         if more <= 0:
             return True
-        budget = self.budget
-        if budget.used + more > budget.limit:  # `MemoryBudget.take`, inline: on every request's path
-            budget.refusals += count
+        if not self.budget.take(more, count=count):
             return False
-        budget.used += more
         self.held = n
         return True
 

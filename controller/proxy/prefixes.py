@@ -79,32 +79,21 @@ def _blocks(body: Mapping[str, Any], endpoint: EndpointKind) -> tuple[int, ...]:
     return fingerprint(text, BLOCK_CHARS) if len(text) >= BLOCK_CHARS else ()
 
 
-def blocks_on_loop(
-    body: Mapping[str, Any], endpoint: EndpointKind, body_bytes: int = 0
-) -> tuple[int, ...] | None:
-    """`prompt_blocks` for a prompt short enough to fingerprint on the event loop (the usual
-    request: no coroutine); None for one that takes the worker thread."""
-    if body_bytes >= THREAD_FROM_CHARS:
-        return None
-    text = prompt_text(body, endpoint)
-    if len(text) < BLOCK_CHARS:
-        return ()
-    if len(text) >= THREAD_FROM_CHARS:
-        return None
-    return fingerprint(text, BLOCK_CHARS)
-
-
 async def prompt_blocks(
     body: Mapping[str, Any], endpoint: EndpointKind, body_bytes: int = 0
 ) -> tuple[int, ...]:
     """The request's block fingerprint (empty: nothing to match or record). A body of at least
-    `THREAD_FROM_CHARS` bytes (`body_bytes`), or a prompt that long, has its prompt rendered and
-    hashed in a worker thread: rendering 30 MB of messages to one string took ~50-150 ms of the
-    event loop (`benchmarks/hostile_bodies.py`, row L)."""
-    blocks = blocks_on_loop(body, endpoint, body_bytes)
-    if blocks is not None:
-        return blocks
-    return await asyncio.to_thread(_blocks, body, endpoint)
+    `THREAD_FROM_CHARS` bytes (`body_bytes`) has its prompt rendered and hashed in a worker
+    thread: rendering 30 MB of messages to one string took ~50-150 ms of the event loop
+    (`benchmarks/hostile_bodies.py`, row L)."""
+    if body_bytes >= THREAD_FROM_CHARS:
+        return await asyncio.to_thread(_blocks, body, endpoint)
+    text = prompt_text(body, endpoint)
+    if len(text) < BLOCK_CHARS:
+        return ()
+    if len(text) >= THREAD_FROM_CHARS:
+        return await asyncio.to_thread(fingerprint, text, BLOCK_CHARS)
+    return fingerprint(text, BLOCK_CHARS)
 
 
 def last_count(data: bytes, key: bytes) -> int | None:

@@ -13,8 +13,16 @@ from controller.proxy.validate import check_openai_body
 from policies.base import EndpointKind
 
 
+def parse_small_body(raw: bytes, endpoint: EndpointKind) -> dict[str, Any] | None:
+    """`parse_body` of a body under `LARGE_JSON` bytes (the usual one), on the event loop and
+    without a coroutine; None for a larger one."""
+    return check_body(load_json(raw), endpoint) if len(raw) < LARGE_JSON else None
+
+
 async def parse_body(raw: bytes, endpoint: EndpointKind) -> dict[str, Any]:
-    return check_body(await load_large_json(raw) if len(raw) >= LARGE_JSON else load_json(raw), endpoint)
+    """The checked body; one of `LARGE_JSON` bytes or more parsed in steps in a worker thread."""
+    body = parse_small_body(raw, endpoint)
+    return body if body is not None else check_body(await load_large_json(raw), endpoint)
 
 
 def check_body(body: Any, endpoint: EndpointKind) -> dict[str, Any]:

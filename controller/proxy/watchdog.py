@@ -68,11 +68,8 @@ class ClockTimeout:
         if seconds is not None:
             loop = self._loop = asyncio.get_running_loop()
             self._task = asyncio.current_task(loop)  # (with the loop given: one getpid() less)
-            clock = self._clock
-            self._deadline = clock() + seconds
-            # the first `_arm`, inline (every request enters a few of these)
-            wait = max(0.0, seconds) if clock is time.monotonic else min(max(0.0, seconds), POLL_S)
-            self._handle = loop.call_later(wait, self._fire)
+            self._deadline = self._clock() + seconds
+            self._arm()
         return self
 
     def _arm(self) -> None:
@@ -119,7 +116,7 @@ class RelayWatchdog:
         self.write_s = write_s
         self.clock = clock
         """What `reading`'s and `writing`'s `now` are read from, and the deadlines compared to."""
-        self.tick_s = min(idle_s, write_s) if clock is time.monotonic else min(idle_s, write_s, POLL_S)
+        self.tick_s = min(idle_s, write_s, poll_s(clock))
         self.side: Side = "backend"
         self.since = 0.0
         self.credit = 0.0
