@@ -343,9 +343,10 @@ def _reported_cap(settings: Settings, fwd: Forwarder, name: str, cap: int) -> No
 def _engine_found(settings: Settings, tracker: LoadTracker, name: str, engine: Engine) -> None:
     """Warn about settings the backend's engine does not honour."""
     if settings.spec_details and not engine.spec_details and tracker.get(name).pool == "eagle":
-        log.warning(
-            "spec_details is on but eagle backend %s runs %s, which has no per-request speculative "
-            "details (it ignores the field): its accept length comes from /metrics instead",
+        log.info(
+            "spec_details: eagle backend %s runs %s, which ignores return_spec_tokens_details; each "
+            "request's accept length is read from its answer's metrics.speculative_decoding, which "
+            "vLLM adds when started with --per-request-spec-decode-metrics summary",
             name, engine.label,
         )  # fmt: skip
 

@@ -37,7 +37,7 @@ from controller.proxy.headers import client_headers
 from controller.proxy.memory import ANSWER_COPIES, Charge
 from controller.proxy.native import generate_completion_tokens
 from controller.proxy.prefixes import last_count, reported_cached_tokens, reported_prompt_tokens
-from controller.proxy.spec_details import accept_length, ask_for_spec_details, drop_sglext_member
+from controller.proxy.spec_details import ask_for_spec_details, drop_sglext_member, reported_accept_length
 from controller.proxy.sse import (
     Holdback,
     SpecEvents,
@@ -374,7 +374,7 @@ class RequestLifecycle:
             self._read_cache_report(body)
             if self.spec is not None:
                 stripped, details = drop_sglext_member(body)
-                self.accept_length = accept_length(details, as_count(self.tokens))
+                self.accept_length = reported_accept_length(details, as_count(self.tokens), body)
                 if self.spec.strip_event:
                     body = stripped
         headers = self.fwd.response_headers(resp, self.decision)
@@ -554,7 +554,7 @@ class RequestLifecycle:
                 self._read_cache_report(tail)
         last = self._filter(last, strip_usage)
         if self.spec is not None:
-            self.accept_length = accept_length(self.spec.details, as_count(self.tokens))
+            self.accept_length = reported_accept_length(self.spec.details, as_count(self.tokens), tail)
         await sr.write_eof(last)
         return True
 
