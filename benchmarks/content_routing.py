@@ -43,16 +43,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prompt_workloads import SCENARIOS, build, write
+from prompt_workloads import SCENARIOS, SPLITS, TASK_FACTORS, build, build_tasks, write
 
 from policies.base import Decision, LoadView, Outcome, RequestInfo
 from policies.cost_model import CostModelParams, CostModelPolicy
 from policies.profile import resolve_profile
 from policies.spec import PolicyContext
 from simulator.engine.loop import simulate
+from simulator.engine.results import summarize
 from simulator.engine.runner import PolicyChoice, run
 from simulator.engine.servers import ServerKind, build_deployment
-from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
+from simulator.engine.workloads import LengthSpec, Segment, WorkloadSpec, generate
 
 PROFILE = "kimi-k25-int4-8gpu"
 LOADS = (0.5, 1.0, 2.0)
@@ -131,6 +132,113 @@ def prediction_error(job_args: tuple[str, float, bool, str, int, int]) -> dict[s
     }
 
 
+HELD_OUT_RUNS: dict[str, tuple[str, bool]] = {
+    # name: (policy params, hints file); every run on the pair, spec_details on
+    "aware": ("", False),
+    "optimistic": ("explore=optimistic", False),
+    "no-explore": ("explore_budget=0", False),
+    "blind": ("content_aware=false", False),
+    "told": ("content_aware=false", True),
+}
+
+
+@dataclass(frozen=True)
+class HeldOutJob:
+    scenario: str
+    split: str
+    load: float
+    run: str
+    seed: int
+
+
+def held_out_file(folder: str, scenario: str, split: str, part: str, hints: bool) -> Path:
+    return Path(folder) / f"tasks-{scenario}-{split}-{part}{'-hints' if hints else ''}.jsonl"
+
+
+def held_out_job(job_args: tuple[HeldOutJob, str, int, int]) -> dict[str, Any]:
+    """Train on the split's task types, then test on the others: one policy across both segments
+    (what it learned in training it keeps); the figures are the test segment's."""
+    job, folder, train_n, test_n = job_args
+    params, hints = HELD_OUT_RUNS[job.run]
+    choice = PolicyChoice("cost_model", dict(p.split("=", 1) for p in params.split(",") if p))
+    segments: list[Segment] = []
+    for part, n in (("train", train_n), ("test", test_n)):
+        path = held_out_file(folder, job.scenario, job.split, part, hints)
+        segments += generate(spec(path, job.load, n), job.seed * 7 + (part == "test"))
+    result = run(resolve_profile(PROFILE), choice, PAIR, segments, seed=job.seed, spec_details=True)
+    s = summarize([result.samples[1]])
+    return {"mean": s["mean_e2e_s"], "p99": s["p99_e2e_s"], "n": s["requests"]}
+
+
+def held_out(args: argparse.Namespace) -> None:
+    """Capture on task types held out from training, per split, scenario and load."""
+    runs = list(HELD_OUT_RUNS)
+    with tempfile.TemporaryDirectory(prefix="specroute-tasks-") as folder:
+        for scenario in args.task_scenarios:
+            for split, (train, test) in SPLITS.items():
+                for part, types in (("train", train), ("test", test)):
+                    for hints in (False, True):
+                        lines = build_tasks(
+                            scenario, types=types, sigma=0.08, hints=hints, temperatures=args.temperatures
+                        )
+                        write(held_out_file(folder, scenario, split, part, hints), lines)
+        jobs = [
+            HeldOutJob(sc, split, load, r, seed)
+            for sc in args.task_scenarios
+            for split in SPLITS
+            for load in LOADS
+            for r in runs
+            for seed in range(args.seeds)
+        ]
+        sizes = {
+            (sc, split): args.test
+            or len(held_out_file(folder, sc, split, "test", False).read_text().splitlines())
+            for sc in args.task_scenarios
+            for split in SPLITS
+        }
+        with ProcessPoolExecutor(args.workers) as pool:
+            results = list(
+                pool.map(held_out_job, [(j, folder, args.train, sizes[(j.scenario, j.split)]) for j in jobs])
+            )
+    by: dict[tuple[str, str, float, str], list[dict[str, Any]]] = {}
+    for job, res in zip(jobs, results, strict=True):
+        by.setdefault((job.scenario, job.split, job.load, job.run), []).append(res)
+    print(
+        f"## held-out task types: {args.train} training requests of the split's train types, then "
+        f"{args.test or 'each of'} its test prompts (figures: the test requests); {args.seeds} seeds "
+        "per cell; "
+        f"temperatures {'on' if args.temperatures else 'off'}; mean e2e s +- 95% CI over seeds\n"
+    )
+    for split, (train, test) in SPLITS.items():
+        print(f"split {split}: train {', '.join(train)}; test {', '.join(test)}")
+    print()
+    print(
+        "| scenario | split | req/s | "
+        + " | ".join(runs)
+        + " | told gain | captured | aware vs blind mean / p99 |"
+    )
+    print("|---|---|---|" + "---|" * len(runs) + "---|---|---|")
+    for sc in args.task_scenarios:
+        for split in SPLITS:
+            for load in LOADS:
+                cells = []
+                for r in runs:
+                    m, h = ci([c["mean"] for c in by[(sc, split, load, r)]])
+                    cells.append(f"{m:.2f} ±{h:.2f}")
+                mean = {r: statistics.fmean(c["mean"] for c in by[(sc, split, load, r)]) for r in runs}
+                p99 = {r: statistics.fmean(c["p99"] for c in by[(sc, split, load, r)]) for r in runs}
+                gain = 1.0 - mean["told"] / mean["blind"]
+                got = 1.0 - mean["aware"] / mean["blind"]
+                share = f"{got / gain:.0%}" if gain >= 0.03 else "n/a (< 3%)"
+                vs = f"{mean['aware'] / mean['blind'] - 1:+.1%} / {p99['aware'] / p99['blind'] - 1:+.1%}"
+                print(
+                    f"| {sc} | {split} | {load:g} | "
+                    + " | ".join(cells)
+                    + f" | {gain:+.1%} | {share} | {vs} |"
+                )
+    print()
+
+
 def ci(values: list[float]) -> tuple[float, float]:
     m = statistics.fmean(values)
     if len(values) < 2:
@@ -146,9 +254,31 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--markdown", action="store_true", help="Also print the README's table.")
+    p.add_argument(
+        "--held-out",
+        action="store_true",
+        help="Only the held-out task-type runs (train on some types, test on others).",
+    )
+    p.add_argument("--task-scenarios", nargs="+", default=list(TASK_FACTORS), choices=TASK_FACTORS)
+    p.add_argument("--train", type=int, default=2000, help="Held-out runs: training requests.")
+    p.add_argument(
+        "--test",
+        type=int,
+        default=None,
+        help="Held-out runs: test requests (default: each test prompt once).",
+    )
+    p.add_argument(
+        "--no-temperatures",
+        dest="temperatures",
+        action="store_false",
+        help="Held-out runs: no sampling temperatures in the task files.",
+    )
     args = p.parse_args()
     if args.quick:
         args.seeds, args.requests = 2, 1000
+    if args.held_out:
+        held_out(args)
+        return 0
     with tempfile.TemporaryDirectory(prefix="specroute-prompts-") as folder:
         for scenario in args.scenarios:
             for hints in (False, True):

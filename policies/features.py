@@ -19,6 +19,7 @@ prompt: about 20 us per request on this project's machine whatever the prompt's 
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections.abc import Mapping
 from hashlib import blake2b
@@ -37,6 +38,86 @@ MAX_TOOLS = 64
 """Tool definitions looked at (their count is `RequestFeatures.tools` however many are sent)."""
 MAX_GRAMS = 256
 """At most this many gram ids (the smallest ids: a deterministic subset)."""
+
+
+TRAITS = (
+    "code_fence",
+    "code",
+    "math",
+    "non_latin",
+    "non_english",
+    "long_doc_question",
+    "translate",
+    "summarize",
+    "extract",
+    "json",
+    "tool_schema",
+)
+"""`RequestFeatures.traits`: bit i set when the request has trait TRAITS[i]."""
+TRAIT_BITS = {name: 1 << i for i, name in enumerate(TRAITS)}
+LONG_DOC_CHARS = 2500
+"""A prompt this long (characters) whose last paragraph is short is a document with a question."""
+SHORT_QUESTION_CHARS = 400
+
+_CODE = re.compile(
+    r"\bdef \w+\(|\bclass \w+[(:]|#include\s*<|\bfunction\s*\w*\s*\(|\bpublic\s+(?:static\s+)?\w+|=>|"
+    r"\bimport\s+\w+|\bfrom\s+\w+\s+import\b|[;{]\s*$|^\s*(?:return|if|for|while)\b.*[:{]\s*$",
+    re.MULTILINE,
+)
+_MATH = re.compile(
+    r"\\(?:frac|sqrt|sum|int|cdot|times|le|ge|pi|alpha|theta)\b|\$[^$\n]{1,80}\$|\\\(|\d\s*[-+*/^=×÷]\s*\d|[≤≥∑∫√π]"
+)
+_WORD_MATH = re.compile(
+    r"(?i)\bhow (?:many|much|long|far)\b|\bcalculat|\bcompute\b|\bsolve\b|\bpercent|\baverage\b"
+)
+_DIGIT = re.compile(r"\d")
+_ACCENTED = frozenset("äöüßéèêàâçñìòùíóúåøæœ")
+_TRANSLATE = re.compile(r"(?i)\btranslat|\btradu[cz]|\bübersetz|\bперевед|翻译|翻訳")
+_SUMMARIZE = re.compile(r"(?i)\bsummar|\btl;?dr\b|\bkey points\b|\brésum|\bzusammenfass")
+_EXTRACT = re.compile(r"(?i)\bextract|\blist (?:all|every|each)\b|\bfind (?:all|every)\b|\bpull out\b")
+_JSON = re.compile(r"(?i)\bjson\b")
+_SCHEMA = re.compile(r'"(?:type|properties|parameters)"\s*:')
+_ENGLISH = frozenset(
+    b"the and of to is are for with that this it be by at from what how which you your we does not "
+    b"can".split()
+)
+
+
+def text_traits(text: str, prompt_chars: int, tools: int) -> int:
+    """`RequestFeatures.traits` of a bounded slice of the prompt (see the module docstring);
+    `prompt_chars`: the whole prompt's length."""
+    bits = 0
+    if "```" in text:
+        bits |= TRAIT_BITS["code_fence"]
+    if _CODE.search(text):
+        bits |= TRAIT_BITS["code"]
+    if _MATH.search(text) or (_WORD_MATH.search(text) and _DIGIT.search(text)):
+        bits |= TRAIT_BITS["math"]
+    letters = sum(1 for c in text if c.isalpha())
+    if letters and not bits & (TRAIT_BITS["code"] | TRAIT_BITS["code_fence"]):
+        if sum(1 for c in text if c.isalpha() and ord(c) > 0x24F) * 3 > letters:
+            bits |= TRAIT_BITS["non_latin"]
+        else:
+            words = text.encode("utf-8", errors="surrogatepass").lower().split()
+            english = sum(1 for w in words if w in _ENGLISH)
+            accented = sum(1 for c in text.lower() if c in _ACCENTED)
+            if len(words) >= 12 and (english * 10 < len(words) or accented * 50 > letters):
+                bits |= TRAIT_BITS["non_english"]
+    if prompt_chars >= LONG_DOC_CHARS:
+        last = text.rstrip().rsplit("\n\n", 1)[-1]
+        if len(last) <= SHORT_QUESTION_CHARS:
+            bits |= TRAIT_BITS["long_doc_question"]
+    if _TRANSLATE.search(text):
+        bits |= TRAIT_BITS["translate"]
+    if _SUMMARIZE.search(text):
+        bits |= TRAIT_BITS["summarize"]
+    if _EXTRACT.search(text):
+        bits |= TRAIT_BITS["extract"]
+    if _JSON.search(text):
+        bits |= TRAIT_BITS["json"]
+    if tools or _SCHEMA.search(text):
+        bits |= TRAIT_BITS["tool_schema"]
+    return bits
 
 
 def stable_hash(text: str) -> int:
@@ -140,6 +221,11 @@ def extract_features(body: Mapping[str, Any], endpoint: EndpointKind) -> Request
     tools = body.get("tools")
     n = _number(params.get("n"))
     model = body.get("model")
+    n_tools = len(tools) if isinstance(tools, list) else 0
+    rf_json = isinstance(rf_type, str) and rf_type.startswith("json")
+    traits = text_traits(text, estimate_prompt_chars(body, endpoint), n_tools) if text else 0
+    if rf_json:
+        traits |= TRAIT_BITS["json"]
     return RequestFeatures(
         family=stable_hash(family) if family else 0,
         grams=text_grams(text) if text else (),
@@ -147,9 +233,10 @@ def extract_features(body: Mapping[str, Any], endpoint: EndpointKind) -> Request
         top_p=_number(params.get("top_p")),
         top_k=None if top_k is None else int(top_k),
         response_format=rf_type[:40] if isinstance(rf_type, str) else None,
-        tools=len(tools) if isinstance(tools, list) else 0,
+        tools=n_tools,
         n=int(n) if n is not None and 1 <= n < 2**31 else 1,
         model=stable_hash(model) if isinstance(model, str) and model else 0,
+        traits=traits,
     )
 
 
