@@ -31,6 +31,7 @@ Prediction error: `|true factor / predicted - 1|` per request (the predicted fac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -45,8 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prompt_workloads import SCENARIOS, SPLITS, TASK_FACTORS, build, build_tasks, write
 
-from policies.base import Decision, LoadView, Outcome, RequestInfo
+from policies.base import Decision, LoadView, Outcome, RequestFeatures, RequestInfo
 from policies.cost_model import CostModelParams, CostModelPolicy
+from policies.features import TRAIT_BITS
 from policies.profile import resolve_profile
 from policies.spec import PolicyContext
 from simulator.engine.loop import simulate
@@ -149,6 +151,42 @@ class HeldOutJob:
     load: float
     run: str
     seed: int
+    ablate: str = ""
+    """A feature group of ABLATIONS taken out of every request's features ("": none)."""
+
+
+def _traits(*names: str) -> int:
+    return sum(TRAIT_BITS[n] for n in names)
+
+
+ABLATIONS: dict[str, Any] = {
+    # name: what is taken out of a request's features (every request, training and test)
+    "code fences and syntax": {"traits": _traits("code_fence", "code")},
+    "math notation": {"traits": _traits("math")},
+    "non-English": {"traits": _traits("non_latin", "non_english")},
+    "long document, short question": {"traits": _traits("long_doc_question")},
+    "translate / summarize / extract": {"traits": _traits("translate", "summarize", "extract")},
+    "JSON asked for": {"traits": _traits("json")},
+    "tool schemas": {"traits": _traits("tool_schema"), "tools": True},
+    "every trait": {"traits": sum(TRAIT_BITS.values()), "tools": True},
+    "temperature and top_p": {"sampling": True},
+    "prompt family": {"family": True},
+    "text grams": {"grams": True},
+}
+
+
+def ablated(f: RequestFeatures | None, what: dict[str, Any]) -> RequestFeatures | None:
+    if f is None:
+        return None
+    return dataclasses.replace(
+        f,
+        traits=f.traits & ~what.get("traits", 0),
+        tools=0 if what.get("tools") else f.tools,
+        temperature=None if what.get("sampling") else f.temperature,
+        top_p=None if what.get("sampling") else f.top_p,
+        family=0 if what.get("family") else f.family,
+        grams=() if what.get("grams") else f.grams,
+    )
 
 
 def held_out_file(folder: str, scenario: str, split: str, part: str, hints: bool) -> Path:
@@ -165,6 +203,17 @@ def held_out_job(job_args: tuple[HeldOutJob, str, int, int]) -> dict[str, Any]:
     for part, n in (("train", train_n), ("test", test_n)):
         path = held_out_file(folder, job.scenario, job.split, part, hints)
         segments += generate(spec(path, job.load, n), job.seed * 7 + (part == "test"))
+    if job.ablate:
+        what = ABLATIONS[job.ablate]
+        segments = [
+            dataclasses.replace(
+                seg,
+                batch=dataclasses.replace(
+                    seg.batch, features=[ablated(f, what) for f in seg.batch.features or ()]
+                ),
+            )
+            for seg in segments
+        ]
     result = run(resolve_profile(PROFILE), choice, PAIR, segments, seed=job.seed, spec_details=True)
     s = summarize([result.samples[1]])
     return {"mean": s["mean_e2e_s"], "p99": s["p99_e2e_s"], "n": s["requests"]}
@@ -239,6 +288,65 @@ def held_out(args: argparse.Namespace) -> None:
     print()
 
 
+def ablation(args: argparse.Namespace) -> None:
+    """Each feature group's contribution: held-out capture with it taken out, per split."""
+    load, scenario = 1.0, args.task_scenarios[0]
+    variants = ["", *ABLATIONS]
+    with tempfile.TemporaryDirectory(prefix="specroute-tasks-") as folder:
+        for split, (train, test) in SPLITS.items():
+            for part, types in (("train", train), ("test", test)):
+                for hints in (False, True):
+                    lines = build_tasks(
+                        scenario, types=types, sigma=0.08, hints=hints, temperatures=args.temperatures
+                    )
+                    write(held_out_file(folder, scenario, split, part, hints), lines)
+        sizes = {
+            split: args.test
+            or len(held_out_file(folder, scenario, split, "test", False).read_text().splitlines())
+            for split in SPLITS
+        }
+        jobs = [
+            HeldOutJob(scenario, split, load, "aware", seed, v)
+            for split in SPLITS
+            for v in variants
+            for seed in range(args.seeds)
+        ] + [
+            HeldOutJob(scenario, split, load, r, seed)
+            for split in SPLITS
+            for r in ("blind", "told")
+            for seed in range(args.seeds)
+        ]
+        with ProcessPoolExecutor(args.workers) as pool:
+            results = list(pool.map(held_out_job, [(j, folder, args.train, sizes[j.split]) for j in jobs]))
+    by: dict[tuple[str, str, str], list[float]] = {}
+    for job, res in zip(jobs, results, strict=True):
+        by.setdefault((job.split, job.run, job.ablate), []).append(res["mean"])
+    print(
+        f"## feature ablation: scenario {scenario}, {load:g} req/s, temperatures "
+        f"{'on' if args.temperatures else 'off'}; {args.train} training requests, then each test prompt "
+        "once; "
+        f"{args.seeds} seeds; captured share of the told gain on the held-out task types (mean e2e, "
+        "mean over seeds), and the change against all features\n"
+    )
+    print("| taken out | " + " | ".join(SPLITS) + " |")
+    print("|---|" + "---|" * len(SPLITS))
+    full = {}
+    for v in variants:
+        cells = []
+        for split in SPLITS:
+            blind = statistics.fmean(by[(split, "blind", "")])
+            told = statistics.fmean(by[(split, "told", "")])
+            aware = statistics.fmean(by[(split, "aware", v)])
+            got = (blind - aware) / (blind - told) if blind - told > 0 else math.nan
+            if not v:
+                full[split] = got
+                cells.append(f"{got:.0%}")
+            else:
+                cells.append(f"{got:.0%} ({got - full[split]:+.0%})")
+        print(f"| {v or 'nothing (all features)'} | " + " | ".join(cells) + " |")
+    print()
+
+
 def ci(values: list[float]) -> tuple[float, float]:
     m = statistics.fmean(values)
     if len(values) < 2:
@@ -259,6 +367,11 @@ def main() -> int:
         action="store_true",
         help="Only the held-out task-type runs (train on some types, test on others).",
     )
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="Only the feature ablation (held-out capture without each group).",
+    )
     p.add_argument("--task-scenarios", nargs="+", default=list(TASK_FACTORS), choices=TASK_FACTORS)
     p.add_argument("--train", type=int, default=2000, help="Held-out runs: training requests.")
     p.add_argument(
@@ -278,6 +391,9 @@ def main() -> int:
         args.seeds, args.requests = 2, 1000
     if args.held_out:
         held_out(args)
+        return 0
+    if args.ablation:
+        ablation(args)
         return 0
     with tempfile.TemporaryDirectory(prefix="specroute-prompts-") as folder:
         for scenario in args.scenarios:
