@@ -19,9 +19,12 @@ paired per prompt (the same prompt in both runs), with a 95% CI.
 
 The emulators run the profile at `--time-scale` (wall seconds per profile second) and the proxy is
 given the same speeds in wall time (the profile's rates divided by the time scale), so what it
-predicts is what it sees. Wall-clock figures: run on a quiet machine.
+predicts is what it sees. Wall-clock figures: run on a quiet machine. With `--rounds N` the four
+runs repeat N times, in reverse order every other round (a machine that slows down over the
+benchmark then weighs on every run alike); the table shows each round's figures, and the paired
+comparison with content-blind is over every round's prompts (a round against its own blind run).
 
-    python benchmarks/content_routing_live.py                     # time scale 0.2, ~4 x 60 s
+    python benchmarks/content_routing_live.py                     # time scale 0.2, 2 rounds, ~8 x 60 s
     python benchmarks/content_routing_live.py --time-scale 0.05 --runs aware blind
 """
 
@@ -214,6 +217,9 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
+    p.add_argument(
+        "--rounds", type=int, default=2, help="Repeat the runs, in reverse order every other round."
+    )
     args = p.parse_args()
     lines = prompts(args.requests, args.seed)
     kinds = {
@@ -226,33 +232,35 @@ def main() -> int:
         f"{len(lines)} never-seen prompts {json.dumps(kinds)} at concurrency {CONCURRENCY}; "
         f"answers of {ANSWER_TOKENS} + i tokens\n"
     )
-    results: dict[str, list[dict[str, Any]]] = {}
+    results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     print(
-        "| run | EAGLE-3 in 2nd half (n=150) | code share | prose share | median abs(reported/predicted - 1) "
-        "(n) | explored | mean e2e s (95% CI) | p99 e2e s | mean vs blind, paired (95% CI) | wall s |"
+        "| round | run | EAGLE-3 in 2nd half (n=150) | code share | prose share | median abs(reported/"
+        "predicted - 1) (n) | explored | mean e2e s (95% CI) | p99 e2e s | wall s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name in args.runs:
-        t0 = time.perf_counter()
-        out = asyncio.run(run(RUNS[name], lines, args.time_scale))
-        results[name] = out["rows"]
-        s = summary(out["rows"])
-        vs = "n/a"
-        if "blind" in results and name != "blind":
-            r, h = paired(out["rows"], results["blind"])
-            vs = f"{r:+.1%} ±{h:.1%}"
-        print(
-            f"| {name} | {s['late_eagle']} | {s['code']:.2f} | {s['prose']:.2f} | "
-            f"{s['error']:.3f} ({s['n_error']}) | {s['explored']} | {s['mean']:.3f} ±{s['mean_ci']:.3f} | "
-            f"{s['p99']:.3f} | {vs} | {time.perf_counter() - t0:.0f} |",
-            flush=True,
-        )
-    if "blind" in results:
+    for k in range(args.rounds):
+        for name in args.runs if k % 2 == 0 else args.runs[::-1]:
+            t0 = time.perf_counter()
+            out = asyncio.run(run(RUNS[name], lines, args.time_scale))
+            results[(name, k)] = out["rows"]
+            s = summary(out["rows"])
+            print(
+                f"| {k} | {name} | {s['late_eagle']} | {s['code']:.2f} | {s['prose']:.2f} | "
+                f"{s['error']:.3f} ({s['n_error']}) | {s['explored']} | "
+                f"{s['mean']:.3f} ±{s['mean_ci']:.3f} | {s['p99']:.3f} | {time.perf_counter() - t0:.0f} |",
+                flush=True,
+            )
+    if "blind" in args.runs:
         print()
-        for name, rows in results.items():
+        for name in args.runs:
             if name != "blind":
-                r, h = paired(rows, results["blind"])
-                print(f"{name}: mean e2e vs content-blind, paired per prompt: {r:+.1%} ±{h:.1%}")
+                rows = [r for k in range(args.rounds) for r in results[(name, k)]]
+                blind = [r for k in range(args.rounds) for r in results[("blind", k)]]
+                r, h = paired(rows, blind)
+                print(
+                    f"{name}: mean e2e vs content-blind, paired per prompt and round: {r:+.1%} ±{h:.1%} "
+                    f"(n={len(rows)})"
+                )
     return 0
 
 

@@ -82,7 +82,6 @@ CLIENT_WEIGHT = 8
 PRIOR_VAR = 0.3**2
 """Spread (log space, squared) of requests' factors around the pool average before any outcome:
 published per-task acceptance ranges from about 0.6x to 1.5x of the average."""
-STATE_FORMAT = "specroute.acceptance/v1"
 
 
 def _tok(name: str) -> int:
@@ -351,14 +350,15 @@ class AcceptanceModel:
         return MAX_STEP if bound > MAX_STEP else MIN_STEP if bound < MIN_STEP else bound
 
     def state(self) -> dict[str, Any]:
-        """What the model has learned, as JSON-able plain data (`load_state` takes it back)."""
-        used = [i for i, c in enumerate(self._count) if c]
+        """What the model has learned, as JSON-able plain data (copies); `load_state` takes it
+        back. Dimensions and rates are parameters, not state."""
+        w = self._w
         return {
-            "format": STATE_FORMAT,
-            "dim": len(self._w),
+            "version": STATE_VERSION,
+            "dim": len(w),
             "param_dim": len(self._p),
-            "weights": [[i, self._w[i], self._count[i]] for i in used],
-            "params": [[j, v] for j, v in enumerate(self._p) if v],
+            "tokens": [[i, w[i], c] for i, c in enumerate(self._count) if c],
+            "params": list(self._p),
             "families": [
                 [key, f.n, f.taught_at, [[c, *v] for c, v in f.clients.items()]]
                 for key, f in self._families.items()
@@ -371,43 +371,65 @@ class AcceptanceModel:
             "asked": self.asked,
         }
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Take back what `state` returned (from a model of the same `dim` and `param_dim`);
-        raises ValueError on a state that does not fit, leaving the model as it was."""
+    def load_state(self, state: Any) -> None:
+        """Take back what `state` returned. ValueError on data it cannot take (another version,
+        other dimensions, wrong types, non-finite numbers), and then the model is unchanged:
+        everything is checked before anything is assigned."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"acceptance state: not layout version {STATE_VERSION}")
         try:
-            if state.get("format") != STATE_FORMAT:
-                raise ValueError(f"not a {STATE_FORMAT} state")
-            if state["dim"] != len(self._w) or state["param_dim"] != len(self._p):
-                raise ValueError("the state's table sizes differ from this model's")
-            w, count, p = [0.0] * len(self._w), [0] * len(self._count), [0.0] * len(self._p)
-            for i, v, c in state["weights"]:
-                w[int(i)], count[int(i)] = float(v), int(c)
-            for j, v in state["params"]:
-                p[int(j)] = float(v)
+            dim, param_dim = len(self._w), len(self._p)
+            if state["dim"] != dim or state["param_dim"] != param_dim:
+                raise ValueError("saved with other dimensions (other parameters)")
+            w, counts = [0.0] * dim, [0] * dim
+            for i, weight, c in state["tokens"]:
+                if not 0 <= _int(i) < dim or counts[i]:
+                    raise ValueError("a token slot is out of range or repeated")
+                w[i], counts[i] = _finite(weight), _int(c)
+            params = [_finite(x) for x in state["params"]]
+            if len(params) != param_dim:
+                raise ValueError("other parameter dimensions")
             families: OrderedDict[int, _Family] = OrderedDict()
-            for key, n, taught_at, clients in state["families"][-self._max_families :]:
-                fam = _Family()
-                fam.n, fam.taught_at = int(n), int(taught_at)
-                fam.clients = {
-                    int(c): [float(k), float(r), float(v)] for c, k, r, v in clients[:FAMILY_CLIENTS]
-                }
+            for key, n, taught_at, clients in state["families"]:
+                if _int(key, signed=True) in families or not isinstance(clients, list):
+                    raise ValueError("a family is repeated or malformed")
+                fam = families[key] = _Family()
+                fam.n, fam.taught_at = _int(n), _int(taught_at)
+                for c, k, r, v in clients[:FAMILY_CLIENTS]:
+                    fam.clients[_int(c, signed=True)] = [_finite(k), _finite(r), _finite(v)]
                 if fam.clients:
-                    weights = [(min(k, CLIENT_WEIGHT), v) for k, _, v in fam.clients.values()]
-                    fam.offset = sum(a * v for a, v in weights) / sum(a for a, _ in weights)
-                families[int(key)] = fam
+                    pairs = [(min(k, CLIENT_WEIGHT), v) for k, _, v in fam.clients.values()]
+                    total = sum(a for a, _ in pairs)
+                    fam.offset = sum(a * v for a, v in pairs) / total if total > 0 else 0.0
+            if len(families) > self._max_families:
+                raise ValueError("more families than max_families")
             means = {}
             for name in ("cov", "var", "res2", "pop2"):
-                m = ShrunkMean()
-                m.n, m.value = int(state[name][0]), float(state[name][1])
-                means[name] = m
-            taught, asked = int(state["taught"]), int(state["asked"])
-        except (KeyError, TypeError, IndexError) as e:
-            raise ValueError(f"acceptance state: {e!r}") from None
-        if not all(math.isfinite(x) for x in (*w, *p)):
-            raise ValueError("acceptance state: a weight is not a finite number")
-        self._w, self._count, self._p, self._families = w, count, p, families
+                n, value = state[name]
+                m = means[name] = ShrunkMean(_finite(value))
+                m.n = _int(n)
+            taught, asked = _int(state["taught"]), _int(state["asked"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"acceptance state: {e}") from None
+        self._w, self._count, self._p, self._families = w, counts, params, families
         self.cov, self.var, self.res2, self.pop2 = means["cov"], means["var"], means["res2"], means["pop2"]
         self.taught, self.asked = taught, asked
+
+
+STATE_VERSION = 2
+"""The layout of `AcceptanceModel.state()` (1: before per-client families and the spread)."""
+
+
+def _finite(x: Any) -> float:
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        raise ValueError(f"expected a finite number, got {x!r}"[:100])
+    return float(x)
+
+
+def _int(x: Any, signed: bool = False) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or (x < 0 and not signed):
+        raise ValueError(f"expected {'an' if signed else 'a non-negative'} integer, got {x!r}"[:100])
+    return x
 
 
 def _clip(x: float) -> float:

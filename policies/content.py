@@ -17,15 +17,14 @@ out, so the pool and bucket means keep learning the speed of an average request 
 sends only the fast requests to eagle does not mistake them for a faster server).
 
 Each prediction carries its spread (`AcceptanceModel.predict_spread`), the pool average's own
-evidence being the calibrated samples behind `F`; `policies.explore` reads it. `state` /
-`load_state` hand the learned model over (JSON-able) for a state file.
+evidence being the calibrated samples behind `F`; `policies.explore` reads it. What it learns
+is the model's (`AcceptanceModel.state`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 from policies.acceptance import AcceptanceModel
 from policies.base import Outcome, RequestInfo
@@ -76,17 +75,6 @@ class ContentAcceptance:
         if cal is not None and not cal.accept_reported:
             return math.exp(y - cal.pool["eagle"].value), math.exp(y), sd
         return math.exp(y), math.exp(y), sd
-
-    def state(self) -> dict[str, Any]:
-        """The learned model as JSON-able data (`load_state` takes it back)."""
-        return {"model": self.model.state()}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Take back what `state` returned; ValueError (model unchanged) when it does not fit."""
-        model = state.get("model") if isinstance(state, dict) else None
-        if not isinstance(model, dict):
-            raise ValueError("content state: no 'model'")
-        self.model.load_state(model)
 
     def observe(
         self, outcome: Outcome, cal: SpeedCalibration | None, batch: int, rate_ratio: float | None

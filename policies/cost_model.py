@@ -418,24 +418,6 @@ class CostModelPolicy:
         xe, xb = self._compared(tried[1], b)
         return xe < xb * self._eagle_factor
 
-    def state(self) -> dict[str, Any]:
-        """What this policy learned beyond its calibration, as JSON-able data: the content model
-        and the exploration's counters (`load_state` takes it back)."""
-        out: dict[str, Any] = {}
-        if self.content is not None:
-            out["content"] = self.content.state()
-        if self.explorer is not None:
-            out["explore"] = self.explorer.state()
-        return out
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Take back what `state` returned; ValueError when a part does not fit this policy (what
-        was loaded before the bad part stays)."""
-        if self.content is not None and "content" in state:
-            self.content.load_state(state["content"])
-        if self.explorer is not None and "explore" in state:
-            self.explorer.load_state(state["explore"])
-
     def observe(self, outcome: Outcome) -> None:
         cal = self.calibration
         if cal is None or not teaches(outcome):
@@ -459,6 +441,44 @@ class CostModelPolicy:
             ratio = self.content.observe(outcome, cal, batch, ratio)
         if ratio is not None:
             cal.observe(pool, batch, outcome.request.hint, ratio, outcome.accept_length)
+
+    def state(self) -> dict[str, Any]:
+        """What it learned beyond its calibration, as JSON-able data: the content model and the
+        exploration's counters, each None when the parameters turn it off (`load_state` takes it
+        back). Booked prefills are tied to the clock: not kept."""
+        return {
+            "version": STATE_VERSION,
+            "content": None if self.content is None else self.content.model.state(),
+            "explore": None if self.explorer is None else self.explorer.state(),
+        }
+
+    def load_state(self, state: Any) -> None:
+        """Take back what `state` returned. ValueError when it does not fit this policy (other
+        parameters, another layout), and then nothing is changed."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"cost_model state: not layout version {STATE_VERSION}")
+        parts: dict[str, Any] = {
+            "content": None if self.content is None else self.content.model,
+            "explore": self.explorer,
+        }
+        for key, part in parts.items():
+            if (state.get(key) is None) != (part is None):
+                raise ValueError(f"cost_model state: {key} was {'off' if part else 'on'} when saved")
+        loaded: list[tuple[Any, dict[str, Any]]] = []
+        try:
+            for key, part in parts.items():
+                if part is not None:
+                    before = part.state()
+                    part.load_state(state[key])
+                    loaded.append((part, before))
+        except ValueError:  # one part refused: the others go back to what they were
+            for part, before in loaded:
+                part.load_state(before)
+            raise
+
+
+STATE_VERSION = 2
+"""The layout of `CostModelPolicy.state()`."""
 
 
 SPEC = PolicySpec(

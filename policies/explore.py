@@ -99,7 +99,8 @@ class Explorer:
             "explored": self.explored,
         }
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: Any) -> None:
+        """Take back what `state` returned; ValueError (and nothing changed) when it cannot."""
         try:
             values = (
                 float(state["credit"]),
@@ -110,6 +111,8 @@ class Explorer:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"explorer state: {e!r}") from None
+        if any(isinstance(state[k], bool) for k in ("credit", "allowed", "spent", "decisions", "explored")):
+            raise ValueError("explorer state: a bool is not a number")
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError("explorer state: negative or not finite")
         self.credit, self.allowed, self.spent = values[0], values[1], values[2]

@@ -59,7 +59,8 @@ class _Families:
         for name, doc, value in (
             (
                 "specroute_exploration_share",
-                "Decisions of the live policy that explored (sent to EAGLE to learn, reason explore) over all.",
+                "Decisions of the live policy that explored (sent to EAGLE to learn: reason explore) over "
+                "all.",
                 0.0 if explorer is None else explorer.share,
             ),
             (

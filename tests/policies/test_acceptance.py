@@ -175,7 +175,7 @@ def test_state_round_trips_exactly_through_json() -> None:
         info = RequestInfo(max_tokens=200, features=prompt(kind, rng), client=i % 3)
         teach(policy, info, truth[kind], spec=True)
     saved = json.loads(json.dumps(policy.policy.state()))  # type: ignore[attr-defined]
-    assert set(saved) == {"content", "explore"}
+    assert set(saved) == {"version", "content", "explore"}
     fresh = cost_model()
     fresh.policy.load_state(saved)  # type: ignore[attr-defined]
     assert json.loads(json.dumps(fresh.policy.state())) == saved  # type: ignore[attr-defined]
@@ -185,12 +185,14 @@ def test_state_round_trips_exactly_through_json() -> None:
         assert a.accept_factor == b.accept_factor and a.accept_factor is not None
     # a state that does not fit is refused whole, the model unchanged
     small = AcceptanceModel(dim=256)
-    with pytest.raises(ValueError, match="table sizes"):
-        small.load_state(saved["content"]["model"])
-    with pytest.raises(ValueError, match=r"not a specroute\.acceptance"):
-        small.load_state({"format": "other"})
-    broken = json.loads(json.dumps(saved["content"]["model"]))
-    broken["weights"][0][1] = float("nan")
+    with pytest.raises(ValueError, match="other dimensions"):
+        small.load_state(saved["content"])
+    with pytest.raises(ValueError, match="not layout version"):
+        small.load_state({"version": 1})
+    with pytest.raises(ValueError, match="cost_model state: explore was on"):
+        cost_model(explore_budget=0).policy.load_state(saved)  # type: ignore[attr-defined]
+    broken = json.loads(json.dumps(saved["content"]))
+    broken["tokens"][0][1] = float("nan")
     model = AcceptanceModel()
     with pytest.raises(ValueError, match="finite"):
         model.load_state(broken)
