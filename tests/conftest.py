@@ -35,8 +35,9 @@ from prometheus_client import CollectorRegistry
 from controller.cli import spawn
 from controller.proxy.app import FORWARDER, TRACKER, create_app, make_runner, policy_context
 from controller.proxy.config import Settings
-from controller.proxy.forward import Forwarder, Observer, RequestRecord
+from controller.proxy.forward import Forwarder
 from controller.proxy.load import LoadTracker
+from controller.proxy.ticket import Observer, RequestRecord
 from policies.base import Policy
 from policies.profile import Profile
 from policies.registry import default_registry

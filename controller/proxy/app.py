@@ -6,7 +6,7 @@ opens the shared `ClientSession` (unless one was passed in), runs the health che
 backend scraper (`controller.proxy.scrape.ScrapeLoop`, samples into `app[TRACKER]`), and opens and
 closes the decision log (`settings.decision_log`, written by `controller.proxy.decision_record`;
 `reopen_decision_log` makes it open its path anew). The error middleware passes specroute's
-error messages through `controller.proxy.identity` (`errors.CLIENT_TEXT`: backend names hidden
+error messages through `controller.proxy.identity` (`http_errors.CLIENT_TEXT`: backend names hidden
 from clients with `backend_header: false`).
 
 Shadow policies (`settings.shadow_policies`, or built ones passed as `shadows=`) are asked by
@@ -33,18 +33,11 @@ from controller.proxy.capacity import AdmissionMetrics, Capacity, in_flight_boun
 from controller.proxy.config import Settings
 from controller.proxy.decision_record import DecisionLogger, open_decision_log
 from controller.proxy.engines import Engine
-from controller.proxy.errors import (
-    CLIENT_TEXT,
-    NoBackendAvailable,
-    NotFound,
-    ShuttingDown,
-    error_middleware,
-    expect_handler,
-    http_log,
-)
-from controller.proxy.forward import Forwarder, Observer, RequestRecord
+from controller.proxy.errors import NoBackendAvailable, NotFound, ShuttingDown
+from controller.proxy.forward import Forwarder
 from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
 from controller.proxy.health import HealthChecker
+from controller.proxy.http_errors import CLIENT_TEXT, error_middleware, expect_handler, http_log
 from controller.proxy.info import model_info, server_info
 from controller.proxy.limits import read_bounded
 from controller.proxy.load import LoadTracker
@@ -54,6 +47,7 @@ from controller.proxy.outlier import OutlierDetector
 from controller.proxy.scrape import ScrapeLoop, apply_reported_cap
 from controller.proxy.shadow import ShadowPolicies, build_shadows
 from controller.proxy.shutdown import SHUTDOWN, Shutdown, close_after_answer
+from controller.proxy.ticket import Observer, RequestRecord
 from policies.base import POOLS, Policy, Pool
 from policies.calibration import MISMATCH_AFTER
 from policies.prefix import DEFAULT_CACHE_TOKENS

@@ -120,6 +120,8 @@ class RelayWatchdog:
         self.side: Side = "backend"
         self.since = 0.0
         self.credit = 0.0
+        self.blocked_s = 0.0
+        """Seconds the relay has spent in writes to the client (the credits given so far)."""
         self.expired: Side | None = None
         self._loop = asyncio.get_running_loop()
         self._task: asyncio.Task[object] | None = None
@@ -130,6 +132,7 @@ class RelayWatchdog:
         """From `now` on the relay waits for the backend, which gets `credit` seconds more than
         `idle_s` (how long the write before this read was blocked)."""
         self.side, self.since, self.credit = "backend", now, credit
+        self.blocked_s += credit
 
     def writing(self, now: float) -> None:
         """From `now` on the relay waits for the client to take a write."""

@@ -189,10 +189,10 @@ def test_the_proxy_decides_exactly_as_the_core_including_its_errors() -> None:
             expected = core.decide(core_policy, info, v, float(i))
         except NoHealthyBackend as e:
             with pytest.raises(NoBackendAvailable) as caught:
-                fwd.decide(proxy_policy, info, v, float(i))
+                fwd.tickets.decide(proxy_policy, info, v, float(i))
             assert str(e) in caught.value.message
             continue
-        got = fwd.decide(proxy_policy, info, v, float(i))
+        got = fwd.tickets.decide(proxy_policy, info, v, float(i))
         assert got == expected
         outcome = Outcome(info, got, float(i), 0.1, info.max_tokens, 0.1 + info.max_tokens / 50.0, "ok")  # type: ignore[operator]
         proxy_policy.observe(outcome)
@@ -209,9 +209,9 @@ def test_a_policy_that_fails_is_a_500_in_the_proxy_and_an_invalid_choice_is_name
     fwd = _forwarder(Broken(), 0)
     v = view([("http://b0:1", 0, True)], [("http://e0:1", 0, True)])
     with pytest.raises(SpecrouteError, match="routing policy 'refuses' failed"):
-        fwd.decide(fwd.policy, RequestInfo(), v, 0.0)
+        fwd.tickets.decide(fwd.policy, RequestInfo(), v, 0.0)
     with pytest.raises(SpecrouteError, match="chose backend 'x'"):
-        fwd.decide(Picks("eagle", "x"), RequestInfo(), v, 0.0)  # type: ignore[arg-type]
+        fwd.tickets.decide(Picks("eagle", "x"), RequestInfo(), v, 0.0)  # type: ignore[arg-type]
 
 
 class Recording:
@@ -248,7 +248,7 @@ def test_the_simulator_and_the_proxy_route_the_same_inputs_identically(policy: s
     for kind, call in recorder.calls:
         if kind == "choose":
             request, v, now = call  # type: ignore[misc]
-            replayed.append(fwd.decide(fwd.policy, request, v, now).backend)
+            replayed.append(fwd.tickets.decide(fwd.policy, request, v, now).backend)
         else:
             fwd.policy.observe(call)  # type: ignore[arg-type]
     assert replayed == simulated  # the same backend for every request, tie-breaks included
