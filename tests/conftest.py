@@ -33,8 +33,9 @@ from helpers import KIMI, start_module, wait_until
 from prometheus_client import CollectorRegistry
 
 from controller.cli import spawn
-from controller.proxy.app import FORWARDER, TRACKER, create_app, make_runner, policy_context
+from controller.proxy.app import FORWARDER, TRACKER, create_app, make_runner
 from controller.proxy.config import Settings
+from controller.proxy.core import policy_context
 from controller.proxy.forward import Forwarder
 from controller.proxy.load import LoadTracker
 from controller.proxy.ticket import Observer, RequestRecord

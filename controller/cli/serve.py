@@ -111,7 +111,7 @@ def configure_check_config(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace) -> tuple[Settings, PolicyRegistry, PolicyContext, Policy]:
-    from controller.proxy.app import policy_context
+    from controller.proxy.core import policy_context
 
     settings = load_settings(cli_settings(args), os.environ, args.config)
     settings.require_backends()
@@ -323,7 +323,7 @@ def run_policies(args: argparse.Namespace) -> int:
 
 
 def run_check_config(args: argparse.Namespace) -> int:
-    from controller.proxy.app import policy_context
+    from controller.proxy.core import policy_context
     from controller.proxy.shadow import build_shadows
 
     try:

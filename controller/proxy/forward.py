@@ -21,27 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry
 
-from controller.proxy.capacity import AdmissionMetrics, Capacity
 from controller.proxy.config import Settings
+from controller.proxy.core import Core
 from controller.proxy.errors import SpecrouteError
-from controller.proxy.headers import PoolRewrite, upstream_headers
-from controller.proxy.identity import BackendIdentity
+from controller.proxy.headers import upstream_headers
 from controller.proxy.lifecycle import Relay, RelayLimits, RequestLifecycle
 from controller.proxy.limits import BodyGate, JsonBudget, read_body
-from controller.proxy.load import LoadTracker
-from controller.proxy.memory import Charge, MemoryBudget
-from controller.proxy.metrics import Metrics
-from controller.proxy.outlier import OutlierDetector
-from controller.proxy.shadow import ShadowPolicies
-from controller.proxy.ticket import AttemptReports, Observer, Tickets
+from controller.proxy.memory import Charge
 from policies.base import EndpointKind, Policy, Pool
 
 log = logging.getLogger("specroute.forward")
@@ -73,44 +65,25 @@ class Forwarder:
     """Serves the completion routes. `policy` may be swapped at any time (hot reload): each
     request keeps the policy object that chose it."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        policy: Policy,
-        tracker: LoadTracker,
-        metrics: Metrics,
-        *,
-        clock: Callable[[], float],
-        observers: list[Observer] | None = None,
-        shadows: ShadowPolicies | None = None,
-        outlier: OutlierDetector | None = None,
-        capacity: Capacity | None = None,
-        budget: MemoryBudget | None = None,
-    ) -> None:
+    def __init__(self, core: Core) -> None:
+        settings = core.settings
         self.settings = settings
-        self.tracker = tracker
-        self.metrics = metrics
-        self.clock = clock
-        self.capacity = capacity or Capacity(
-            tracker, AdmissionMetrics(CollectorRegistry()), wait_s=settings.admission_wait_s,
-            max_waiting=settings.admission_max_waiting, clock=clock, backoff_s=settings.overload_backoff_s,
-        )  # fmt: skip
-        self.tickets = Tickets(
-            policy, tracker, self.capacity, metrics, clock=clock, seed=settings.seed,
-            allow_client_override=settings.allow_client_override, prefix_tracking=settings.prefix_tracking,
-            shadows=shadows, observers=observers,
-        )  # fmt: skip
+        self.tracker = core.tracker
+        self.metrics = core.metrics
+        self.clock = clock = core.clock
+        self.capacity = core.capacity
+        self.tickets = core.tickets
         self.relay = Relay(
             RelayLimits.from_settings(settings),
             clock=clock,
-            budget=budget or MemoryBudget(settings.memory_budget_bytes),
-            identity=BackendIdentity.from_settings(settings),
-            reports=AttemptReports(self.capacity, metrics, clock, outlier),
-            rewrite=PoolRewrite.from_settings(settings),
-            client_stalls=metrics.client_stalls,
+            budget=core.budget,
+            identity=core.identity,
+            reports=core.reports,
+            rewrite=core.rewrite,
+            client_stalls=core.metrics.client_stalls,
         )
-        self.budget = self.relay.budget
-        self.identity = self.relay.identity
+        self.budget = core.budget
+        self.identity = core.identity
         """What clients may learn of the backends: every client-bound message passes it."""
         self.relays = self.relay.relays
         self.observers = self.tickets.observers

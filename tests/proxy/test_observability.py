@@ -20,8 +20,9 @@ import pytest
 from helpers import run_command, run_specroute, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.proxy.app import FORWARDER, SCRAPER, policy_context
+from controller.proxy.app import FORWARDER, SCRAPER
 from controller.proxy.config import Settings
+from controller.proxy.core import policy_context
 from controller.proxy.decision_log import DecisionLog
 from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
