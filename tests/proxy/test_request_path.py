@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import make_tracker
 from prometheus_client import CollectorRegistry
 
 from controller.proxy.capacity import AdmissionMetrics, Capacity
@@ -39,7 +40,7 @@ class Path_:
 
 def _path(bound: int | None = None) -> Path_:
     """The front and back halves over one eagle and one plain backend, the policy `fixed` eagle."""
-    tracker = LoadTracker(["b0=http://127.0.0.1:1"], ["e0=http://127.0.0.1:2"])
+    tracker = make_tracker(["b0=http://127.0.0.1:1"], ["e0=http://127.0.0.1:2"])
     tracker.set_bounds({"b0": bound, "e0": bound}, {})
     registry = CollectorRegistry()
     metrics = Metrics(registry, tracker, clock=lambda: 100.0)
