@@ -51,9 +51,10 @@ from prometheus_client import CollectorRegistry
 from prompt_workloads import TASKS, task_requests
 
 from controller.proxy.acceptance_metrics import reported_factor
-from controller.proxy.app import create_app, policy_context
+from controller.proxy.app import create_app
 from controller.proxy.config import Settings
-from controller.proxy.forward import RequestRecord
+from controller.proxy.core import policy_context
+from controller.proxy.ticket import RequestRecord
 from policies.profile import Profile, resolve_profile
 from policies.registry import default_registry
 from policies.stats import percentile
