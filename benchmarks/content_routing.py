@@ -219,18 +219,23 @@ def held_out_job(job_args: tuple[HeldOutJob, str, int, int]) -> dict[str, Any]:
     return {"mean": s["mean_e2e_s"], "p99": s["p99_e2e_s"], "n": s["requests"]}
 
 
+def write_task_files(folder: str, scenarios: list[str], temperatures: bool) -> None:
+    """Every split's train and test files of each scenario, with and without hints."""
+    for scenario in scenarios:
+        for split, (train, test) in SPLITS.items():
+            for part, types in (("train", train), ("test", test)):
+                for hints in (False, True):
+                    lines = build_tasks(
+                        scenario, types=types, sigma=0.08, hints=hints, temperatures=temperatures
+                    )
+                    write(held_out_file(folder, scenario, split, part, hints), lines)
+
+
 def held_out(args: argparse.Namespace) -> None:
     """Capture on task types held out from training, per split, scenario and load."""
     runs = list(HELD_OUT_RUNS)
     with tempfile.TemporaryDirectory(prefix="specroute-tasks-") as folder:
-        for scenario in args.task_scenarios:
-            for split, (train, test) in SPLITS.items():
-                for part, types in (("train", train), ("test", test)):
-                    for hints in (False, True):
-                        lines = build_tasks(
-                            scenario, types=types, sigma=0.08, hints=hints, temperatures=args.temperatures
-                        )
-                        write(held_out_file(folder, scenario, split, part, hints), lines)
+        write_task_files(folder, args.task_scenarios, args.temperatures)
         jobs = [
             HeldOutJob(sc, split, load, r, seed)
             for sc in args.task_scenarios
@@ -293,13 +298,7 @@ def ablation(args: argparse.Namespace) -> None:
     load, scenario = 1.0, args.task_scenarios[0]
     variants = ["", *ABLATIONS]
     with tempfile.TemporaryDirectory(prefix="specroute-tasks-") as folder:
-        for split, (train, test) in SPLITS.items():
-            for part, types in (("train", train), ("test", test)):
-                for hints in (False, True):
-                    lines = build_tasks(
-                        scenario, types=types, sigma=0.08, hints=hints, temperatures=args.temperatures
-                    )
-                    write(held_out_file(folder, scenario, split, part, hints), lines)
+        write_task_files(folder, [scenario], args.temperatures)
         sizes = {
             split: args.test
             or len(held_out_file(folder, scenario, split, "test", False).read_text().splitlines())
