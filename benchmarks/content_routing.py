@@ -137,7 +137,7 @@ def prediction_error(job_args: tuple[str, float, bool, str, int, int]) -> dict[s
 HELD_OUT_RUNS: dict[str, tuple[str, bool]] = {
     # name: (policy params, hints file); every run on the pair, spec_details on
     "aware": ("", False),
-    "optimistic": ("explore=optimistic", False),
+    "thompson": ("explore=thompson", False),
     "no-explore": ("explore_budget=0", False),
     "blind": ("content_aware=false", False),
     "told": ("content_aware=false", True),

@@ -11,7 +11,7 @@ fortunes to translate, Python reference passages to summarize; 50 of each, in a 
 1.5, prose 0.7, the rest 1.0); `uniform` every request 1 (nothing to find: what exploring costs).
 Each request's factor gets a ±5% lognormal spread.
 
-Runs: content-aware cost_model with `explore=thompson` (the default), `explore=optimistic`,
+Runs: content-aware cost_model with `explore=thompson`, `explore=optimistic` (the default),
 `explore_budget=0` (no exploration), and content-blind cost_model. Per run over `--seeds` seeds
 (each a different order of the prompts): requests reaching EAGLE in the second half, code's and
 prose's EAGLE share there, the median |true / predicted - 1| over the requests served by EAGLE
@@ -56,7 +56,7 @@ RULES = {"code": 1.5, "prose": 0.7}
 ANSWER_TOKENS = 200
 CONCURRENCY = 3
 RUNS: dict[str, dict[str, Any]] = {
-    "thompson": {},
+    "thompson": {"explore": "thompson"},
     "optimistic": {"explore": "optimistic"},
     "no-explore": {"explore_budget": 0.0},
     "blind": {"content_aware": False},

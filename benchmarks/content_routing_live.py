@@ -9,8 +9,8 @@ source is not installed is replaced by the others), streamed answers of 200 + i 
 i-th prompt (a length per prompt: it finds the prompt's record, and is the same in every run).
 
 The same prompts in the same order go through four proxies, each started fresh in front of fresh
-emulators: content-blind (`content_aware=false`), content-aware with Thompson-sampling
-exploration (the default), with the optimistic bound, and without exploration (`explore_budget=0`).
+emulators: content-blind (`content_aware=false`), content-aware with the optimistic bound's
+exploration (the default), with Thompson sampling, and without exploration (`explore_budget=0`).
 Per run: requests reaching EAGLE-3 in the second half, code's and prose's EAGLE-3 share there,
 the median |reported / predicted - 1| over the requests EAGLE-3 served (reported: the accept
 length the emulator sent over the profile's; predicted: the factor the policy used), the client's
@@ -71,7 +71,7 @@ RULES = [
 RUNS: dict[str, dict[str, Any]] = {
     "blind": {"content_aware": False},
     "aware": {},
-    "optimistic": {"explore": "optimistic"},
+    "thompson": {"explore": "thompson"},
     "no-explore": {"explore_budget": 0},
 }
 ANSWER_TOKENS = 200

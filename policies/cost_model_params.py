@@ -123,10 +123,10 @@ class CostModelParams(BaseModel):
         "eagle rate per hint (content-blind).",
     )
     explore: ExploreMode = Field(
-        default="thompson",
+        default="optimistic",
         description="Content-aware: how a request predicted cheaper on the plain pool is tried on EAGLE "
-        "to learn its kind's speed there (policies/explore.py): thompson (a sample of its speed factor) or "
-        "optimistic (mean + explore_z standard deviations).",
+        "to learn its kind's speed there (policies/explore.py): optimistic (its speed factor taken "
+        "explore_z standard deviations above the prediction) or thompson (a sample of it).",
     )
     explore_budget: float = Field(
         default=0.01,

@@ -106,11 +106,12 @@ def test_budget_zero_never_explores_and_runs_are_deterministic() -> None:
     assert not any(d.reason == "explore" for _, d in off)
     assert cost_model(explore_budget=0).policy.explorer is None  # type: ignore[attr-defined]
 
-    def decisions(seed: int) -> list[tuple[str, str]]:
-        return [(d.pool, d.reason) for _, d in serve(cost_model(seed), traffic)]
+    def decisions(seed: int, mode: str) -> list[tuple[str, str]]:
+        return [(d.pool, d.reason) for _, d in serve(cost_model(seed, explore=mode), traffic)]
 
-    assert decisions(3) == decisions(3)
-    assert decisions(3) != decisions(4)  # the draws come from the seeded RNG
+    assert decisions(3, "thompson") == decisions(3, "thompson")
+    assert decisions(3, "thompson") != decisions(4, "thompson")  # the draws come from the seeded RNG
+    assert decisions(3, "optimistic") == decisions(4, "optimistic")  # the bound draws nothing
 
 
 def test_a_confident_prediction_is_rarely_explored() -> None:
