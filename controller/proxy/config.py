@@ -357,6 +357,19 @@ class Settings(BaseModel):
     admission_max_waiting: int = Field(
         default=1024, ge=0, description="Most requests waiting for a slot at once; beyond it, 429 at once."
     )
+    max_n: int = Field(
+        default=16,
+        ge=1,
+        description="Largest `n` (samples per prompt) a request may ask for (chat, completions, "
+        "/generate's sampling_params.n); above it, 400. A backend runs each sample as a request of its "
+        "own: the default fits in a third of the smallest running-request cap seen in practice (48).",
+    )
+    max_prompts_per_request: int = Field(
+        default=16,
+        ge=1,
+        description="Most prompts in one /v1/completions request (a list of prompts); above it, 400. A "
+        "request's prompts x n may not exceed the larger of this and max_n either.",
+    )
     shutdown_grace_s: float = Field(
         default=5.0,
         ge=0,

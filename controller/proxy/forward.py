@@ -49,6 +49,7 @@ from controller.proxy.prefixes import prompt_blocks
 from controller.proxy.request import estimate_prompt_tokens, parse_body, parse_small_body
 from controller.proxy.shadow import ShadowChoice, ShadowPolicies
 from controller.proxy.upstream import COUNTED, UpstreamFailure
+from controller.proxy.validate import check_sequences
 from controller.proxy.watchdog import RelayWatchdog
 from policies.base import (
     Decision,
@@ -307,6 +308,8 @@ class Forwarder:
             body = parse_small_body(raw, endpoint)  # without a coroutine
             if body is None:
                 body = await parse_body(raw, endpoint)
+            settings = self.settings  # n and prompt lists within max_n, max_prompts_per_request
+            check_sequences(body, endpoint, settings.max_n, settings.max_prompts_per_request)
             info = request_info(
                 body, endpoint, request.headers, self.settings.allow_client_override, self.features_wanted()
             )
