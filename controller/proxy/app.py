@@ -51,7 +51,7 @@ from controller.proxy.load import LoadTracker
 from controller.proxy.memory import keep_heap_small
 from controller.proxy.metrics import BudgetCollector, Metrics, RelayCollector
 from controller.proxy.outlier import OutlierDetector
-from controller.proxy.scrape import ScrapeLoop, apply_reported_cap
+from controller.proxy.scrape import RejectedValuesCollector, ScrapeLoop, apply_reported_cap
 from controller.proxy.shadow import ShadowPolicies, build_shadows
 from controller.proxy.shutdown import SHUTDOWN, Shutdown, close_after_answer
 from policies.base import POOLS, Policy, Pool
@@ -138,6 +138,7 @@ def create_app(
     )
     registry_.register(BudgetCollector(fwd.budget))
     registry_.register(RelayCollector(fwd.relays))
+    registry_.register(RejectedValuesCollector(lambda: app.get(SCRAPER)))
     fwd.observers.append(AcceptanceMetrics(registry_, lambda: fwd.policy))
     fwd.observers.append(MismatchWatch(metrics))
     app[SETTINGS] = settings

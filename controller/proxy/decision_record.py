@@ -45,9 +45,16 @@ from controller.proxy.forward import RequestRecord, believed_cached
 from policies.base import Decision, LoadView, PoolLoad
 
 
+def _num(value: float | None, digits: int = 6) -> float | None:
+    """`value` rounded; null when it is unknown or not finite (a pool ruled out, a backend's NaN)."""
+    if value is None or not math.isfinite(value):
+        return None
+    return round(value, digits)
+
+
 def _times(values: Any) -> dict[str, float | None]:
-    """Per-pool seconds; a non-finite prediction (a pool ruled out) becomes null."""
-    return {pool: round(float(v), 6) if math.isfinite(v) else None for pool, v in values.items()}
+    """Per-pool seconds (a non-finite prediction, a pool ruled out, is null)."""
+    return {pool: _num(float(v)) for pool, v in values.items()}
 
 
 def _pool_summary(pool: PoolLoad) -> dict[str, Any]:
@@ -67,7 +74,7 @@ def _pool_summary(pool: PoolLoad) -> dict[str, Any]:
         "scraped": scraped,
         "healthy": healthy,
         "backends": len(pool.backends),
-        "accept_length": round(sum(accepts) / len(accepts), 4) if accepts else None,
+        "accept_length": _num(sum(accepts) / len(accepts), 4) if accepts else None,
     }
 
 
@@ -91,7 +98,7 @@ def decision_record(item: tuple[RequestRecord, float]) -> dict[str, Any]:
     r, ts = item
     info, out, d = r.request, r.outcome, r.decision
     return {
-        "ts": round(ts, 6),
+        "ts": _num(ts),
         "endpoint": info.endpoint,
         "stream": info.stream,
         "prompt_tokens": info.prompt_tokens,
@@ -107,11 +114,11 @@ def decision_record(item: tuple[RequestRecord, float]) -> dict[str, Any]:
         "chosen_backend": r.chosen.backend,
         "predicted_ttft_s": _times(r.chosen.predicted_ttft_s),
         "predicted_e2e_s": _times(r.chosen.predicted_e2e_s),
-        "ttft_s": None if out.ttft_s is None else round(out.ttft_s, 6),
+        "ttft_s": _num(out.ttft_s),
         "completion_tokens": out.completion_tokens,
         "believed_cached_tokens": believed_cached(r.view, d),
         "cached_tokens": out.cached_tokens,
-        "duration_s": round(out.duration_s, 6),
+        "duration_s": _num(out.duration_s),
         "status": out.status,
         "http_status": r.http_status,
         "shadow": [_shadow(s.label, s.decision) for s in r.shadow],
@@ -121,7 +128,7 @@ def decision_record(item: tuple[RequestRecord, float]) -> dict[str, Any]:
 
 
 def _factor(value: float | None) -> float | None:
-    return None if value is None or not math.isfinite(value) else round(value, 4)
+    return _num(value, 4)
 
 
 class DecisionLogger:
