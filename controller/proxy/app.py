@@ -31,7 +31,7 @@ from controller.proxy.acceptance_metrics import AcceptanceMetrics
 from controller.proxy.admin import PolicyAdmin, admin_routes
 from controller.proxy.capacity import AdmissionMetrics, Capacity, in_flight_bounds
 from controller.proxy.config import Settings
-from controller.proxy.decision_record import DecisionLogger, open_decision_log
+from controller.proxy.decision_record import DecisionLogCollector, DecisionLogger, open_decision_log
 from controller.proxy.engines import Engine
 from controller.proxy.errors import (
     CLIENT_TEXT,
@@ -139,6 +139,8 @@ def create_app(
     registry_.register(BudgetCollector(fwd.budget))
     registry_.register(RelayCollector(fwd.relays))
     registry_.register(RejectedValuesCollector(lambda: app.get(SCRAPER)))
+    open_logs: list[DecisionLogger] = []
+    registry_.register(DecisionLogCollector(open_logs))
     fwd.observers.append(AcceptanceMetrics(registry_, lambda: fwd.policy))
     fwd.observers.append(MismatchWatch(metrics))
     app[SETTINGS] = settings
@@ -150,7 +152,7 @@ def create_app(
     app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
     app[SHUTDOWN] = Shutdown(clock)
     app.on_response_prepare.append(close_after_answer)
-    app[DECISION_LOGS] = open_logs = []
+    app[DECISION_LOGS] = open_logs
     dropped = Counter(
         "specroute_decision_log_dropped_records",
         "Decision-log records not written, by reason (queue_full: the writer fell behind; "
@@ -198,7 +200,10 @@ def create_app(
         decisions = None
         if settings.decision_log:
             decisions = open_decision_log(
-                settings.decision_log, clock, on_drop=lambda reason, n: dropped.labels(reason).inc(n)
+                settings.decision_log,
+                clock,
+                on_drop=lambda reason, n: dropped.labels(reason).inc(n),
+                max_queued_bytes=settings.decision_log_queue_bytes,
             )
             fwd.observers.append(decisions)
             open_logs.append(decisions)

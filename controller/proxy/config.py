@@ -410,6 +410,14 @@ class Settings(BaseModel):
     )
     log_bodies: bool = Field(default=False, description="Log request bodies (debugging only).")
     decision_log: str | None = Field(default=None, description="Path of the JSONL decision log.")
+    decision_log_queue_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        gt=0,
+        description="Most memory the decision-log records waiting for the disk may hold (a hung disk or "
+        "mount); past it new records are dropped and counted (specroute_decision_log_dropped_records_total"
+        '{reason="queue_full"}). Beside memory_budget_bytes, not in it: a stalled log never refuses '
+        "requests.",
+    )
     shadow_policies: list[ShadowPolicy] = Field(
         default_factory=list, description="Policies evaluated on every request without acting."
     )

@@ -1,9 +1,13 @@
-"""Decision-log records: one JSON object per finished request, built off the event loop.
+"""Decision-log records: one JSON object per finished request.
 
-The observer on the request path only stamps the arrival's wall-clock time and queues the
-(immutable) `RequestRecord`; `decision_record` turns it into plain data in the decision log's
-writer thread. Fields (stable; `simulator/traces.py` replays `ts`, `prompt_tokens`,
-`max_tokens`, `completion_tokens` and `hint` as a `specroute-log` trace):
+The observer on the request path turns the finished `RequestRecord` into the record's plain
+dict at once (`decision_record`: numbers, short strings) and queues it with its estimated size
+(`record_bytes`) for the decision log's writer thread, which encodes and writes it. So what waits
+for the disk is the compact record, not the request's `RequestInfo`, view and decisions, and the
+queue is bounded in bytes (`decision_log_queue_bytes`). A number the view or the outcome holds
+that is not finite is written as null, so whatever a backend reported, the record is written.
+Fields (stable; `simulator/traces.py` replays `ts`, `prompt_tokens`, `max_tokens`,
+`completion_tokens` and `hint` as a `specroute-log` trace):
 
     ts                 arrival, unix seconds
     endpoint, stream   "chat"|"completions"|"generate", the request's stream flag
@@ -36,8 +40,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from controller.proxy.acceptance_metrics import reported_factor
 from controller.proxy.decision_log import DecisionLog
@@ -131,11 +138,25 @@ def _factor(value: float | None) -> float | None:
     return _num(value, 4)
 
 
-class DecisionLogger:
-    """Request observer that queues each finished request for the decision log.
+RECORD_BYTES = 3072
+"""What one queued record holds at most without shadows: its dict, the nested load and
+prediction dicts, floats and a hint of 32 characters (the strings it names, pools, backends,
+reasons, are shared; `tests/proxy/test_decision_log_bytes.py` measures it)."""
+SHADOW_BYTES = 1024
+"""What one shadow policy's entry adds."""
 
-    On the event loop it costs two clock reads and a queue put; the record is turned into
-    JSON in the log's writer thread."""
+
+def record_bytes(record: dict[str, Any]) -> int:
+    """The memory a queued `decision_record` holds, at most (`RECORD_BYTES`, `SHADOW_BYTES`)."""
+    return RECORD_BYTES + SHADOW_BYTES * len(record["shadow"])
+
+
+class DecisionLogger:
+    """Request observer that queues each finished request's record for the decision log.
+
+    On the event loop it builds the record's dict (`decision_record`) and queues it; the writer
+    thread encodes and writes it. A record that cannot be built costs only itself (counted
+    `unencodable`)."""
 
     def __init__(self, log: DecisionLog, clock: Callable[[], float]) -> None:
         self.log = log
@@ -143,10 +164,30 @@ class DecisionLogger:
 
     def __call__(self, record: RequestRecord) -> None:
         arrived = record.arrived_at if record.arrived_at is not None else record.outcome.started_at
-        self.log.write((record, time.time() - (self.clock() - arrived)))
+        try:
+            line = decision_record((record, time.time() - (self.clock() - arrived)))
+        except Exception as e:
+            self.log.unencodable(e)
+            return
+        self.log.write(line, record_bytes(line))
 
 
 def open_decision_log(path: str, clock: Callable[[], float], **kwargs: Any) -> DecisionLogger:
     """Open (append to) the decision log at `path`; raises OSError when it cannot be opened.
-    `kwargs` go to `DecisionLog` (`on_drop=` counts dropped records)."""
-    return DecisionLogger(DecisionLog(path, transform=decision_record, **kwargs), clock)
+    `kwargs` go to `DecisionLog` (`on_drop=` counts dropped records, `max_queued_bytes=` bounds
+    what waits for the disk)."""
+    return DecisionLogger(DecisionLog(path, **kwargs), clock)
+
+
+class DecisionLogCollector(Collector):
+    """What the open decision logs hold waiting for the disk, at scrape time."""
+
+    def __init__(self, logs: list[DecisionLogger]) -> None:
+        self._logs = logs
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "specroute_decision_log_queued_bytes",
+            "Bytes of decision-log records waiting for the disk now (bounded by decision_log_queue_bytes).",
+            value=sum(d.log.queued_bytes for d in self._logs),
+        )
