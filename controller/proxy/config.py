@@ -226,6 +226,13 @@ class Settings(BaseModel):
         description="Largest backend answer specroute holds in memory: a non-streaming body, or the "
         "first event of a stream (both are read whole before committing); larger gets 502.",
     )
+    info_limit_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        gt=0,
+        description="Largest backend answer to an info route (/v1/models, /model_info, /server_info) "
+        "specroute reads (else 502 info_answer_too_large); what it holds counts against "
+        "memory_budget_bytes, and a /server_info answer is parsed off the event loop when large.",
+    )
     memory_budget_bytes: int = Field(
         default=512 * 1024 * 1024,
         gt=0,
