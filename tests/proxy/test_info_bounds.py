@@ -13,13 +13,14 @@ import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 from fakes import ShiftedClock
-from helpers import assert_openai_error, peak_rss, wait_until
+from helpers import assert_openai_error, peak_rss, serve_app, wait_until
 
 from controller.proxy.info import INFO_MAX_VALUES
 from controller.proxy.memory import ANSWER_COPIES
@@ -48,7 +49,6 @@ class InfoBackend:
         self.chunked = chunked
         self.asked: list[str] = []
         self.url = ""
-        self._runner: web.AppRunner | None = None
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
         if request.path not in INFO_ROUTES:
@@ -68,34 +68,22 @@ class InfoBackend:
             pass
         return resp
 
-    async def start(self) -> str:
+    def app(self) -> web.Application:
         app = web.Application()
         app.router.add_route("GET", "/{tail:.*}", self._get)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        return app
 
 
 @pytest.fixture
 async def info_backend() -> AsyncIterator[Callable[..., Any]]:
-    started: list[InfoBackend] = []
+    async with AsyncExitStack() as stack:
 
-    async def make(body: Callable[[str], bytes], **kw: Any) -> InfoBackend:
-        b = InfoBackend(body, **kw)
-        await b.start()
-        started.append(b)
-        return b
+        async def make(body: Callable[[str], bytes], **kw: Any) -> InfoBackend:
+            b = InfoBackend(body, **kw)
+            b.url = await stack.enter_async_context(serve_app(b.app()))
+            return b
 
-    yield make
-    for b in started:
-        await b.stop()
+        yield make
 
 
 FORTY_MB = json.dumps(server_info(pad=40 << 20)).encode()

@@ -8,11 +8,13 @@ now each pool's share within 30 s after it is within 10% of its share before."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
 import pytest
 from aiohttp import web
 from fakes import SSE_DONE, ShiftedClock, sse, stream_chunk, stream_event
+from helpers import serve_app
 
 PREFILL_TOK_S = 8000.0
 WAIT_S = 0.1
@@ -29,7 +31,6 @@ class ClockedBackend:
         self.decode_tok_s = decode_tok_s
         self.prompts: list[int] = []
         self.url = ""
-        self._runner: web.AppRunner | None = None
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -55,35 +56,24 @@ class ClockedBackend:
     async def _empty(self, request: web.Request) -> web.Response:
         return web.json_response({})
 
-    async def start(self) -> str:
+    def app(self) -> web.Application:
         app = web.Application(client_max_size=16 << 20)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/{tail:.*}", self._empty)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        return app
 
 
 @pytest.fixture
 async def pools() -> AsyncIterator[Callable[..., Any]]:
-    started: list[ClockedBackend] = []
+    async with AsyncExitStack() as stack:
 
-    async def make(clock: ShiftedClock) -> tuple[ClockedBackend, ClockedBackend]:
-        base, eagle = ClockedBackend(clock, 100.0), ClockedBackend(clock, 150.0)
-        for b in (base, eagle):
-            await b.start()
-            started.append(b)
-        return base, eagle
+        async def make(clock: ShiftedClock) -> tuple[ClockedBackend, ClockedBackend]:
+            base, eagle = ClockedBackend(clock, 100.0), ClockedBackend(clock, 150.0)
+            for b in (base, eagle):
+                b.url = await stack.enter_async_context(serve_app(b.app()))
+            return base, eagle
 
-    yield make
-    for b in started:
-        await b.stop()
+        yield make
 
 
 async def test_a_240k_token_prompt_does_not_trap_online(pools, proxy) -> None:
