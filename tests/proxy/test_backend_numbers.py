@@ -19,11 +19,12 @@ from fakes import FakeBackend
 from helpers import metric_samples, wait_until
 
 from controller.proxy.app import SCRAPER
+from controller.proxy.config import parse_backend
 from controller.proxy.decision_record import decision_record
 from controller.proxy.engines import BackendSample, check_sample, read_samples, sglang_sample
-from controller.proxy.forward import RequestRecord
 from controller.proxy.load import LoadTracker
 from controller.proxy.scrape import parse_v1_loads
+from controller.proxy.ticket import RequestRecord
 from policies.base import BackendLoad, Decision, LoadView, Outcome, PoolLoad, RequestInfo
 from policies.registry import PolicyContext, default_registry
 
@@ -80,7 +81,7 @@ def test_v1_loads_with_infinity_keeps_the_other_ranks() -> None:
 
 
 def test_record_sample_stores_nothing_implausible() -> None:
-    tracker = LoadTracker(["b=http://127.0.0.1:1"], [])
+    tracker = LoadTracker([parse_backend("b=http://127.0.0.1:1", "baseline")], [])
     assert not tracker.record_sample("b", math.nan, 0, 1.0, 0)
     assert not tracker.record_sample("b", math.inf, 0, 1.0, 0)
     assert tracker.get("b").sample_time is None

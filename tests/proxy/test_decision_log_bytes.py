@@ -20,8 +20,8 @@ from helpers import metric_samples, wait_until
 
 from controller.proxy.decision_log import DecisionLog
 from controller.proxy.decision_record import decision_record, record_bytes
-from controller.proxy.forward import RequestRecord
 from controller.proxy.shadow import ShadowChoice
+from controller.proxy.ticket import RequestRecord
 from policies.base import BackendLoad, Decision, LoadView, Outcome, PoolLoad, RequestInfo
 from policies.features import extract_features
 from policies.registry import PolicyContext, default_registry
