@@ -169,20 +169,28 @@ def check_sequences(body: Mapping[str, Any], endpoint: Endpoint, max_n: int, max
     """`sequences(body, endpoint)`, or BadRequest when `n` is over `max_n`, the prompts over
     `max_prompts`, or the sequences over the larger of the two (so no request runs more sequences
     than either setting allows on its own)."""
-    params = body.get("sampling_params") if endpoint == "generate" else body
-    where = "sampling_params.n" if endpoint == "generate" else "n"
-    for p in params if isinstance(params, list) else [params]:
-        if isinstance(p, dict) and (n := _n(p)) > max_n:
-            raise BadRequest(f"'{where}' is {n}: at most {max_n} (max_n) per request", param=where)
-    count = prompts(body, endpoint)
-    if count > max_prompts:
-        field = "prompt" if endpoint == "completions" else "text"
-        raise BadRequest(
-            f"'{field}' holds {count} prompts: at most {max_prompts} (max_prompts_per_request) per request; "
-            "send the rest as further requests",
-            param=field,
-        )
-    total = sequences(body, endpoint)
+    if endpoint == "generate":
+        params = body.get("sampling_params")
+        each = params if isinstance(params, list) else [params]
+        n = max((_n(p) for p in each if isinstance(p, dict)), default=1)
+        where = "sampling_params.n"
+    else:
+        n = _n(body)
+        where = "n"
+    if n > max_n:
+        raise BadRequest(f"'{where}' is {n}: at most {max_n} (max_n) per request", param=where)
+    if endpoint == "chat":
+        count = total = n
+    else:
+        count = prompts(body, endpoint)
+        if count > max_prompts:
+            field = "prompt" if endpoint == "completions" else "text"
+            raise BadRequest(
+                f"'{field}' holds {count} prompts: at most {max_prompts} (max_prompts_per_request) per "
+                "request; send the rest as further requests",
+                param=field,
+            )
+        total = sequences(body, endpoint)
     most = max(max_n, max_prompts)
     if total > most:
         raise BadRequest(
