@@ -13,8 +13,8 @@ The protocol is the Gateway API Inference Extension's endpoint-picker protocol, 
   x-gateway-destination-endpoint-served` on the response's messages.
 
 The request's path and headers come from the request-headers message or, when the gateway sends
-only the body (specroute's own Envoy configuration), from the `request.path` and
-`request.headers` attributes of the body message.
+only the body (specroute's own Envoy configuration), from the body message's attributes:
+`request.path` and one `request.headers['NAME']` per header the picker reads.
 """
 
 from __future__ import annotations
@@ -74,19 +74,27 @@ def header_values(headers: base_pb2.HeaderMap) -> dict[str, str]:
     return out
 
 
+HEADER_ATTRIBUTE = "request.headers['"
+"""How a request header is named among the attributes: `request.headers['x-specroute-hint']`
+(Envoy sends no map as an attribute value: each header the picker reads is one attribute)."""
+READ_HEADERS = ("x-specroute-hint", "x-specroute-mode")
+"""The request headers serve's front half reads (`request_info`)."""
+
+
 def attribute_request(req: ep.ProcessingRequest) -> tuple[str | None, dict[str, str]]:
-    """(path, headers) from the `request.path` and `request.headers` attributes, when sent."""
+    """(path, headers) from the `request.path` and `request.headers['NAME']` attributes."""
     attrs = req.attributes.get(ATTRIBUTES_KEY)
     if attrs is None:
         return None, {}
-    path_value = attrs.fields.get("request.path")
-    path = path_value.string_value if path_value is not None and path_value.HasField("string_value") else None
+    path: str | None = None
     headers: dict[str, str] = {}
-    value = attrs.fields.get("request.headers")
-    if value is not None and value.HasField("struct_value"):
-        for name, v in value.struct_value.fields.items():
-            if v.HasField("string_value"):
-                headers[name.lower()] = v.string_value
+    for key, value in attrs.fields.items():
+        if not value.HasField("string_value"):
+            continue
+        if key == "request.path":
+            path = value.string_value
+        elif key.startswith(HEADER_ATTRIBUTE) and key.endswith("']"):
+            headers[key[len(HEADER_ATTRIBUTE) : -2].lower()] = value.string_value
     return path, headers
 
 

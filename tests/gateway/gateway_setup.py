@@ -17,7 +17,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
+
+from controller.picker import envoyconf
 
 ROOT = Path(__file__).resolve().parents[2]
 GATEWAY = ROOT / "deploy" / "gateway"
@@ -39,34 +40,13 @@ def envoy_binary() -> str:
     return found
 
 
-def _address(host: str, port: int) -> dict[str, Any]:
-    return {"address": {"socket_address": {"address": host, "port_value": port}}}
-
-
 def envoy_config(
-    pickers: list[tuple[str, int]], backends: list[tuple[str, int]], **picker_filter: Any
+    pickers: list[tuple[str, int]], backends: list[tuple[str, int]], **ext_proc: Any
 ) -> dict[str, Any]:
     """deploy/gateway/envoy.yaml with its listener and admin on free ports, its picker cluster
-    and pool at these addresses, and the Lua tap at its absolute path; `picker_filter`
-    overrides fields of the ext_proc filter's configuration (e.g. message_timeout)."""
-    config = yaml.safe_load(ENVOY_YAML.read_text())
-    config["admin"]["address"]["socket_address"]["port_value"] = 0
-    (listener,) = config["static_resources"]["listeners"]
-    listener["address"]["socket_address"]["port_value"] = 0
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    for f in hcm["http_filters"]:
-        if f["name"] == "envoy.filters.http.lua":
-            f["typed_config"]["default_source_code"] = {"filename": str(TAP)}
-        if f["name"] == "envoy.filters.http.ext_proc":
-            f["typed_config"].update(picker_filter)
-    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    clusters["specroute_picker"]["load_assignment"]["endpoints"] = [
-        {"lb_endpoints": [{"endpoint": _address(h, p)} for h, p in pickers]}
-    ]
-    clusters["inference_pool"]["load_assignment"]["endpoints"] = [
-        {"lb_endpoints": [{"endpoint": _address(h, p)} for h, p in backends]}
-    ]
-    return config
+    and pool at these addresses, and the Lua tap at its absolute path; `ext_proc` overrides
+    fields of the ext_proc filter's configuration (e.g. message_timeout)."""
+    return envoyconf.place(ENVOY_YAML, pickers=pickers, backends=backends, tap=TAP, ext_proc=ext_proc)
 
 
 @dataclass

@@ -37,7 +37,7 @@ def test_request_headers_are_read_by_lower_case_name() -> None:
 def test_path_and_headers_come_from_the_body_message_attributes() -> None:
     req = ep.ProcessingRequest(request_body=ep.HttpBody(body=b"{}", end_of_stream=True))
     attrs = struct_pb2.Struct()
-    attrs.update({"request.path": "/v1/completions?x=1", "request.headers": {"X-Specroute-Mode": "eagle"}})
+    attrs.update({"request.path": "/v1/completions?x=1", "request.headers['X-Specroute-Mode']": "eagle"})
     req.attributes[extproc.ATTRIBUTES_KEY].CopyFrom(attrs)
     path, headers = extproc.attribute_request(req)
     assert path == "/v1/completions?x=1" and headers == {"x-specroute-mode": "eagle"}
