@@ -277,7 +277,7 @@ async def decision_latency(picker_port: int, n: int, concurrency: int) -> list[f
             out.append((time.perf_counter() - t0) * 1000)
             assert answer.WhichOneof("response") == "request_body", answer
             await queue.put(None)  # the request is over: the stream ends, the slot is freed
-            async for _ in call:
+            while await call.read() is not grpc.aio.EOF:
                 pass
 
         async def worker() -> None:

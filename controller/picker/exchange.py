@@ -25,6 +25,7 @@ from controller.picker.extproc import BUFFERED, FULL_DUPLEX, NONE, STREAMED
 from controller.picker.outcomes import Seen
 from controller.proxy.config import Settings
 from controller.proxy.errors import PayloadTooLarge, SpecrouteError
+from controller.proxy.sse import Holdback, drop_usage_events
 from controller.proxy.ticket import Ticket, Tickets, requested_sequences
 
 log = logging.getLogger("specroute.picker")
@@ -58,6 +59,7 @@ class Exchange:
         "cut",
         "decided",
         "headers",
+        "held",
         "id",
         "path",
         "picker",
@@ -75,6 +77,8 @@ class Exchange:
         self.request_body_mode = BUFFERED
         self.response_body_mode = NONE
         self.decided = False
+        self.held: Holdback | None = None
+        """The answer's unfinished event, when the picker strips the usage event it relays."""
         self.ticket: Ticket | None = None
         self.seen: Seen | None = None
         self.id = ""
@@ -135,9 +139,14 @@ class Exchange:
             body = req.response_body
             if seen is not None:
                 seen.response_chunk(body.body, self.picker.clock(), body.end_of_stream)
-            if self.response_body_mode == FULL_DUPLEX:
-                return [extproc.streamed_body("response_body", body.body, body.end_of_stream)]
-            return [extproc.CONTINUE_RESPONSE_BODY]
+            if self.response_body_mode != FULL_DUPLEX:
+                return [extproc.CONTINUE_RESPONSE_BODY]
+            chunk = body.body
+            if self.held is not None:  # the usage event the picker asked for goes no further
+                chunk = drop_usage_events(self.held.push(chunk))
+                if body.end_of_stream:
+                    chunk += drop_usage_events(self.held.rest())
+            return [extproc.streamed_body("response_body", chunk, body.end_of_stream)]
         if kind == "response_trailers":
             if seen is not None:
                 seen.body_ended = True
@@ -219,10 +228,16 @@ class Exchange:
             "reason": ticket.decision.reason,
         }
         sent, sent_body = raw, body
-        if self.seen.source == "access_log" and endpoint != "generate":
-            asked = picker.ask_for_usage(raw, dict(body))  # the tap strips the event again
+        # The usage counts, asked for on the client's behalf where the picker learns the answer
+        # (serve does so on every stream); the event is taken out again before the client: by
+        # the Lua tap, or here when the answer streams through (FULL_DUPLEX_STREAMED).
+        relayed = self.response_body_mode == FULL_DUPLEX
+        if (self.seen.source == "access_log" or relayed) and endpoint != "generate":
+            asked = picker.ask_for_usage(raw, dict(body))
             if asked is not None:
                 (sent, sent_body), meta["strip_usage"] = asked, True
+                if relayed:
+                    self.held = Holdback()
         sent = picker.for_pool(ticket, sent, sent_body)
         return picker.endpoints_for(ticket, allowed), meta, None if sent is raw else sent
 

@@ -415,3 +415,48 @@ async def test_decisions_through_envoy_and_through_serve_are_identical(gateway: 
     await gw.idle()
     assert through_envoy == through_serve
     assert {d[5] for d in through_envoy} == {"baseline", "eagle"}  # the sequence makes both choices
+
+
+async def test_a_gateway_streaming_everything_through_ext_proc(emulator: Any) -> None:
+    """A Gateway API gateway's way (the endpoint-picker protocol asks pickers to support it):
+    request and response headers and bodies all through ext_proc in FULL_DUPLEX_STREAMED mode,
+    no Lua tap, no access log. Answers are unchanged (the usage event the picker asked for taken
+    out again), and the picker learns each outcome from the answer's own bytes."""
+    envoy_binary()
+    base, eagle = await emulator("baseline"), await emulator("eagle")
+    settings = Settings.model_validate(
+        {"baseline": [base.url], "eagle": [eagle.url], "policy": "fixed", "policy_params": {"pool": "eagle"},
+         "port": 0}
+    )  # fmt: skip
+    registry = default_registry(entry_points=False)
+    context = policy_context(settings)
+    pol = registry.create(settings.policy, settings.policy_params, context)
+    records: list[Any] = []
+    async with running_picker(
+        settings, pol, registry=registry, context=context, observers=[records.append]
+    ) as pk:
+        duplex = {"request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
+                  "request_trailer_mode": "SEND", "response_header_mode": "SEND",
+                  "response_body_mode": "FULL_DUPLEX_STREAMED", "response_trailer_mode": "SEND"}  # fmt: skip
+        config = envoy_config(
+            [("127.0.0.1", pk.port)], [_address(base.url), _address(eagle.url)], processing_mode=duplex
+        )
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm.pop("access_log")
+        ours = ("envoy.filters.http.set_metadata", "envoy.filters.http.lua", "envoy.filters.http.buffer")
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in ours]
+        envoy = await start_envoy(config)
+        try:
+            through = openai.AsyncOpenAI(base_url=envoy.base_url, api_key="k", max_retries=0)
+            direct = openai.AsyncOpenAI(base_url=eagle.url + "/v1", api_key="k", max_retries=0)
+            assert await _shapes(through) == await _shapes(direct)
+            await through.close()
+            await direct.close()
+            await assert_in_flight_zero(pk.metrics_url)
+        finally:
+            await envoy.stop()
+    ok = [r for r in records if r.outcome.status == "ok"]
+    streams = [r.outcome for r in ok if r.request.stream]
+    assert len(ok) == 6 and [o.completion_tokens for o in streams] == [8, 6, 4]
+    assert all(o.ttft_s is not None for o in streams)
+    assert [r.outcome.completion_tokens for r in ok if not r.request.stream] == [8, 10, 5]
