@@ -15,25 +15,18 @@ import os
 import signal
 
 from controller.cli.args import CommandError, run_async
-from controller.cli.serve import (
-    _add_settings_flags,
-    _build,
-    _grace_period,
-    cli_settings,
-    raise_open_files_limit,
-)
-from controller.proxy.config import ConfigError, Settings, load_settings
-from controller.proxy.redact import Redactor, install, secrets_in_env, secrets_in_values
+from controller.cli.serve import _grace_period, cli_settings, configure_serve, start_up
+from controller.proxy.config import Settings, load_settings
+from controller.proxy.redact import Redactor
 from policies.base import Policy
-from policies.profile import ProfileError
 from policies.registry import PolicyRegistry
-from policies.spec import PolicyContext, PolicyError
+from policies.spec import PolicyContext
 
 log = logging.getLogger("specroute")
 
 
 def configure_picker(p: argparse.ArgumentParser) -> None:
-    _add_settings_flags(p)
+    configure_serve(p)  # serve's flags and --log-level
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -41,13 +34,6 @@ def configure_picker(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="HTTP port (on --host) of /metrics, /health, /ready and the admin routes (0: any free port; "
         "default 9090). --port is the ext_proc gRPC port.",
-    )
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="Logging level (DEBUG, INFO, WARNING, ERROR; default INFO).",
     )
     p.set_defaults(func=run_picker)
 
@@ -61,18 +47,7 @@ def run_picker(args: argparse.Namespace) -> int:
             f"specroute picker needs the 'picker' extra ({e.name} is missing): "
             "pip install 'specroute[picker]'"
         ) from None
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    redactor = Redactor(secrets_in_env(os.environ))
-    install(redactor)
-    try:
-        settings, registry, context, policy = _build(args)
-    except (ConfigError, PolicyError, ProfileError) as e:
-        raise CommandError(e) from None
-    redactor.add(secrets_in_values(dict(settings)))
-    raise_open_files_limit()
+    settings, registry, context, policy, redactor = start_up(args)
     try:
         run_async(_pick(args, settings, registry, context, policy, redactor))
     except OSError as e:

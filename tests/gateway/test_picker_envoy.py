@@ -51,6 +51,17 @@ def _address(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _picker(
+    records: list[Any], baseline: list[str], eagle: list[str], **settings: Any
+) -> contextlib.AbstractAsyncContextManager[RunningPicker]:
+    """A picker in this test's loop (ext_proc on a free port), its requests' records into `records`."""
+    s = Settings.model_validate({"baseline": baseline, "eagle": eagle, "port": 0, **settings})
+    registry = default_registry(entry_points=False)
+    context = policy_context(s)
+    policy = registry.create(s.policy, s.policy_params, context)
+    return running_picker(s, policy, registry=registry, context=context, observers=[records.append])
+
+
 @dataclass
 class Gateway:
     envoy: Envoy
@@ -83,16 +94,11 @@ async def gateway(emulator: Any) -> AsyncIterator[Callable[..., Awaitable[Gatewa
         ) -> Gateway:
             base = await emulator("baseline")
             eagle = await emulator("eagle")
-            settings = Settings.model_validate(
-                {"baseline": [base.url], "eagle": [eagle.url], "policy": policy,
-                 "policy_params": policy_params or {}, "port": 0, **kw}
-            )  # fmt: skip
-            registry = default_registry(entry_points=False)
-            context = policy_context(settings)
-            pol = registry.create(settings.policy, settings.policy_params, context)
             records: list[Any] = []
             picker = await stack.enter_async_context(
-                running_picker(settings, pol, registry=registry, context=context, observers=[records.append])
+                _picker(
+                    records, [base.url], [eagle.url], policy=policy, policy_params=policy_params or {}, **kw
+                )
             )
             config = envoy_config([("127.0.0.1", picker.port)], [_address(base.url), _address(eagle.url)])
             hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
@@ -308,16 +314,17 @@ async def test_two_pickers_see_each_others_load(gateway: Any, emulator: Any) -> 
     async with AsyncExitStack() as stack:
         gates: list[tuple[Envoy, list[Any]]] = []
         for _ in range(2):
-            settings = Settings.model_validate(
-                {"baseline": [base.url], "eagle": [eagle.url], "policy": "threshold", "policy_params": params,
-                 "port": 0, "replicas": 2, "scrape_interval_s": 0.05}
-            )  # fmt: skip
-            registry = default_registry(entry_points=False)
-            context = policy_context(settings)
-            pol = registry.create(settings.policy, settings.policy_params, context)
             records: list[Any] = []
             picker = await stack.enter_async_context(
-                running_picker(settings, pol, registry=registry, context=context, observers=[records.append])
+                _picker(
+                    records,
+                    [base.url],
+                    [eagle.url],
+                    policy="threshold",
+                    policy_params=params,
+                    replicas=2,
+                    scrape_interval_s=0.05,
+                )
             )
             envoy = await start_envoy(
                 envoy_config([("127.0.0.1", picker.port)], [_address(base.url), _address(eagle.url)])
@@ -424,16 +431,9 @@ async def test_a_gateway_streaming_everything_through_ext_proc(emulator: Any) ->
     out again), and the picker learns each outcome from the answer's own bytes."""
     envoy_binary()
     base, eagle = await emulator("baseline"), await emulator("eagle")
-    settings = Settings.model_validate(
-        {"baseline": [base.url], "eagle": [eagle.url], "policy": "fixed", "policy_params": {"pool": "eagle"},
-         "port": 0}
-    )  # fmt: skip
-    registry = default_registry(entry_points=False)
-    context = policy_context(settings)
-    pol = registry.create(settings.policy, settings.policy_params, context)
     records: list[Any] = []
-    async with running_picker(
-        settings, pol, registry=registry, context=context, observers=[records.append]
+    async with _picker(
+        records, [base.url], [eagle.url], policy="fixed", policy_params={"pool": "eagle"}
     ) as pk:
         duplex = {"request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
                   "request_trailer_mode": "SEND", "response_header_mode": "SEND",
