@@ -112,6 +112,7 @@ class Picker:
         self.open: dict[str, Exchange] = {}
         """Routed requests not finished yet, by the id written into their metadata."""
         self._ids = itertools.count(1)
+        self._said_unlogged = False
         self._prefix = f"{os.getpid():x}{os.urandom(3).hex()}"
 
     # -- the front half's helpers --
@@ -166,7 +167,19 @@ class Picker:
     # -- the back half --
 
     def await_log(self, exchange: Exchange) -> None:
-        asyncio.get_running_loop().call_later(self.outcome_wait_s, exchange.finish)
+        asyncio.get_running_loop().call_later(self.outcome_wait_s, self._unlogged, exchange)
+
+    def _unlogged(self, exchange: Exchange) -> None:
+        """No access-log entry came for a finished request: it finishes with what the stream
+        showed; said once, since a gateway whose log goes elsewhere holds every slot this long."""
+        if exchange.id in self.open and not self._said_unlogged:
+            self._said_unlogged = True
+            log.warning(
+                "no access-log entry arrived within %g s of a request's end: its outcome is unknown. "
+                "Does the gateway's access log (envoy.access_loggers.http_grpc) reach this picker?",
+                self.outcome_wait_s,
+            )
+        exchange.finish()
 
     def logged(self, entry: Any) -> None:
         """An access-log entry: the answer of a request this picker routed (others are skipped)."""

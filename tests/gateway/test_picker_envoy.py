@@ -460,3 +460,31 @@ async def test_a_gateway_streaming_everything_through_ext_proc(emulator: Any) ->
     assert len(ok) == 6 and [o.completion_tokens for o in streams] == [8, 6, 4]
     assert all(o.ttft_s is not None for o in streams)
     assert [r.outcome.completion_tokens for r in ok if not r.request.stream] == [8, 10, 5]
+
+
+async def test_a_request_whose_access_log_entry_never_comes_is_finished(
+    emulator: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway says its outcomes come by access log, but its log goes elsewhere: each
+    request still finishes (its slot freed) once the wait for the entry ends, and the picker
+    says once what is wrong."""
+    envoy_binary()
+    base, eagle = await emulator("baseline"), await emulator("eagle")
+    records: list[Any] = []
+    async with _picker(records, [base.url], [eagle.url], policy="fixed") as pk:
+        pk.picker.outcome_wait_s = 0.3
+        config = envoy_config([("127.0.0.1", pk.port)], [_address(base.url), _address(eagle.url)])
+        config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"].pop(
+            "access_log"
+        )
+        envoy = await start_envoy(config)
+        try:
+            client = openai.AsyncOpenAI(base_url=envoy.base_url, api_key="k", max_retries=0)
+            for _ in range(2):
+                await client.chat.completions.create(model="m", messages=CHAT, max_tokens=4)
+            await client.close()
+            await assert_in_flight_zero(pk.metrics_url)
+        finally:
+            await envoy.stop()
+    assert [(r.outcome.status, r.outcome.completion_tokens) for r in records] == [("ok", None)] * 2
+    assert sum("no access-log entry arrived" in r.message for r in caplog.records) == 1
