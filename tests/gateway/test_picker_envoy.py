@@ -488,3 +488,33 @@ async def test_a_request_whose_access_log_entry_never_comes_is_finished(
             await envoy.stop()
     assert [(r.outcome.status, r.outcome.completion_tokens) for r in records] == [("ok", None)] * 2
     assert sum("no access-log entry arrived" in r.message for r in caplog.records) == 1
+
+
+async def test_admission_and_no_healthy_server_answer_at_the_gateway(gateway: Any) -> None:
+    """Every server full: 429 with Retry-After, OpenAI-shaped, from the picker through Envoy
+    (the server never sees the request); every server down (and no panic routing): 503."""
+    gw = await gateway(
+        "fixed", {"pool": "baseline"}, baseline_backend_max_in_flight=1, eagle_backend_max_in_flight=1,
+        admission_wait_s=0, health_check_interval_s=0.1, health_check_unhealthy_threshold=1,
+        panic_routing=False,
+    )  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        held = []
+        for pool in ("baseline", "eagle"):
+            hold = {"model": "m", "messages": CHAT, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+            r = await s.post(
+                gw.envoy.url + "/v1/chat/completions", json=hold, headers={"x-specroute-mode": pool}
+            )
+            assert r.status == 200
+            await r.content.readany()
+            held.append(r)
+        async with s.post(gw.envoy.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT}) as r:
+            assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
+            assert (await r.json())["error"]["type"]
+        for r in held:
+            r.close()
+        await gw.idle()
+        gw.base.faults.unhealthy = gw.eagle.faults.unhealthy = True
+        assert await wait_until(lambda: not any(b.healthy for b in gw.picker.picker.tracker), timeout_s=10)
+        async with s.post(gw.envoy.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT}) as r:
+            assert r.status == 503 and "healthy" in (await r.json())["error"]["message"]
