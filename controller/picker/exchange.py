@@ -210,9 +210,6 @@ class Exchange:
         body, info = described.body, described.info
         await tickets.admit(info)
         allowed = picker.allowed(extproc.subset(req))
-        ticket = tickets.issue(info, described.blocks, arrived)
-        self.ticket = ticket
-        picker.keep_within(ticket, allowed)
         source = extproc.metadata_field(req, extproc.GATEWAY_NAMESPACE, "outcomes")
         self.seen = Seen(
             endpoint=endpoint,
@@ -221,7 +218,10 @@ class Exchange:
             arrived_at=arrived,
             source="access_log" if source == "access_log" else "stream",
         )
+        # From here the ticket holds a slot: whatever happens next, the stream's end finishes it.
+        ticket = self.ticket = tickets.issue(info, described.blocks, arrived)
         self.id = picker.register(self)
+        picker.keep_within(ticket, allowed)
         meta: dict[str, Any] = {
             "ticket": self.id,
             "pool": ticket.decision.pool,
