@@ -49,23 +49,28 @@ function envoy_on_response(handle)
   end
   local strip = routed["strip_usage"] == true
   local first = nil
-  local tail = ""
+  local parts, size = {}, 0  -- the body's last bytes, joined when they pass 2 x TAIL
   for chunk in handle:bodyChunks() do
     local n = chunk:length()
     if n > 0 then
       if first == nil then
         first = handle:timestampString(EnvoyTimestampResolution.MICROSECOND)
       end
-      local keep = n
-      if keep > TAIL then keep = TAIL end
-      tail = string.sub(tail .. chunk:getBytes(n - keep, keep), -TAIL)
-      tail = string.gsub(tail, "^[\128-\191]+", "")  -- metadata strings must be whole UTF-8
-      if strip and n < 1048576 then
-        local data = chunk:getBytes(0, n)
-        if string.find(data, '"usage"', 1, true) then
-          local kept = drop_usage(data)
-          if #kept ~= n then chunk:setBytes(kept) end
-        end
+      local data
+      if n <= TAIL or strip then
+        data = chunk:getBytes(0, n)
+      else
+        data = chunk:getBytes(n - TAIL, TAIL)
+      end
+      if strip and string.find(data, '"usage"', 1, true) then
+        local kept = drop_usage(data)
+        if #kept ~= n then chunk:setBytes(kept) end
+      end
+      parts[#parts + 1] = data
+      size = size + #data
+      if size > 2 * TAIL then
+        local joined = string.sub(table.concat(parts), -TAIL)
+        parts, size = {joined}, #joined
       end
     end
   end
@@ -73,5 +78,7 @@ function envoy_on_response(handle)
   if first ~= nil then
     meta:set("specroute.tap", "first_us", first)
   end
+  -- metadata strings must be whole UTF-8: no cut character at the start
+  local tail = string.gsub(string.sub(table.concat(parts), -TAIL), "^[\128-\191]+", "")
   meta:set("specroute.tap", "tail", tail)
 end
