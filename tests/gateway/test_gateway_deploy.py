@@ -16,6 +16,7 @@ import pytest
 import yaml
 from gateway_setup import ENVOY_YAML, ROOT, envoy_binary
 
+from controller.cli import build_parser
 from controller.proxy.config import load_settings
 
 K8S = ROOT / "deploy" / "gateway" / "kubernetes"
@@ -86,6 +87,9 @@ def test_the_pool_the_picker_and_its_config_agree(tmp_path: Path) -> None:
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     args = container["args"]
     assert int(args[args.index("--port") + 1]) == ports[grpc_port["targetPort"]]
+    assert container["command"] == ["specroute", "picker"]
+    parsed = build_parser(only="picker").parse_args(["picker", *args])  # the real CLI takes them
+    assert (parsed.port, parsed.metrics_port, parsed.host) == ("9002", ports["http-metrics"], "0.0.0.0")
     assert container["readinessProbe"]["grpc"] == {
         "port": ports[grpc_port["targetPort"]],
         "service": "readiness",
