@@ -20,6 +20,7 @@ in-cluster gRPC hop apart.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 
@@ -62,6 +63,8 @@ class Seen:
     """The endpoint the gateway says served (`ip:port`), when it said."""
     upstream_failed: bool = False
     """The access log says the backend failed (connection, reset, protocol)."""
+    first_to_end_s: float | None = None
+    """From the first body bytes to the answer's last byte, on Envoy's clock (access log)."""
     informed: bool = False
     """Anything of the answer reached the picker (a response message, an access-log entry)."""
     flags: tuple[str, ...] = field(default_factory=tuple)
@@ -96,9 +99,11 @@ class Seen:
         first = tap.get("first_us")
         if isinstance(first, str) and first.isdigit() and self.stream:
             start_us = common.start_time.seconds * 1_000_000 + common.start_time.nanos // 1000
-            rx = common.time_to_last_rx_byte
-            body_in_us = start_us + rx.seconds * 1_000_000 + rx.nanos // 1000
+            body_in_us = start_us + _us(common.time_to_last_rx_byte)
             self.first_byte_at = self.arrived_at + max(0, int(first) - body_in_us) / 1e6
+            if common.HasField("time_to_last_downstream_tx_byte"):
+                end_us = start_us + _us(common.time_to_last_downstream_tx_byte)
+                self.first_to_end_s = max(0, end_us - int(first)) / 1e6
 
     def status(self, cut: bool = False) -> OutcomeStatus:
         """serve's verdict on what was seen (`controller.proxy.phases`): a client that left, a
@@ -125,6 +130,16 @@ class Seen:
             return "error"
         return "ok"
 
+    def _first_byte_at(self, ended_at: float) -> float | None:
+        """The first byte on the picker's clock. From the access log it is placed after the body's
+        arrival by Envoy's own interval, which is late by the gRPC hop that brought the body (a busy
+        picker reads it late); it is never later than Envoy's interval before the end allows, so
+        the decode time (first byte to end) stays Envoy's measure."""
+        first = self.first_byte_at
+        if first is not None and self.first_to_end_s is not None:
+            first = max(self.arrived_at, min(first, ended_at - self.first_to_end_s))
+        return first
+
     def result(self, ended_at: float, cut: bool = False) -> Result:
         """The `Result` the request's ticket finishes with."""
         status = self.status(cut)
@@ -142,9 +157,14 @@ class Seen:
             ended_at=ended_at,
             http_status=self.http_status,
             sent_at=self.arrived_at,
-            first_byte_at=self.first_byte_at if self.stream else None,
+            first_byte_at=self._first_byte_at(ended_at) if self.stream else None,
             completion_tokens=tokens,
             cached_tokens=cached,
             prompt_tokens=prompt,
             sequences=self.sequences,
         )
+
+
+def _us(duration: Any) -> int:
+    """A protobuf Duration in microseconds."""
+    return int(duration.seconds) * 1_000_000 + int(duration.nanos) // 1000

@@ -37,10 +37,10 @@ from controller.proxy.ticket import AttemptReports, Ticket, Tickets
 log = logging.getLogger("specroute.picker")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-OUTCOME_WAIT_S = 2.0
-"""How long after its stream's end a request waits for its access-log entry (Envoy sends it
-within a flush interval, 50 ms in deploy/gateway/envoy.yaml); then it finishes with what the
-picker saw."""
+OUTCOME_WAIT_S = 5.0
+"""How long after its stream's end a request waits for its access-log entry (Envoy sends each
+entry at once in deploy/gateway/envoy.yaml: it usually comes with the stream's end; a busy
+machine delays it); then it finishes with what the picker saw, and says so once."""
 
 
 class Addresses:

@@ -50,6 +50,18 @@ def test_a_streamed_answer_from_the_access_log() -> None:
     assert seen.served == "10.0.0.2:8000" and result.sent_at == 50.0
 
 
+def test_the_first_byte_never_lands_after_what_envoys_own_interval_to_the_end_allows() -> None:
+    """Placed by the body's arrival (a busy picker reads it late) the first byte would leave 25 ms
+    to the end, where Envoy measured 30 ms from first byte to end: Envoy's interval wins."""
+    seen = _seen()
+    entry = _entry(200)
+    first_us = 1000 * 1_000_000 + 2_000 + 10_000
+    entry.common_properties.time_to_last_downstream_tx_byte.nanos = (2 + 10 + 30) * 1_000_000
+    seen.access_log(entry, {"first_us": str(first_us), "tail": TAIL.decode()})
+    result = seen.result(ended_at=50.035)  # the end reached the picker 35 ms after its arrival
+    assert result.first_byte_at is not None and abs(result.first_byte_at - 50.005) < 1e-9
+
+
 def test_statuses_as_serve_gives_them() -> None:
     cases = [
         (_entry(200, flags=("downstream_connection_termination",)), "client_closed"),
