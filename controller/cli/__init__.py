@@ -34,6 +34,7 @@ NATIVE_COMMANDS = frozenset({"simulate", "tune", "plan"})
 
 COMMANDS: tuple[Command, ...] = (
     Command("serve", "controller.cli.serve", "Run the routing proxy in front of the two pools."),
+    Command("picker", "controller.cli.picker", "serve's routing as a gateway's endpoint picker (ext_proc)."),
     Command("policies", "controller.cli.serve", "List the routing policies and their parameters."),
     Command("check-config", "controller.cli.serve", "Validate a config file and print the settings."),
     Command("emulate", "controller.cli.emulate", "An emulated SGLang server whose speed follows a profile."),

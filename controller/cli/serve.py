@@ -154,18 +154,10 @@ def raise_open_files_limit() -> None:
         log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, e)
 
 
-def run_serve(
-    args: argparse.Namespace,
-    *,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    routes: Sequence[web.RouteDef] = (),
-) -> int:
-    """`specroute serve`. `clock` is the app's (every deadline reads it) and `sleep` a sleep on it
-    (the reload's settle intervals, the shutdown's grace); `routes` are added to the app. The
-    command runs on the loop's clock with no route added; a test gives its own
-    (`tests/driven_serve.py`)."""
-    early_reload = EarlyReload.install()  # `main` installed it already when it ran `serve`
+def start_up(args: argparse.Namespace) -> tuple[Settings, PolicyRegistry, PolicyContext, Policy, Redactor]:
+    """What `serve` and `picker` do before they listen: logging at `--log-level`, every log line
+    through the secrets filter, the settings and the policy built (a `CommandError` names what
+    is wrong), the open-files limit raised."""
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -179,6 +171,22 @@ def run_serve(
         raise CommandError(e) from None
     redactor.add(secrets_in_values(dict(settings)))
     raise_open_files_limit()
+    return settings, registry, context, policy, redactor
+
+
+def run_serve(
+    args: argparse.Namespace,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    routes: Sequence[web.RouteDef] = (),
+) -> int:
+    """`specroute serve`. `clock` is the app's (every deadline reads it) and `sleep` a sleep on it
+    (the reload's settle intervals, the shutdown's grace); `routes` are added to the app. The
+    command runs on the loop's clock with no route added; a test gives its own
+    (`tests/driven_serve.py`)."""
+    early_reload = EarlyReload.install()  # `main` installed it already when it ran `serve`
+    settings, registry, context, policy, redactor = start_up(args)
     try:
         served = _serve(
             args, settings, registry, context, policy, early_reload, redactor, clock, sleep, routes
