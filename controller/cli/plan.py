@@ -25,6 +25,7 @@ from controller.cli.workload_args import (
     buckets_from_args,
     describe_workload,
     profile_ref,
+    skip_note,
     workload_from_args,
 )
 from policies import together
@@ -258,6 +259,9 @@ def _main(args: argparse.Namespace) -> int:
         )
         description = _describe(spec, profile)
         if args.json:
+            skipped = skip_note(spec.workload)
+            if skipped is not None:
+                print(f"note: trace {spec.workload.trace}: {skipped}", file=sys.stderr)
             doc = plan_json(result, args.out)
             colocation = together.to_json(profile)
             if colocation is not None:

@@ -28,6 +28,7 @@ from controller.cli.workload_args import (
     full_batch_ttft_s,
     offered_tok_s,
     profile_ref,
+    skip_note,
     swamp_warning,
     transient_warning,
     workload_from_args,
@@ -292,6 +293,9 @@ def _simulate_main(args: argparse.Namespace) -> int:
             if swamped is not None:
                 print(f"warning: {swamped}", file=sys.stderr)
         if args.json:
+            skipped = skip_note(spec)
+            if skipped is not None:
+                print(f"note: trace {spec.trace}: {skipped}", file=sys.stderr)
             doc: dict[str, Any] = {"runs": [r.to_json() for r in runs]}
             if servers is not profile:
                 doc["server_profile"] = servers.name

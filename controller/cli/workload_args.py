@@ -14,7 +14,7 @@ from policies.spec import PolicyError
 from simulator.engine.loop import SimulationError
 from simulator.engine.report import ReportError
 from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, DeploymentError, parse_buckets
-from simulator.engine.traces import TRACE_FORMATS, TraceError
+from simulator.engine.traces import TRACE_FORMATS, TraceError, describe_skipped, skipped_records
 from simulator.engine.workloads import (
     DEFAULT_LEVELS,
     WORKLOAD_KINDS,
@@ -341,6 +341,9 @@ def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
         what = sweep
     elif spec.kind == "trace":
         what = f"trace {spec.trace} (time scale {spec.time_scale:g})"
+        skipped = skip_note(spec)
+        if skipped is not None:
+            what += f"; {skipped}"
     elif spec.kind == "multiturn":
         turns = spec.turns or "const:5"
         what = (
@@ -356,6 +359,13 @@ def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
     else:
         out = "trace" if spec.kind == "trace" else "const:200"
     return f"workload: {what}; output tokens {out}"
+
+
+def skip_note(spec: WorkloadSpec) -> str | None:
+    """How many records of a decision-log trace were left out as not completed, or None."""
+    if spec.kind != "trace" or spec.trace is None:
+        return None
+    return describe_skipped(skipped_records(spec.trace, spec.trace_format))
 
 
 def buckets_from_args(args: argparse.Namespace) -> tuple[tuple[int, float], ...]:
