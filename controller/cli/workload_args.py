@@ -4,7 +4,7 @@ the values they become."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -306,15 +306,18 @@ def full_batch_ttft_s(profile: Profile) -> float:
     return max((p.ttft_s for m in profile.modes.values() for p in m.points), default=0.0)
 
 
-def swamp_warning(offered: float | None, run: Any, full_batch_ttft: float) -> str | None:
+def swamp_warning(
+    offered: float | None, label: str, summary: Mapping[str, Any], full_batch_ttft: float
+) -> str | None:
     """A warning when an open-loop run's load swamps its deployment: its servers delivered output
     tokens markedly slower than the arrivals asked for them (`SWAMP_FACTOR`), or its mean TTFT is
     over `SWAMP_TTFT_FACTOR` times a full batch's (a load just above capacity builds its queue
     slowly). Requests then pile up in the servers' queues and the figures measure a backlog that
-    grows with the run's length, not a steady state. None for closed-loop sweeps (`offered`
-    None: their load is bounded)."""
-    served = run.summary.get("throughput_tok_s")
-    ttft = run.summary.get("mean_ttft_s")
+    grows with the run's length, not a steady state. `label` names the run (policy and
+    deployment), `summary` holds its `throughput_tok_s`, `mean_ttft_s` and `p99_ttft_s` (one run's,
+    or a mean over seeds). None for closed-loop sweeps (`offered` None: their load is bounded)."""
+    served = summary.get("throughput_tok_s")
+    ttft = summary.get("mean_ttft_s")
     if offered is None or not isinstance(served, int | float) or not served > 0:
         return None
     short = offered > SWAMP_FACTOR * served
@@ -323,15 +326,24 @@ def swamp_warning(offered: float | None, run: Any, full_batch_ttft: float) -> st
     )
     if not (short or queued):
         return None
-    deployment = ",".join(f"{k}={v}" for k, v in run.deployment.items())
+    p99 = summary.get("p99_ttft_s")
     return (
-        f"{run.policy} on {deployment}: the offered load swamps the deployment -- arrivals ask for "
+        f"{label}: the offered load swamps the deployment -- arrivals ask for "
         f"{offered:.0f} output tok/s, the servers delivered {served:.0f}; mean TTFT "
-        f"{run.summary.get('mean_ttft_s', float('nan')):.1f} s (a full batch without a queue: "
-        f"{full_batch_ttft:.2f} s), p99 {run.summary.get('p99_ttft_s', float('nan')):.1f} s. Requests queue, "
-        "so these figures measure a backlog that grows with the run, not a steady state: lower the rate "
-        "(--rate, --time-scale) or add servers (--deployment)"
+        f"{_num(ttft)} s (a full batch without a queue: {full_batch_ttft:.2f} s), p99 {_num(p99)} s. "
+        "Requests queue, so these figures measure a backlog that grows with the run, not a steady state: "
+        "lower the rate (--rate, --time-scale) or add servers (--deployment)"
     )
+
+
+def _num(v: Any) -> str:
+    return f"{v:.1f}" if isinstance(v, int | float) else "nan"
+
+
+def deployment_text(deployment: Mapping[str, int] | Sequence[tuple[str, int]]) -> str:
+    """`baseline=1,eagle=1`."""
+    items = deployment.items() if isinstance(deployment, Mapping) else deployment
+    return ",".join(f"{k}={v}" for k, v in items)
 
 
 def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
