@@ -31,7 +31,7 @@ PAIR, TWO_PLAIN, TWO_EAGLE = WAYS
 TIE_WITHIN = 0.01
 """Differences under 1% of the reference are ties, as in `specroute plan`."""
 WIDTH = 100
-README_SECTION = 'README "When specroute helps"'
+README_SECTION = '"When specroute helps" (docs/when-specroute-helps.md)'
 
 Verdict = Literal["faster", "slower", "tie", "too few requests"]
 
@@ -310,7 +310,7 @@ def closing(acts: Sequence[ActResult]) -> str:
     parts = [act_summary(a) for a in acts]
     parts.append(
         "A pair pays where EAGLE-3 answers much sooner than plain at light load and the plain server's "
-        f"throughput is needed under heavy load; {README_SECTION} shows the simulated crossovers, and "
+        f"throughput is needed under heavy load; {README_SECTION} shows simulated crossovers, and "
         "`specroute plan` checks your own servers."
     )
     return "\n".join(parts)

@@ -109,7 +109,7 @@ async def test_quick_demo_prints_a_table_per_profile_and_writes_the_plot(tmp_pat
     summary = out[out.index("On " + demo.ACTS[0].profile) :]
     for act in demo.ACTS:
         assert f"On {act.profile} (concurrency 1 and" in summary
-    assert "When specroute helps" in summary and "`specroute plan`" in summary
+    assert "docs/when-specroute-helps.md" in summary and "`specroute plan`" in summary
     assert "time-scale" in out and "Welch" in out
     for way in WAYS:  # every way ran with progress (stderr is a pipe here: lines, not a bar)
         assert f"bench {way}: level 1/1 concurrency 10 " in err, err[-2000:]
