@@ -336,7 +336,8 @@ def _reported_cap(settings: Settings, fwd: Forwarder, name: str, cap: int) -> No
     def bounded(pool: Pool) -> bool:
         return getattr(settings, f"{pool}_backend_max_in_flight") is not None
 
-    if apply_reported_cap(fwd.tracker, bounded, settings.admission_margin, name, cap) is not None:
+    margin, replicas = settings.admission_margin, settings.replicas
+    if apply_reported_cap(fwd.tracker, bounded, margin, name, cap, replicas) is not None:
         fwd.capacity.released(fwd.tracker.get(name).pool)
 
 
