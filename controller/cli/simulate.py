@@ -34,6 +34,7 @@ from controller.cli.workload_args import (
     skip_note,
     swamp_warning,
     transient_warning,
+    uniform_accept_note,
     workload_from_args,
 )
 from policies import together
@@ -292,6 +293,9 @@ def _simulate_main(args: argparse.Namespace) -> int:
             interval = 0.0 if args.routers == 1 else 1.0
         routers = RouterSetup(args.routers, interval, args.router_split, float(args.replicas_setting))
         segments = generate(spec, args.seed)
+        uniform = uniform_accept_note(spec, segments)
+        if uniform is not None:
+            print(f"note: {uniform}", file=sys.stderr)
         runs: list[RunResult] = []
         for dep in deployments:
             for c in choices[:1] if is_single_pool(dep) else choices:

@@ -373,6 +373,24 @@ def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
     return f"workload: {what}; output tokens {out}"
 
 
+def uniform_accept_note(spec: WorkloadSpec, segments: Sequence[Any]) -> str | None:
+    """For a prompts workload whose requests all have the same true EAGLE speed factor (no line
+    has an `accept`, no --accept-sigma or --hint-accept spread): why policies that differ only in
+    content awareness print equal rows. None otherwise."""
+    if spec.kind != "prompts":
+        return None
+    factors = {f for seg in segments for f in seg.batch.accept}
+    if len(factors) > 1:
+        return None
+    return (
+        f"every request of {spec.prompts} has the same EAGLE speed factor ({next(iter(factors), 1.0):g}: no "
+        "line has an `accept` field, and no --accept-sigma or --hint-accept spreads it), so EAGLE-3 is as "
+        "fast for every prompt and content-aware routing has nothing to tell apart: policies that differ "
+        "only in content awareness give equal rows. Give the lines `accept` factors (your drafter's "
+        "measured acceptance per task, over its mean) to compare them."
+    )
+
+
 def skip_note(spec: WorkloadSpec) -> str | None:
     """How many records of a decision-log trace were left out as not completed, or None."""
     if spec.kind != "trace" or spec.trace is None:

@@ -200,3 +200,26 @@ def test_a_replay_without_randomness_says_so_instead_of_zero_wide_intervals(
                  "--out", str(tmp_path / "t.yaml")]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "scored the same" not in out and "±" in out
+
+
+def test_a_prompts_workload_without_accept_factors_explains_its_equal_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """HumanEval's lines carry no `accept`: every request's EAGLE speed is the profile's, so
+    content-aware and content-blind cost_model route alike and print equal rows; simulate says
+    why. Lines with accept factors get no such note."""
+    plain = tmp_path / "plain.jsonl"
+    told = tmp_path / "told.jsonl"
+    lines = [("def f(x):\n    return x", 1.4), ("Write a poem about the sea.", 0.6)] * 10
+    plain.write_text("".join(json.dumps({"prompt": text}) + "\n" for text, _ in lines))
+    told.write_text("".join(json.dumps({"prompt": t, "accept": a}) + "\n" for t, a in lines))
+    base = ["simulate", *KIMI, "--workload", "prompts", "--rate", "1", "--requests", "300",
+            "--policy", "cost_model", "--policy", "cost_model:content_aware=false"]  # fmt: skip
+    assert main([*base, "--prompts", str(plain)]) == 0
+    out, err = capsys.readouterr()
+    rows = [ln.split("]", 1)[1].split() for ln in out.splitlines() if ln.startswith("cost_model")]
+    assert len(rows) == 2 and rows[0] == rows[1]
+    assert f"note: every request of {plain} has the same EAGLE speed factor" in err
+    assert "give equal rows" in err and "`accept` factors" in err
+    assert main([*base, "--prompts", str(told)]) == 0
+    assert "same EAGLE speed factor" not in capsys.readouterr().err
