@@ -74,8 +74,8 @@ ACTS = (
     Act("kimi-k25-int4-8gpu", (1, 10, 30), (1, 10)),
 )
 """The default: a profile where the pair beats two plain servers, then one where it does not."""
-PROFILE_LEVELS = (1, 2, 5, 10, 30, 70)
-"""--profile: one profile, swept at these levels."""
+PROFILE_LEVELS, PROFILE_QUICK_LEVELS = (1, 2, 5, 10, 30, 70), (1, 10)
+"""--profile: one profile, swept at these levels (--quick: those)."""
 REQUESTS, QUICK_REQUESTS = 12, 6
 """Measured requests per way and level (at least one per client): enough to resolve the
 differences the default profiles show (at least 5% on end-to-end time) on a busy machine."""
@@ -187,7 +187,7 @@ def _requests_for(c: int, quick: bool) -> int:
 
 def acts_for(args: argparse.Namespace) -> list[Act]:
     """The profiles to run (--profile: that one alone) with their levels (--levels: for each)."""
-    acts = list(ACTS) if args.profile is None else [Act(args.profile, PROFILE_LEVELS, ACTS[0].quick_levels)]
+    acts = list(ACTS) if args.profile is None else [Act(args.profile, PROFILE_LEVELS, PROFILE_QUICK_LEVELS)]
     if args.levels:
         return [Act(a.profile, tuple(args.levels), tuple(args.levels)) for a in acts]
     return acts
@@ -237,8 +237,7 @@ async def run_act(
     print(f"\n== {act.profile}: {profile.name} ==", flush=True)
     levels = act.quick_levels if args.quick else act.levels
     eagle_cap = profile.mode("eagle").max_running_requests
-    folder = log_dir / act.profile
-    folder.mkdir()
+    folder = Path(tempfile.mkdtemp(prefix="profile-", dir=log_dir))  # --profile may be a path
     kids = Children(folder)
     try:
         urls = await _start_servers(kids, act.profile, args)
