@@ -233,6 +233,13 @@ class Settings(BaseModel):
         description="Largest backend answer specroute holds in memory: a non-streaming body, or the "
         "first event of a stream (both are read whole before committing); larger gets 502.",
     )
+    info_limit_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        gt=0,
+        description="Largest backend answer to an info route (/v1/models, /model_info, /server_info) "
+        "specroute reads (else 502 info_answer_too_large); what it holds counts against "
+        "memory_budget_bytes, and a /server_info answer is parsed off the event loop when large.",
+    )
     memory_budget_bytes: int = Field(
         default=512 * 1024 * 1024,
         gt=0,
@@ -364,6 +371,19 @@ class Settings(BaseModel):
     admission_max_waiting: int = Field(
         default=1024, ge=0, description="Most requests waiting for a slot at once; beyond it, 429 at once."
     )
+    max_n: int = Field(
+        default=16,
+        ge=1,
+        description="Largest `n` (samples per prompt) a request may ask for (chat, completions, "
+        "/generate's sampling_params.n); above it, 400. A backend runs each sample as a request of its "
+        "own: the default fits in a third of the smallest running-request cap seen in practice (48).",
+    )
+    max_prompts_per_request: int = Field(
+        default=16,
+        ge=1,
+        description="Most prompts in one /v1/completions request (a list of prompts); above it, 400. A "
+        "request's prompts x n may not exceed the larger of this and max_n either.",
+    )
     shutdown_grace_s: float = Field(
         default=5.0,
         ge=0,
@@ -404,6 +424,14 @@ class Settings(BaseModel):
     )
     log_bodies: bool = Field(default=False, description="Log request bodies (debugging only).")
     decision_log: str | None = Field(default=None, description="Path of the JSONL decision log.")
+    decision_log_queue_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        gt=0,
+        description="Most memory the decision-log records waiting for the disk may hold (a hung disk or "
+        "mount); past it new records are dropped and counted (specroute_decision_log_dropped_records_total"
+        '{reason="queue_full"}). Beside memory_budget_bytes, not in it: a stalled log never refuses '
+        "requests.",
+    )
     shadow_policies: list[ShadowPolicy] = Field(
         default_factory=list, description="Policies evaluated on every request without acting."
     )

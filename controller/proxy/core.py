@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter
 from controller.proxy.acceptance_metrics import AcceptanceMetrics
 from controller.proxy.capacity import AdmissionMetrics, Capacity, in_flight_bounds
 from controller.proxy.config import Settings
-from controller.proxy.decision_record import DecisionLogger, open_decision_log
+from controller.proxy.decision_record import DecisionLogCollector, DecisionLogger, open_decision_log
 from controller.proxy.engines import Engine
 from controller.proxy.headers import PoolRewrite
 from controller.proxy.health import HealthChecker
@@ -36,7 +36,7 @@ from controller.proxy.load import LoadTracker
 from controller.proxy.memory import MemoryBudget
 from controller.proxy.metrics import BudgetCollector, Metrics
 from controller.proxy.outlier import OutlierDetector
-from controller.proxy.scrape import ScrapeLoop, apply_reported_cap
+from controller.proxy.scrape import RejectedValuesCollector, ScrapeLoop, apply_reported_cap
 from controller.proxy.shadow import ShadowPolicies, build_shadows
 from controller.proxy.ticket import AttemptReports, Observer, RequestRecord, Tickets
 from policies.base import Policy, Pool
@@ -123,7 +123,10 @@ class Core:
         if settings.decision_log:
             dropped = self.dropped_records
             decisions = open_decision_log(
-                settings.decision_log, clock, on_drop=lambda reason, n: dropped.labels(reason).inc(n)
+                settings.decision_log,
+                clock,
+                on_drop=lambda reason, n: dropped.labels(reason).inc(n),
+                max_queued_bytes=settings.decision_log_queue_bytes,
             )
             self.tickets.observers.append(decisions)
             self.decision_logs.append(decisions)
@@ -223,6 +226,7 @@ def build_core(
         policy, tracker, capacity, metrics, clock=clock, seed=settings.seed,
         allow_client_override=settings.allow_client_override, prefix_tracking=settings.prefix_tracking,
         shadows=ShadowPolicies(shadows, metrics), observers=list(observers),
+        max_n=settings.max_n, max_prompts_per_request=settings.max_prompts_per_request,
     )  # fmt: skip
     tickets.observers.append(AcceptanceMetrics(registry_, lambda: tickets.policy))
     tickets.observers.append(MismatchWatch(metrics))
@@ -235,7 +239,9 @@ def build_core(
     )
     for reason in ("queue_full", "write_error", "unencodable"):
         dropped.labels(reason)
-    return Core(
+    decision_logs: list[DecisionLogger] = []
+    registry_.register(DecisionLogCollector(decision_logs))
+    core = Core(
         settings=settings,
         clock=clock,
         tracker=tracker,
@@ -248,7 +254,10 @@ def build_core(
         reports=AttemptReports(capacity, metrics, clock, outlier),
         tickets=tickets,
         dropped_records=dropped,
+        decision_logs=decision_logs,
     )
+    registry_.register(RejectedValuesCollector(lambda: core.scraper))
+    return core
 
 
 class MismatchWatch:

@@ -16,7 +16,9 @@ summed, else the `max_running_requests` launch argument), asked at its first scr
 is the fallback. A backend's engine is configured or detected at its first scrape
 whose `/metrics` names one; `BackendScraper` then asks only that engine's endpoints.
 `ScrapeLoop` runs a scraper per backend in the background and stores the samples in the
-`LoadTracker`.
+`LoadTracker`. Numbers that are not finite or out of their range (`engines.check_sample`) are
+not taken: each is counted per backend (`specroute_backend_rejected_values_total`) and the first
+one of a backend is logged, never a traceback per scrape.
 """
 
 from __future__ import annotations
@@ -25,23 +27,30 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
 import aiohttp
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from controller.proxy.capacity import replica_bound
 from controller.proxy.engines import (
     ENGINES,
+    MAX_SAMPLE_VALUE,
     SGLANG,
     WANTED_SAMPLES,
     BackendSample,
     Engine,
     EngineSetting,
+    Rejected,
     VllmCounters,
+    check_sample,
     detect,
     parse_sglang_metrics,
+    plausible,
     read_samples,
     server_info_cap,
     sglang_sample,
@@ -155,14 +164,19 @@ async def read_metric_lines(
     return text, {p.decode(errors="replace") for p in seen}
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+def parse_v1_loads(data: Any, taken_at: float, rejected: Rejected | None = None) -> BackendSample | None:
+    """Parse `GET /v1/loads` (`{"loads": [per rank...]}` or a bare list of ranks). A number that
+    is not finite or is larger than `MAX_SAMPLE_VALUE` is not taken (counted in `rejected`)."""
+
+    def _number(value: Any, name: str) -> float | None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        if plausible(value, -MAX_SAMPLE_VALUE, MAX_SAMPLE_VALUE):
+            return float(value)
+        if rejected is not None:
+            rejected["loads:" + name] += 1
         return None
-    return float(value)
 
-
-def parse_v1_loads(data: Any, taken_at: float) -> BackendSample | None:
-    """Parse `GET /v1/loads` (`{"loads": [per rank...]}` or a bare list of ranks)."""
     ranks = data.get("loads") if isinstance(data, dict) else data
     if not isinstance(ranks, list) or not ranks:
         return None
@@ -175,20 +189,20 @@ def parse_v1_loads(data: Any, taken_at: float) -> BackendSample | None:
     for rank in ranks:
         if not isinstance(rank, dict):
             continue
-        r = _number(rank.get("num_running_reqs"))
+        r = _number(rank.get("num_running_reqs"), "num_running_reqs")
         if r is None:
             continue
         seen = True
         running += r
-        queued += _number(rank.get("num_waiting_reqs")) or 0.0
-        throughput += _number(rank.get("gen_throughput")) or 0.0
-        cap += int(_number(rank.get("max_running_requests")) or 0)
-        tokens += int(_number(rank.get("max_total_num_tokens")) or 0)
-        if (u := _number(rank.get("token_usage"))) is not None:
+        queued += _number(rank.get("num_waiting_reqs"), "num_waiting_reqs") or 0.0
+        throughput += _number(rank.get("gen_throughput"), "gen_throughput") or 0.0
+        cap += int(_number(rank.get("max_running_requests"), "max_running_requests") or 0)
+        tokens += int(_number(rank.get("max_total_num_tokens"), "max_total_num_tokens") or 0)
+        if (u := _number(rank.get("token_usage"), "token_usage")) is not None:
             usage.append(u)
         spec = rank.get("speculative")
         if isinstance(spec, dict):
-            a = _number(spec.get("accept_length"))
+            a = _number(spec.get("accept_length"), "accept_length")
             if a is not None and a > 0:
                 accepts.append(a)
     if not seen:
@@ -253,6 +267,8 @@ class BackendScraper:
         self.capacity: int | None = None
         """The running-request cap `/server_info` reported (SGLang; None: not known)."""
         self._info_asked = False
+        self.rejected: Rejected = Counter()
+        """Values this backend reported that were not taken (not finite, or out of range), by name."""
 
     def _ask(self, known: bool | None) -> bool:
         return known is not False or self._scrapes % self.recheck_every == 0
@@ -275,7 +291,7 @@ class BackendScraper:
             self.engine = detect(prefixes)
             if self.engine is not None and not self.engine.loads_route:
                 self.has_loads = False
-        found = read_samples(text)
+        found = read_samples(text, rejected=self.rejected)
         if found is None or self.engine is None:
             return None
         if self.engine is SGLANG:
@@ -292,7 +308,7 @@ class BackendScraper:
                 return None
             try:
                 body = await read_bounded(resp, LOADS_LIMIT_BYTES)
-                return parse_v1_loads(json.loads(body), now)
+                return parse_v1_loads(json.loads(body), now, self.rejected)
             except (ResponseTooLarge, ValueError, RecursionError):  # deep JSON: no sample, no traceback
                 return None
 
@@ -317,11 +333,14 @@ class BackendScraper:
         self._scrapes += 1
         metrics = loads = None
         if self._ask(self.has_metrics):
+            before = self.rejected.total()
             metrics = await self._metrics(session, now)
-            self.has_metrics = metrics is not None
+            # values it reported and were not taken: it answers, so it is asked again next time
+            self.has_metrics = metrics is not None or self.rejected.total() > before
         if self._ask(self.has_loads):
+            before = self.rejected.total()
             loads = await self._loads(session, now)
-            self.has_loads = loads is not None
+            self.has_loads = loads is not None or self.rejected.total() > before
             if loads is not None and self.engine is None:
                 self.engine = SGLANG
         if self.engine is SGLANG and (not self._info_asked or self._scrapes % self.recheck_every == 0):
@@ -332,6 +351,10 @@ class BackendScraper:
         sample = merge_samples(metrics, loads)
         if sample is not None and self.capacity is not None:
             sample = replace(sample, max_running=self.capacity)
+        if sample is None:
+            return None
+        sample, dropped = check_sample(sample)
+        self.rejected.update(dropped)
         return sample
 
 
@@ -377,6 +400,7 @@ class ScrapeLoop:
         self.on_capacity = on_capacity
         self.on_engine = on_engine
         self._announced: set[str] = set()
+        self._rejecting: set[str] = set()
         self.latest: dict[str, BackendSample] = {}
         self.samples = 0
         """Samples stored so far (all backends)."""
@@ -405,18 +429,27 @@ class ScrapeLoop:
             log.info("backend %s runs %s (%s)", name, scraper.engine.label, how)
             if self.on_engine is not None:
                 self.on_engine(name, scraper.engine)
+        if sample is not None and not self.tracker.record_sample(
+            name,
+            sample.running,
+            sample.queued,
+            taken_at,
+            in_flight,
+            accept_length=sample.accept_length,
+            gen_throughput=sample.gen_throughput,
+        ):
+            scraper.rejected["running"] += 1
+            sample = None
         if sample is not None:
-            self.tracker.record_sample(
-                name,
-                sample.running,
-                sample.queued,
-                taken_at,
-                in_flight,
-                accept_length=sample.accept_length,
-                gen_throughput=sample.gen_throughput,
-            )
             self.latest[name] = sample
             self.samples += 1
+        if scraper.rejected and name not in self._rejecting:
+            self._rejecting.add(name)
+            log.warning(
+                "backend %s reports numbers specroute does not take (not finite, or out of range): %s; "
+                "they are dropped and counted in specroute_backend_rejected_values_total (logged once)",
+                name, ", ".join(sorted(scraper.rejected)),
+            )  # fmt: skip
         cap = sample.max_running if sample is not None else scraper.capacity
         if cap is not None and self.on_capacity is not None:
             # every scrape, not only on a change: a config reload resets the bounds
@@ -480,3 +513,25 @@ def apply_reported_cap(
     )  # fmt: skip
     backend.max_in_flight = bound
     return bound
+
+
+class RejectedValuesCollector(Collector):
+    """The numbers each backend reported that were not taken, at scrape time (`BackendScraper.
+    rejected`): `specroute_backend_rejected_values_total{backend, value}`. `loop` gives the running
+    `ScrapeLoop` (None before the app started)."""
+
+    def __init__(self, loop: Callable[[], ScrapeLoop | None]) -> None:
+        self._loop = loop
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "specroute_backend_rejected_values",
+            "Numbers a backend reported on /metrics or /v1/loads that were not taken (NaN, Inf, or out of "
+            "range), by backend and what they were; the backend's first is logged.",
+            labels=["backend", "value"],
+        )
+        loop = self._loop()
+        for name, scraper in (loop.scrapers if loop is not None else {}).items():
+            for value, n in sorted(scraper.rejected.items()):
+                family.add_metric([name, value], n)
+        yield family
