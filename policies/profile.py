@@ -156,14 +156,19 @@ def load_profile(path: str | Path) -> Profile:
     return parse_profile(data, str(p))
 
 
+_BUILTIN = Path(__file__).parent / "profiles"
+
+
+def builtin_profile_names() -> list[str]:
+    return sorted(p.stem for p in _BUILTIN.glob("*.json"))
+
+
 def builtin_profile_path(name: str) -> Path:
     """Path of a profile shipped with specroute (`kimi-k25-int4-8gpu`, ...)."""
-    base = Path(__file__).parent / "profiles"
     stem = name[:-5] if name.endswith(".json") else name
-    path = base / f"{stem}.json"
+    path = _BUILTIN / f"{stem}.json"
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in base.glob("*.json")))
-        raise ProfileError(f"no built-in profile {name!r} (known: {known})")
+        raise ProfileError(f"no built-in profile {name!r} (known: {', '.join(builtin_profile_names())})")
     return path
 
 
@@ -172,7 +177,17 @@ def resolve_profile(name_or_path: str | Path) -> Profile:
     p = Path(name_or_path)
     if p.is_file() or len(p.parts) > 1:
         return load_profile(p)  # a missing path is reported by its path
-    return load_profile(builtin_profile_path(str(name_or_path)))
+    try:
+        path = builtin_profile_path(str(name_or_path))
+    except ProfileError:
+        if not p.suffix:
+            raise
+        # written as a file name (my-profile.json): the file is what is missing
+        raise ProfileError(
+            f"{p}: no such profile file (in {Path.cwd()}), nor a built-in profile of that name "
+            f"(built-in: {', '.join(builtin_profile_names())})"
+        ) from None
+    return load_profile(path)
 
 
 def _interp_extrap(x: FloatArray, xs: FloatArray, ys: FloatArray) -> FloatArray:

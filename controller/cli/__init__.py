@@ -63,6 +63,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="specroute",
         description="Adaptive speculation controller for twin SGLang pools (plain and EAGLE-3).",
     )
+    from controller import specroute_version
+
+    parser.add_argument("--version", action="version", version=f"specroute {specroute_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         # argparse %-formats help strings (not descriptions): a literal % must be doubled there.

@@ -15,12 +15,13 @@ import os
 import signal
 
 from controller.cli.args import CommandError, run_async
-from controller.cli.serve import _grace_period, cli_settings, configure_serve, start_up
-from controller.proxy.config import Settings, load_settings
+from controller.cli.serve import _grace_period, check_observability, cli_settings, configure_serve, start_up
+from controller.proxy.config import ConfigError, Settings, load_settings
 from controller.proxy.redact import Redactor
 from policies.base import Policy
+from policies.profile import ProfileError
 from policies.registry import PolicyRegistry
-from policies.spec import PolicyContext
+from policies.spec import PolicyContext, PolicyError
 
 log = logging.getLogger("specroute")
 
@@ -48,6 +49,10 @@ def run_picker(args: argparse.Namespace) -> int:
             "pip install 'specroute[picker]'"
         ) from None
     settings, registry, context, policy, redactor = start_up(args)
+    try:
+        check_observability(settings, registry, context)
+    except (ConfigError, PolicyError, ProfileError) as e:
+        raise CommandError(e) from None
     try:
         run_async(_pick(args, settings, registry, context, policy, redactor))
     except OSError as e:

@@ -94,6 +94,8 @@ def _shadow_entry(value: Any) -> Any:
     return {"name": name, "params": params or {}}
 
 
+PLACEHOLDER_DOMAIN = ".invalid"
+"""RFC 2606's reserved domain: the placeholder backend URLs `specroute plan` writes use it."""
 _BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -110,6 +112,11 @@ def _normalise_url(url: str) -> str:
         )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{mask_userinfo(repr(url))} is not an http(s)://host[:port] URL")
+    if parts.hostname.rstrip(".").lower().endswith(PLACEHOLDER_DOMAIN):
+        raise ValueError(
+            f"{mask_userinfo(repr(url))} is a placeholder (the reserved {PLACEHOLDER_DOMAIN} domain never "
+            "resolves; `specroute plan` writes such URLs): replace it with your server's URL"
+        )
     try:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:

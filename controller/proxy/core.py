@@ -161,7 +161,8 @@ class Core:
         def bounded(pool: Pool) -> bool:
             return getattr(settings, f"{pool}_backend_max_in_flight") is not None
 
-        if apply_reported_cap(self.tracker, bounded, settings.admission_margin, name, cap) is not None:
+        margin, replicas = settings.admission_margin, settings.replicas
+        if apply_reported_cap(self.tracker, bounded, margin, name, cap, replicas) is not None:
             self.capacity.released(self.tracker.get(name).pool)
 
     def _engine_found(self, name: str, engine: Engine) -> None:

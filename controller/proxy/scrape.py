@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -37,6 +36,7 @@ import aiohttp
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from controller.proxy.capacity import replica_bound
 from controller.proxy.engines import (
     ENGINES,
     MAX_SAMPLE_VALUE,
@@ -488,22 +488,28 @@ class ScrapeLoop:
 
 
 def apply_reported_cap(
-    tracker: LoadTracker, bounded: Callable[[Pool], bool], margin: float, name: str, cap: int
+    tracker: LoadTracker,
+    bounded: Callable[[Pool], bool],
+    margin: float,
+    name: str,
+    cap: int,
+    replicas: int = 1,
 ) -> int | None:
     """Backend `name` reports running `cap` requests at most: the view carries it (policies
-    predict its queue from it), and its admission bound becomes `ceil(cap x (1 + margin))`
-    unless its pool's bound is set explicitly (`bounded(pool)`). Returns the new bound when it
-    changed (None when left alone)."""
+    predict its queue from it), and its admission bound becomes this replica's share of it
+    (`capacity.replica_bound`: the cap plus `margin`, over `replicas`) unless its pool's bound is
+    set explicitly (`bounded(pool)`). Returns the new bound when it changed (None when left alone)."""
     backend = tracker.get(name)
     backend.max_running = cap
     if bounded(backend.pool):
         return None
-    bound = math.ceil(cap * (1 + margin))
+    bound = replica_bound(cap, margin, replicas)
     if bound == backend.max_in_flight:
         return None
     log.info(
-        "backend %s reports %d running requests at most: admission bound %d (was %s)",
+        "backend %s reports %d running requests at most: admission bound %d (was %s)%s",
         name, cap, bound, backend.max_in_flight if backend.max_in_flight is not None else "unbounded",
+        f", this replica's share of {replicas}" if replicas > 1 else "",
     )  # fmt: skip
     backend.max_in_flight = bound
     return bound

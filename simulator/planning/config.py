@@ -170,7 +170,8 @@ def config_text(
     label = "vLLM" if engine == "vllm" else "SGLang"
     lines += [
         "#",
-        f"# Replace the placeholder URLs with your servers (one {label} server per host, one model).",
+        "# Replace the placeholder URLs (hosts under .invalid: `specroute serve` refuses them) with",
+        f"# your servers' URLs: one {label} server per host, one model.",
         f"# {label} launch lines (replace MODEL_PATH / EAGLE3_DRAFT_MODEL_PATH):",
     ]
     for kind, n in dep:

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -364,15 +365,28 @@ async def test_plan_writes_a_config_that_checks_and_serves(tmp_path: Path, spawn
     assert (report / "report.md").read_text().count("## Load") == 3
     assert (report / "objective_vs_load.png").read_bytes()[:4] == b"\x89PNG"
 
+    # the placeholder URLs are refused until they are replaced; the rest is a valid serve config
     check = await asyncio.to_thread(_cli, "check-config", str(cfg))
+    assert check.returncode == 2 and "is a placeholder" in check.stderr and ".invalid" in check.stderr
+    assert "replace it with your server's URL" in check.stderr
+    assert "hosts under .invalid: `specroute serve` refuses them" in text
+    filled = tmp_path / "filled.yaml"
+    filled.write_text(_fill_placeholders(text))
+    check = await asyncio.to_thread(_cli, "check-config", str(filled))
     assert check.returncode == 0, check.stderr
     assert "valid" in check.stdout
 
-    served = await spawn_serve("--config", str(cfg), "--host", "127.0.0.1")
+    served = await spawn_serve("--config", str(filled), "--host", "127.0.0.1")
     async with aiohttp.ClientSession() as session, session.get(served.url + "/health") as resp:
         assert resp.status == 200
     served.signal(signal.SIGTERM)
     assert await served.wait() == 0
+
+
+def _fill_placeholders(text: str) -> str:
+    """A plan's config with its placeholder hosts (`kind-i.invalid`) replaced by loopback ports."""
+    ports = iter(range(41000, 41100))
+    return re.sub(r"http://[a-z]+-\d+\.invalid:\d+", lambda _: f"http://127.0.0.1:{next(ports)}", text)
 
 
 def test_single_pool_winner_gets_the_fixed_policy(tmp_path: Path) -> None:
@@ -399,6 +413,9 @@ def test_single_pool_winner_gets_the_fixed_policy(tmp_path: Path) -> None:
     assert settings["policy"] == "fixed" and settings["policy_params"] == {"pool": "baseline"}
     assert len(settings["baseline"]) == 2 and settings["eagle"] == []
     assert settings["profile"] == str(profile.resolve())
+    check = _cli("check-config", str(cfg))
+    assert check.returncode == 2 and "'http://baseline-1.invalid:30000' is a placeholder" in check.stderr
+    cfg.write_text(_fill_placeholders(cfg.read_text()))
     check = _cli("check-config", str(cfg))
     assert check.returncode == 0, check.stderr
 
@@ -471,5 +488,6 @@ def test_a_vllm_profile_gets_vllm_launch_lines(tmp_path: Path) -> None:
     assert settings["engine"] == "vllm"
     if settings["eagle"]:
         assert '"method":"eagle3"' in text
+    cfg.write_text(_fill_placeholders(text))
     check = _cli("check-config", str(cfg))
     assert check.returncode == 0, check.stderr
