@@ -22,8 +22,8 @@ from controller.cli.args import (
 from controller.cli.workload_args import (
     SIMULATION_ERRORS,
     add_workload_args,
-    buckets_from_args,
     describe_workload,
+    ladder_from_args,
     profile_ref,
     workload_from_args,
 )
@@ -117,7 +117,14 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
         metavar="PCT",
         help="Margins below this percentage of the objective are ties, whatever the seeds say (default 1).",
     )
-    p.add_argument("--adaptive-buckets", metavar="LIMIT:DEPTH,...", help="Adaptive server's depth buckets.")
+    p.add_argument(
+        "--adaptive-ladder",
+        metavar="LADDER",
+        help="Adaptive servers' draft depth by batch size: sglang (SGLang's default ladder, the default), "
+        "MIN_BATCH:STEPS[/STEPS...],... (e.g. 1:1/3/5/7,8:0/1/3,32:0/1,64:0; several steps: SGLang's "
+        "controller picks among them), a vLLM schedule [[lo,hi,k],...], or a JSON file with SGLang's "
+        "--speculative-adaptive-config or a vLLM schedule.",
+    )
     p.add_argument(
         "--jobs", type=positive_int, default=os.cpu_count() or 1, help="Worker processes (default: CPUs)."
     )
@@ -188,7 +195,7 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
         seeds=tuple(args.seeds),
         loads=tuple(loads),
         tie_within=args.tie_within / 100.0,
-        buckets=buckets_from_args(args),
+        ladder=ladder_from_args(args),
     )
 
 

@@ -23,9 +23,9 @@ from controller.cli.args import (
 from controller.cli.workload_args import (
     SIMULATION_ERRORS,
     add_workload_args,
-    buckets_from_args,
     describe_workload,
     full_batch_ttft_s,
+    ladder_from_args,
     offered_tok_s,
     profile_ref,
     swamp_warning,
@@ -115,10 +115,12 @@ def _add_common(p: argparse.ArgumentParser, steady_per_client: str) -> None:
         "with prompt blocks (multiturn, Mooncake traces).",
     )
     d.add_argument(
-        "--adaptive-buckets",
-        metavar="LIMIT:DEPTH,...",
-        help="Adaptive server: speculation depth (0..1) below each batch size; 0 beyond the last "
-        "(default 8:1,32:0.667,64:0.333).",
+        "--adaptive-ladder",
+        metavar="LADDER",
+        help="Adaptive servers' draft depth by batch size: sglang (SGLang's default ladder, the default), "
+        "MIN_BATCH:STEPS[/STEPS...],... (e.g. 1:1/3/5/7,8:0/1/3,32:0/1,64:0; several steps: SGLang's "
+        "controller picks among them), a vLLM schedule [[lo,hi,k],...], or a JSON file with SGLang's "
+        "--speculative-adaptive-config or a vLLM schedule.",
     )
     p.add_argument(
         "--seed",
@@ -253,7 +255,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
                 raise CommandError("--oracle needs a closed-loop sweep (--workload sweep)")
             _warn_transient(spec)
         deployments = _deployments(args)
-        buckets = buckets_from_args(args)
+        ladder = ladder_from_args(args)
         if args.report:
             require("matplotlib", "plot", "--report")
         base_params = parse_assignments(args.policy_param)
@@ -276,7 +278,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
                         dep,
                         segments,
                         seed=args.seed,
-                        buckets=buckets,
+                        ladder=ladder,
                         registry=registry,
                         server_profile=servers,
                         oracle=args.oracle,
@@ -349,7 +351,7 @@ def _tune_main(args: argparse.Namespace) -> int:
                 slo=Slo(args.slo_ttft, args.slo_tpot),
                 seed=args.seed,
                 jobs=args.jobs,
-                buckets=buckets_from_args(args),
+                ladder=ladder_from_args(args),
                 server_profile=servers,
                 spec_details=args.spec_details,
                 cache_tokens=args.cache_tokens,

@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from controller.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
+from policies.ladder import Ladder
 from policies.profile import Profile, ProfileError
 from policies.spec import PolicyError
 from simulator.engine.loop import SimulationError
 from simulator.engine.report import ReportError
-from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, DeploymentError, parse_buckets
+from simulator.engine.servers import DEFAULT_LADDER, DeploymentError, parse_adaptive
 from simulator.engine.traces import TRACE_FORMATS, TraceError
 from simulator.engine.workloads import (
     DEFAULT_LEVELS,
@@ -358,9 +359,9 @@ def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
     return f"workload: {what}; output tokens {out}"
 
 
-def buckets_from_args(args: argparse.Namespace) -> tuple[tuple[int, float], ...]:
-    """--adaptive-buckets, or the default buckets."""
-    return parse_buckets(args.adaptive_buckets) if args.adaptive_buckets else DEFAULT_ADAPTIVE_BUCKETS
+def ladder_from_args(args: argparse.Namespace) -> Ladder:
+    """--adaptive-ladder, or SGLang's default ladder."""
+    return parse_adaptive(args.adaptive_ladder) if args.adaptive_ladder else DEFAULT_LADDER
 
 
 def profile_ref(arg: str) -> str:
