@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.proxy.acceptance_metrics import AcceptanceMetrics
+from controller.proxy.adaptive import EagleLadders
 from controller.proxy.admin import PolicyAdmin, admin_routes
 from controller.proxy.capacity import AdmissionMetrics, Capacity, in_flight_bounds
 from controller.proxy.config import Settings
@@ -56,6 +57,7 @@ from controller.proxy.shadow import ShadowPolicies, build_shadows
 from controller.proxy.shutdown import SHUTDOWN, Shutdown, close_after_answer
 from policies.base import POOLS, Policy, Pool
 from policies.calibration import MISMATCH_AFTER
+from policies.ladder import Reported
 from policies.prefix import DEFAULT_CACHE_TOKENS
 from policies.profile import Profile, resolve_profile
 from policies.registry import PolicyRegistry
@@ -108,10 +110,11 @@ def create_app(
     tracker.set_bounds(*in_flight_bounds(settings, ctx.profile))
     if settings.prefix_tracking:
         tracker.track_prefixes(prefix_capacities(settings, ctx.profile, tracker))
+    ladders = EagleLadders(settings)
     registry_ = metrics_registry if metrics_registry is not None else CollectorRegistry()
     metrics = Metrics(registry_, tracker, clock=clock)
     if shadows is None:
-        shadows = build_shadows(settings.shadow_policies, registry, ctx)
+        shadows = build_shadows(settings.shadow_policies, registry, ladders.adapt(ctx))
     fwd = Forwarder(
         settings,
         policy,
@@ -146,7 +149,10 @@ def create_app(
     app[TRACKER] = tracker
     app[METRICS] = metrics
     app[FORWARDER] = fwd
-    app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
+    app[ADMIN] = PolicyAdmin(fwd, registry, ctx, adapt=ladders.adapt)
+    if ladders.pool_ladder() is not None:  # backend_adaptive: the policy predicts the ladder's speed
+        app[ADMIN].swap(app[ADMIN].name, app[ADMIN].params)
+        log.info("eagle pool: %s", ladders.describe())
     app[SHUTDOWN] = Shutdown(clock)
     app.on_response_prepare.append(close_after_answer)
     app[DECISION_LOGS] = open_logs = []
@@ -180,6 +186,7 @@ def create_app(
             engines={b.name: settings.engine_of(b.name) for b in settings.backends()},
             on_capacity=lambda name, cap: _reported_cap(settings, fwd, name, cap),
             on_engine=lambda name, engine: _engine_found(settings, tracker, name, engine),
+            on_adaptive=lambda name, reported: _adaptive_reported(app[ADMIN], ladders, name, reported),
         )
         app[SCRAPER] = scraper
         checker = HealthChecker(
@@ -348,6 +355,14 @@ def _engine_found(settings: Settings, tracker: LoadTracker, name: str, engine: E
             "details (it ignores the field): its accept length comes from /metrics instead",
             name, engine.label,
         )  # fmt: skip
+
+
+def _adaptive_reported(admin: PolicyAdmin, ladders: EagleLadders, name: str, reported: Reported) -> None:
+    """A backend reported its in-engine adaptation: when that changes the eagle pool's ladder, the
+    policy is rebuilt to predict it."""
+    if ladders.report(name, reported):
+        log.info("eagle pool: %s (reported by %s)", ladders.describe(), name)
+        admin.swap(admin.name, admin.params)
 
 
 def reopen_decision_log(app: web.Application) -> None:
