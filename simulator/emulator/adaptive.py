@@ -1,13 +1,13 @@
 """SGLang's `--speculative-adaptive` in the emulator: the draft depth of every decode step.
 
 How it works: the ladder (`policies.ladder`: SGLang's default unless `--speculative-adaptive-config`
-gives one) maps the step's decode batch size to a bucket; each bucket keeps its own EMA of the
-drafts accepted per request and its own depth, and decides again every `update_interval` steps
-after `warmup_batches` (`policies.ladder.next_steps`, the rule the policies' steady-state
-prediction applies). A step at depth k lasts `AdaptiveSpeed.step_s(b, k)` (`policies.adaptive`:
-the plain step at 0, the profile's EAGLE-3 verify step at its measured depth) and each request
-accepts a chain of up to k drafts at its own per-token acceptance, solved from its mean accept
-length at the profile's depth.
+gives one) maps the step's batch size (its running requests, see `batching.py`) to a bucket; each
+bucket keeps its own EMA of the drafts accepted per request and its own depth, and decides again
+every `update_interval` steps after `warmup_batches` (`policies.ladder.next_steps`, the rule the
+policies' steady-state prediction applies). A step at depth k lasts `AdaptiveSpeed.step_s(b, k)`
+(`policies.adaptive`: the plain step at 0, the profile's EAGLE-3 verify step at its measured depth)
+and each request accepts a chain of up to k drafts at its own per-token acceptance, solved from its
+mean accept length at the profile's depth.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class AdaptiveDrafting:
         return self._slots[self.ladder.bucket_at(batch).min_batch]
 
     def steps_for(self, batch: int) -> int:
-        """The depth of a step whose decode batch has `batch` requests."""
+        """The depth of a step with `batch` requests running."""
         steps = self.last_steps = self._slot(batch).steps
         return steps
 
@@ -77,6 +77,6 @@ class AdaptiveDrafting:
         return j
 
     def observe(self, batch: int, drafts: Sequence[int]) -> None:
-        """A step with `batch` decoding requests ended; `drafts` were accepted per request."""
+        """A step with `batch` requests running ended; `drafts` were accepted per request."""
         if drafts:
             self._slot(batch).update(drafts)

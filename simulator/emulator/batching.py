@@ -9,9 +9,11 @@ plain server emits one token per request per step. An EAGLE server runs verify s
 the per-request token rate is the profile's `decode_tok_s(b)` on average. Steps are
 scheduled against absolute deadlines, so late timer wake-ups on a loaded machine do not
 accumulate drift. An adaptive EAGLE server (`--speculative-adaptive`, `adaptive.py`) picks each
-step's draft depth from its decode batch size: its step lasts the depth's verify step (the plain
-step at depth 0, still counted as a verify step of one token, as SGLang's per-request
-`completion_tokens / spec_verify_ct` counts it) and each request accepts up to that many drafts.
+step's draft depth from `b` (SGLang's from its decode batch: here a request waiting for its first
+token counts, as it does in the step time and in the profile's concurrency): its step lasts the
+depth's verify step (the plain step at depth 0, still counted as a verify step of one token, as
+SGLang's per-request `completion_tokens / spec_verify_ct` counts it) and each request accepts up
+to that many drafts.
 A request's first token arrives `(ttft_s(b) + prefill) * time_scale` after it
 is admitted, prefill being its prompt tokens not found in the prefix cache (`cache.py`, matched
 at admission as SGLang's scheduler matches when it schedules a prefill) at the profile's
@@ -281,10 +283,11 @@ class BatchEngine:
             t *= self.accept_length
         return t * self.time_scale
 
-    def step_depth(self, decoding: int) -> int:
-        """The draft depth of a step whose decode batch has `decoding` requests."""
+    def step_depth(self, running: int) -> int:
+        """The draft depth of a step with `running` requests (the profile's concurrency, which the
+        step time follows too)."""
         if self.adaptive is not None:
-            return self.adaptive.steps_for(decoding)
+            return self.adaptive.steps_for(running)
         return self.speculative_num_steps if self.speculative else 0
 
     # -- requests ----------------------------------------------------------------------
@@ -386,9 +389,9 @@ class BatchEngine:
         if not self._running:
             self._refresh_stats(decode=self._steps_since_stats > 0)  # show an idle server as idle
 
-    def _advance(self, batch: list[EngineRequest], steps: int) -> None:
-        """End of one step at draft depth `steps`: every request that was decoding at its start
-        gets its tokens."""
+    def _advance(self, batch: list[EngineRequest], steps: int, running: int) -> None:
+        """End of one step at draft depth `steps` (chosen for `running` requests): every request
+        that was decoding at its start gets its tokens."""
         now = self._loop.time()
         finished = False
         adaptive = self.adaptive
@@ -427,7 +430,7 @@ class BatchEngine:
                 self._finish(req, req.finish_reason)
                 finished = True
         if adaptive is not None:
-            adaptive.observe(len(batch), drafts)
+            adaptive.observe(running, drafts)
         self.steps += 1
         self._steps_since_stats += 1
         if self._steps_since_stats >= self.stats_interval_steps:
@@ -483,9 +486,10 @@ class BatchEngine:
             if deadline is None or now - deadline > _MAX_LAG_S:
                 deadline = now
             batch = list(self._decoding.values())
-            steps = self.step_depth(len(batch))
-            deadline += self.step_seconds(len(self._running), steps)
+            running = len(self._running)
+            steps = self.step_depth(running)
+            deadline += self.step_seconds(running, steps)
             delay = deadline - self._loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            self._advance(batch, steps)
+            self._advance(batch, steps, running)

@@ -70,7 +70,7 @@ async def test_depth_follows_the_batch_on_metrics_and_per_request(emulator: Make
     assert (await metrics(server))["sglang:spec_num_steps"] == 3.0
     assert alone[0]["spec_verify_ct"] < 39 and alone[0]["spec_accept_length"] > 1.5
     crowd = asyncio.ensure_future(completions(server, 80, 80))
-    # 80 at once: once their decode batch is past 63, bucket 64 drafts nothing
+    # 80 at once: bucket 64 drafts nothing
     assert await wait_until(lambda: _off(server), timeout_s=60, interval_s=0.05)
     seen = await metrics(server)
     assert seen["sglang:spec_num_draft_tokens"] == 0.0
@@ -103,7 +103,7 @@ def test_step_times_are_the_depth_s() -> None:
 
 
 async def test_the_engine_runs_each_step_at_its_bucket_s_depth() -> None:
-    """Inside the running engine: the depth it picks per decode batch and the wall time it waits."""
+    """Inside the running engine: the depth it picks per batch and the wall time it waits."""
     config = EmulatorConfig(mode="eagle", profile=KIMI, speculative_adaptive=True, max_running_requests=128)
     async with run_emulator(config) as server:
         engine = server.emulator.engine
