@@ -145,7 +145,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
-    p.add_argument("--markdown", action="store_true", help="Also print the README's table.")
+    p.add_argument("--markdown", action="store_true", help="Also print docs/content-routing.md's table.")
     args = p.parse_args()
     if args.quick:
         args.seeds, args.requests = 2, 1000
@@ -234,7 +234,7 @@ def main() -> int:
 
 
 def readme_table(scenarios: list[str], by: dict[tuple[str, float, str], list[dict[str, Any]]]) -> str:
-    """The README's table: per scenario and load, mean / p99 e2e ± 95% CI of each run."""
+    """docs/content-routing.md's table: per scenario and load, mean / p99 e2e ± 95% CI of each run."""
     runs = ("aware", "aware-timing", "blind", "told", "plain", "eagle")
     lines = [
         "| scenario | req/s | aware | timing only | blind | told | 2x plain | 2x EAGLE |",

@@ -1,5 +1,5 @@
 """When does a plain + EAGLE-3 pair behind specroute beat two plain servers? The planner's answer
-on the built-in profiles, for the README's "When specroute helps" section.
+on the built-in profiles, for docs/when-specroute-helps.md.
 
 For each built-in profile and a ladder of Poisson arrival rates, plus one bursty workload (rate
 x10 and back, 60 s on average in each state), with 200-token answers and 256-token prompts, it
@@ -8,8 +8,8 @@ checked by hand) and reports mean end-to-end latency with its 95% CI over the pl
 for two plain servers (least-loaded), the plain + EAGLE-3 pair (the best tuned
 routing policy) and two EAGLE-3 servers, the pair's difference against two plain servers with a
 paired 95% CI across seeds, and the verdict with `plan`'s own rule (a margin inside its CI or
-under 1% is a tie). Re-run it after changing a policy or a profile; the README's table is its
-`--markdown` output.
+under 1% is a tie). Re-run it after changing a policy or a profile; the table in
+docs/when-specroute-helps.md is its `--markdown` output.
 
     python benchmarks/when_specroute_helps.py [--markdown] [--profiles NAME ...] [--seeds 0 1 2]
 """
@@ -130,7 +130,9 @@ def main() -> int:
     ap.add_argument("--profiles", nargs="+", default=list(RATES), help="built-in profiles (default: both)")
     ap.add_argument("--requests", type=int, default=1000, help="requests per simulation (default 1000)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="plan's evaluation seeds")
-    ap.add_argument("--markdown", action="store_true", help="print the table as markdown (the README's)")
+    ap.add_argument(
+        "--markdown", action="store_true", help="print the table as markdown (docs/when-specroute-helps.md's)"
+    )
     args = ap.parse_args()
     rows: list[Row] = []
     t0 = time.monotonic()

@@ -367,7 +367,7 @@ def format_row(row: Row, scale: float, max_tokens: int = DEFAULT_MAX_TOKENS) -> 
     return "\n".join(lines)
 
 
-README_SECTION = 'README "When specroute helps"'
+README_SECTION = '"When specroute helps" (docs/when-specroute-helps.md)'
 
 
 def eagle_lead(profile: Profile) -> float | None:
@@ -381,7 +381,7 @@ def eagle_lead(profile: Profile) -> float | None:
 
 def summary_sentence(rows: Sequence[Row], lead: float | None = None) -> str:
     """What the comparison shows (specroute against 2x baseline, level by level) and where a
-    pair would win, pointing to the README's section; `lead`: `eagle_lead` of the profile."""
+    pair would win, pointing to docs/when-specroute-helps.md; `lead`: `eagle_lead` of the profile."""
     counts: dict[str, list[int]] = {"faster": [], "not distinguishable": [], "slower": []}
     for r in rows:
         v = specroute_verdict(r)

@@ -9,7 +9,7 @@ whole output list and sends the latest state. So one chunk may carry the tokens 
 steps, and a completions chunk carries the finish reason when the update that ended the sample
 is the one it reports. Response headers go out with the first event, as SGLang sends them.
 
-Deviations, on purpose (the README lists them for users): `/v1/loads` reports live
+Deviations, on purpose (docs/sglang.md lists them for users): `/v1/loads` reports live
 running/waiting counts (SGLang's are at most a few decode steps old); `/health` answers at once
 (0.5.23 runs a one-token generation); token text, ids and logprobs are synthetic; tools and
 tool calls, `echo`, `max_tokens: 0` and per-prompt `sampling_params` lists are not emulated;

@@ -71,7 +71,7 @@ def test_simulate_warns_when_the_offered_load_swamps_the_deployment(
     err = capsys.readouterr().err
     assert "warning: cost_model on baseline=1,eagle=1: the offered load swamps the deployment" in err
     assert "output tok/s" in err and "not a steady state" in err and "--deployment" in err
-    # a load the pair carries (the README's 1 request/s) gets no such warning
+    # a load the pair carries (docs/when-specroute-helps.md's 1 request/s) gets no such warning
     assert main([*base, "--rate", "1", "--requests", "300"]) == 0
     assert "swamps" not in capsys.readouterr().err
     # closed-loop sweeps bound their own load: never warned

@@ -179,7 +179,7 @@ def test_table_verdicts_are_compares_on_e2e_and_say_why_eagle_was_chosen() -> No
         rows.append(row)
     sentence = demo.summary_sentence(rows, demo.eagle_lead(demo.resolve_profile("kimi-k25-int4-8gpu")))
     assert "faster at 1 (10) of 3" in sentence and "slower at 1 (10)" in sentence
-    assert "lone stream +3.7% faster" in sentence and 'README "When specroute helps"' in sentence
+    assert "lone stream +3.7% faster" in sentence and "docs/when-specroute-helps.md" in sentence
 
 
 def test_why_line_calls_eagle_decode_slower_only_when_compare_would() -> None:

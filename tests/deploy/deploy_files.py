@@ -53,7 +53,7 @@ SGLANG_FLAGS = frozenset(
     }
 )
 
-# Public metric names (the README's "Metrics" table) and SGLang's (docs/SGLANG_PROTOCOL.md, "Load signals").
+# Public metric names (docs/metrics.md's table) and SGLang's (docs/SGLANG_PROTOCOL.md, "Load signals").
 SPECROUTE_METRICS = frozenset(
     {
         "specroute_requests_total",

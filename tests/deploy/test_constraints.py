@@ -85,7 +85,7 @@ def test_the_pinned_set_is_closed_and_is_what_the_tests_run_with() -> None:
     assert not unpinned, f"required but not pinned in constraints.txt: {', '.join(sorted(set(unpinned)))}"
     assert not drift, (
         f"this environment differs from constraints.txt: {', '.join(drift)}; reinstall with "
-        "`pip install -c constraints.txt -e '.[dev]'`, or update the pins (README \"Reproducible installs\")"
+        "`pip install -c constraints.txt -e '.[dev]'`, or update the pins (docs/install.md)"
     )
 
 
@@ -110,16 +110,17 @@ def _code_blocks(markdown: str) -> str:
 def test_ci_the_image_and_the_readme_install_through_the_pinned_set() -> None:
     """CI's install line (.ci/run), the image's (deploy/Dockerfile) and every install command of
     the READMEs' code blocks install specroute with `-c constraints.txt`: the pins are used, not
-    only written down."""
+    only written down. The pages of docs/ may install specroute too, through the pins alike."""
     sources = {
         ".ci/run": (ROOT / ".ci" / "run").read_text(),
         "deploy/Dockerfile": (ROOT / "deploy" / "Dockerfile").read_text(),
         "README.md": _code_blocks((ROOT / "README.md").read_text()),
         "deploy/README.md": _code_blocks((ROOT / "deploy" / "README.md").read_text()),
     }
-    for name, text in sources.items():
+    docs = {f"docs/{p.name}": _code_blocks(p.read_text()) for p in sorted((ROOT / "docs").glob("*.md"))}
+    for name, text in {**sources, **docs}.items():
         commands = _project_installs(text)
-        assert commands, f"{name}: no pip install of specroute found"
+        assert commands or name in docs, f"{name}: no pip install of specroute found"
         for command in commands:
             assert re.search(r"(^|\s)-c \S*constraints\.txt(\s|$)", command), (
                 f"{name}: {command!r} installs specroute without -c constraints.txt"

@@ -1,6 +1,7 @@
-"""The README's examples work as written: the quick start matches CI, every `specroute` command line
-parses, the offline ones run, and the emulator + proxy + Python client example runs for real
-(its fixed ports swapped for free ones)."""
+"""The README's and docs/'s examples work as written: the quick start matches CI, every
+`specroute` command line parses, the offline ones run, and the emulator + proxy + Python client
+example runs for real (its fixed ports swapped for free ones). The README is the short page a
+newcomer reads first: every page of docs/ is linked from it and every link resolves."""
 
 from __future__ import annotations
 
@@ -23,11 +24,20 @@ from controller.cli import build_parser, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+# Every document whose examples must run: the README, docs/ and the deployment guide.
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
+SETTINGS_PAGE = ROOT / "docs" / "configuration.md"
+METRICS_PAGE = ROOT / "docs" / "metrics.md"
+SGLANG_PAGE = ROOT / "docs" / "sglang.md"
 OFFLINE = {"simulate", "tune", "plan", "policies", "check-config"}
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _blocks(lang: str, documents: list[Path] = DOCUMENTS) -> list[str]:
+    return [b for doc in documents for b in re.findall(rf"```{lang}\n(.*?)```", _read(doc), flags=re.S)]
 
 
 def _commands(block: str) -> list[str]:
@@ -48,6 +58,10 @@ def _specroute_lines() -> list[str]:
     return out
 
 
+def _emulated_stack_block() -> str:
+    return next(b for b in _blocks("bash", [SGLANG_PAGE]) if "specroute emulate" in b and "127.0.0.1" in b)
+
+
 def test_quick_start_is_two_commands_and_ci_runs_the_test_one() -> None:
     section = README.split("## Quick start", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S)
@@ -59,21 +73,22 @@ def test_quick_start_is_two_commands_and_ci_runs_the_test_one() -> None:
     assert commands[1] in ci.splitlines()
 
 
-def test_every_setting_is_named_in_the_readme() -> None:
+def test_every_setting_is_named_in_the_configuration_page() -> None:
     from controller.proxy.config import Settings
 
-    missing = [key for key in Settings.model_fields if f"`{key}`" not in README]
-    assert not missing, f"README does not mention settings {missing}"
+    page = _read(SETTINGS_PAGE)
+    missing = [key for key in Settings.model_fields if f"`{key}`" not in page]
+    assert not missing, f"{SETTINGS_PAGE.name} does not mention settings {missing}"
 
 
-def test_every_metric_is_in_the_readme_table() -> None:
+def test_every_metric_is_in_the_metrics_table() -> None:
     source = (ROOT / "controller" / "proxy" / "metrics.py").read_text(encoding="utf-8")
     names = set(re.findall(r'"(specroute_[a-z_]+)"', source))
     assert len(names) >= 12
-    table = {m for m in re.findall(r"^\| `(specroute_[a-z_]+)`", README, flags=re.M)}
-    # Counters are declared without `_total`; the exposition (and the README) adds it.
+    table = {m for m in re.findall(r"^\| `(specroute_[a-z_]+)`", _read(METRICS_PAGE), flags=re.M)}
+    # Counters are declared without `_total`; the exposition (and the table) adds it.
     missing = sorted(n for n in names if n not in table and f"{n}_total" not in table)
-    assert not missing, f"README metrics table lacks {missing}"
+    assert not missing, f"{METRICS_PAGE.name}'s table lacks {missing}"
 
 
 def test_every_specroute_line_parses() -> None:
@@ -85,7 +100,7 @@ def test_every_specroute_line_parses() -> None:
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:  # argparse reports the problem on stderr
-            pytest.fail(f"README line does not parse ({e.code}): {line}")
+            pytest.fail(f"documented line does not parse ({e.code}): {line}")
         assert getattr(args, "func", None) is not None, line
 
 
@@ -103,9 +118,9 @@ def test_offline_examples_run(line: str) -> None:
 
 
 def test_emulator_ports_agree_with_the_example_config() -> None:
-    """The README's emulators listen where deploy/specroute.yaml (and the systemd units) expect
+    """The documented emulators listen where deploy/specroute.yaml (and the systemd units) expect
     the two SGLang servers, so `serve --config deploy/specroute.yaml` finds them."""
-    block = next(b for b in _blocks("bash") if "specroute emulate" in b and "127.0.0.1" in b)
+    block = _emulated_stack_block()
     parser = build_parser()
     args = [parser.parse_args(shlex.split(c.removesuffix("&").strip())[1:]) for c in _commands(block)]
     emulated = {a.mode: a.port for a in args if a.func.__module__.endswith("emulate")}
@@ -118,8 +133,8 @@ def test_emulator_ports_agree_with_the_example_config() -> None:
 
 @pytest.fixture
 def readme_stack() -> Iterator[int]:
-    """Run the README's emulate/serve block with free ports; yield the proxy port."""
-    block = next(b for b in _blocks("bash") if "specroute emulate" in b and "127.0.0.1" in b)
+    """Run docs/sglang.md's emulate/serve block with free ports; yield the proxy port."""
+    block = _emulated_stack_block()
     ports = {"30000": str(free_port()), "30001": str(free_port()), "8000": str(free_port())}
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -151,7 +166,7 @@ def readme_stack() -> Iterator[int]:
 
 
 def test_client_example_runs_against_the_emulated_stack(readme_stack: int) -> None:
-    code = next(b for b in _blocks("python") if "OpenAI(" in b)
+    code = next(b for b in _blocks("python", [SGLANG_PAGE]) if "OpenAI(" in b)
     code = code.replace("127.0.0.1:8000", f"127.0.0.1:{readme_stack}")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -166,7 +181,38 @@ def test_python_examples_are_ruff_formatted(index: int) -> None:
         pytest.fail("ruff is not installed (pip install -e '.[dev]')")
     block = _blocks("python")[index]
     proc = subprocess.run(
-        [sys.executable, "-m", "ruff", "format", "--diff", "--stdin-filename", "readme_example.py", "-"],
+        [sys.executable, "-m", "ruff", "format", "--diff", "--stdin-filename", "doc_example.py", "-"],
         input=block, capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_every_relative_link_resolves() -> None:
+    """A link in the README or docs/ to a file of this repository points at one that exists
+    (pages moved between the README and docs/ keep their readers)."""
+    broken = []
+    for doc in DOCUMENTS:
+        for target in LINK.findall(_read(doc)):
+            if urlsplit(target).scheme or target.startswith("#"):
+                continue
+            if not (doc.parent / target.split("#", 1)[0]).exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
+def test_every_docs_page_is_linked_from_the_readme() -> None:
+    linked = {(ROOT / t).resolve() for t in LINK.findall(README) if not urlsplit(t).scheme}
+    orphans = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.resolve() not in linked]
+    assert not orphans, f"docs/ pages the README does not link: {orphans}"
+
+
+def test_readme_up_to_how_it_works_reads_in_five_minutes() -> None:
+    """What a newcomer reads first (introduction, Quick start, How it works) stays under 1,000
+    words: five minutes at a careful 200 words a minute. The rest belongs in docs/."""
+    assert "## How it works" in README
+    head = README.split("## How it works", 1)[0] + README.split("## How it works", 1)[1].split("\n## ", 1)[0]
+    words = len(head.split())
+    assert 150 < words <= 1000, words

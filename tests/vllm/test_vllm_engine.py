@@ -52,7 +52,7 @@ if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
     )
     pytest.skip(reason, allow_module_level=True)
 
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+VLLM_PAGE = (ROOT / "docs" / "vllm.md").read_text(encoding="utf-8")
 MAX_TOKENS = 64
 LIVE_REQUESTS = 96
 """Measured requests per level of the live runs through `serve` and of their simulations."""
@@ -65,10 +65,9 @@ PROMPTS = [
 
 
 def readme_commands() -> list[str]:
-    """The shell commands of the README's vLLM section, continuations joined, comments dropped."""
-    section = README.split("## Running it in front of vLLM", 1)[1].split("\n## ", 1)[0]
+    """The shell commands of docs/vllm.md, continuations joined, comments dropped."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", VLLM_PAGE, flags=re.S):
         joined = re.sub(r"\\\n\s*", " ", block)
         for line in joined.splitlines():
             line = line.split(" #")[0].strip()
