@@ -61,6 +61,11 @@ class PolicyAdmin:
         log.warning("routing policy is now %s %s", name, json.dumps(params, default=str))
         return policy
 
+    def fresh(self) -> None:
+        """Replace the running policy by a newly built one with the same settings (nothing
+        learned): what the adaptation of the eagle pool changed is built in."""
+        self.fwd.policy = self.registry.create(self.name, self.params, self.adapt(self.context))
+
     def reload(self, settings: Settings) -> None:
         """Swap to the policy of freshly read settings (SIGHUP). Raises PolicyError/ProfileError."""
         profile = resolve_profile(settings.profile) if settings.profile else None

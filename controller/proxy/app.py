@@ -151,7 +151,7 @@ def create_app(
     app[FORWARDER] = fwd
     app[ADMIN] = PolicyAdmin(fwd, registry, ctx, adapt=ladders.adapt)
     if ladders.pool_ladder() is not None:  # backend_adaptive: the policy predicts the ladder's speed
-        app[ADMIN].swap(app[ADMIN].name, app[ADMIN].params)
+        app[ADMIN].fresh()
         log.info("eagle pool: %s", ladders.describe())
     app[SHUTDOWN] = Shutdown(clock)
     app.on_response_prepare.append(close_after_answer)
@@ -361,8 +361,11 @@ def _adaptive_reported(admin: PolicyAdmin, ladders: EagleLadders, name: str, rep
     """A backend reported its in-engine adaptation: when that changes the eagle pool's ladder, the
     policy is rebuilt to predict it."""
     if ladders.report(name, reported):
-        log.info("eagle pool: %s (reported by %s)", ladders.describe(), name)
-        admin.swap(admin.name, admin.params)
+        log.warning(
+            "eagle pool: %s (reported by %s): routing policy %s rebuilt to predict it, with nothing learned",
+            ladders.describe(), name, admin.name,
+        )  # fmt: skip
+        admin.fresh()
 
 
 def reopen_decision_log(app: web.Application) -> None:
