@@ -21,6 +21,7 @@ from controller.cli.args import (
 )
 from controller.cli.workload_args import (
     SIMULATION_ERRORS,
+    add_ladder_arg,
     add_workload_args,
     describe_workload,
     ladder_from_args,
@@ -117,14 +118,7 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
         metavar="PCT",
         help="Margins below this percentage of the objective are ties, whatever the seeds say (default 1).",
     )
-    p.add_argument(
-        "--adaptive-ladder",
-        metavar="LADDER",
-        help="Adaptive servers' draft depth by batch size: sglang (SGLang's default ladder, the default), "
-        "MIN_BATCH:STEPS[/STEPS...],... (e.g. 1:1/3/5/7,8:0/1/3,32:0/1,64:0; several steps: SGLang's "
-        "controller picks among them), a vLLM schedule [[lo,hi,k],...], or a JSON file with SGLang's "
-        "--speculative-adaptive-config or a vLLM schedule.",
-    )
+    add_ladder_arg(p)
     p.add_argument(
         "--jobs", type=positive_int, default=os.cpu_count() or 1, help="Worker processes (default: CPUs)."
     )

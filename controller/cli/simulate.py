@@ -22,6 +22,7 @@ from controller.cli.args import (
 )
 from controller.cli.workload_args import (
     SIMULATION_ERRORS,
+    add_ladder_arg,
     add_workload_args,
     describe_workload,
     full_batch_ttft_s,
@@ -114,14 +115,7 @@ def _add_common(p: argparse.ArgumentParser, steady_per_client: str) -> None:
         "index assumes), instead of the profiles' cache_tokens; 0: no cache. Matters for workloads "
         "with prompt blocks (multiturn, Mooncake traces).",
     )
-    d.add_argument(
-        "--adaptive-ladder",
-        metavar="LADDER",
-        help="Adaptive servers' draft depth by batch size: sglang (SGLang's default ladder, the default), "
-        "MIN_BATCH:STEPS[/STEPS...],... (e.g. 1:1/3/5/7,8:0/1/3,32:0/1,64:0; several steps: SGLang's "
-        "controller picks among them), a vLLM schedule [[lo,hi,k],...], or a JSON file with SGLang's "
-        "--speculative-adaptive-config or a vLLM schedule.",
-    )
+    add_ladder_arg(d)
     p.add_argument(
         "--seed",
         type=non_negative_int,

@@ -359,6 +359,18 @@ def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
     return f"workload: {what}; output tokens {out}"
 
 
+def add_ladder_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--adaptive-ladder (simulate, plan)."""
+    parser.add_argument(
+        "--adaptive-ladder",
+        metavar="LADDER",
+        help="Adaptive servers' draft depth by batch size: sglang (SGLang's default ladder, the default), "
+        "MIN_BATCH:STEPS[/STEPS...],... (e.g. 1:1/3/5/7,8:0/1/3,32:0/1,64:0; several steps: SGLang's "
+        "controller picks among them), a vLLM schedule [[lo,hi,k],...], or a JSON file with SGLang's "
+        "--speculative-adaptive-config or a vLLM schedule.",
+    )
+
+
 def ladder_from_args(args: argparse.Namespace) -> Ladder:
     """--adaptive-ladder, or SGLang's default ladder."""
     return parse_adaptive(args.adaptive_ladder) if args.adaptive_ladder else DEFAULT_LADDER

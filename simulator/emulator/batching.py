@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from policies.adaptive import alpha_for
 from policies.profile import SpeedModel
 from simulator.emulator.adaptive import AdaptiveDrafting
 from simulator.emulator.cache import CacheHandle, PrefixCache
@@ -150,20 +151,10 @@ class AcceptanceSampler:
         self._rng = rng
         self._p_cache: dict[float, float] = {}
 
-    def mean_of(self, p: float) -> float:
-        return sum(p**i for i in range(self.steps + 1))
-
     def _p_for(self, mean: float) -> float:
         p = self._p_cache.get(mean)
         if p is None:
-            lo, hi = 0.0, 1.0
-            for _ in range(60):
-                mid = (lo + hi) / 2
-                if self.mean_of(mid) < mean:
-                    lo = mid
-                else:
-                    hi = mid
-            p = self._p_cache[mean] = (lo + hi) / 2
+            p = self._p_cache[mean] = alpha_for(mean, self.steps)
         return p
 
     def sample(self, mean: float) -> int:
