@@ -153,6 +153,9 @@ async def test_a_configured_ladder_wins_over_the_report(
     assert eagle_speed(told).decode_tok_s(17) == pytest.approx(KIMI.speed("baseline").decode_tok_s(17))
     await scraped(told, 2)  # it reports no adaptation
     assert told.app[FORWARDER].policy is first
+    # a reload (SIGHUP) builds the new policy through the same adaptation
+    told.app[ADMIN].reload(told.settings.model_copy(update={"policy_params": {"objective": "ttft"}}))
+    assert told.app[FORWARDER].policy is not first and eagle_speed(told).speculating is not None
     # two eagle backends adapting differently (one does, one does not): the profile's fixed mode
     mixed = await proxy(
         baseline=[plain.url],
