@@ -47,6 +47,8 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.cli import main, spawn
+from controller.proxy.config import parse_backend
+from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.routing import Router
@@ -335,3 +337,10 @@ async def replay_conversation(
         )
         messages.append({"role": "assistant", "content": "".join(text)})
     return turns
+
+
+def make_tracker(baseline: Sequence[str], eagle: Sequence[str], **kw: Any) -> LoadTracker:
+    """A `LoadTracker` of backends written as `URL` or `NAME=URL`, as the settings take them."""
+    return LoadTracker(
+        [parse_backend(b, "baseline") for b in baseline], [parse_backend(e, "eagle") for e in eagle], **kw
+    )
