@@ -23,7 +23,7 @@ import pytest
 from helpers import KIMI, wait_until
 
 from controller.proxy.app import ADMIN, FORWARDER, SCRAPER
-from controller.proxy.forward import RequestRecord
+from controller.proxy.ticket import RequestRecord
 from policies.profile import SpeedModel, load_profile
 from simulator.emulator.app import EmulatorServer
 from simulator.engine.servers import server_profile
