@@ -21,10 +21,11 @@ from controller.cli.args import (
 )
 from controller.cli.workload_args import (
     SIMULATION_ERRORS,
+    add_ladder_arg,
     add_workload_args,
-    buckets_from_args,
     describe_workload,
     full_batch_ttft_s,
+    ladder_from_args,
     offered_tok_s,
     profile_ref,
     skip_note,
@@ -122,7 +123,7 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
         metavar="PCT",
         help="Margins below this percentage of the objective are ties, whatever the seeds say (default 1).",
     )
-    p.add_argument("--adaptive-buckets", metavar="LIMIT:DEPTH,...", help="Adaptive server's depth buckets.")
+    add_ladder_arg(p)
     p.add_argument(
         "--jobs", type=positive_int, default=os.cpu_count() or 1, help="Worker processes (default: CPUs)."
     )
@@ -193,7 +194,7 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
         seeds=tuple(args.seeds),
         loads=tuple(loads),
         tie_within=args.tie_within / 100.0,
-        buckets=buckets_from_args(args),
+        ladder=ladder_from_args(args),
     )
 
 

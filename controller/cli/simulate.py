@@ -24,11 +24,12 @@ from controller.cli.args import (
 )
 from controller.cli.workload_args import (
     SIMULATION_ERRORS,
+    add_ladder_arg,
     add_workload_args,
-    buckets_from_args,
     deployment_text,
     describe_workload,
     full_batch_ttft_s,
+    ladder_from_args,
     offered_tok_s,
     profile_ref,
     skip_note,
@@ -123,12 +124,7 @@ def _add_common(p: argparse.ArgumentParser, steady_per_client: str) -> None:
         "index assumes), instead of the profiles' cache_tokens; 0: no cache. Matters for workloads "
         "with prompt blocks (multiturn, Mooncake traces).",
     )
-    d.add_argument(
-        "--adaptive-buckets",
-        metavar="LIMIT:DEPTH,...",
-        help="Adaptive server: speculation depth (0..1) below each batch size; 0 beyond the last "
-        "(default 8:1,32:0.667,64:0.333).",
-    )
+    add_ladder_arg(d)
 
 
 def configure_simulate(s: argparse.ArgumentParser) -> None:
@@ -280,7 +276,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
                 raise CommandError("--oracle needs a closed-loop sweep (--workload sweep)")
             _warn_transient(spec)
         deployments = _deployments(args)
-        buckets = buckets_from_args(args)
+        ladder = ladder_from_args(args)
         if args.report:
             require("matplotlib", "plot", "--report")
         base_params = parse_assignments(args.policy_param)
@@ -306,7 +302,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
                         dep,
                         segments,
                         seed=args.seed,
-                        buckets=buckets,
+                        ladder=ladder,
                         registry=registry,
                         server_profile=servers,
                         oracle=args.oracle,
@@ -420,7 +416,7 @@ def _tune_main(args: argparse.Namespace) -> int:
                 seeds=seeds,
                 tie_within=args.tie_within / 100.0,
                 jobs=args.jobs,
-                buckets=buckets_from_args(args),
+                ladder=ladder_from_args(args),
                 server_profile=servers,
                 spec_details=args.spec_details,
                 cache_tokens=args.cache_tokens,

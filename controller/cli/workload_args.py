@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from controller.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
+from policies.ladder import Ladder
 from policies.profile import Profile, ProfileError
 from policies.spec import PolicyError
 from simulator.engine.loop import SimulationError
 from simulator.engine.report import ReportError
-from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, DeploymentError, parse_buckets
+from simulator.engine.servers import DEFAULT_LADDER, DeploymentError, parse_adaptive
 from simulator.engine.traces import TRACE_FORMATS, TraceError, describe_skipped, skipped_records
 from simulator.engine.workloads import (
     DEFAULT_LEVELS,
@@ -398,9 +399,21 @@ def skip_note(spec: WorkloadSpec) -> str | None:
     return describe_skipped(skipped_records(spec.trace, spec.trace_format))
 
 
-def buckets_from_args(args: argparse.Namespace) -> tuple[tuple[int, float], ...]:
-    """--adaptive-buckets, or the default buckets."""
-    return parse_buckets(args.adaptive_buckets) if args.adaptive_buckets else DEFAULT_ADAPTIVE_BUCKETS
+def add_ladder_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--adaptive-ladder (simulate, plan)."""
+    parser.add_argument(
+        "--adaptive-ladder",
+        metavar="LADDER",
+        help="Adaptive servers' draft depth by batch size: sglang (SGLang's default ladder, the default), "
+        "MIN_BATCH:STEPS[/STEPS...],... (e.g. 1:1/3/5/7,8:0/1/3,32:0/1,64:0; several steps: SGLang's "
+        "controller picks among them), a vLLM schedule [[lo,hi,k],...], or a JSON file with SGLang's "
+        "--speculative-adaptive-config or a vLLM schedule.",
+    )
+
+
+def ladder_from_args(args: argparse.Namespace) -> Ladder:
+    """--adaptive-ladder, or SGLang's default ladder."""
+    return parse_adaptive(args.adaptive_ladder) if args.adaptive_ladder else DEFAULT_LADDER
 
 
 def profile_ref(arg: str) -> str:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
+from policies.ladder import Ladder
 from policies.params import parse_grid_item
 from policies.profile import Profile
 from policies.registry import PolicyRegistry
@@ -31,7 +32,7 @@ from policies.spec import PolicyError
 from policies.stats import Interval, Margin, interval, paired_margin
 from simulator.engine.results import Slo, goodput
 from simulator.engine.runner import PolicyChoice, is_single_pool, run, typed_params
-from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, ServerKind
+from simulator.engine.servers import DEFAULT_LADDER, ServerKind
 from simulator.engine.workloads import WorkloadSpec, generate
 
 Objective = Literal["throughput_tok_s", "mean_e2e_s", "p99_ttft_s", "p99_e2e_s", "goodput"]
@@ -120,7 +121,7 @@ class Task:
     deployment: tuple[tuple[ServerKind, int], ...]
     workload: WorkloadSpec
     seed: int
-    buckets: tuple[tuple[int, float], ...]
+    ladder: Ladder
     slo: Slo
     server_profile: Profile | None = None
     spec_details: bool = False
@@ -213,7 +214,7 @@ def evaluate(task: Task) -> tuple[dict[str, Any], float]:
         task.deployment,
         segments,
         seed=task.seed,
-        buckets=task.buckets,
+        ladder=task.ladder,
         server_profile=task.server_profile,
         spec_details=task.spec_details,
         cache_tokens=task.cache_tokens,
@@ -274,7 +275,7 @@ def tune(
     seeds: Sequence[int] = DEFAULT_SEEDS,
     tie_within: float = DEFAULT_TIE_WITHIN,
     jobs: int = 1,
-    buckets: Sequence[tuple[int, float]] = DEFAULT_ADAPTIVE_BUCKETS,
+    ladder: Ladder = DEFAULT_LADDER,
     server_profile: Profile | None = None,
     spec_details: bool = False,
     cache_tokens: int | None = None,
@@ -307,7 +308,7 @@ def tune(
             tuple(deployment),
             workload,
             seed,
-            tuple(buckets),
+            ladder,
             slo or Slo(),
             server_profile,
             spec_details,

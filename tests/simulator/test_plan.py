@@ -167,21 +167,23 @@ def test_t_intervals_and_paired_margins() -> None:
 )
 def test_hand_checkable_profiles(eagle_tok_s: tuple[float, float], expected: str) -> None:
     profile = two_mode_profile((80.0, 20.0), eagle_tok_s)
+    # up to 75 clients per server: the adaptive servers' default ladder drafts 3 steps (as deep as
+    # the profile was measured: the EAGLE-3 speed) below batch 32, 1 step below 64, none beyond
     spec = PlanSpec(
         servers=2,
         kinds=("baseline", "eagle", "adaptive"),
-        workload=small_sweep(1, 10, 40),
+        workload=small_sweep(1, 10, 100),
         objective="mean_e2e_s",
         policies=("cost_model", "threshold"),
         seeds=(0, 1, 2),
-        loads=(0.5, 1.0),
+        loads=(1.0, 1.5),
     )
     result = run_plan(profile, spec)
     for lr in result.loads:
         assert lr.best.label == expected
         assert lr.ranking[0].margin is not None and lr.ranking[0].margin.verdict == "win"
         assert lr.tied_with_best == []
-    assert [lr.factor for lr in result.loads] == [0.5, 1.0]
+    assert [lr.factor for lr in result.loads] == [1.0, 1.5]
 
 
 def test_kimi_mixed_beats_all_plain_at_concurrency_1_and_loses_at_250() -> None:
