@@ -36,9 +36,11 @@ from __future__ import annotations
 import math
 import zlib
 from collections import OrderedDict
+from typing import Any
 
 from policies.base import RequestFeatures
 from policies.calibration import ShrunkMean
+from policies.learned import StateError, check_version, count, field, items, number, numbers
 
 MAX_LOG = math.log(4.0)
 """A prediction and a target stay within [1/4, 4] times the profile's speed."""
@@ -218,6 +220,61 @@ class AcceptanceModel:
             fam.n += 1
             a = max(1.0 / fam.n, 1.0 / window)
             fam.offset += a * (y - lin - fam.offset)
+
+    # What it learned, as plain data (`policies.learned`): the taught token weights (sparse: a
+    # weight is read only once its token was taught), the parameter weights, the families in
+    # least-recently-taught order, the out-of-sample means. Dimensions and rates are parameters.
+
+    def state(self) -> dict[str, Any]:
+        w = self._w
+        return {
+            "version": STATE_VERSION,
+            "dim": len(w),
+            "param_dim": len(self._p),
+            "tokens": [[i, w[i], c] for i, c in enumerate(self._count) if c],
+            "params": list(self._p),
+            "families": [[key, f.n, f.offset] for key, f in self._families.items()],
+            "cov": [self.cov.n, self.cov.value],
+            "var": [self.var.n, self.var.value],
+            "taught": self.taught,
+        }
+
+    def load_state(self, state: object) -> None:
+        what = "content model"
+        s = check_version(state, what, STATE_VERSION)
+        dim, param_dim = len(self._w), len(self._p)
+        if field(s, "dim", what) != dim or field(s, "param_dim", what) != param_dim:
+            raise StateError(f"{what}: saved with other dimensions")
+        w, counts = [0.0] * dim, [0] * dim
+        for i, weight, c in items(field(s, "tokens", what), what, 3):
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < dim or counts[i]:
+                raise StateError(f"{what}: a token slot is out of range or repeated")
+            w[i], counts[i] = number(weight, what), count(c, what)
+        families: OrderedDict[int, _Family] = OrderedDict()
+        for key, n, offset in items(field(s, "families", what), what, 3):
+            if isinstance(key, bool) or not isinstance(key, int) or key in families:
+                raise StateError(f"{what}: a family key is not an integer or repeated")
+            fam = families[key] = _Family()
+            fam.n, fam.offset = count(n, what), number(offset, what)
+        if len(families) > self._max_families:
+            raise StateError(f"{what}: more families than max_families")
+        means = []
+        for key in ("cov", "var"):
+            pair = field(s, key, what)
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise StateError(f"{what}: {key} must be [samples, value]")
+            m = ShrunkMean(number(pair[1], what))
+            m.n = count(pair[0], what)
+            means.append(m)
+        params = numbers(field(s, "params", what), what, param_dim)
+        taught = count(field(s, "taught", what), what)
+        self._w, self._count, self._p, self._families = w, counts, params, families
+        self.cov, self.var = means
+        self.taught = taught
+
+
+STATE_VERSION = 1
+"""The layout of `AcceptanceModel.state()`."""
 
 
 def _clip(x: float) -> float:

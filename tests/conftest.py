@@ -8,6 +8,7 @@
 - `emulator(mode="baseline", profile=KIMI, **config)` starts an in-process SGLang emulator
   (`simulator.emulator.app.run_emulator`); its default time scale is the `emulator_time_scale` fixture,
   which a test module may override.
+- `tiny_tmpfs`: a 256 KiB tmpfs (`helpers.tiny_tmpfs`) at a fresh path, for the test's length.
 - `spawn_serve(*args, env=..., stderr=..., preexec_fn=...)` runs `specroute serve --port 0 ...` as
   a subprocess and returns a `ServeProcess` (its URL read from the "specroute listening on" line);
   with `SPECROUTE_TEST_CLOCK=1` in `env`, `ServeProcess.advance_clock(s)` moves its clock on. Its
@@ -19,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -30,6 +32,7 @@ import pytest
 from aiohttp import web
 from fakes import FakeBackend, RawAnswer, RawBackend
 from helpers import KIMI, start_module, wait_until
+from helpers import tiny_tmpfs as mounted_tmpfs
 from prometheus_client import CollectorRegistry
 
 from controller.cli import spawn
@@ -140,6 +143,13 @@ async def emulator(emulator_time_scale: float) -> AsyncIterator[Callable[..., Aw
             return await stack.enter_async_context(run_emulator(config))
 
         yield make
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs (needs root and the right to mount; skipped elsewhere)."""
+    with mounted_tmpfs(tmp_path / "tmpfs") as mnt:
+        yield mnt
 
 
 @pytest.fixture

@@ -127,6 +127,10 @@ def _check_observability(settings: Settings, registry: PolicyRegistry, context: 
     from controller.proxy.shadow import build_shadows
 
     build_shadows(settings.shadow_policies, registry, context)
+    if settings.state_file:
+        from controller.proxy.learned_state import check_state_path
+
+        check_state_path(settings.state_file)
     if settings.decision_log:
         path = settings.decision_log
         try:
@@ -188,6 +192,7 @@ async def _serve(
 
     from controller.cli.reload import ConfigReloader, ReloadMetrics
     from controller.proxy.app import ADMIN, METRICS, create_app, drain, make_runner, reopen_decision_log
+    from controller.proxy.learned_state import keeper_for
 
     clock = _driven_clock(settings)
     # The reload's settle intervals and the shutdown's grace sleep on the app's clock too.
@@ -197,6 +202,9 @@ async def _serve(
     else:
         app = create_app(settings, policy, registry=registry, context=context, clock=clock)
         app.router.add_post(clock.PATH, clock.handle)
+    keeper = keeper_for(app) if settings.state_file else None
+    if keeper is not None:
+        keeper.load()  # before the listener opens: the first request meets what was learned
     # `drain` below does the waiting; aiohttp's own shutdown then has only idle connections left.
     runner = make_runner(app, shutdown_timeout=0.5)
     await runner.setup()
@@ -244,6 +252,9 @@ async def _serve(
             sleep=sleep,
         )
         loop.add_signal_handler(signal.SIGHUP, reloader.request)
+        loop.add_signal_handler(signal.SIGUSR1, lambda: _reopen_logs(app))
+        if keeper is not None:
+            keeper.start()
         if early_reload.pending:
             log.warning("SIGHUP during start-up: re-reading the config now")
             reloader.request()
@@ -256,9 +267,19 @@ async def _serve(
             settings.drain_timeout_s,
         )
         await drain(runner, settings.drain_timeout_s)
+        if keeper is not None:
+            await keeper.stop()  # after the drain: every outcome is learned from
     finally:
         await runner.cleanup()
     log.warning("stopped")
+
+
+def _reopen_logs(app: Any) -> None:
+    """SIGUSR1: reopen the decision log (after a rotation), and nothing else."""
+    from controller.proxy.app import reopen_decision_log
+
+    log.info("SIGUSR1: reopening the decision log")
+    reopen_decision_log(app)
 
 
 def _driven_clock(settings: Settings) -> DrivenClock | None:

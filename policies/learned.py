@@ -1,0 +1,84 @@
+"""What a policy learned, as plain data: the contract between learning code and the state file.
+
+A *learner* (a policy, or a part of one: `SpeedCalibration`, `AcceptanceModel`, `PrefixIndex`)
+has two methods:
+
+- `state() -> dict`: what it learned, as JSON-ready plain data (str keys, lists, str, int,
+  float, bool, None), copied (never a live reference: the caller may encode it in another
+  thread while the learner goes on learning), with a `version` of its own layout;
+- `load_state(state)`: take such data back. It raises `ValueError` (here `StateError`) on data
+  it cannot take -- another version, other dimensions (other parameters), wrong types,
+  non-finite numbers -- and then leaves itself unchanged: everything is checked before
+  anything is assigned. Loading what `state()` returned makes the learner predict exactly as
+  it did (floats round-trip through JSON exactly).
+
+Policies stay pure: the file (reading, writing, sizes, versions of the file, which policy a
+state belongs to) is `controller.proxy.learned_state`'s. The helpers below check plain data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+
+class StateError(ValueError):
+    """Learned state a learner cannot take (it stays unchanged)."""
+
+
+@runtime_checkable
+class Learner(Protocol):
+    def state(self) -> dict[str, Any]: ...
+
+    def load_state(self, state: Mapping[str, Any]) -> None: ...
+
+
+def learner(obj: object) -> Learner | None:
+    """`obj` if it can save and load what it learned, else None."""
+    return obj if isinstance(obj, Learner) else None
+
+
+def check_version(state: object, what: str, version: int) -> Mapping[str, Any]:
+    """`state` as a mapping whose `version` is `version` (StateError otherwise)."""
+    if not isinstance(state, Mapping):
+        raise StateError(f"{what}: expected an object, got {type(state).__name__}")
+    if state.get("version") != version:
+        raise StateError(f"{what}: layout version {state.get('version')!r}, this code reads {version}")
+    return state
+
+
+def field(state: Mapping[str, Any], key: str, what: str) -> Any:
+    if key not in state:
+        raise StateError(f"{what}: missing {key!r}")
+    return state[key]
+
+
+def number(x: object, what: str) -> float:
+    """A finite number (bools are not numbers here)."""
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        raise StateError(f"{what}: expected a finite number, got {x!r}"[:200])
+    return float(x)
+
+
+def count(x: object, what: str) -> int:
+    """A non-negative integer."""
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise StateError(f"{what}: expected a non-negative integer, got {x!r}"[:200])
+    return x
+
+
+def numbers(x: object, what: str, length: int | None = None) -> list[float]:
+    """A list of finite numbers (of `length` when given)."""
+    if not isinstance(x, list):
+        raise StateError(f"{what}: expected a list")
+    if length is not None and len(x) != length:
+        raise StateError(f"{what}: {len(x)} values where {length} are expected (other parameters?)")
+    return [number(v, what) for v in x]
+
+
+def items(x: object, what: str, width: int) -> list[list[Any]]:
+    """A list of lists of `width` entries each (their types are the caller's to check)."""
+    if not isinstance(x, list) or not all(isinstance(r, list) and len(r) == width for r in x):
+        raise StateError(f"{what}: expected a list of {width}-entry lists")
+    return x
