@@ -191,7 +191,15 @@ async def _serve(
     from aiohttp import web
 
     from controller.cli.reload import ConfigReloader, ReloadMetrics
-    from controller.proxy.app import ADMIN, METRICS, create_app, drain, make_runner, reopen_decision_log
+    from controller.proxy.app import (
+        ADMIN,
+        METRICS,
+        TRACKER,
+        create_app,
+        drain,
+        make_runner,
+        reopen_decision_log,
+    )
     from controller.proxy.learned_state import keeper_for
 
     clock = _driven_clock(settings)
@@ -202,7 +210,9 @@ async def _serve(
     else:
         app = create_app(settings, policy, registry=registry, context=context, clock=clock)
         app.router.add_post(clock.PATH, clock.handle)
-    keeper = keeper_for(app) if settings.state_file else None
+    keeper = None
+    if settings.state_file:
+        keeper = keeper_for(settings, app[ADMIN], app[TRACKER], app[METRICS].registry)
     if keeper is not None:
         keeper.load()  # before the listener opens: the first request meets what was learned
     # `drain` below does the waiting; aiohttp's own shutdown then has only idle connections left.

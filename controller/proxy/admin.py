@@ -64,6 +64,9 @@ class PolicyAdmin:
             for learned in ("kept", "reset"):
                 self.reloads.labels(source, learned)
 
+    def running(self) -> Policy:
+        return self.fwd.policy
+
     def identity(self) -> PolicyIdentity:
         """The running policy's identity (as configured: name, resolved parameters, profile, seed)."""
         return policy_identity(self.registry, self.name, self.params, self.context)

@@ -43,11 +43,11 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
-from controller.proxy.config import ConfigError
+from controller.proxy.config import ConfigError, Settings
 from controller.proxy.load import LoadTracker
 from policies.base import Policy
 from policies.learned import learner
@@ -399,18 +399,27 @@ def check_state_path(path: str) -> None:
         raise ConfigError(f"state_file {path}: directory {existing} is not writable")
 
 
-def keeper_for(app: Any) -> StateKeeper:
-    """The `StateKeeper` of a `controller.proxy.app` application with `state_file` set."""
-    from controller.proxy.app import ADMIN, METRICS, SETTINGS, TRACKER
+class RunningPolicy(Protocol):
+    """What the keeper needs of `controller.proxy.admin.PolicyAdmin`."""
 
-    settings, admin = app[SETTINGS], app[ADMIN]
+    def running(self) -> Policy: ...
+
+    def identity(self) -> PolicyIdentity: ...
+
+    def fresh(self) -> None: ...
+
+
+def keeper_for(
+    settings: Settings, admin: RunningPolicy, tracker: LoadTracker, registry: CollectorRegistry
+) -> StateKeeper:
+    """The `StateKeeper` of an application (`settings.state_file` set)."""
     assert settings.state_file is not None
     return StateKeeper(
         settings.state_file,
         interval_s=settings.state_save_interval_s,
-        tracker=app[TRACKER],
-        policy=lambda: admin.fwd.policy,
+        tracker=tracker,
+        policy=admin.running,
         identity=admin.identity,
         fresh=admin.fresh,
-        metrics=StateMetrics(app[METRICS].registry),
+        metrics=StateMetrics(registry),
     )

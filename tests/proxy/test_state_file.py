@@ -20,7 +20,7 @@ import pytest
 from helpers import BODY, fill_file_system, metric_samples, run_specroute, wait_until
 
 from controller.proxy import learned_state
-from controller.proxy.app import FORWARDER, TRACKER
+from controller.proxy.app import ADMIN, FORWARDER, METRICS, SETTINGS, TRACKER
 from controller.proxy.learned_state import StateKeeper, keeper_for
 
 BLOCKS = list(range(1000, 1040))
@@ -33,13 +33,17 @@ def _teach(policy: Any, n: int = 80) -> None:
         policy.calibration.observe("eagle", rng.randrange(1, 20), None, rng.uniform(1.2, 1.4), None)
 
 
+def _keeper_of(app: Any) -> StateKeeper:
+    return keeper_for(app[SETTINGS], app[ADMIN], app[TRACKER], app[METRICS].registry)
+
+
 async def _keeper(proxy: Any, fake_backend: Any, path: Path, **settings: Any) -> tuple[Any, StateKeeper]:
     base, eagle = await fake_backend(), await fake_backend()
     p = await proxy(
         baseline=[base.url], eagle=[eagle.url], policy="cost_model", profile="kimi-k25-int4-8gpu",
         state_file=str(path), **settings,
     )  # fmt: skip
-    return p, keeper_for(p.app)
+    return p, _keeper_of(p.app)
 
 
 async def _loads(p: Any) -> dict[str, float]:
@@ -63,7 +67,7 @@ async def test_saved_state_loads_into_a_new_proxy_with_the_prefix_beliefs(proxy,
         eagle=[b.url for b in p.app[TRACKER] if b.pool == "eagle"],
         policy="cost_model", profile="kimi-k25-int4-8gpu", state_file=str(path),
     )  # fmt: skip
-    assert keeper_for(q.app).load() == "loaded"
+    assert _keeper_of(q.app).load() == "loaded"
     assert q.app[FORWARDER].policy.state() == p.app[FORWARDER].policy.state()
     assert all(b.prefixes.match(BLOCKS) == len(BLOCKS) for b in q.app[TRACKER])
     assert (await _loads(q))["loaded"] == 1
@@ -123,7 +127,7 @@ async def test_state_saved_for_other_parameters_is_not_loaded(proxy, fake_backen
     )  # fmt: skip
     fresh = q.app[FORWARDER].policy.state()
     with caplog.at_level(logging.WARNING, "specroute.state"):
-        assert keeper_for(q.app).load() == "other_policy"
+        assert _keeper_of(q.app).load() == "other_policy"
     assert "(params calibration_window; profile; seed differ)" in caplog.text
     assert q.app[FORWARDER].policy.state() == fresh
     # the defaults written out are the same policy: {} and {"calibrate": true} alike
@@ -131,7 +135,7 @@ async def test_state_saved_for_other_parameters_is_not_loaded(proxy, fake_backen
         baseline=[base.url], eagle=[eagle.url], policy="cost_model", profile="kimi-k25-int4-8gpu",
         policy_params={"calibrate": True, "objective": "e2e"}, state_file=str(path),
     )  # fmt: skip
-    assert keeper_for(r.app).load() == "loaded"
+    assert _keeper_of(r.app).load() == "loaded"
 
 
 async def test_an_oversized_file_is_neither_read_nor_written(
