@@ -129,3 +129,18 @@ def test_compose_pins_the_sglang_release_the_emulator_speaks() -> None:
     assert name == "lmsysorg/sglang" and tag != "latest"
     assert tag.split("-")[0] == f"v{SGLANG_VERSION}", f"{image}: the emulator speaks SGLang {SGLANG_VERSION}"
 
+
+def test_compose_profile_has_the_accept_length_its_policy_reads() -> None:
+    """`scraped_accept_length` scales eagle's rate by the reported accept length over the
+    profile's: a profile without one would make it do nothing, silently."""
+    from policies.profile import resolve_profile
+
+    settings = example_settings()
+    if not settings.policy_params.get("scraped_accept_length"):
+        return
+    for name in ("compose.yaml", "compose.emulated.yaml"):
+        env = load_compose(name)["services"]["specroute"]["environment"]
+        profile = resolve_profile(compose_value(str(env["SPECROUTE_PROFILE"])))
+        assert profile.mode("eagle").accept_length, (
+            f"{name}: profile {profile.name} has no eagle accept_length"
+        )
