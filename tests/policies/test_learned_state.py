@@ -174,57 +174,55 @@ def _broken(state: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any
     return out
 
 
-@pytest.mark.parametrize(
-    ("path", "value", "match"),
-    [
-        (["version"], 2, "version"),
-        (["pool", "eagle"], [3, math.nan], "finite"),
-        (["pool", "eagle"], [-1, 0.1], "non-negative"),
-        (["buckets", "baseline"], [[0, 0.0]], "load buckets"),
-        (["own_part", "eagle"], [0.0], "values"),
-        (["pool"], {"baseline": [0, 0.0]}, "pools"),
-        (["accept_reported"], "yes", "true or false"),
-        (["max_log"], 9.0, "bound"),
-        (["recent", "eagle"], [0.0] * 40, "window"),
-        (
-            ["hints", "slots"],
-            [["a", 1, 0, 0.0], ["b", 1, 0, 0.0], ["c", 1, 0, 0.0], ["d", 1, 0, 0.0]],
-            "slots",
-        ),
-        (["hints", "slots"], [[7, 1, 0, 0.0]], "hint"),
-    ],
-)
-def test_calibration_refuses_bad_state_and_stays_as_it_was(path: list[Any], value: Any, match: str) -> None:
-    source = _calibration()
-    _teach_calibration(source, random.Random(7), 100)
-    target = _calibration()
-    _teach_calibration(target, random.Random(8), 50)
-    before = target.state()
-    with pytest.raises(StateError, match=match):
-        target.load_state(_broken(source.state(), path, value))
-    assert target.state() == before
+def _taught(kind: str, seed: int, n: int) -> Any:
+    if kind == "calibration":
+        cal = _calibration()
+        _teach_calibration(cal, random.Random(seed), n)
+        return cal
+    model = AcceptanceModel()
+    _teach_content(model, random.Random(seed), n)
+    return model
+
+
+CAL_BROKEN = [
+    (["version"], 2, "version"),
+    (["pool", "eagle"], [3, math.nan], "finite"),
+    (["pool", "eagle"], [-1, 0.1], "non-negative"),
+    (["buckets", "baseline"], [[0, 0.0]], "load buckets"),
+    (["own_part", "eagle"], [0.0], "values"),
+    (["pool"], {"baseline": [0, 0.0]}, "pools"),
+    (["accept_reported"], "yes", "true or false"),
+    (["max_log"], 9.0, "bound"),
+    (["recent", "eagle"], [0.0] * 40, "window"),
+    (
+        ["hints", "slots"],
+        [["a", 1, 0, 0.0], ["b", 1, 0, 0.0], ["c", 1, 0, 0.0], ["d", 1, 0, 0.0]],
+        "slots",
+    ),
+    (["hints", "slots"], [[7, 1, 0, 0.0]], "hint"),
+]
+CONTENT_BROKEN = [
+    (["dim"], 1024, "dimensions"),
+    (["tokens"], [[1 << 20, 0.1, 1]], "out of range"),
+    (["tokens"], [[3, 0.1, 1], [3, 0.2, 1]], "repeated"),
+    (["tokens"], [[3, math.inf, 1]], "finite"),
+    (["params"], [0.0] * 3, "values"),
+    (["families"], [[1, 1, 0.0]] * 2, "repeated"),
+    (["families"], [["x", 1, 0.0]], "integer"),
+    (["cov"], [1], "samples"),
+    (["taught"], -1, "non-negative"),
+    (["version"], None, "version"),
+]
 
 
 @pytest.mark.parametrize(
-    ("path", "value", "match"),
-    [
-        (["dim"], 1024, "dimensions"),
-        (["tokens"], [[1 << 20, 0.1, 1]], "out of range"),
-        (["tokens"], [[3, 0.1, 1], [3, 0.2, 1]], "repeated"),
-        (["tokens"], [[3, math.inf, 1]], "finite"),
-        (["params"], [0.0] * 3, "values"),
-        (["families"], [[1, 1, 0.0]] * 2, "repeated"),
-        (["families"], [["x", 1, 0.0]], "integer"),
-        (["cov"], [1], "samples"),
-        (["taught"], -1, "non-negative"),
-        (["version"], None, "version"),
-    ],
+    ("kind", "path", "value", "match"),
+    [("calibration", *case) for case in CAL_BROKEN] + [("content", *case) for case in CONTENT_BROKEN],
 )
-def test_content_model_refuses_bad_state_and_stays_as_it_was(path: list[Any], value: Any, match: str) -> None:
-    source = AcceptanceModel()
-    _teach_content(source, random.Random(9), 50)
-    target = AcceptanceModel()
-    _teach_content(target, random.Random(10), 20)
+def test_bad_state_is_refused_and_the_learner_stays_as_it_was(
+    kind: str, path: list[Any], value: Any, match: str
+) -> None:
+    source, target = _taught(kind, 7, 100), _taught(kind, 8, 40)
     before = target.state()
     with pytest.raises(StateError, match=match):
         target.load_state(_broken(source.state(), path, value))
