@@ -38,9 +38,11 @@ import zlib
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from policies.base import RequestFeatures
 from policies.calibration import ShrunkMean
-from policies.learned import StateError, check_version, count, field, items, number, numbers
+from policies.learned import StateError, check_version, count, field, number, pack, unpack
 
 MAX_LOG = math.log(4.0)
 """A prediction and a target stay within [1/4, 4] times the profile's speed."""
@@ -223,17 +225,24 @@ class AcceptanceModel:
 
     # What it learned, as plain data (`policies.learned`): the taught token weights (sparse: a
     # weight is read only once its token was taught), the parameter weights, the families in
-    # least-recently-taught order, the out-of-sample means. Dimensions and rates are parameters.
+    # least-recently-taught order, the out-of-sample means; long arrays `pack`ed. Dimensions and
+    # rates are parameters.
 
     def state(self) -> dict[str, Any]:
-        w = self._w
+        counts = np.asarray(self._count, dtype=np.int64)
+        slots = np.flatnonzero(counts)
+        families = self._families
         return {
             "version": STATE_VERSION,
-            "dim": len(w),
+            "dim": len(self._w),
             "param_dim": len(self._p),
-            "tokens": [[i, w[i], c] for i, c in enumerate(self._count) if c],
-            "params": list(self._p),
-            "families": [[key, f.n, f.offset] for key, f in self._families.items()],
+            "token_slots": pack(slots, "<i8"),
+            "token_weights": pack(np.asarray(self._w)[slots], "<f8"),
+            "token_counts": pack(counts[slots], "<i8"),
+            "params": pack(self._p, "<f8"),
+            "family_keys": pack(list(families), "<u8"),
+            "family_counts": pack([f.n for f in families.values()], "<i8"),
+            "family_offsets": pack([f.offset for f in families.values()], "<f8"),
             "cov": [self.cov.n, self.cov.value],
             "var": [self.var.n, self.var.value],
             "taught": self.taught,
@@ -245,19 +254,25 @@ class AcceptanceModel:
         dim, param_dim = len(self._w), len(self._p)
         if field(s, "dim", what) != dim or field(s, "param_dim", what) != param_dim:
             raise StateError(f"{what}: saved with other dimensions")
+        slots = unpack(field(s, "token_slots", what), "<i8", what)
+        weights = unpack(field(s, "token_weights", what), "<f8", what, len(slots))
+        taught_counts = unpack(field(s, "token_counts", what), "<i8", what, len(slots))
         w, counts = [0.0] * dim, [0] * dim
-        for i, weight, c in items(field(s, "tokens", what), what, 3):
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < dim or counts[i]:
-                raise StateError(f"{what}: a token slot is out of range or repeated")
-            w[i], counts[i] = number(weight, what), count(c, what)
-        families: OrderedDict[int, _Family] = OrderedDict()
-        for key, n, offset in items(field(s, "families", what), what, 3):
-            if isinstance(key, bool) or not isinstance(key, int) or key in families:
-                raise StateError(f"{what}: a family key is not an integer or repeated")
-            fam = families[key] = _Family()
-            fam.n, fam.offset = count(n, what), number(offset, what)
-        if len(families) > self._max_families:
+        for i, weight, c in zip(slots, weights, taught_counts, strict=True):
+            if not 0 <= i < dim or counts[i] or not c:
+                raise StateError(f"{what}: a token slot is out of range, repeated or untaught")
+            w[i], counts[i] = weight, c
+        keys = unpack(field(s, "family_keys", what), "<u8", what)
+        family_counts = unpack(field(s, "family_counts", what), "<i8", what, len(keys))
+        offsets = unpack(field(s, "family_offsets", what), "<f8", what, len(keys))
+        if len(set(keys)) != len(keys) or 0 in keys:
+            raise StateError(f"{what}: a family key is 0 or repeated")
+        if len(keys) > self._max_families:
             raise StateError(f"{what}: more families than max_families")
+        families: OrderedDict[int, _Family] = OrderedDict()
+        for key, n, offset in zip(keys, family_counts, offsets, strict=True):
+            fam = families[key] = _Family()
+            fam.n, fam.offset = n, offset
         means = []
         for key in ("cov", "var"):
             pair = field(s, key, what)
@@ -266,7 +281,7 @@ class AcceptanceModel:
             m = ShrunkMean(number(pair[1], what))
             m.n = count(pair[0], what)
             means.append(m)
-        params = numbers(field(s, "params", what), what, param_dim)
+        params = unpack(field(s, "params", what), "<f8", what, param_dim)
         taught = count(field(s, "taught", what), what)
         self._w, self._count, self._p, self._families = w, counts, params, families
         self.cov, self.var = means

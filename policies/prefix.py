@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from hashlib import blake2b
 from typing import Any
 
-from policies.learned import StateError, check_version, field
+from policies.learned import check_version, field, pack, unpack
 
 DEFAULT_BLOCK_TOKENS = 512
 DEFAULT_CACHE_TOKENS = 1_000_000
@@ -150,13 +150,11 @@ class PrefixIndex:
     # used first. Loaded into an index of another capacity, the most recent ones that fit stay.
 
     def state(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "blocks": list(self._blocks)}
+        return {"version": STATE_VERSION, "blocks": pack(list(self._blocks), "<u8")}
 
     def load_state(self, state: object) -> None:
         what = "prefix index"
-        blocks = field(check_version(state, what, STATE_VERSION), "blocks", what)
-        if not isinstance(blocks, list) or not all(type(b) is int and 0 <= b < 1 << 64 for b in blocks):
-            raise StateError(f"{what}: blocks must be a list of 64-bit block hashes")
+        blocks = unpack(field(check_version(state, what, STATE_VERSION), "blocks", what), "<u8", what)
         kept = blocks[len(blocks) - self.capacity_blocks :] if self.capacity_blocks else []
         self._blocks = OrderedDict.fromkeys(kept)
 

@@ -36,7 +36,7 @@ from controller.proxy.forward import Forwarder
 from controller.proxy.learned_state import PolicyIdentity, policy_identity
 from controller.proxy.limits import load_json
 from policies.base import Policy
-from policies.learned import learner
+from policies.learned import learner, unpack
 from policies.params import parse_policy_ref
 from policies.profile import ProfileError, resolve_profile
 from policies.registry import PolicyRegistry
@@ -165,7 +165,8 @@ def learned_summary(policy: Policy) -> dict[str, Any] | None:
         }
         out["calibration"] = {**pools, "hints": [row[0] for row in cal["hints"]["slots"]]}  # type: ignore[index]
     with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
-        out["content"] = {"outcomes": int(content["taught"]), "families": len(content["families"])}  # type: ignore[index]
+        families = len(unpack(content["family_keys"], "<u8", "content model"))  # type: ignore[index]
+        out["content"] = {"outcomes": int(content["taught"]), "families": families}  # type: ignore[index]
     return out
 
 

@@ -16,7 +16,7 @@ import pytest
 from policies.acceptance import AcceptanceModel
 from policies.calibration import SpeedCalibration
 from policies.features import extract_features
-from policies.learned import StateError, learner
+from policies.learned import StateError, learner, pack, unpack
 from policies.prefix import PrefixIndex
 from policies.profile import resolve_profile
 from policies.registry import default_registry
@@ -122,7 +122,8 @@ def test_prefix_index_round_trips_and_a_smaller_index_keeps_the_most_recent() ->
     assert loaded.state() == saved.state() and len(loaded) == 100
     small = PrefixIndex(10)
     small.load_state(saved.state())
-    assert list(small.state()["blocks"]) == saved.state()["blocks"][-10:]
+    blocks = unpack(saved.state()["blocks"], "<u8", "test")
+    assert unpack(small.state()["blocks"], "<u8", "test") == blocks[-10:] == list(range(299, 289, -1))
     assert small.match(list(range(290, 300))) == 10 and small.match(list(range(280, 290))) == 0
     off = PrefixIndex(0)
     off.load_state(saved.state())
@@ -165,12 +166,13 @@ def test_cost_model_takes_neither_part_when_one_is_refused() -> None:
     assert target.state() == before
 
 
-def _broken(state: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any]:
+def _broken(state: dict[str, Any], changes: dict[tuple[str, ...], Any]) -> dict[str, Any]:
     out = copy.deepcopy(state)
-    node = out
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
+    for path, value in changes.items():
+        node = out
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
     return out
 
 
@@ -201,40 +203,58 @@ CAL_BROKEN = [
     ),
     (["hints", "slots"], [[7, 1, 0, 0.0]], "hint"),
 ]
+
+
+def _tokens(slots: list[int], weights: list[float], counts: list[int]) -> dict[tuple[str, ...], Any]:
+    """Changes that replace the taught tokens whole (their three arrays are of one length)."""
+    return {
+        ("token_slots",): pack(slots, "<i8"),
+        ("token_weights",): pack(weights, "<f8"),
+        ("token_counts",): pack(counts, "<i8"),
+    }
+
+
 CONTENT_BROKEN = [
-    (["dim"], 1024, "dimensions"),
-    (["tokens"], [[1 << 20, 0.1, 1]], "out of range"),
-    (["tokens"], [[3, 0.1, 1], [3, 0.2, 1]], "repeated"),
-    (["tokens"], [[3, math.inf, 1]], "finite"),
-    (["params"], [0.0] * 3, "values"),
-    (["families"], [[1, 1, 0.0]] * 2, "repeated"),
-    (["families"], [["x", 1, 0.0]], "integer"),
-    (["cov"], [1], "samples"),
-    (["taught"], -1, "non-negative"),
-    (["version"], None, "version"),
-]
+    ({("dim",): 1024}, "dimensions"),
+    (_tokens([1 << 20], [0.1], [1]), "out of range"),
+    (_tokens([3, 3], [0.1, 0.2], [1, 1]), "repeated"),
+    (_tokens([3], [0.1], [0]), "untaught"),
+    (_tokens([3], [math.inf], [1]), "finite"),
+    (_tokens([3], [0.1], [-1]), "non-negative"),
+    ({("token_slots",): pack([3, 4], "<i8")}, "values where"),
+    ({("token_weights",): "not base64!"}, "base64"),
+    ({("params",): pack([0.0] * 3, "<f8")}, "values where"),
+    ({("family_keys",): pack([1, 1, 2], "<u8"), ("family_counts",): pack([1, 1, 1], "<i8"),
+      ("family_offsets",): pack([0.0] * 3, "<f8")}, "repeated"),
+    ({("family_keys",): [1, 2, 3]}, "base64 string"),
+    ({("family_offsets",): "AAAA"}, "8-byte"),
+    ({("cov",): [1]}, "samples"),
+    ({("taught",): -1}, "non-negative"),
+    ({("version",): None}, "version"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("kind", "path", "value", "match"),
-    [("calibration", *case) for case in CAL_BROKEN] + [("content", *case) for case in CONTENT_BROKEN],
+    ("kind", "changes", "match"),
+    [("calibration", {tuple(path): value}, match) for path, value, match in CAL_BROKEN]
+    + [("content", changes, match) for changes, match in CONTENT_BROKEN],
 )
 def test_bad_state_is_refused_and_the_learner_stays_as_it_was(
-    kind: str, path: list[Any], value: Any, match: str
+    kind: str, changes: dict[tuple[str, ...], Any], match: str
 ) -> None:
     source, target = _taught(kind, 7, 100), _taught(kind, 8, 40)
     before = target.state()
     with pytest.raises(StateError, match=match):
-        target.load_state(_broken(source.state(), path, value))
+        target.load_state(_broken(source.state(), changes))
     assert target.state() == before
 
 
-@pytest.mark.parametrize("blocks", [[-1], [1 << 64], ["1"], [True], "1,2", None])
-def test_prefix_index_refuses_what_is_not_a_block_hash(blocks: Any) -> None:
+@pytest.mark.parametrize("blocks", [[1, 2], "1,2", "AAAA", None, pack([1.5], "<f8")[:-1]])
+def test_prefix_index_refuses_what_is_not_block_hashes(blocks: Any) -> None:
     index = PrefixIndex(10)
     index.insert([1, 2, 3])
     with pytest.raises(StateError):
         index.load_state({"version": 1, "blocks": blocks})
-    assert index.state()["blocks"] == [3, 2, 1]
+    assert unpack(index.state()["blocks"], "<u8", "test") == [3, 2, 1]
     with pytest.raises(StateError):
         index.load_state(["not", "an", "object"])

@@ -105,13 +105,13 @@ async def test_learned_state_the_policy_refuses_leaves_it_fresh(proxy, fake_back
     _teach(p.app[FORWARDER].policy)
     assert await keeper.save() == "ok"
     doc = json.loads(path.read_text())
-    doc["learned"]["content"]["tokens"] = [[0, "not a number", 1]]
+    doc["learned"]["content"]["token_weights"] = "not base64!"
     path.write_text(json.dumps(doc))
     q, other = await _keeper(proxy, fake_backend, path)
     fresh = q.app[FORWARDER].policy.state()
     with caplog.at_level(logging.WARNING, "specroute.state"):
         assert other.load() == "invalid"
-    assert "the learned state is ignored" in caplog.text and "expected a finite number" in caplog.text
+    assert "the learned state is ignored" in caplog.text and "content model: not base64" in caplog.text
     assert q.app[FORWARDER].policy.state() == fresh
 
 
