@@ -296,8 +296,8 @@ class StateKeeper:
         return result
 
     async def _save(self) -> str:
-        doc = self.snapshot()
         try:
+            doc = self.snapshot()
             data = await asyncio.to_thread(_encode, doc)
             if len(data) > MAX_BYTES:
                 log.warning(
@@ -306,7 +306,7 @@ class StateKeeper:
                 )  # fmt: skip
                 doc["prefixes"] = []
                 data = await asyncio.to_thread(_encode, doc)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OverflowError) as e:  # a learner's state() that is not plain data
             log.error("state file %s: not saved, the state cannot be encoded: %s", self.path, e)
             return "unencodable"
         if len(data) > MAX_BYTES:

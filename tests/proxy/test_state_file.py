@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -18,10 +19,14 @@ from typing import Any
 import aiohttp
 import pytest
 from helpers import BODY, fill_file_system, metric_samples, run_specroute, wait_until
+from pydantic import BaseModel, ConfigDict
 
 from controller.proxy import learned_state
 from controller.proxy.app import ADMIN, FORWARDER, METRICS, SETTINGS, TRACKER
 from controller.proxy.learned_state import StateKeeper, keeper_for
+from policies.base import Decision, LoadView, Outcome, RequestInfo
+from policies.routing import route
+from policies.spec import PolicyContext
 
 BLOCKS = list(range(1000, 1040))
 
@@ -325,3 +330,37 @@ async def test_admin_reload_of_the_running_policy_keeps_it_and_another_starts_fr
     assert {tuple(v for _, v in k): n for k, n in reloads.items() if n} == {
         ("kept", "admin"): 1, ("reset", "admin"): 1,
     }  # fmt: skip
+
+
+class NotPlainState:
+    """Test plugin: a learner whose state is not plain data (NaN)."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    def __init__(self, params: NotPlainState.Params, context: PolicyContext) -> None:
+        self.name = "not_plain"
+        self.rng = random.Random(context.seed)
+
+    def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
+        return route(view, "baseline", "fixed", self.rng, policy=self.name)
+
+    def observe(self, outcome: Outcome) -> None:
+        pass
+
+    def state(self) -> dict[str, Any]:
+        return {"version": 1, "scale": math.nan}
+
+    def load_state(self, state: Any) -> None:
+        pass
+
+
+async def test_a_state_that_cannot_be_encoded_is_not_saved(proxy, fake_backend, tmp_path, caplog):
+    path = tmp_path / "state.json"
+    path.write_text("the old file")
+    base = await fake_backend()
+    p = await proxy(baseline=[base.url], policy=f"{__name__}:NotPlainState", state_file=str(path))
+    with caplog.at_level(logging.ERROR, "specroute.state"):
+        assert await _keeper_of(p.app).save() == "unencodable"
+    assert "the state cannot be encoded" in caplog.text
+    assert path.read_text() == "the old file"
