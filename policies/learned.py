@@ -25,9 +25,10 @@ import base64
 import binascii
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class StateError(ValueError):
@@ -97,12 +98,17 @@ Packed = Literal["<f8", "<i8", "<u8"]
 
 def pack(values: Sequence[float] | Sequence[int] | np.ndarray, dtype: Packed) -> str:
     """`values` as one base64 string of `dtype` (ValueError/OverflowError when they do not fit)."""
+    import numpy as np  # here, not at import: calibration imports this module, and a compiled
+    # calibration is loaded where a broken build's imports are undone (simulator/native.py)
+
     return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode("ascii")
 
 
 def unpack(data: object, dtype: Packed, what: str, length: int | None = None) -> list[Any]:
     """The numbers `pack` stored (of `length` when given; floats finite, integers >= 0 for
     "<i8"), as Python floats or ints."""
+    import numpy as np
+
     if not isinstance(data, str):
         raise StateError(f"{what}: expected a base64 string")
     try:
