@@ -35,9 +35,10 @@ import openai
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from controller.proxy.app import create_app, policy_context
+from controller.proxy.app import create_app
 from controller.proxy.config import Settings
-from controller.proxy.forward import RequestRecord
+from controller.proxy.core import policy_context
+from controller.proxy.ticket import RequestRecord
 from policies.features import extract_features
 from policies.profile import Profile, resolve_profile
 from policies.registry import default_registry

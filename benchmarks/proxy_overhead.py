@@ -259,6 +259,7 @@ async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | No
 
 def fingerprint_cost(reps: int) -> None:
     """Print the per-request cost of prefix tracking on a 100k-token chat prompt."""
+    from controller.proxy.config import parse_backend
     from controller.proxy.load import LoadTracker
     from controller.proxy.prefixes import (
         BLOCK_TOKENS,
@@ -279,7 +280,8 @@ def fingerprint_cost(reps: int) -> None:
             {"role": "user", "content": history[240_000:]},
         ]
     }
-    tracker = LoadTracker([f"b{i}=http://127.0.0.1:{i + 1}" for i in range(4)], ["e0=http://127.0.0.1:9"])
+    baseline = [parse_backend(f"b{i}=http://127.0.0.1:{i + 1}", "baseline") for i in range(4)]
+    tracker = LoadTracker(baseline, [parse_backend("e0=http://127.0.0.1:9", "eagle")])
     tracker.track_prefixes({b.name: 1_000_000 for b in tracker})
     blocks = fingerprint(prompt_text(body, "chat"))
     tracker.release(tracker.reserve("b0", 0, blocks))

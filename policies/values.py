@@ -285,6 +285,11 @@ class Outcome:
     """The request was moved to another backend after `decision` (its first backend failed
     before the first byte): `decision.backend_load` is not the load of the backend that served
     it. Such an outcome does not teach (`policies.routing.teaches`)."""
+    client_blocked_s: float = 0.0
+    """Seconds the proxy's relay was blocked writing to a client slower than the stream: part of
+    `duration_s` that is the client's, not the backend's."""
+    sequences: int = 1
+    """Sequences the request asked for (`n`): `completion_tokens` counts them together."""
 
     def __init__(
         self,
@@ -298,6 +303,8 @@ class Outcome:
         accept_length: float | None = None,
         cached_tokens: int | None = None,
         failed_over: bool = False,
+        client_blocked_s: float = 0.0,
+        sequences: int = 1,
     ) -> None:
         # written out: mypyc compiles this one (the dataclass's generated __init__ it does not)
         self.request = request
@@ -310,6 +317,8 @@ class Outcome:
         self.accept_length = accept_length
         self.cached_tokens = cached_tokens
         self.failed_over = failed_over
+        self.client_blocked_s = client_blocked_s
+        self.sequences = sequences
 
     @property
     def forced(self) -> bool:
@@ -318,15 +327,14 @@ class Outcome:
 
     @property
     def decode_tok_s(self) -> float | None:
-        """Per-request decode rate after the first token, or None when unknown."""
-        if (
-            self.status != "ok"
-            or self.ttft_s is None
-            or self.completion_tokens is None
-            or self.completion_tokens < 2
-        ):
+        """Per-sequence decode rate after the first token, or None when unknown. The time the
+        relay was blocked on the client (`client_blocked_s`) is not the backend's."""
+        if self.status != "ok" or self.ttft_s is None or self.completion_tokens is None:
             return None
-        decode_time = self.duration_s - self.ttft_s
+        tokens = self.completion_tokens / self.sequences if self.sequences > 1 else self.completion_tokens
+        if tokens < 2:
+            return None
+        decode_time = self.duration_s - self.ttft_s - self.client_blocked_s
         if decode_time <= 0:
             return None
-        return (self.completion_tokens - 1) / decode_time
+        return (tokens - 1) / decode_time

@@ -52,6 +52,8 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.cli import main, spawn
+from controller.proxy.config import parse_backend
+from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.routing import Router
@@ -367,3 +369,10 @@ def fill_file_system(path: Path, leave: int) -> None:
         except OSError as e:
             assert e.errno == errno.ENOSPC
         f.truncate(max(0, f.tell() - leave))
+
+
+def make_tracker(baseline: Sequence[str], eagle: Sequence[str], **kw: Any) -> LoadTracker:
+    """A `LoadTracker` of backends written as `URL` or `NAME=URL`, as the settings take them."""
+    return LoadTracker(
+        [parse_backend(b, "baseline") for b in baseline], [parse_backend(e, "eagle") for e in eagle], **kw
+    )

@@ -8,7 +8,8 @@ import gc
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -25,7 +26,7 @@ from policies.registry import PolicyRegistry, default_registry
 from policies.spec import PolicyContext, PolicyError
 
 if TYPE_CHECKING:
-    from controller.cli.driven_clock import DrivenClock
+    from aiohttp import web
 
 log = logging.getLogger("specroute")
 
@@ -111,7 +112,7 @@ def configure_check_config(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace) -> tuple[Settings, PolicyRegistry, PolicyContext, Policy]:
-    from controller.proxy.app import policy_context
+    from controller.proxy.core import policy_context
 
     settings = load_settings(cli_settings(args), os.environ, args.config)
     settings.require_backends()
@@ -157,7 +158,17 @@ def raise_open_files_limit() -> None:
         log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, e)
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(
+    args: argparse.Namespace,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    routes: Sequence[web.RouteDef] = (),
+) -> int:
+    """`specroute serve`. `clock` is the app's (every deadline reads it) and `sleep` a sleep on it
+    (the reload's settle intervals, the shutdown's grace); `routes` are added to the app. The
+    command runs on the loop's clock with no route added; a test gives its own
+    (`tests/driven_serve.py`)."""
     early_reload = EarlyReload.install()  # `main` installed it already when it ran `serve`
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
@@ -173,7 +184,10 @@ def run_serve(args: argparse.Namespace) -> int:
     redactor.add(secrets_in_values(dict(settings)))
     raise_open_files_limit()
     try:
-        run_async(_serve(args, settings, registry, context, policy, early_reload, redactor))
+        served = _serve(
+            args, settings, registry, context, policy, early_reload, redactor, clock, sleep, routes
+        )
+        run_async(served)
     except OSError as e:
         raise CommandError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
     return 0
@@ -187,6 +201,9 @@ async def _serve(
     policy: Policy,
     early_reload: EarlyReload,
     redactor: Redactor,
+    clock: Callable[[], float],
+    sleep: Callable[[float], Awaitable[None]],
+    routes: Sequence[web.RouteDef],
 ) -> None:
     from aiohttp import web
 
@@ -202,18 +219,11 @@ async def _serve(
     )
     from controller.proxy.learned_state import keeper_for
 
-    clock = _driven_clock(settings)
-    # The reload's settle intervals and the shutdown's grace sleep on the app's clock too.
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep if clock is None else clock.sleep
-    if clock is None:
-        app = create_app(settings, policy, registry=registry, context=context)
-    else:
-        app = create_app(settings, policy, registry=registry, context=context, clock=clock)
-        app.router.add_post(clock.PATH, clock.handle)
+    app = create_app(settings, policy, registry=registry, context=context, clock=clock)
+    app.router.add_routes(routes)
     keeper = None
     if settings.state_file:
         keeper = keeper_for(settings, app[ADMIN], app[TRACKER], app[METRICS].registry)
-    if keeper is not None:
         keeper.load()  # before the listener opens: the first request meets what was learned
     # `drain` below does the waiting; aiohttp's own shutdown then has only idle connections left.
     runner = make_runner(app, shutdown_timeout=0.5)
@@ -292,30 +302,14 @@ def _reopen_logs(app: Any) -> None:
     reopen_decision_log(app)
 
 
-def _driven_clock(settings: Settings) -> DrivenClock | None:
-    """The test-only clock when `SPECROUTE_TEST_CLOCK` asks for it (see `driven_clock`)."""
-    from controller.cli import driven_clock
-
-    if not driven_clock.wanted(os.environ):
-        return None
-    if not driven_clock.loopback(settings.host):
-        raise CommandError(f"{driven_clock.ENV} is for tests only: refused on host {settings.host}")
-    log.warning(
-        "%s is set: this process runs on a clock any client can move (POST %s); tests only",
-        driven_clock.ENV,
-        driven_clock.PATH,
-    )
-    return driven_clock.DrivenClock()
-
-
 async def _grace_period(
     app: Any, stop: asyncio.Event, grace_s: float, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
 ) -> None:
     """`/ready` answers 503 from now on while requests are still served for `grace_s` (see
     `controller.proxy.shutdown`); a second SIGTERM/SIGINT ends the wait early. The wait is
-    `sleep(grace_s)` raced against the second signal: `asyncio.sleep`, or on a driven clock
-    (`controller.cli.driven_clock`) its own sleep, so a test moves the grace past (the listener
-    is still open then) instead of waiting for it."""
+    `sleep(grace_s)` raced against the second signal: `asyncio.sleep`, or a sleep on the app's
+    clock a test gave (`run_serve`), so the test moves the grace past (the listener is still
+    open then) instead of waiting for it."""
     from controller.proxy.shutdown import SHUTDOWN
 
     app[SHUTDOWN].begin()
@@ -354,7 +348,7 @@ def run_policies(args: argparse.Namespace) -> int:
 
 
 def run_check_config(args: argparse.Namespace) -> int:
-    from controller.proxy.app import policy_context
+    from controller.proxy.core import policy_context
     from controller.proxy.shadow import build_shadows
 
     try:

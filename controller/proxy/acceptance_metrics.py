@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from controller.proxy.forward import RequestRecord
+from controller.proxy.ticket import RequestRecord
 from policies.base import Outcome, Policy
 from policies.content import ContentAcceptance
 

@@ -126,7 +126,7 @@ class Capacity:
         loop = asyncio.get_running_loop()
         started = self.clock()
         deadline = started + self.wait_s
-        poll = poll_s(self.clock)  # a clock not the loop's (a test's) is read every POLL_S
+        poll = poll_s(self.clock)  # a clock whose time may jump (a test's) is read this often
         waiter = _Waiter(frozenset(POOLS if forced is None else (forced,)))
         self._waiters.append(waiter)
         self.metrics.waits.inc()

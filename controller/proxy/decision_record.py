@@ -41,7 +41,7 @@ from typing import Any
 
 from controller.proxy.acceptance_metrics import reported_factor
 from controller.proxy.decision_log import DecisionLog
-from controller.proxy.forward import RequestRecord, believed_cached
+from controller.proxy.ticket import RequestRecord, believed_cached_on
 from policies.base import Decision, LoadView, PoolLoad
 
 
@@ -109,7 +109,7 @@ def decision_record(item: tuple[RequestRecord, float]) -> dict[str, Any]:
         "predicted_e2e_s": _times(r.chosen.predicted_e2e_s),
         "ttft_s": None if out.ttft_s is None else round(out.ttft_s, 6),
         "completion_tokens": out.completion_tokens,
-        "believed_cached_tokens": believed_cached(r.view, d),
+        "believed_cached_tokens": believed_cached_on(r.view, d),
         "cached_tokens": out.cached_tokens,
         "duration_s": round(out.duration_s, 6),
         "status": out.status,

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from controller.proxy.config import BackendSpec, parse_backend
+from controller.proxy.config import BackendSpec
 from policies.base import POOLS, LoadView, Pool
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.view import STALE_AFTER_S, backend_load, believed_cached, dispatched, load_view
@@ -99,23 +99,22 @@ class LoadTracker:
 
     def __init__(
         self,
-        baseline: Iterable[BackendSpec | str],
-        eagle: Iterable[BackendSpec | str],
+        baseline: Iterable[BackendSpec],
+        eagle: Iterable[BackendSpec],
         *,
         stale_after_s: float = STALE_AFTER_S,
         panic: bool = True,
         replicas: float = 1.0,
     ) -> None:
-        """`baseline`, `eagle`: the backends of each pool, as parsed by `Settings` (or as text,
-        `URL` or `NAME=URL`, which tests and benchmarks find handier)."""
+        """`baseline`, `eagle`: the backends of each pool, as parsed by `Settings`
+        (`config.parse_backend`)."""
         self.backends: dict[str, BackendState] = {}
-        pools: tuple[tuple[Pool, Iterable[BackendSpec | str]], ...] = (
+        pools: tuple[tuple[Pool, Iterable[BackendSpec]], ...] = (
             ("baseline", baseline),
             ("eagle", eagle),
         )
         for pool, entries in pools:
-            for entry in entries:
-                spec = parse_backend(entry, pool) if isinstance(entry, str) else entry
+            for spec in entries:
                 if spec.pool != pool:
                     raise ValueError(f"backend {spec.name} of pool {spec.pool} given as a {pool} backend")
                 if spec.name in self.backends:

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
-from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
@@ -78,10 +77,9 @@ class BackendAnswered(BackendFailed):
         super().__init__(message)
         self.backend_status = backend_status
 
-    def response(self) -> web.Response:
-        resp = super().response()
-        resp.set_status(self.backend_status)
-        return resp
+    @property
+    def http_status(self) -> int:
+        return self.backend_status
 
 
 class UpstreamFailure(Exception):
@@ -109,6 +107,16 @@ class Upstream:
     pieces: list[bytes] = field(default_factory=list)
     """A first event larger than `PIECE`: its bytes before `head` as they were read, relayed
     about `PIECE` bytes per turn of the event loop (`FirstEvent.pieces`)."""
+
+    def close(self, read_to_end: bool) -> None:
+        """Done with the answer: its connection goes back to the pool when the answer was read
+        to its end, else it is closed, so the backend sees the disconnect and aborts the
+        generation. The one place a committed answer's response ends (`open_upstream` closes
+        those it does not return)."""
+        if read_to_end:
+            self.resp.release()
+        else:
+            self.resp.close()
 
 
 _CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found"}

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from controller.proxy.forward import estimate_prompt_tokens
+from controller.proxy.request import estimate_prompt_tokens
 from policies.features import (
     HEAD_CHARS,
     MAX_GRAMS,

@@ -8,13 +8,11 @@ import random
 import aiohttp
 import pytest
 from helpers import KIMI
-from prometheus_client import CollectorRegistry
 
 from controller.proxy.config import Settings
+from controller.proxy.core import build_core
 from controller.proxy.errors import NoBackendAvailable, SpecrouteError
-from controller.proxy.forward import Forwarder
-from controller.proxy.load import LoadTracker
-from controller.proxy.metrics import Metrics
+from controller.proxy.ticket import Tickets
 from policies.base import (
     BackendLoad,
     Decision,
@@ -153,15 +151,11 @@ def test_failover_same_pool_first_then_the_other_unless_forced() -> None:
         router.failover(v, "nope", set(), forced=False)
 
 
-def _forwarder(policy: object, seed: int) -> Forwarder:
-    """The proxy's request router; it decides on the `LoadView` it is given (the backends' names
-    come from the view, so any view can be replayed)."""
+def _tickets(policy: object, seed: int) -> Tickets:
+    """The proxy's request path; its `decide` decides on the `LoadView` it is given (the backends'
+    names come from the view, so any view can be replayed)."""
     settings = Settings(baseline=["http://b0:1"], eagle=["http://e0:1"], policy="fixed", seed=seed)
-    tracker = LoadTracker(settings.baseline, settings.eagle)
-    registry = CollectorRegistry()
-    return Forwarder(
-        settings, policy, tracker, Metrics(registry, tracker, clock=lambda: 0.0), clock=lambda: 0.0
-    )  # type: ignore[arg-type]
+    return build_core(settings, policy, clock=lambda: 0.0, shadows=()).tickets  # type: ignore[arg-type]
 
 
 def test_the_proxy_decides_exactly_as_the_core_including_its_errors() -> None:
@@ -170,7 +164,7 @@ def test_the_proxy_decides_exactly_as_the_core_including_its_errors() -> None:
     registry = default_registry(entry_points=False)
     proxy_policy = registry.create("online", {"epsilon": 0.3}, PolicyContext(KIMI, 4))
     core_policy = registry.create("online", {"epsilon": 0.3}, PolicyContext(KIMI, 4))
-    fwd, core = _forwarder(proxy_policy, 9), Router(9)
+    fwd, core = _tickets(proxy_policy, 9), Router(9)
     outcomes = 0
     for i in range(400):
         pools = [
@@ -206,7 +200,7 @@ def test_a_policy_that_fails_is_a_500_in_the_proxy_and_an_invalid_choice_is_name
         def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
             raise RuntimeError("bug")
 
-    fwd = _forwarder(Broken(), 0)
+    fwd = _tickets(Broken(), 0)
     v = view([("http://b0:1", 0, True)], [("http://e0:1", 0, True)])
     with pytest.raises(SpecrouteError, match="routing policy 'refuses' failed"):
         fwd.decide(fwd.policy, RequestInfo(), v, 0.0)
@@ -243,7 +237,7 @@ def test_the_simulator_and_the_proxy_route_the_same_inputs_identically(policy: s
     raw = simulate(servers, recorder, generate(spec, 1)[0].batch, seed=11)
     simulated = [servers[i].name for i in raw.server]
 
-    fwd = _forwarder(registry.create(policy, params, PolicyContext(KIMI, 7)), 11)
+    fwd = _tickets(registry.create(policy, params, PolicyContext(KIMI, 7)), 11)
     replayed: list[str] = []
     for kind, call in recorder.calls:
         if kind == "choose":

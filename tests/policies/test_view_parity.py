@@ -12,8 +12,9 @@ import dataclasses
 from typing import Any
 
 import pytest
+from helpers import make_tracker
 
-from controller.proxy.load import LoadTracker, Reservation
+from controller.proxy.load import Reservation
 from policies.base import BackendLoad, Decision, LoadView, Outcome, RequestInfo
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.view import STALE_AFTER_S, backend_load, believed_cached, dispatched, true_load
@@ -48,7 +49,7 @@ class Both:
     driven by the same events."""
 
     def __init__(self, replicas: float) -> None:
-        self.live = LoadTracker(
+        self.live = make_tracker(
             ["b0=http://127.0.0.1:1", "b1=http://127.0.0.1:2"],
             ["e0=http://127.0.0.1:3"],
             stale_after_s=STALE_AFTER_S,
@@ -144,7 +145,7 @@ def test_the_perfect_view_is_the_builder_s_fresh_sample() -> None:
 
 
 def test_a_full_backend_is_healthy_but_does_not_admit() -> None:
-    tracker = LoadTracker(["b0=http://127.0.0.1:1"], ["e0=http://127.0.0.1:2"])
+    tracker = make_tracker(["b0=http://127.0.0.1:1"], ["e0=http://127.0.0.1:2"])
     tracker.set_bounds({"b0": 1, "e0": None}, {"baseline": None, "eagle": None})
     tracker.reserve("b0")
     b0 = tracker.view(0.0).baseline.backends[0]

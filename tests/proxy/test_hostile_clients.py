@@ -14,12 +14,10 @@ import time
 import aiohttp
 import openai
 import pytest
-from fakes import ShiftedClock
+from fakes import POLL_S, ShiftedClock
 from helpers import BODY, assert_openai_error, port_of, raw_exchange, raw_post, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from controller.proxy.watchdog import POLL_S
 
 
 async def _health_ms(url: str) -> float:

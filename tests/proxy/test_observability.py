@@ -17,13 +17,13 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from helpers import run_command, run_specroute, wait_until
+from helpers import make_tracker, run_command, run_specroute, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.proxy.app import FORWARDER, SCRAPER, policy_context
+from controller.proxy.app import FORWARDER, SCRAPER
 from controller.proxy.config import Settings
+from controller.proxy.core import policy_context
 from controller.proxy.decision_log import DecisionLog
-from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.registry import default_registry
 
@@ -250,7 +250,7 @@ async def test_stale_sample_is_ignored(fake_backend, proxy):
 
 
 def test_sample_is_combined_with_this_replicas_traffic_since_it_was_taken():
-    t = LoadTracker(["http://b:1"], ["http://e:1"], stale_after_s=5.0)
+    t = make_tracker(["http://b:1"], ["http://e:1"], stale_after_s=5.0)
     e = "http://e:1"
     mine = [t.reserve(e) for _ in range(2)]
     # The backend reports 6 running + 3 queued, our 2 included (others sent the remaining 7).

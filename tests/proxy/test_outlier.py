@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import aiohttp
 import openai
-from helpers import BODY, wait_until
+from helpers import BODY, make_tracker, wait_until
 
 from controller.proxy.load import LoadTracker
 from controller.proxy.outlier import OutlierDetector
 
 
 def _detector(baseline: int = 1, eagle: int = 1, **kw: float) -> tuple[LoadTracker, OutlierDetector]:
-    tracker = LoadTracker(
+    tracker = make_tracker(
         [f"b{i}=http://10.0.0.{i}:1" for i in range(baseline)],
         [f"e{i}=http://10.0.1.{i}:1" for i in range(eagle)],
     )

@@ -8,10 +8,8 @@ import json
 import aiohttp
 import openai
 from aiohttp import web
-from fakes import SSE_DONE, ShiftedClock, closed_port_url, sse, stream_chunk
+from fakes import POLL_S, SSE_DONE, ShiftedClock, closed_port_url, sse, stream_chunk
 from helpers import BODY, CHAT, wait_until
-
-from controller.proxy.watchdog import POLL_S
 
 
 async def test_dead_backend_is_skipped_without_client_visible_error(fake_backend, proxy):

@@ -3,10 +3,9 @@ exact, and the LoadView reports them (with scraped samples only while fresh)."""
 
 from __future__ import annotations
 
+from helpers import make_tracker
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from controller.proxy.load import LoadTracker
 
 URLS = ["http://b1:1", "http://b2:1", "http://e1:1"]
 
@@ -22,7 +21,7 @@ OPS = st.tuples(
 @settings(max_examples=200, deadline=None)
 @given(st.lists(OPS, max_size=80))
 def test_counts_are_exact_under_any_interleaving(ops):
-    t = LoadTracker(URLS[:2], URLS[2:])
+    t = make_tracker(URLS[:2], URLS[2:])
     live = []  # (reservation, current backend name, tokens)
     released = []
     for op, target, idx, tokens in ops:
@@ -49,7 +48,7 @@ def test_counts_are_exact_under_any_interleaving(ops):
 
 
 def test_view_reports_load_health_and_fresh_samples_only():
-    t = LoadTracker(URLS[:2], URLS[2:], stale_after_s=5.0)
+    t = make_tracker(URLS[:2], URLS[2:], stale_after_s=5.0)
     t.reserve(URLS[0], 10)
     t.reserve(URLS[2], 3)
     t.set_healthy(URLS[1], False)
