@@ -41,7 +41,10 @@ def test_what_is_assumed_is_named() -> None:
     assert kimi.steps == 3 and kimi.assumed == ("speculative_num_steps 3",)
     assert chain_accept_length(kimi.alpha, 3) == pytest.approx(2.4)  # the profile's accept length
     llama = DepthModel.of(LLAMA.mode("eagle"))
-    assert llama.alpha == 0.7 and llama.assumed == ("speculative_num_steps 3", "accept_length 2.53")
+    assert llama.assumed == ("speculative_num_steps 3",)
+    assert chain_accept_length(llama.alpha, 3) == pytest.approx(2.77)  # the profile's accept length
+    silent = DepthModel.of(KIMI.mode("eagle").model_copy(update={"accept_length": None}))
+    assert silent.alpha == 0.7 and silent.assumed == ("speculative_num_steps 3", "accept_length 2.53")
     told = DepthModel.of(KIMI.mode("eagle").model_copy(update={"speculative_num_steps": 5}))
     assert told.steps == 5 and told.assumed == ()
 
