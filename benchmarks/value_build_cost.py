@@ -34,7 +34,7 @@ def _backend_load_derived(self: Any) -> None:
         scraped = running + queued if queued else running
         load = scraped if scraped > in_flight else in_flight
     object.__setattr__(self, "load", load)
-    object.__setattr__(self, "admits", self.healthy and not self.full)
+    object.__setattr__(self, "admits", self.usable and not self.full)
 
 
 DERIVED = {"BackendLoad": _backend_load_derived}

@@ -61,7 +61,7 @@ def view(baseline: list[tuple[str, int, bool]], eagle: list[tuple[str, int, bool
     """Backends as (name, in-flight, healthy) per pool."""
 
     def pool(name: Pool, backends: list[tuple[str, int, bool]]) -> PoolLoad:
-        return PoolLoad(name, tuple(BackendLoad(n, name, healthy=ok, in_flight=k) for n, k, ok in backends))
+        return PoolLoad(name, tuple(BackendLoad(n, name, usable=ok, in_flight=k) for n, k, ok in backends))
 
     return LoadView(pool("baseline", baseline), pool("eagle", eagle))
 
@@ -108,7 +108,7 @@ def test_backend_within_a_pool_least_load_with_a_seeded_tie_break() -> None:
             (
                 BackendLoad("b0", "baseline", in_flight=0, running=6, queued=1),
                 BackendLoad("b1", "baseline", in_flight=2),
-                BackendLoad("b2", "baseline", in_flight=0, healthy=False),
+                BackendLoad("b2", "baseline", in_flight=0, usable=False),
             ),
         ),
         PoolLoad("eagle", ()),
@@ -170,7 +170,7 @@ def test_the_proxy_decides_exactly_as_the_core_including_its_errors() -> None:
         pools = [
             PoolLoad(
                 p,
-                tuple(BackendLoad(u, p, healthy=rng.random() > 0.2, in_flight=rng.randrange(4)) for u in us),
+                tuple(BackendLoad(u, p, usable=rng.random() > 0.2, in_flight=rng.randrange(4)) for u in us),
             )  # type: ignore[arg-type]
             for p, us in zip(("baseline", "eagle"), names, strict=True)
         ]
