@@ -236,8 +236,11 @@ class BackendScraper:
         headers: Mapping[str, str] | None = None,
         recheck_every: int = 60,
         engine: EngineSetting = "auto",
+        budget_s: float = SCRAPE_BUDGET_S,
     ) -> None:
         self.url = url.rstrip("/")
+        self.budget_s = budget_s
+        """CPU seconds one `/metrics` answer may take to filter (`read_metric_lines`)."""
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = dict(headers or {})
         self.recheck_every = recheck_every
@@ -267,7 +270,7 @@ class BackendScraper:
             if resp.status != 200:
                 return None
             try:
-                text, prefixes = await read_metric_lines(resp)
+                text, prefixes = await read_metric_lines(resp, budget_s=self.budget_s)
             except (ResponseTooLarge, ScrapeBudgetExceeded) as e:
                 log.debug("metrics of %s not read: %s", self.url, e)
                 return None

@@ -236,4 +236,7 @@ async def test_10000_requests_with_20_percent_vanishing_leave_nothing_running(st
     for labels, value in closed.items():
         status = dict(labels)["status"]
         by_status[status] = by_status.get(status, 0) + value
-    assert by_status == {"ok": n - vanished, "client_closed": vanished}
+    # A vanishing client is counted client_closed, unless the whole answer had gone out before the
+    # proxy saw it leave (a loaded machine's late wake-ups can put a long answer in a few events).
+    assert set(by_status) == {"ok", "client_closed"} and sum(by_status.values()) == n
+    assert by_status["ok"] >= n - vanished and 0 < by_status["client_closed"] <= vanished
