@@ -368,7 +368,8 @@ def features_cost(reps: int) -> None:
             out.append((time.perf_counter() - t0) * 1e6)
         return out
 
-    chars = sum(len(m["content"]) for m in small["messages"])  # type: ignore[arg-type]
+    messages: list[dict[str, str]] = small["messages"]  # type: ignore[assignment]
+    chars = sum(len(m["content"]) for m in messages)
     feats = extract_features(small, "chat")
     rows = [
         (f"features, {chars:,}-char chat", timed_us(lambda: extract_features(small, "chat"))),

@@ -54,8 +54,8 @@ from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.params import parse_policy_ref
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, PolicyRegistry, default_registry
+from simulator.engine.deployment import build_deployment, parse_deployment
 from simulator.engine.loop import simulate
-from simulator.engine.servers import build_deployment, parse_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
 TARGET = 200_000.0

@@ -75,7 +75,8 @@ def run_plan(argv: list[str]) -> dict[str, Any]:
     )
     if proc.returncode != 0:
         raise SystemExit(f"{shlex.join(argv)} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
 
 
 def entry(ranking: list[dict[str, Any]], deployment: dict[str, int]) -> dict[str, Any] | None:

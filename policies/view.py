@@ -1,7 +1,7 @@
 """The view builder: from what is known of each backend to the `LoadView` a policy sees.
 
 One pure builder for the proxy (`controller.proxy.load.LoadTracker.view`) and every simulated
-router (`simulator.engine.routers`, `simulator.engine.dispatch`), so a rule that shapes what a
+router (`simulator.engine.replica_views`, `simulator.engine.dispatch`), so a rule that shapes what a
 policy sees cannot differ between them:
 
 - **Load.** A backend's load is the larger of this replica's in-flight count and the scraped

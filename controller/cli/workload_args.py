@@ -11,9 +11,9 @@ from typing import Any
 from controller.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
 from policies.profile import Profile, ProfileError
 from policies.spec import PolicyError
+from simulator.engine.deployment import DEFAULT_ADAPTIVE_BUCKETS, DeploymentError, parse_buckets
 from simulator.engine.loop import SimulationError
 from simulator.engine.report import ReportError
-from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, DeploymentError, parse_buckets
 from simulator.engine.traces import TRACE_FORMATS, TraceError
 from simulator.engine.workloads import (
     DEFAULT_LEVELS,

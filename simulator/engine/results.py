@@ -199,7 +199,7 @@ class RunResult:
     levels: list[dict[str, Any]] | None
     samples: list[Samples]
     views: dict[str, Any] | None = None
-    """Several routers or a scraped view (`simulator.engine.routers`): the setup and how often
+    """Several routers or a scraped view (`simulator.engine.replica_views`): the setup and how often
     the routers' views disagreed; None for one router with the perfect view."""
 
     def to_json(self) -> dict[str, Any]:

@@ -50,3 +50,8 @@ def test_mypy_config_covers_the_strict_packages() -> None:
     """A bare `mypy` (pyproject's config) checks the same packages as the test above."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]
     assert config["strict"] is True and sorted(config["packages"]) == STRICT
+
+
+def test_mypy_strict_on_the_benchmarks() -> None:
+    proc = _run([sys.executable, "-m", "mypy", "--strict", "benchmarks"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -26,8 +26,8 @@ from policies.base import (
 )
 from policies.registry import PolicyContext, default_registry
 from policies.routing import Router, least_loaded_index, pick_backend
+from simulator.engine.deployment import build_deployment
 from simulator.engine.loop import simulate
-from simulator.engine.servers import build_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
 

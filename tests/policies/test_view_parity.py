@@ -18,7 +18,7 @@ from controller.proxy.load import Reservation
 from policies.base import BackendLoad, Decision, LoadView, Outcome, RequestInfo
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.view import STALE_AFTER_S, backend_load, believed_cached, dispatched, true_load
-from simulator.engine.routers import RouterGroup, Routers, RouterSetup
+from simulator.engine.replica_views import RouterGroup, Routers, RouterSetup
 
 SERVERS = [("b0", "baseline", None), ("b1", "baseline", None), ("e0", "eagle", 3.2)]
 CAPACITY = 8 * DEFAULT_BLOCK_TOKENS

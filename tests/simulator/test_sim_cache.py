@@ -20,9 +20,9 @@ from policies.profile import Profile, parse_profile
 from policies.registry import PolicyContext, default_registry
 from policies.routing import pool_decision
 from simulator.engine.cache import BlockCache
+from simulator.engine.deployment import build_deployment, parse_deployment
 from simulator.engine.loop import RequestBatch, simulate
 from simulator.engine.results import samples, summarize
-from simulator.engine.servers import build_deployment, parse_deployment
 from simulator.engine.traces import TraceError, detect_format, read_trace
 from simulator.engine.workloads import LengthSpec, WorkloadError, WorkloadSpec, generate
 

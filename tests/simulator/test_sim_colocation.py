@@ -13,10 +13,10 @@ from controller.cli import main
 from policies.profile import ProfileError, load_profile, parse_profile
 from policies.together import describe, slowdowns, together_mode
 from simulator.engine.colocation import ColocatedServer, pairs, server_types
+from simulator.engine.deployment import build_deployment, parse_deployment, server_profile
 from simulator.engine.loop import RequestBatch, simulate
 from simulator.engine.oracle import best_static_split
 from simulator.engine.server import Server
-from simulator.engine.servers import build_deployment, parse_deployment, server_profile
 
 
 def mode(
