@@ -54,9 +54,13 @@ from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.params import parse_policy_ref
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, PolicyRegistry, default_registry
-from simulator.engine.deployment import build_deployment, parse_deployment
 from simulator.engine.loop import simulate
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
+
+try:
+    from simulator.engine.deployment import build_deployment, parse_deployment
+except ImportError:  # an --against tree from before the module's rename (it was `servers`)
+    from simulator.engine.servers import build_deployment, parse_deployment  # type: ignore[import-not-found, no-redef]
 
 TARGET = 200_000.0
 

@@ -195,9 +195,9 @@ class CostModelPolicy:
                 # never below zero TTFT, before (occupied) or after this request joins
                 at = occupied if cap is None or occupied < cap else cap
                 prefill_s = -min(cached / self._credit_rate, model.ttft_s(at))
-        # SpeedModel.predict_system_s inlined (the hot path: two calls per decision; a call alone
-        # costs more than this whole prediction, 1.1-1.6 against 0.9-1.0 us): the same operations
-        # in the same order (tests/policies/test_cost_model_inlined.py holds them equal)
+        # SpeedModel.predict_system_s inlined (the hot path: two calls per decision, and the call
+        # alone would cost more than the prediction): the same operations in the same order
+        # (tests/policies/test_cost_model_inlined.py holds them equal)
         m = (n if n > 1 else 1) - 1
         decode_scale = own * speed
         if prefill_s is None:

@@ -44,6 +44,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from openai.types.chat import ChatCompletionMessageParam
 
 from controller.bench.server_state import Labels, metric_values, sglang_load
 from controller.cli import main, spawn
@@ -55,10 +56,10 @@ from policies.routing import Router
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CHAT: list[dict[str, str]] = [{"role": "user", "content": "hello"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 BODY: dict[str, Any] = {"model": "m", "messages": CHAT, "stream": True}
 WHOLE_BODY: dict[str, Any] = {"model": "m", "messages": CHAT}
-FRANCE: list[dict[str, str]] = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 KIMI = resolve_profile("kimi-k25-int4-8gpu")  # prefill 8000 (baseline) / 7600 (eagle) tok/s
 
 

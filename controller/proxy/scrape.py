@@ -86,9 +86,8 @@ wanted name without one."""
 
 def _lines_starting(data: bytes, mark: bytes) -> Iterator[bytes]:
     """The lines of `data` (whole lines) that start with `mark`, found by `bytes.find` (a `memchr`
-    scan): a large answer of other samples costs no Python step per line (8 MB of them: a Python
-    loop over their 200k lines took ~0.1 s, the whole filtering budget, in a process with a large
-    heap; a MULTILINE regex, ~8 ns a byte)."""
+    scan): a large answer of other samples costs no Python step per line (a Python loop over the
+    lines of a large answer would spend the whole filtering budget, and a MULTILINE regex more)."""
     at = 0 if data.startswith(mark) else -1
     if at < 0 and (found := data.find(b"\n" + mark)) >= 0:
         at = found + 1

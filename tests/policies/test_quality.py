@@ -55,3 +55,24 @@ def test_mypy_config_covers_the_strict_packages() -> None:
 def test_mypy_strict_on_the_benchmarks() -> None:
     proc = _run([sys.executable, "-m", "mypy", "--strict", "benchmarks"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_mypy_on_the_tests(tmp_path: Path) -> None:
+    """The tests type-check at mypy's default level (what is annotated is checked: the fakes, the
+    helpers, the fixtures, the annotated tests). They import their helpers as top-level modules
+    (`from helpers import ...`), so they are checked from tests/ with the packages beside them
+    through links, not from the checkout's root, where `tests/helpers.py` would be two modules."""
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    for name in STRICT:
+        (packages / name).symlink_to(ROOT / name, target_is_directory=True)
+    config = tmp_path / "mypy.ini"
+    config.write_text(
+        f"[mypy]\npython_version = 3.11\nexplicit_package_bases = True\n"
+        f"mypy_path = {packages}:{ROOT / 'tests' / 'deploy'}\ncache_dir = {tmp_path / 'cache'}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(config), "."],
+        cwd=ROOT / "tests", capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -141,12 +141,12 @@ async def _stream(session: aiohttp.ClientSession, url: str, vanish_after: int | 
             raw = await r.read()
     except (aiohttp.ClientError, TimeoutError) as e:
         return Result(False, None, f"{type(e).__name__}: {e}")
-    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
+    events = [event.removeprefix(b"data: ") for event in raw.split(b"\n\n") if event]
     if not events or events[-1] != b"[DONE]":
         return Result(False, None, f"no [DONE] at the end: {raw[-200:]!r}")
     usage = None
-    for e in events[:-1]:
-        obj = json.loads(e)
+    for event in events[:-1]:
+        obj = json.loads(event)
         if "error" in obj:
             return Result(False, None, f"error event: {obj['error']}")
         if obj.get("usage"):
