@@ -224,11 +224,35 @@ async def _run(e: Emulator, samples: list[Sample], answer: Answer) -> web.Stream
                 e.engine.abort(s.req.rid)  # client gone or connection dropped: free the slot now
 
 
-class _OpenAIAnswer:
-    """The answer of an OpenAI route to one admitted request: streamed or whole."""
+class _Answer:
+    """The answer to one generation request: admitted (or refused), then streamed or whole."""
 
-    def __init__(self, request: web.Request, e: Emulator, g: GenRequest, samples: list[Sample]) -> None:
-        self.request, self.e, self.g, self.samples = request, e, g, samples
+    def __init__(self, request: web.Request, e: Emulator, g: GenRequest) -> None:
+        self.request, self.e, self.g = request, e, g
+        self.samples: list[Sample] = []
+
+    async def respond(self) -> web.StreamResponse:
+        samples = await _admit(self.request, self.e, self.g, self.queue_full)
+        if not isinstance(samples, list):
+            return samples
+        self.samples = samples
+        return await _run(self.e, samples, self.streamed if self.g.stream else self.whole)
+
+    async def queue_full(self) -> web.StreamResponse:
+        raise NotImplementedError
+
+    async def streamed(self) -> web.StreamResponse:
+        raise NotImplementedError
+
+    async def whole(self) -> web.StreamResponse:
+        raise NotImplementedError
+
+
+class _OpenAIAnswer(_Answer):
+    """The answer of an OpenAI route."""
+
+    def __init__(self, request: web.Request, e: Emulator, g: GenRequest) -> None:
+        super().__init__(request, e, g)
         self.details = g.spec_details and e.config.mode == "eagle"
 
     async def queue_full(self) -> web.StreamResponse:
@@ -281,12 +305,7 @@ async def _openai(request: web.Request, kind: Kind) -> web.StreamResponse:
     too_long = context_error(g, e.config.max_model_len)
     if too_long is not None:
         return error_response(400, too_long)
-    answer = _OpenAIAnswer(request, e, g, [])
-    samples = await _admit(request, e, g, answer.queue_full)
-    if not isinstance(samples, list):
-        return samples
-    answer.samples = samples
-    return await _run(e, samples, answer.streamed if g.stream else answer.whole)
+    return await _OpenAIAnswer(request, e, g).respond()
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -297,11 +316,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _openai(request, "completions")
 
 
-class _NativeAnswer:
-    """The answer of `/generate` to one admitted request: streamed or whole."""
+class _NativeAnswer(_Answer):
+    """The answer of `/generate`."""
 
-    def __init__(self, request: web.Request, e: Emulator, g: GenRequest, samples: list[Sample]) -> None:
-        self.request, self.e, self.g, self.samples = request, e, g, samples
+    def __init__(self, request: web.Request, e: Emulator, g: GenRequest) -> None:
+        super().__init__(request, e, g)
         self.loop = asyncio.get_running_loop()
 
     async def queue_full(self) -> web.StreamResponse:
@@ -355,12 +374,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     too_long = context_error(g, e.config.max_model_len)
     if too_long is not None:
         return await refuse(too_long)
-    answer = _NativeAnswer(request, e, g, [])
-    samples = await _admit(request, e, g, answer.queue_full)
-    if not isinstance(samples, list):
-        return samples
-    answer.samples = samples
-    return await _run(e, samples, answer.streamed if g.stream else answer.whole)
+    return await _NativeAnswer(request, e, g).respond()
 
 
 # -- what the server says of itself ---------------------------------------------------------
