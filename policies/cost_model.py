@@ -172,6 +172,9 @@ class CostModelPolicy:
             accept, profiled = backend.accept_length, self._profile_accept
             if self._scraped_accept and accept is not None and profiled is not None:
                 own *= accept / profiled
+            drafts = model.speculating  # an adaptive server: acceptance matters where it drafts
+            if drafts is not None and not drafts[batch if batch < _TABLE_SIZE else -1]:
+                own = 1.0
         prefill_s: float | None = None
         wait = imposed = 0.0
         if self._prefix_aware:

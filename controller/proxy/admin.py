@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -35,21 +36,35 @@ _RELOADABLE = frozenset({"policy", "policy_params", "profile", "seed"})
 
 
 class PolicyAdmin:
-    def __init__(self, fwd: Forwarder, registry: PolicyRegistry, context: PolicyContext) -> None:
+    def __init__(
+        self,
+        fwd: Forwarder,
+        registry: PolicyRegistry,
+        context: PolicyContext,
+        adapt: Callable[[PolicyContext], PolicyContext] = lambda context: context,
+    ) -> None:
         self.fwd = fwd
         self.registry = registry
         self.context = context
+        self.adapt = adapt
+        """What a policy is built from, given the settings' context (`controller.proxy.adaptive`:
+        the eagle pool's in-engine ladder)."""
         self.name = fwd.settings.policy
         self.params: dict[str, Any] = dict(fwd.settings.policy_params)
 
     def swap(self, name: str, params: dict[str, Any], context: PolicyContext | None = None) -> Policy:
         """Build the new policy (raises PolicyError) and swap it in atomically."""
         ctx = context or self.context
-        policy = self.registry.create(name, params, ctx)
+        policy = self.registry.create(name, params, self.adapt(ctx))
         self.fwd.policy = policy
         self.name, self.params, self.context = name, dict(params), ctx
         log.warning("routing policy is now %s %s", name, json.dumps(params, default=str))
         return policy
+
+    def fresh(self) -> None:
+        """Replace the running policy by a newly built one with the same settings (nothing
+        learned): what the adaptation of the eagle pool changed is built in."""
+        self.fwd.policy = self.registry.create(self.name, self.params, self.adapt(self.context))
 
     def reload(self, settings: Settings) -> None:
         """Swap to the policy of freshly read settings (SIGHUP). Raises PolicyError/ProfileError."""

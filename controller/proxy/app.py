@@ -31,11 +31,9 @@ from controller.proxy.config import Settings
 from controller.proxy.core import Core, build_core, policy_context
 from controller.proxy.errors import NoBackendAvailable, NotFound, ShuttingDown
 from controller.proxy.forward import Forwarder
-from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
 from controller.proxy.health import HealthChecker
 from controller.proxy.http_errors import CLIENT_TEXT, error_middleware, expect_handler, http_log
-from controller.proxy.info import model_info, server_info
-from controller.proxy.limits import read_bounded
+from controller.proxy.info import list_models, model_info, server_info
 from controller.proxy.load import LoadTracker
 from controller.proxy.memory import keep_heap_small
 from controller.proxy.metrics import Metrics, RelayCollector
@@ -86,12 +84,16 @@ def create_app(
     app[TRACKER], app[METRICS] = core.tracker, core.metrics
     if not core.identity.show:
         app[CLIENT_TEXT] = core.identity.for_clients
-    app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
+    app[ADMIN] = admin = PolicyAdmin(fwd, registry, ctx, adapt=core.ladders.adapt)
+    core.rebuild = admin.fresh
+    if core.ladders.pool_ladder() is not None:  # backend_adaptive: the policy predicts the ladder's speed
+        admin.fresh()
+        log.info("eagle pool: %s", core.ladders.describe())
     app[SHUTDOWN] = Shutdown(clock)
     app.on_response_prepare.append(close_after_answer)
     app.cleanup_ctx.append(Serving(session, health_checks=health_checks, scrape=scrape))
-    admin = [(r.method, r.path, r.handler) for r in admin_routes(app[ADMIN])]
-    for method, path, handler in (*ROUTES, *admin):
+    admin_table = [(r.method, r.path, r.handler) for r in admin_routes(admin)]
+    for method, path, handler in (*ROUTES, *admin_table):
         # A bogus `Expect` is answered before any middleware runs: our handler gives OpenAI's shape.
         app.router.add_route(method, path, handler, expect_handler=expect_handler)
         if method == "GET":  # as `add_get` does: HEAD answers like GET, without the body
@@ -227,38 +229,6 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
 def reopen_decision_log(app: web.Application) -> None:
     """Have the decision log open its path anew (SIGHUP, after an external rotation)."""
     app[CORE].reopen_decision_log()
-
-
-async def list_models(fwd: Forwarder, request: web.Request) -> web.StreamResponse:
-    """Relay `GET /v1/models` from the first healthy backend that answers (baseline first)."""
-    assert fwd.session is not None
-    headers = {}
-    if "Authorization" in request.headers:
-        headers["Authorization"] = forwardable("Authorization", request.headers["Authorization"])
-    timeout = aiohttp.ClientTimeout(
-        total=fwd.settings.health_check_timeout_s + fwd.settings.connect_timeout_s,
-        sock_connect=fwd.settings.connect_timeout_s,
-    )
-    candidates = sorted(fwd.tracker.usable(fwd.clock()), key=lambda b: b.pool != "baseline")
-    for b in candidates:
-        auth = fwd.auth_header(b.pool)
-        hdrs = {**headers, "Authorization": auth} if auth else headers
-        try:
-            async with fwd.session.get(
-                b.url + "/v1/models", headers=hdrs, timeout=timeout, allow_redirects=False
-            ) as resp:
-                body = await read_bounded(resp, fwd.settings.response_limit_bytes)
-                if resp.status >= 500 or 300 <= resp.status < 400:
-                    continue
-                shown: dict[str, str] = {POOL_HEADER: b.pool}
-                if fwd.settings.backend_header:
-                    shown[BACKEND_HEADER] = b.name
-                return web.Response(
-                    status=resp.status, body=body, content_type=resp.content_type, headers=shown
-                )
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            continue
-    raise NoBackendAvailable("no healthy backend answered /v1/models")
 
 
 def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.AppRunner:

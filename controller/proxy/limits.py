@@ -424,14 +424,36 @@ class ResponseTooLarge(aiohttp.ClientPayloadError):
     """A backend's answer exceeded the bound specroute reads into memory."""
 
 
-async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """A backend's whole body, or `ResponseTooLarge` as soon as it exceeds `limit` bytes."""
+async def read_bounded(
+    resp: aiohttp.ClientResponse,
+    limit: int,
+    *,
+    charge: Charge | None = None,
+    copies: int = 1,
+    scan: JsonBudget | None = None,
+) -> bytes:
+    """A backend's whole body, or `ResponseTooLarge` as soon as it exceeds `limit` bytes. With a
+    `charge`, `copies` times the bytes read so far (the declared length, before any is read) are
+    taken from the memory budget, else `MemoryBusy`; with a `scan`, the body's JSON structure is
+    counted as it arrives (`PayloadTooLarge` past its budget)."""
     declared = resp.content_length
     if declared is not None and declared > limit:
         raise ResponseTooLarge(f"answer of {declared} bytes declared, the limit is {limit}")
+    if charge is not None and declared is not None and not charge.grow_to(copies * declared):
+        raise MemoryBusy("specroute's memory budget cannot hold this answer now")
     buf = bytearray()
-    while chunk := await resp.content.readany():
-        buf += chunk
-        if len(buf) > limit:
-            raise ResponseTooLarge(f"answer larger than {limit} bytes")
-    return bytes(buf)
+    try:
+        while chunk := await resp.content.readany():
+            buf += chunk
+            if len(buf) > limit:
+                raise ResponseTooLarge(f"answer larger than {limit} bytes")
+            if charge is not None and not charge.grow_to(copies * len(buf)):
+                raise MemoryBusy("specroute's memory budget cannot hold this answer now")
+            if scan is not None:
+                scan.feed(buf, final=False)
+        if scan is not None:
+            scan.feed(buf, final=True)
+        return bytes(buf)
+    except BaseException:
+        buf.clear()  # the exception's traceback keeps this frame alive until the cyclic GC runs
+        raise

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from controller.proxy.config import BackendSpec
+from controller.proxy.engines import taken
 from policies.base import POOLS, LoadView, Pool
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.view import STALE_AFTER_S, backend_load, believed_cached, dispatched, load_view
@@ -217,16 +218,21 @@ class LoadTracker:
         in_flight_at_sample: int | None,
         accept_length: float | None = None,
         gen_throughput: float | None = None,
-    ) -> None:
+    ) -> bool:
         """Store a scraped sample taken at `taken_at` (when this replica had
-        `in_flight_at_sample` requests in flight on the backend)."""
+        `in_flight_at_sample` requests in flight on the backend); False (nothing stored) when its
+        running or queued count is out of range (`engines.RANGES`). An accept length or throughput
+        out of range is stored as unknown."""
+        if taken("running", running) is None or taken("queued", queued) is None:
+            return False
         b = self.backends[name]
         b.running = round(running)
         b.queued = round(queued)
-        b.accept_length = accept_length
-        b.gen_throughput = gen_throughput
+        b.accept_length = taken("accept_length", accept_length)
+        b.gen_throughput = taken("gen_throughput", gen_throughput)
         b.sample_time = taken_at
         b.sample_in_flight = in_flight_at_sample
+        return True
 
     def set_healthy(self, name: str, healthy: bool) -> bool:
         """Set a backend's health; True when it changed."""

@@ -49,6 +49,7 @@ from controller.proxy.prefixes import prompt_blocks
 from controller.proxy.request import estimate_prompt_tokens, parse_body, parse_small_body
 from controller.proxy.shadow import ShadowChoice, ShadowPolicies
 from controller.proxy.sse import as_count
+from controller.proxy.validate import check_sequences
 from policies.base import (
     Decision,
     EndpointKind,
@@ -135,6 +136,8 @@ class Described:
     info: RequestInfo
     blocks: tuple[int, ...]
     """The prompt's block fingerprint (`policies.prefix.fingerprint`; empty: none to track)."""
+    sequences: int = 1
+    """The sequences the backend runs for it (`validate.sequences`: `n` x prompts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,8 +246,13 @@ class Tickets:
         prefix_tracking: bool = True,
         shadows: ShadowPolicies | None = None,
         observers: list[Observer] | None = None,
+        max_n: int = 2**31,
+        max_prompts_per_request: int = 2**31,
     ) -> None:
         self.policy = policy
+        self.max_n = max_n
+        self.max_prompts_per_request = max_prompts_per_request
+        """A request's `n` and prompts (`validate.check_sequences`: 400 above)."""
         self.tracker = tracker
         self.capacity = capacity
         self.metrics = metrics
@@ -278,12 +286,13 @@ class Tickets:
             body = parse_small_body(raw, endpoint)  # without a coroutine
             if body is None:
                 body = await parse_body(raw, endpoint)
+            sequences = check_sequences(body, endpoint, self.max_n, self.max_prompts_per_request)
             info = request_info(body, endpoint, headers, self.allow_client_override, self.features_wanted())
         except SpecrouteError as e:
             self._rejected(e)
             raise
         blocks = await prompt_blocks(body, endpoint, len(raw)) if self.prefix_tracking else ()
-        return Described(body, info, blocks)
+        return Described(body, info, blocks, sequences)
 
     async def admit(self, info: RequestInfo) -> None:
         """Return once the request may be routed (at once unless every backend it may use is
