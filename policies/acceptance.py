@@ -36,9 +36,13 @@ from __future__ import annotations
 import math
 import zlib
 from collections import OrderedDict
+from typing import Any
+
+import numpy as np
 
 from policies.base import RequestFeatures
 from policies.calibration import ShrunkMean
+from policies.learned import StateError, check_version, count, field, number, pack, unpack
 
 MAX_LOG = math.log(4.0)
 """A prediction and a target stay within [1/4, 4] times the profile's speed."""
@@ -218,6 +222,74 @@ class AcceptanceModel:
             fam.n += 1
             a = max(1.0 / fam.n, 1.0 / window)
             fam.offset += a * (y - lin - fam.offset)
+
+    # What it learned, as plain data (`policies.learned`): the taught token weights (sparse: a
+    # weight is read only once its token was taught), the parameter weights, the families in
+    # least-recently-taught order, the out-of-sample means; long arrays `pack`ed. Dimensions and
+    # rates are parameters.
+
+    def state(self) -> dict[str, Any]:
+        counts = np.asarray(self._count, dtype=np.int64)
+        slots = np.flatnonzero(counts)
+        families = self._families
+        return {
+            "version": STATE_VERSION,
+            "dim": len(self._w),
+            "param_dim": len(self._p),
+            "token_slots": pack(slots, "<i8"),
+            "token_weights": pack(np.asarray(self._w)[slots], "<f8"),
+            "token_counts": pack(counts[slots], "<i8"),
+            "params": pack(self._p, "<f8"),
+            "family_keys": pack(list(families), "<u8"),
+            "family_counts": pack([f.n for f in families.values()], "<i8"),
+            "family_offsets": pack([f.offset for f in families.values()], "<f8"),
+            "cov": [self.cov.n, self.cov.value],
+            "var": [self.var.n, self.var.value],
+            "taught": self.taught,
+        }
+
+    def load_state(self, state: object) -> None:
+        what = "content model"
+        s = check_version(state, what, STATE_VERSION)
+        dim, param_dim = len(self._w), len(self._p)
+        if field(s, "dim", what) != dim or field(s, "param_dim", what) != param_dim:
+            raise StateError(f"{what}: saved with other dimensions")
+        slots = unpack(field(s, "token_slots", what), "<i8", what)
+        weights = unpack(field(s, "token_weights", what), "<f8", what, len(slots))
+        taught_counts = unpack(field(s, "token_counts", what), "<i8", what, len(slots))
+        w, counts = [0.0] * dim, [0] * dim
+        for i, weight, c in zip(slots, weights, taught_counts, strict=True):
+            if not 0 <= i < dim or counts[i] or not c:
+                raise StateError(f"{what}: a token slot is out of range, repeated or untaught")
+            w[i], counts[i] = weight, c
+        keys = unpack(field(s, "family_keys", what), "<u8", what)
+        family_counts = unpack(field(s, "family_counts", what), "<i8", what, len(keys))
+        offsets = unpack(field(s, "family_offsets", what), "<f8", what, len(keys))
+        if len(set(keys)) != len(keys) or 0 in keys:
+            raise StateError(f"{what}: a family key is 0 or repeated")
+        if len(keys) > self._max_families:
+            raise StateError(f"{what}: more families than max_families")
+        families: OrderedDict[int, _Family] = OrderedDict()
+        for key, n, offset in zip(keys, family_counts, offsets, strict=True):
+            fam = families[key] = _Family()
+            fam.n, fam.offset = n, offset
+        means = []
+        for key in ("cov", "var"):
+            pair = field(s, key, what)
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise StateError(f"{what}: {key} must be [samples, value]")
+            m = ShrunkMean(number(pair[1], what))
+            m.n = count(pair[0], what)
+            means.append(m)
+        params = unpack(field(s, "params", what), "<f8", what, param_dim)
+        taught = count(field(s, "taught", what), what)
+        self._w, self._count, self._p, self._families = w, counts, params, families
+        self.cov, self.var = means
+        self.taught = taught
+
+
+STATE_VERSION = 1
+"""The layout of `AcceptanceModel.state()`."""
 
 
 def _clip(x: float) -> float:

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
+from typing import Any
 
 from policies.base import BackendLoad, Decision, LoadView, Outcome, Pool, PoolLoad, RequestInfo
 from policies.calibration import SpeedCalibration
@@ -58,6 +60,7 @@ from policies.cost_model_params import DEFAULT_PREFILL_TOK_S as DEFAULT_PREFILL_
 from policies.cost_model_params import CostModelParams as CostModelParams
 from policies.cost_model_params import Objective as Objective
 from policies.cost_model_params import Scope as Scope
+from policies.learned import Learner, StateError, check_version, field
 from policies.profile import TABLE_SIZE as _TABLE_SIZE
 from policies.profile import SpeedModel
 from policies.routing import (
@@ -372,6 +375,38 @@ class CostModelPolicy:
             ratio = self.content.observe(outcome, cal, batch, ratio)
         if ratio is not None:
             cal.observe(pool, batch, outcome.request.hint, ratio, outcome.accept_length)
+
+    def state(self) -> dict[str, Any]:
+        """What it learned (`policies.learned`): the calibration and the content model, each
+        None when the parameters turn it off. Booked prefills are tied to the clock: not kept."""
+        return {
+            "version": 1,
+            "calibration": None if self.calibration is None else self.calibration.state(),
+            "content": None if self.content is None else self.content.model.state(),
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        s = check_version(state, "cost_model", 1)
+        parts: dict[str, Learner | None] = {
+            "calibration": self.calibration,
+            "content": None if self.content is None else self.content.model,
+        }
+        for key, part in parts.items():
+            if (field(s, key, "cost_model") is None) != (part is None):
+                raise StateError(
+                    f"cost_model: {key} was {'off' if part else 'on'} when saved (other parameters)"
+                )
+        loaded: list[tuple[Learner, dict[str, Any]]] = []
+        try:
+            for key, part in parts.items():
+                if part is not None:
+                    before = part.state()
+                    part.load_state(s[key])
+                    loaded.append((part, before))
+        except ValueError:  # one part refused: the others go back to what they were
+            for part, before in loaded:
+                part.load_state(before)
+            raise
 
 
 SPEC = PolicySpec(

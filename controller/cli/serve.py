@@ -128,6 +128,10 @@ def check_observability(settings: Settings, registry: PolicyRegistry, context: P
     from controller.proxy.shadow import build_shadows
 
     build_shadows(settings.shadow_policies, registry, context)
+    if settings.state_file:
+        from controller.proxy.learned_state import check_state_path
+
+        check_state_path(settings.state_file)
     if settings.decision_log:
         path = settings.decision_log
         try:
@@ -246,10 +250,23 @@ async def _serve(
     from aiohttp import web
 
     from controller.cli.reload import ConfigReloader, ReloadMetrics
-    from controller.proxy.app import ADMIN, METRICS, create_app, drain, make_runner, reopen_decision_log
+    from controller.proxy.app import (
+        ADMIN,
+        METRICS,
+        TRACKER,
+        create_app,
+        drain,
+        make_runner,
+        reopen_decision_log,
+    )
+    from controller.proxy.learned_state import keeper_for
 
     app = create_app(settings, policy, registry=registry, context=context, clock=clock)
     app.router.add_routes(routes)
+    keeper = None
+    if settings.state_file:
+        keeper = keeper_for(settings, app[ADMIN], app[TRACKER], app[METRICS].registry)
+        keeper.load()  # before the listener opens: the first request meets what was learned
     # `drain` below does the waiting; aiohttp's own shutdown then has only idle connections left.
     runner = make_runner(app, shutdown_timeout=0.5)
     await runner.setup()
@@ -297,6 +314,9 @@ async def _serve(
             sleep=sleep,
         )
         loop.add_signal_handler(signal.SIGHUP, reloader.request)
+        loop.add_signal_handler(signal.SIGUSR1, lambda: _reopen_logs(app))
+        if keeper is not None:
+            keeper.start()
         if early_reload.pending:
             log.warning("SIGHUP during start-up: re-reading the config now")
             reloader.request()
@@ -309,9 +329,19 @@ async def _serve(
             settings.drain_timeout_s,
         )
         await drain(runner, settings.drain_timeout_s)
+        if keeper is not None:
+            await keeper.stop()  # after the drain: every outcome is learned from
     finally:
         await runner.cleanup()
     log.warning("stopped")
+
+
+def _reopen_logs(app: Any) -> None:
+    """SIGUSR1: reopen the decision log (after a rotation), and nothing else."""
+    from controller.proxy.app import reopen_decision_log
+
+    log.info("SIGUSR1: reopening the decision log")
+    reopen_decision_log(app)
 
 
 async def _grace_period(

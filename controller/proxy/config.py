@@ -433,6 +433,14 @@ class Settings(BaseModel):
         '{reason="queue_full"}). Beside memory_budget_bytes, not in it: a stalled log never refuses '
         "requests.",
     )
+    state_file: str | None = Field(
+        default=None,
+        description="Path of the file that keeps what the policy learned (and the prefix beliefs) "
+        "across restarts: loaded at start, saved every state_save_interval_s and at shutdown.",
+    )
+    state_save_interval_s: float = Field(
+        default=60.0, gt=0, le=86400, description="Seconds between saves of state_file."
+    )
     shadow_policies: list[ShadowPolicy] = Field(
         default_factory=list, description="Policies evaluated on every request without acting."
     )
@@ -502,7 +510,7 @@ class Settings(BaseModel):
         return [_shadow_entry(v) for v in value] if isinstance(value, list) else value
 
     _blank = field_validator(
-        "profile", "decision_log", "admin_token", "baseline_model", "eagle_model",
+        "profile", "decision_log", "state_file", "admin_token", "baseline_model", "eagle_model",
         "baseline_api_key", "eagle_api_key", mode="before",
     )(_blank_is_unset)  # fmt: skip
 

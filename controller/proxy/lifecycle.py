@@ -55,7 +55,7 @@ from controller.proxy.sse import (
     ends_with_done,
     last_event_end,
 )
-from controller.proxy.ticket import AttemptReports, Ticket, requested_sequences
+from controller.proxy.ticket import AttemptReports, Ticket
 from controller.proxy.upstream import (
     COUNTED,
     TURN,
@@ -192,8 +192,11 @@ class RequestLifecycle:
         path: str,
         headers: CIMultiDict[str],
         body_charge: Charge | None = None,
+        sequences: int = 1,
     ) -> None:
         self.relay = relay
+        self.sequences = sequences
+        """The sequences the backend runs for the request (`Described.sequences`)."""
         self.ticket = ticket
         self.state = RequestState(ticket)
         self.request = request
@@ -219,9 +222,7 @@ class RequestLifecycle:
     # -- running --
 
     async def run(self) -> web.StreamResponse:
-        sequences = 1
         try:
-            sequences = requested_sequences(self.body, self.ticket.info.endpoint)
             if self.ticket.info.endpoint != "generate":  # /generate: meta_info has the counts
                 asked = ask_for_usage(self.raw, self.body)
                 if asked is not None:
@@ -247,7 +248,7 @@ class RequestLifecycle:
             self.state.end(
                 self.relay.clock(), completion_tokens=self.tokens, accept_length=self.accept_length,
                 cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens,
-                client_blocked_s=self.blocked_s, sequences=sequences,
+                client_blocked_s=self.blocked_s, sequences=self.sequences,
             )  # fmt: skip
 
     async def _answer(self, up: Upstream) -> web.StreamResponse:

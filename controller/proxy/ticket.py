@@ -108,17 +108,6 @@ def request_info(
     )
 
 
-def requested_sequences(body: Mapping[str, Any], endpoint: EndpointKind) -> int:
-    """How many sequences the request asks for (`n`; SGLang's `/generate`: `sampling_params.n`),
-    1 when it does not say or says something that is no count."""
-    if endpoint == "generate":
-        params = body.get("sampling_params")
-        n = params.get("n") if isinstance(params, dict) else None
-    else:
-        n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
-
-
 def believed_cached_on(view: LoadView, decision: Decision) -> int:
     """The prompt tokens `view` believed cached on the backend `decision` names."""
     for b in view.pool(decision.pool).backends:
