@@ -8,8 +8,9 @@ then view + decide + reserve in one step) and answers with the chosen server, or
 serve would give (429 with Retry-After, 503, 400) as an immediate response. The answer's
 messages, if the gateway sends them, and the stream's end (`closed`) are what it saw of the
 answer (`controller.picker.outcomes.Seen`); the ticket finishes then -- or, when the gateway
-reports answers through its access log, once that entry has arrived too (`Picker.logged`),
-within `Picker.outcome_wait_s` of the stream's end.
+reports answers through its access log, once that entry has arrived too
+(`controller.picker.picker.Picker.logged`), within
+`controller.picker.picker.Picker.outcome_wait_s` of the stream's end.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from controller.picker.outcomes import Seen
 from controller.proxy.config import Settings
 from controller.proxy.errors import PayloadTooLarge, SpecrouteError
 from controller.proxy.sse import Holdback, drop_usage_events
-from controller.proxy.ticket import Ticket, Tickets, requested_sequences
+from controller.proxy.ticket import Ticket, Tickets
 
 log = logging.getLogger("specroute.picker")
 
@@ -214,7 +215,7 @@ class Exchange:
         self.seen = Seen(
             endpoint=endpoint,
             stream=info.stream,
-            sequences=requested_sequences(body, endpoint),
+            sequences=described.sequences,
             arrived_at=arrived,
             source="access_log" if source == "access_log" else "stream",
         )

@@ -10,9 +10,9 @@ The counts themselves live on `BackendState` (`controller.proxy.load`), which th
 Admission: each backend has an in-flight bound (by default its pool's `max_running_requests`
 from the profile, or the cap the backend reports, plus `admission_margin`, split over the
 `replicas` specroute replicas in front of it: `replica_bound`), and so has each pool (by default
-the sum). A full
-backend appears unhealthy in the `LoadView` (`LoadTracker.takers`), so policies route around it
-to backends that still have room, in the same pool or the other. Only when none of the backends a
+the sum). A full backend is `full` in the `LoadView` (it does not admit: `BackendLoad.admits`),
+so policies route around it to backends that still have room, in the same pool or the other.
+Only when none of the backends a
 request may use has room (all of them, or those of the pool the client forced) does the request
 wait here, in arrival order, before anything is decided. Each released slot wakes the oldest
 waiter that may use its pool; the waiter then asks the policy with the load as it is at that

@@ -157,5 +157,7 @@ class Forwarder:
         info = request_.info
         await tickets.admit(info)
         ticket = tickets.issue(info, request_.blocks, arrived)
-        lifecycle = RequestLifecycle(self.relay, ticket, request, request_.body, raw, path, headers, charge)
+        lifecycle = RequestLifecycle(
+            self.relay, ticket, request, request_.body, raw, path, headers, charge, request_.sequences
+        )
         return await lifecycle.run()

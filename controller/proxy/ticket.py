@@ -16,11 +16,11 @@ front half
    step (no other request can see a stale count), as a `Ticket`.
 
 back half
-4. The transport sends the request to `ticket.backend` (its `url`). An attempt that fails before
-   anything reached the client may move the ticket once: `ticket.failover_target(tried)`, then
-   `ticket.move(backend)`. Each attempt's fate goes to `AttemptReports` as it is known (the
-   outlier detector, the queue-full back-off).
-5. `ticket.finish(Result(...))`, once, on every path: the slot and the memory the ticket holds
+4. The transport sends the request to the ticket's backend (`Ticket.backend`, its `url`). An
+   attempt that fails before anything reached the client may move the ticket once:
+   `Ticket.failover_target`, then `Ticket.move`. Each attempt's fate goes to `AttemptReports`
+   as it is known (the outlier detector, the queue-full back-off).
+5. `Ticket.finish` with a `Result`, once, on every path: the slot and the memory the ticket holds
    are released, the `Outcome` is built, and it goes to `policy.observe`, the shadow policies,
    the metrics and the observers (the decision log: a `RequestRecord`). A second call returns
    the first `Outcome`.
@@ -39,11 +39,11 @@ from typing import Any
 
 from controller.proxy.capacity import Capacity
 from controller.proxy.errors import BadRequest, NoBackendAvailable, SpecrouteError
+from controller.proxy.generate import generate_max_tokens
 from controller.proxy.headers import HINT_HEADER, MODE_HEADER
 from controller.proxy.load import BackendState, LoadTracker, Reservation
 from controller.proxy.memory import Charge
 from controller.proxy.metrics import Metrics
-from controller.proxy.native import generate_max_tokens
 from controller.proxy.outlier import OutlierDetector
 from controller.proxy.prefixes import prompt_blocks
 from controller.proxy.request import estimate_prompt_tokens, parse_body, parse_small_body
@@ -106,17 +106,6 @@ def request_info(
         forced_pool=forced,
         features=extract_features(body, endpoint) if features else None,
     )
-
-
-def requested_sequences(body: Mapping[str, Any], endpoint: EndpointKind) -> int:
-    """How many sequences the request asks for (`n`; SGLang's `/generate`: `sampling_params.n`),
-    1 when it does not say or says something that is no count."""
-    if endpoint == "generate":
-        params = body.get("sampling_params")
-        n = params.get("n") if isinstance(params, dict) else None
-    else:
-        n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
 def believed_cached_on(view: LoadView, decision: Decision) -> int:

@@ -70,6 +70,7 @@ def test_an_adaptive_server_is_never_predicted_slower_at_high_batch_than_its_pla
     every request whatever its predicted acceptance, and cost_model predicts the pair's EAGLE-3
     server exactly as the plain one (given the same load and no prompt to prefill)."""
     ladder = LADDERS[name]
+    assert ladder is not None
     off = ladder.off_from()
     assert off is not None
     adapted = adaptive_profile(profile, ladder, max_running_requests=256)
