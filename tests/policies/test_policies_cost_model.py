@@ -312,7 +312,7 @@ def test_the_reason_agrees_with_the_predictions_logged(params: dict[str, object]
     decided: `faster_X` only where X's own predicted time is the smaller; `cheaper_X` where system
     scope's marginal cost chose the slower pool; `eagle_margin` where the margin kept EAGLE out."""
     rng = random.Random(11)
-    policy = cost_model(seed=3, **params)
+    policy = cost_model(KIMI, 3, **params)
     seen: set[str] = set()
     for _ in range(800):
         req = RequestInfo(max_tokens=rng.choice([None, 16, 2048]))
