@@ -16,9 +16,14 @@ specroute. This process sends the bodies, six at once, in rounds, per scenario:
   L            issue 25's row L: 40 clients posting 30 MB prose bodies at once
   L2           row L2: 50 clients posting gzip bodies that inflate to 30 MB each
   H            row H: 24 streams whose backend sends a 50 MB first event (the sink does)
+  INFO         issue 37's finding 4: 4 clients GET /server_info back to back, which the sink
+               answers with 40 MB of JSON (400k strings of 100 characters); the minimal server
+               answers 404
 
 For L, L2 and H it also prints whether specroute's peak RSS stayed within
-`memory_budget_bytes` + 150 MiB, and how long RSS took to get back below 2x its idle RSS.
+`memory_budget_bytes` + 150 MiB, and how long RSS took to get back below 2x its idle RSS; for
+INFO, whether /health's p99 stayed within 50 ms and RSS grew by at most 100 MB over its idle RSS
+(issue 37's targets).
 
 Six senders post bodies back to back for a few seconds per run; targets alternate run by run.
 Printed per target and scenario, side by side: probes n, /health p50 / p99 / max (ms), p99 over
@@ -64,6 +69,7 @@ import aiohttp
 from aiohttp import web
 
 from controller.cli import spawn
+from policies.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPLETION = {
@@ -83,7 +89,13 @@ FIRST_EVENT = (
 )
 BUDGET = 512 * 1024 * 1024
 """specroute's default memory_budget_bytes."""
-PARALLEL = {"L": 40, "L2": 50, "H": 24}
+PARALLEL = {"L": 40, "L2": 50, "H": 24, "INFO": 4}
+
+
+def info_body() -> bytes:
+    """Issue 37's 40 MB /server_info."""
+    states = [{"avg_spec_accept_length": 2.5}]
+    return json.dumps({"model_path": "m", "internal_states": states, "pad": ["x" * 100] * 400_000}).encode()
 
 
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
@@ -121,11 +133,18 @@ def run_server(max_body_bytes: int) -> None:
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    big_info = info_body() if max_body_bytes > 1024 * 1024 else b""
+
+    async def info(request: web.Request) -> web.Response:
+        return web.Response(body=big_info, content_type="application/json")
+
     async def main() -> None:
         app = web.Application(client_max_size=max_body_bytes)
         app.router.add_post("/v1/chat/completions", answer)
         app.router.add_get("/ready", ok)
         app.router.add_get("/health", ok)
+        if max_body_bytes > 1024 * 1024:  # the sink (the minimal server has no info route: 404)
+            app.router.add_get("/server_info", info)
         await spawn.listen(app)
         await asyncio.Event().wait()
 
@@ -221,6 +240,15 @@ async def send(session: aiohttp.ClientSession, url: str, data: bytes, gz: bool =
         return type(e).__name__
 
 
+async def ask_info(session: aiohttp.ClientSession, url: str) -> str:
+    try:
+        async with session.get(url + "/server_info") as r:
+            await r.read()
+            return str(r.status)
+    except aiohttp.ClientError as e:
+        return type(e).__name__
+
+
 async def scenario(url: str, kind: str, args: argparse.Namespace) -> tuple[float, float, Counter[str]]:
     """`args.parallel` senders, each posting bodies back to back for `args.seconds`."""
     start = time.monotonic()
@@ -228,12 +256,13 @@ async def scenario(url: str, kind: str, args: argparse.Namespace) -> tuple[float
     if kind == "idle":
         await asyncio.sleep(args.seconds)
         return start, time.monotonic(), statuses
-    data = BODIES[kind]
+    data = BODIES.get(kind, b"")
     end = start + args.seconds
 
     async def sender(s: aiohttp.ClientSession) -> None:
         while time.monotonic() < end:
-            statuses[await send(s, url, data, gz=kind == "L2")] += 1
+            got = await (ask_info(s, url) if kind == "INFO" else send(s, url, data, gz=kind == "L2"))
+            statuses[got] += 1
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as s:
@@ -241,7 +270,7 @@ async def scenario(url: str, kind: str, args: argparse.Namespace) -> tuple[float
     return start, time.monotonic(), statuses
 
 
-SCENARIOS = ("idle", "lists", "numbers", "prose", "L", "L2", "H")
+SCENARIOS = ("idle", "lists", "numbers", "prose", "L", "L2", "H", "INFO")
 BODIES: dict[str, bytes] = {}
 
 
@@ -257,12 +286,7 @@ def back_below(pid: int, kib: float, within_s: float) -> float | None:
 
 def window_p99(samples: list[tuple[float, ...]], start: float, end: float) -> float:
     """p99 of the latencies probed between `start` and `end` (NaN when none was)."""
-    return pct([s[1] for s in samples if start <= s[0] <= end] or [float("nan")], 0.99)
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return percentile([s[1] for s in samples if start <= s[0] <= end] or [float("nan")], 99)
 
 
 def main() -> int:
@@ -424,7 +448,7 @@ def report(
             per_round[key] = [window_p99(samples[t], a, b) for a, b in windows[key]]
             lat = [s[1] for s in inside]
             peak = max((s[2] for s in inside), default=0)
-            p99s[key] = pct(lat, 0.99)
+            p99s[key] = percentile(lat, 99)
             shown = ", ".join(f"{k}: {v}" for k, v in sorted(statuses[key].items())) or "-"
             p50, p99, worst = statistics.median(lat), p99s[key], max(lat)
             ratio = p99 / p99s[(t, "idle")]
@@ -449,7 +473,7 @@ def report(
         idle = [window_p99(samples["aiohttp minimal"], a, b) for a, b in spans]
         near = [s[1] for s in samples["aiohttp minimal"] if any(a <= s[0] <= b for a, b in spans)]
         rounds = [x / y for x, y in zip(per_round[(t, kind)], idle, strict=True)]
-        near_p99 = pct(near, 0.99)
+        near_p99 = percentile(near, 99)
         return (
             f"{p99s[(t, kind)] / near_p99:.2f} pooled (minimal's p99 beside it {near_p99:.1f} ms, "
             f"n={len(near)}); per round (n={len(rounds)}) median {statistics.median(rounds):.2f}, "
@@ -469,6 +493,14 @@ def report(
             key = (t, kind)
             inside = [x for x in samples[t] if any(a <= x[0] <= b for a, b in windows[key])]
             peak = max((x[2] for x in inside), default=0) * 1024
+            if kind == "INFO":
+                growth = peak / 2**20 - idle_rss[t] / 1024
+                print(
+                    f"INFO: {t} /health p99 {p99s[key]:.1f} ms (target <= 50: "
+                    f"{'met' if p99s[key] <= 50 else 'MISSED'}), n={len(inside)}; RSS growth over idle "
+                    f"{growth:.0f} MiB (target <= 100 MB: {'met' if growth * 2**20 <= 100e6 else 'MISSED'})"
+                )
+                continue
             back = ", ".join("not within 30 s" if x is None else f"{x:.1f} s" for x in recovery[key])
             print(
                 f"{kind}: {t} peak RSS {peak / 2**20:.0f} MiB, budget + 150 MiB = "

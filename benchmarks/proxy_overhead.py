@@ -44,6 +44,7 @@ import aiohttp
 from aiohttp import web
 
 from controller.cli import spawn
+from policies.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 64
@@ -77,7 +78,10 @@ def _event(i: int) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def run_backend(ports: int) -> None:
+def run_backend(ports: int, pace_s: float = 0.0) -> None:
+    """The fake backend: `CHUNKS` events per request, each written on its own, `pace_s` apart
+    (0: as fast as it can; a real server's decode step is 5-30 ms, so each event is its own read
+    and write in every proxy)."""
     events = [_event(i) for i in range(CHUNKS)]
     tail = (
         b'data: {"id":"bench","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[],'
@@ -90,6 +94,8 @@ def run_backend(ports: int) -> None:
         await resp.prepare(request)
         for ev in events:
             await resp.write(ev)
+            if pace_s:
+                await asyncio.sleep(pace_s)
         await resp.write(tail)
         await resp.write_eof()
         return resp
@@ -197,11 +203,6 @@ async def drive(
     return ttfts, time.perf_counter() - t0, errors
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def spread(xs: list[float]) -> str:
     if len(xs) < 2:
         return f"{xs[0]:.3f}"
@@ -241,7 +242,7 @@ async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | No
         for name in targets:
             lv = results[(name, c)]
             cpu = spread(lv.cpu_ms) if lv.cpu_ms else "-"
-            p50, p99 = f"{pct(lv.ttft_ms, 0.5):.2f}", f"{pct(lv.ttft_ms, 0.99):.2f}"
+            p50, p99 = f"{percentile(lv.ttft_ms, 50):.2f}", f"{percentile(lv.ttft_ms, 99):.2f}"
             line = row.format(c, name, len(lv.ttft_ms), p50, p99, spread(lv.rps), cpu)
             print(line + (f"  errors={lv.errors}" if lv.errors else ""))
         m = results[("minimal", c)].cpu_ms
@@ -259,6 +260,7 @@ async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | No
 
 def fingerprint_cost(reps: int) -> None:
     """Print the per-request cost of prefix tracking on a 100k-token chat prompt."""
+    from controller.proxy.config import parse_backend
     from controller.proxy.load import LoadTracker
     from controller.proxy.prefixes import (
         BLOCK_TOKENS,
@@ -279,7 +281,8 @@ def fingerprint_cost(reps: int) -> None:
             {"role": "user", "content": history[240_000:]},
         ]
     }
-    tracker = LoadTracker([f"b{i}=http://127.0.0.1:{i + 1}" for i in range(4)], ["e0=http://127.0.0.1:9"])
+    baseline = [parse_backend(f"b{i}=http://127.0.0.1:{i + 1}", "baseline") for i in range(4)]
+    tracker = LoadTracker(baseline, [parse_backend("e0=http://127.0.0.1:9", "eagle")])
     tracker.track_prefixes({b.name: 1_000_000 for b in tracker})
     blocks = fingerprint(prompt_text(body, "chat"))
     tracker.release(tracker.reserve("b0", 0, blocks))
@@ -334,7 +337,7 @@ def fingerprint_cost(reps: int) -> None:
         f"tokens), n={reps} each:"
     )
     for name, ms in rows:
-        print(f"  {name:<34} {spread(ms)} ms (p50 {pct(ms, 0.5):.3f}, p99 {pct(ms, 0.99):.3f})")
+        print(f"  {name:<34} {spread(ms)} ms (p50 {percentile(ms, 50):.3f}, p99 {percentile(ms, 99):.3f})")
     print()
 
 
@@ -370,7 +373,8 @@ def features_cost(reps: int) -> None:
             out.append((time.perf_counter() - t0) * 1e6)
         return out
 
-    chars = sum(len(m["content"]) for m in small["messages"])  # type: ignore[arg-type]
+    messages: list[dict[str, str]] = small["messages"]  # type: ignore[assignment]
+    chars = sum(len(m["content"]) for m in messages)
     feats = extract_features(small, "chat")
     rows = [
         (f"features, {chars:,}-char chat", timed_us(lambda: extract_features(small, "chat"))),
@@ -379,7 +383,7 @@ def features_cost(reps: int) -> None:
     ]
     print(f"content features (issue 24), n={reps} each:")
     for name, us in rows:
-        med, p99 = statistics.median(us), pct(us, 0.99)
+        med, p99 = statistics.median(us), percentile(us, 99)
         print(f"  {name:<34} median {med:.1f} us, p99 {p99:.1f} us ({spread(us)} us)")
     print()
 
@@ -420,9 +424,10 @@ def main() -> int:
     ap.add_argument("--role", choices=["backend", "passthrough"], help=argparse.SUPPRESS)
     ap.add_argument("--upstream", help=argparse.SUPPRESS)
     ap.add_argument("--ports", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--pace-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "backend":
-        run_backend(args.ports)
+        run_backend(args.ports, args.pace_ms / 1000)
         return 0
     if args.role == "passthrough":
         run_passthrough(args.upstream)

@@ -15,6 +15,9 @@ byte, except while a mode is set (a line `mode=NAME` on stdin; `mode=` clears it
      relayed; one the proxy gives up on while held is counted (`cut_while_held`: must stay 0,
      a request run a second time elsewhere would show here)
   A  /metrics answers 7.5 MB of valid samples and /v1/loads 7.8 MB
+  N  issue 37's non-finite numbers: /metrics says `sglang:num_running_reqs NaN` and
+     `sglang:spec_accept_length +Inf`, /v1/loads `Infinity` running requests
+  S  issue 37's large info answers: /server_info, /model_info and /v1/models answer 40 MB of JSON
 
 `GET /_rogue/stats` answers what it did: requests per mode, `cut_while_held`.
 
@@ -66,6 +69,7 @@ class Rogue:
         ]
         self._big_metrics = self._big_metrics[: self._big_metrics.rfind(b"\n") + 1]
         self._big_loads = json.dumps({"loads": [{"filler": "x" * 7_800_000}]}).encode()
+        self._big_info = json.dumps({"model_path": "m", "pad": ["x" * 100] * 400_000}).encode()
 
     def set_mode(self, mode: str) -> None:
         self.mode = mode
@@ -74,6 +78,20 @@ class Rogue:
     async def get(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/_rogue/stats":
             return web.json_response(dict(self.stats))
+        if self.mode == "N" and request.path in ("/metrics", "/v1/loads"):
+            self.stats["N " + request.path] += 1
+            if request.path == "/metrics":
+                text = (
+                    "sglang:num_running_reqs NaN\nsglang:num_queue_reqs 0\nsglang:spec_accept_length +Inf\n"
+                )
+                return web.Response(text=text, content_type="text/plain")
+            return web.Response(
+                body=b'{"loads": [{"num_running_reqs": Infinity, "num_waiting_reqs": 0}]}',
+                content_type="application/json",
+            )
+        if self.mode == "S" and request.path in ("/server_info", "/model_info", "/v1/models"):
+            self.stats["S " + request.path] += 1
+            return web.Response(body=self._big_info, content_type="application/json")
         if self.mode == "A" and request.path in ("/metrics", "/v1/loads"):
             self.stats["A " + request.path] += 1
             big = self._big_metrics if request.path == "/metrics" else self._big_loads

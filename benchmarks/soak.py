@@ -12,27 +12,37 @@ the clients:
   disconnectors streams closed after 1-3 events
   hostile       a 4 MiB body of `[],[],...` every 2 s (413), a header that is not UTF-8 (400),
                 a 30 MB prose body (issue 25's row L: served, or 503 when the memory budget is
-                held) and a gzip body inflating to 30 MB (row L2: 413 by its compression ratio)
+                held), a gzip body inflating to 30 MB (row L2: 413 by its compression ratio),
+                a chat request with n 300 and a completions one with 300 prompts (issue 37's
+                finding 2: 400) and one with n 2 (served)
+  info          every second, 4 GETs at once of each of /server_info, /model_info and /v1/models
+                (issue 37's finding 4: 502 info_answer_too_large while the rogue answers 40 MB)
 
-The baseline pool has a second backend, `rogue` (`rogue_backend.py`), which relays to the
-baseline emulator and misbehaves on cue as issue 25's hostile probe did (rows K, B, I, C, G, H,
-M, J, A; L and L2 are the hostile clients'). serve runs from a config file holding an
-`admin_token` (row D: no log line may show it), `backend_header: false` (row N: no answer a
-client reads may name a backend) and a decision log (row F).
+The baseline pool has a second backend, `rogue` (`rogue_backend.py`, listed first, so the info
+routes ask it first), which relays to the baseline emulator and misbehaves on cue as issue 25's
+hostile probe did (rows K, B, I, C, G, H, M, J, A; L and L2 are the hostile clients') and as
+issue 37's did (N: NaN and +Inf on /metrics and /v1/loads; S: 40 MB info answers). serve runs
+from a config file holding an `admin_token` (row D: no log line may show it), `backend_header:
+false` (row N: no answer a client reads may name a backend) and a decision log (row F) whose queue
+holds 256 KiB (`decision_log_queue_bytes`, so its 8 s stall overflows it).
 
-A fault schedule repeats every 150 s, one 10 s slot each: eagle answers 500 (5 s), baseline
+A fault schedule repeats every 180 s, one 10 s slot each: eagle answers 500 (5 s), baseline
 stalls past first_byte_timeout_s (5 s), eagle frozen with SIGSTOP (6 s), baseline drops streams
 after 3 chunks (5 s), eagle refuses connections (4 s), baseline fails its health probe (5 s),
-then the rogue's modes K, B, I, C, G, H, M, J, A (5 s each). Operations, once a cycle: the
+then the rogue's modes K, B, N, I, C, G, H, M, J, A, S (5 s each). Operations, once a cycle: the
 decision log renamed away and SIGHUP (logrotate), the config file rewritten in two parts around
-a SIGHUP (row E), the decision log removed.
+a SIGHUP (row E), the decision log removed, and the decision log stalled for 8 s (issue 37's
+finding 6: its path becomes a FIFO nobody reads, SIGHUP; then it is read out and replaced by a
+file, SIGHUP).
 
 Afterwards (faults off, clients stopped, 15 s to settle) it prints: serve's RSS and /health
 latency per minute (n, p50, p99, max), the in-flight gauges and the emulators' running requests
 (drift: must be 0), what clients saw by cause, the normal clients' failures by the fault window
 they overlapped (its length plus 6 s after), specroute's own counters, what the rogue did, the
 decision log's lines (each must be whole JSON), and whether serve's stderr or any body a client
-read holds the admin token or a backend's address.
+read holds the admin token or a backend's address; for issue 37: the numbers each backend
+reported that were not taken, the tracebacks in serve's stderr (must be 0) and the decision-log
+records dropped while it was stalled (`queue_full`).
 
     python benchmarks/soak.py [--minutes 10] [--normal 16]
 """
@@ -52,6 +62,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -59,9 +70,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from controller.bench.server_state import metric_values, sglang_load
 from controller.cli import spawn
+from policies.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -270,6 +282,20 @@ async def hostile(url: str, end: float, tally: Tally) -> None:
                     tally.add("hostile", f"HTTP {r.status} {_error_code(await r.read())}")
             except aiohttp.ClientError as e:
                 tally.add("hostile", f"client {type(e).__name__}")
+            for kind, path, payload in (
+                (
+                    "n 300",
+                    "/v1/chat/completions",
+                    {"model": "m", "messages": CHAT, "n": 300, "max_tokens": 8},
+                ),
+                ("300 prompts", "/v1/completions", {"model": "m", "prompt": ["Once"] * 300, "max_tokens": 8}),
+                ("n 2", "/v1/chat/completions", {"model": "m", "messages": CHAT, "n": 2, "max_tokens": 8}),
+            ):
+                try:
+                    async with s.post(url + path, json=payload) as r:
+                        tally.add("hostile", f"{kind}: HTTP {r.status} {_error_code(await r.read())}")
+                except aiohttp.ClientError as e:
+                    tally.add("hostile", f"{kind}: client {type(e).__name__}")
             reader, writer = await asyncio.open_connection(host, int(port))
             body = json.dumps({"model": "m", "messages": CHAT}).encode()
             writer.write(
@@ -280,6 +306,25 @@ async def hostile(url: str, end: float, tally: Tally) -> None:
             writer.close()
             tally.add("hostile", "HTTP " + answer.split(b" ", 2)[1].decode() + " (non-UTF-8 header)")
             await asyncio.sleep(2.0)
+
+
+async def infos(url: str, end: float, tally: Tally) -> None:
+    """Every second, 4 GETs at once of each info route (issue 37's finding 4)."""
+
+    async def get(s: aiohttp.ClientSession, path: str) -> None:
+        try:
+            async with s.get(url + path) as r:
+                raw = await r.read()
+                code = "" if r.status == 200 else " " + _error_code(raw)
+                tally.add("info", f"{path}: HTTP {r.status}{code}")
+        except aiohttp.ClientError as e:
+            tally.add("info", f"{path}: client {type(e).__name__}")
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        while time.monotonic() < end:
+            paths = ("/server_info", "/model_info", "/v1/models")
+            await asyncio.gather(*(get(s, p) for p in paths for _ in range(4)))
+            await asyncio.sleep(1.0)
 
 
 class Rogue:
@@ -315,10 +360,28 @@ def operate(ops: Ops, action: str) -> None:
         os.kill(ops.pid, signal.SIGHUP)
     elif action == "remove":
         ops.decisions.unlink(missing_ok=True)
+    elif action == "stall":  # issue 37: a hung mount: the log's path becomes a FIFO nobody reads
+        n = len(list(ops.decisions.parent.glob(ops.decisions.name + ".*")))
+        if ops.decisions.exists():
+            ops.decisions.rename(ops.decisions.with_name(f"{ops.decisions.name}.{n + 1}"))
+        os.mkfifo(ops.decisions)
+        os.kill(ops.pid, signal.SIGHUP)  # the writer's open() waits for a reader that does not come
+    elif action == "unstall":  # read the FIFO out into a file, then put a file at the path again
+        out = ops.decisions.with_name(f"{ops.decisions.name}.fifo-{time.monotonic_ns()}")
+        threading.Thread(target=_drain_fifo, args=(ops.decisions, out), daemon=True).start()
+        time.sleep(0.5)
+        ops.decisions.unlink()
+        os.kill(ops.pid, signal.SIGHUP)  # serve opens a file at the path and closes the FIFO: EOF
     elif action == "half":  # row E: SIGHUP while the file is half written (cut inside the token's line)
         cut = ops.text.index("admin_token:") + len("admin_token: ") + 4
         ops.config.write_text(ops.text[:cut])
         os.kill(ops.pid, signal.SIGHUP)
+
+
+def _drain_fifo(fifo: Path, out: Path) -> None:
+    with open(fifo, "rb") as src, open(out, "wb") as dst:
+        while chunk := src.read(1 << 16):
+            dst.write(chunk)
 
 
 Window = tuple[float, float, str]
@@ -328,7 +391,7 @@ Window = tuple[float, float, str]
 async def faults(
     base: Backend, eagle: Backend, rogue: Rogue, ops: Ops, end: float, log: list[Window]
 ) -> None:
-    """Repeat every 150 s: (second, backend or None for an operation, action, seconds)."""
+    """Repeat every 180 s: (second, backend or None for an operation, action, seconds)."""
     schedule: list[tuple[int, Backend | Rogue | None, str, float]] = [
         (0, eagle, "error_rate=1.0", 5),
         (10, base, "stall_s=8.0", 5),
@@ -336,13 +399,15 @@ async def faults(
         (30, base, "die_after_chunks=3", 5),
         (40, eagle, "refuse_connections=true", 4),
         (50, base, "unhealthy=true", 5),
-        *((60 + 10 * i, rogue, f"mode={m}", 5) for i, m in enumerate("KBICGHMJA")),
+        # N before A: after A's oversized answers the rogue's /metrics is asked again only a minute later
+        *((60 + 10 * i, rogue, f"mode={m}", 5) for i, m in enumerate("KBNICGHMJAS")),
         (5, None, "rotate", 0),
         (45, None, "half", 0.5),
         (95, None, "remove", 0),
+        (168, None, "stall", 8),
     ]
     schedule.sort(key=lambda row: row[0])
-    cycle_s = 150
+    cycle_s = 180
     start = time.monotonic()
     cycle = 0
     while True:
@@ -357,6 +422,8 @@ async def faults(
                 await asyncio.sleep(length)
                 if action == "half":
                     ops.config.write_text(ops.text)  # the rest of the file
+                if action == "stall":
+                    operate(ops, "unstall")
                 log.append((began, time.monotonic(), f"ops: {action}"))
                 continue
             if action == "SIGSTOP":
@@ -375,27 +442,6 @@ async def faults(
 # --- reading the results ------------------------------------------------------------------
 
 
-async def metric_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        text = await r.text()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-async def emulator_busy(url: str) -> int:
-    async with aiohttp.ClientSession() as s, s.get(url + "/v1/loads") as r:
-        load = (await r.json())["loads"][0]
-    return int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def soak(
     args: argparse.Namespace, url: str, base: Backend, eagle: Backend, rogue: Rogue, ops: Ops
 ) -> tuple[Tally, list[Window]]:
@@ -408,6 +454,7 @@ async def soak(
         loop_clients("disconnectors", 3, url, end, tally),
         stoppers(2, url, end, tally),
         hostile(url, end, tally),
+        infos(url, end, tally),
         faults(base, eagle, rogue, ops, end, log),
     )
     return tally, log
@@ -436,8 +483,9 @@ def main() -> int:
     procs.append(rogue.proc)
     decisions = work / "decisions.jsonl"
     text = (
-        f"baseline: baseline={base.url},rogue={rogue.url}\neagle: eagle={eagle.url}\n"
+        f"baseline: rogue={rogue.url},baseline={base.url}\neagle: eagle={eagle.url}\n"
         f"admin_token: {ADMIN_TOKEN}\nbackend_header: false\ndecision_log: {decisions}\n"
+        "decision_log_queue_bytes: 262144\n"  # small, so the stalled log (issue 37) overflows it
     )
     config = work / "specroute.yaml"
     config.write_text(text)
@@ -470,7 +518,7 @@ def main() -> int:
         rogue.fault("mode=")
         time.sleep(15)  # faults off, clients gone: everything must drain to zero
         final = asyncio.run(metric_values(url))
-        busy = {b.mode: asyncio.run(emulator_busy(b.url)) for b in (base, eagle)}
+        busy = {b.mode: asyncio.run(sglang_load(b.url)) for b in (base, eagle)}
         rogue_stats = asyncio.run(json_of(rogue.url + "/_rogue/stats"))
         hwm = Path(f"/proc/{serve.pid}/status").read_text()
         hwm_kib = int(next(line.split()[1] for line in hwm.splitlines() if line.startswith("VmHWM:")))
@@ -531,7 +579,8 @@ def report_rows(
     stderr = (work / "serve.stderr").read_text(errors="replace")
     print(
         f"serve's stderr (row D): {len(stderr.splitlines())} lines, admin token in it: "
-        f"{ADMIN_TOKEN in stderr} (must be False)"
+        f"{ADMIN_TOKEN in stderr} (must be False); tracebacks in it (issue 37): "
+        f"{stderr.count('Traceback')} (must be 0)"
     )
     named = [b for b in SEEN if any(u.encode() in b or u.removeprefix("http://").encode() in b for u in urls)]
     named += [b for b in SEEN if any(n in b for n in (b'"baseline"', b"rogue"))]
@@ -567,11 +616,11 @@ def report(
         rss = [r[2] / 1024 for r in inside]
         label = f"{m:6d}" if m < minutes else " after"
         print(
-            f"{label}  {len(lat):9d} {statistics.median(lat):8.1f} {pct(lat, 0.99):8.1f} {max(lat):8.1f}"
+            f"{label}  {len(lat):9d} {statistics.median(lat):8.1f} {percentile(lat, 99):8.1f} {max(lat):8.1f}"
             f"   {min(rss):6.0f} / {max(rss):4.0f}"
         )
     during = [r[1] for r in rows if started <= r[0] < started + args.minutes * 60]
-    p50, p99 = statistics.median(during), pct(during, 0.99)
+    p50, p99 = statistics.median(during), percentile(during, 99)
     print(
         f"whole run: /health n={len(during)} p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {max(during):.1f} ms; "
         f"serve VmHWM {hwm_kib / 1024:.0f} MiB"
@@ -601,8 +650,12 @@ def report(
     print("  client write timeouts:", summed("specroute_client_write_timeouts_total", ""))
     print("  config reloads by result (row E):", summed("specroute_config_reloads_total", "result"))
     print(
-        "  decision-log records dropped (row F):",
+        "  decision-log records dropped (row F; queue_full: while stalled, issue 37):",
         summed("specroute_decision_log_dropped_records_total", "reason"),
+    )
+    print(
+        "  numbers backends reported that were not taken (issue 37):",
+        summed("specroute_backend_rejected_values_total", "backend"),
     )
     print("  admission waits / rejections:", summed("specroute_admission_waits_total", ""),
           summed("specroute_admission_rejections_total", ""))  # fmt: skip

@@ -2,24 +2,35 @@
 
 How it works: every finished request this policy routed is filed under its pool and its load
 bucket (the load of the chosen backend when it was chosen, plus the request itself). Per
-bucket the policy keeps moving means (`policies.calibration.ShrunkMean`: a plain mean of the
-first samples, then an exponentially weighted one remembering `1/alpha` samples) of the
-observed decode rate (`Outcome.decode_tok_s`, divided by the request's hint factor), its
-spread, and TTFT (which includes any queue wait, so queueing past `max_running_requests` is
-learned too).
+bucket the policy keeps moving means of the observed decode rate (`Outcome.decode_tok_s`,
+divided by the request's hint factor), its spread, and the TTFT's wait: the TTFT less the
+prefill of the request's uncached prompt tokens, which is learned per pool as seconds per
+prompt token (from requests of at least `min_prefill_tokens` uncached tokens). So a request's
+TTFT is predicted as its bucket's wait plus its own prefill: one huge prompt teaches how fast
+prompts prefill, not that the pool is slow for everyone.
+
+Each moving mean (`_Robust`) is a plain mean of its first samples, then remembers `1/alpha`
+samples; once trusted, a sample is clipped to within a factor `clip` of the estimate (a wait
+plus `WAIT_FLOOR_S`), so one outlier moves it by at most `log(clip) * alpha` in log space,
+and when most of its latest `RECENT` samples lie beyond that factor on one side the estimate is
+rebased to their median, so a real change is followed after a handful of outcomes.
 
 To decide, each pool's estimate at its least-loaded backend's bucket predicts this request's
 end-to-end time (or TTFT); the smaller wins. A bucket is trusted once it holds `min_samples`
 samples; before that the speed profile answers (if one is given), or an optimistic prior that
 makes unexplored buckets attractive so they get explored.
 
-Exploration happens only near the decision boundary and fades with confidence: a request is
-sent to the other pool (with probability `epsilon`, seeded RNG) only when the two predictions
-are within `explore_z` standard errors of each other (the errors shrink as the buckets fill),
-or when one of the two buckets is not confident -- untrusted, or not sampled for so long that
-its weight (in samples; it halves every `stale_half_life` decisions) is below one sample. So a
-clear choice stops exploring, and a pool that has gone unused is re-checked now and then (after
-a few hundred decisions), which is how a recovery (say, of EAGLE acceptance) is noticed.
+Exploration happens near the decision boundary and fades with confidence: a request is sent
+to the other pool (with probability `epsilon`, seeded RNG) only when the two predictions are
+within `explore_z` standard errors of each other (the errors shrink as the buckets fill), or
+when one of the two buckets is not confident -- untrusted, or not sampled for so long that its
+weight (in samples; it halves every `stale_half_life` decisions) is below one sample. And a
+pool the policy has not learned from for `resample_s` seconds and `resample_every` decisions
+gets the next request (reason `explore`): a pool that looks slow is re-sampled, so a recovery
+(say, of EAGLE acceptance) or a wrong estimate is noticed. A re-sample that confirms the
+estimate doubles the span (up to `MAX_BACKOFF` times), so a pool that really is slower costs
+little; an outcome faster than the estimate by more than `clip` resets it and has the pool
+re-sampled again as soon as that outcome is in, until its estimate is rebased.
 
 Requests carrying a hint teach a per-(pool, hint) factor: the hint's observed rate relative to
 the pool's estimate at the same bucket (a mean shrunk toward 1 by `hint_prior` samples, then
@@ -35,6 +46,7 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_left
+from collections import deque
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -49,6 +61,16 @@ _POOLS: tuple[Pool, Pool] = ("baseline", "eagle")
 _MIN_CV2 = 0.05**2
 """Relative spread assumed at least (squared) for per-request rates: a real server is never
 perfectly steady, so two near-equal pools keep being compared."""
+RECENT = 8
+"""Latest samples an estimate keeps: when most of them lie beyond `clip` of the estimate on one
+side, it is rebased to their median (five outcomes of a new speed suffice; four outliers never
+do)."""
+WAIT_FLOOR_S = 0.05
+"""Added to a TTFT wait before it is clipped by a factor: a wait of 0 is not 0 times anything."""
+MAX_BACKOFF = 8
+"""The re-sampling span of a pool that keeps confirming its estimate grows to this multiple."""
+_PREFILL_PRIOR_WEIGHT = 2.0
+"""Samples' worth of weight the prefill rate's prior has against its first samples."""
 
 
 class OnlineParams(BaseModel):
@@ -93,7 +115,35 @@ class OnlineParams(BaseModel):
         default=1000.0, gt=0.0, description="Optimistic decode rate of an untrusted bucket without a profile."
     )
     prior_ttft_s: float = Field(
-        default=0.0, ge=0.0, description="Optimistic TTFT of an untrusted bucket without a profile."
+        default=0.0, ge=0.0, description="Optimistic TTFT wait of an untrusted bucket without a profile."
+    )
+    prior_prefill_tok_s: float = Field(
+        default=10000.0,
+        gt=0.0,
+        description="Prefill rate (prompt tokens/s) assumed until learned, without a profile that gives one.",
+    )
+    min_prefill_tokens: int = Field(
+        default=512,
+        ge=1,
+        description="Uncached prompt tokens a request needs to teach the prefill rate (shorter: its TTFT "
+        "is mostly wait).",
+    )
+    clip: float = Field(
+        default=2.0,
+        gt=1.0,
+        description="A sample of a trusted estimate is clipped to within this factor of it; when 5 of its "
+        "latest 8 samples lie beyond it on one side, the estimate is rebased to their median.",
+    )
+    resample_s: float = Field(
+        default=10.0,
+        ge=0.0,
+        description="A pool not learned from for this long (and resample_every decisions) gets the next "
+        "request; 0: never.",
+    )
+    resample_every: int = Field(
+        default=20,
+        ge=1,
+        description="Decisions without an outcome of a pool before it may be re-sampled (see resample_s).",
     )
     max_hints: int = Field(
         default=16, ge=0, description="Distinct hints tracked (0 disables per-hint factors)."
@@ -115,11 +165,60 @@ class OnlineParams(BaseModel):
     _buckets = field_validator("buckets")(check_bounds)
 
 
+def _clipped(x: float, value: float, clip: float, floor: float) -> float:
+    """`x` within a factor `clip` of `value` (both shifted by `floor`)."""
+    low = (value + floor) / clip - floor
+    high = (value + floor) * clip - floor
+    return low if x < low else high if x > high else x
+
+
+def _rebase(recent: deque[float], value: float, clip: float, floor: float) -> float | None:
+    """When most of the latest `RECENT` samples lie beyond a factor `clip` of `value` on the same
+    side, their median (what the estimate is rebased to); else None."""
+    if len(recent) < RECENT:
+        return None
+    low = (value + floor) / clip - floor
+    high = (value + floor) * clip - floor
+    for side in ([x for x in recent if x > high], [x for x in recent if x < low]):
+        if len(side) > RECENT // 2:
+            side.sort()
+            return side[len(side) // 2]
+    return None
+
+
+class _Robust:
+    """A moving mean whose samples are clipped once it is trusted (see the module): a plain mean
+    shrunk toward its prior by `prior_weight` samples, then an EWMA over `window` samples."""
+
+    __slots__ = ("n", "recent", "value")
+
+    def __init__(self, prior: float = 0.0) -> None:
+        self.n = 0
+        self.value = prior
+        self.recent: deque[float] = deque(maxlen=RECENT)
+
+    def add(
+        self, x: float, prior_weight: float, window: float, clip: float, floor: float, trust: int
+    ) -> None:
+        self.recent.append(x)
+        if self.n >= trust:
+            median = _rebase(self.recent, self.value, clip, floor)
+            if median is not None:
+                self.n += 1
+                self.value = median
+                return
+            x = _clipped(x, self.value, clip, floor)
+        self.n += 1
+        w = 1.0 / (self.n + prior_weight)
+        least = 1.0 / window
+        self.value += (w if w > least else least) * (x - self.value)
+
+
 class _Rate:
     """Moving mean and spread of a bucket's decode rate, with an effective sample count that
-    decays while the bucket goes unsampled."""
+    decays while the bucket goes unsampled; samples clipped and the mean rebased as `_Robust`'s."""
 
-    __slots__ = ("last", "n", "square", "value", "weight")
+    __slots__ = ("last", "n", "recent", "square", "value", "weight")
 
     def __init__(self) -> None:
         self.n = 0
@@ -131,9 +230,19 @@ class _Rate:
         """Moving mean of the squared rate."""
         self.last = 0
         """Decision count at the latest sample."""
+        self.recent: deque[float] = deque(maxlen=RECENT)
 
-    def add(self, x: float, window: float, keep: float) -> None:
+    def add(self, x: float, window: float, keep: float, clip: float, trust: int) -> None:
         """One sample; `keep` is the fraction of the weight kept since the previous one."""
+        self.recent.append(x)
+        if self.n >= trust:
+            median = _rebase(self.recent, self.value, clip, 0.0)
+            if median is not None:
+                self.n += 1
+                self.value = median
+                self.square = median * median * (1.0 + _MIN_CV2)
+                return
+            x = _clipped(x, self.value, clip, 0.0)
         self.n += 1
         weight = self.weight * keep
         self.weight = (weight if weight < window else window) + 1.0
@@ -143,11 +252,11 @@ class _Rate:
 
 
 class _Bucket:
-    __slots__ = ("rate", "ttft")
+    __slots__ = ("rate", "wait")
 
     def __init__(self) -> None:
         self.rate = _Rate()
-        self.ttft = ShrunkMean()
+        self.wait = _Robust()
 
 
 class OnlinePolicy:
@@ -169,6 +278,16 @@ class OnlinePolicy:
         self._stats: dict[Pool, list[_Bucket]] = {
             pool: [_Bucket() for _ in range(len(self._bounds) + 1)] for pool in _POOLS
         }
+        self._prefill: dict[Pool, _Robust] = {}
+        """Seconds per uncached prompt token, per pool (its prior: the profile's prefill rate)."""
+        for pool in _POOLS:
+            speed = self._speed[pool]
+            tok_s = (
+                speed.prefill_tok_s
+                if speed is not None and speed.prefill_tok_s
+                else params.prior_prefill_tok_s
+            )
+            self._prefill[pool] = _Robust(1.0 / tok_s)
         self._hints: HintSlots[dict[Pool, ShrunkMean]] = HintSlots(
             params.max_hints,
             params.hint_idle,
@@ -179,6 +298,21 @@ class OnlinePolicy:
         self._window = 1.0 / params.alpha
         self._decisions = 0
         self._decay = math.log(2.0) / params.stale_half_life
+        self._heard: dict[Pool, tuple[float, int]] = {}
+        """Per pool, when (`now`, decision count) it was last taught or re-sampled."""
+        self._surprised: set[Pool] = set()
+        """Pools whose latest outcome was faster than their estimate by more than `clip`."""
+        self._probing: set[Pool] = set()
+        """Pools with a re-sampling request whose outcome has not come back yet."""
+        self._backoff: dict[Pool, int] = {"baseline": 1, "eagle": 1}
+        """Per pool, the re-sampling span's multiple: doubled (up to `MAX_BACKOFF`) by each
+        re-sample that confirms the estimate, back to 1 on an outcome that does not."""
+
+    def reset(self) -> None:
+        """A new segment (rule 7): forget when each pool was last heard of (its clock starts anew)."""
+        self._heard.clear()
+        self._probing.clear()
+        self._backoff = {"baseline": 1, "eagle": 1}
 
     def _bucket(self, pool: Pool, batch: int) -> _Bucket:
         table = self._bucket_of
@@ -191,18 +325,14 @@ class OnlinePolicy:
         cap = speed.max_running_requests
         return speed.decode_tok_s(batch if cap is None or batch <= cap else cap)
 
-    def _prior(self, pool: Pool, load: int, n: int, request: RequestInfo) -> tuple[float, float]:
-        """(TTFT, decode seconds) for an untrusted bucket: the profile's, or the optimistic prior."""
+    def _prior(self, pool: Pool, load: int, n: int) -> tuple[float, float]:
+        """(TTFT wait, decode seconds) for an untrusted bucket: the profile's, or the optimistic prior."""
         p = self.params
         speed = self._speed[pool]
         if speed is None:
             return p.prior_ttft_s, (n - 1) / p.prior_decode_tok_s
         prof_ttft, prof_e2e = speed.predict_e2e_s(
-            n,
-            load,
-            0,
-            mean_output_tokens=float(p.default_output_tokens),
-            prompt_tokens=request.prompt_tokens,
+            n, load, 0, mean_output_tokens=float(p.default_output_tokens)
         )
         return prof_ttft, prof_e2e - prof_ttft
 
@@ -220,22 +350,26 @@ class OnlinePolicy:
         factor = factors[pool]
         return factor.value if factor.n >= self._min_samples else 1.0
 
-    def _predict(self, pool: Pool, load: int, n: int, request: RequestInfo) -> tuple[float, float, _Bucket]:
-        """(TTFT, end-to-end, the bucket) for a request joining a backend at `load`."""
+    def _predict(
+        self, pool: Pool, load: int, n: int, request: RequestInfo, prompt: int
+    ) -> tuple[float, float, _Bucket]:
+        """(TTFT, end-to-end, the bucket) for a request joining a backend at `load` with `prompt`
+        uncached prompt tokens."""
         bucket = self._bucket(pool, load + 1)
         min_samples = self._min_samples
-        ttft_mean, rate_mean = bucket.ttft, bucket.rate
-        if ttft_mean.n >= min_samples and rate_mean.n >= min_samples:
-            ttft, rate = ttft_mean.value, rate_mean.value
+        wait_mean, rate_mean = bucket.wait, bucket.rate
+        if wait_mean.n >= min_samples and rate_mean.n >= min_samples:
+            wait, rate = wait_mean.value, rate_mean.value
         else:
-            prof_ttft, prof_decode = self._prior(pool, load, n, request)
-            ttft = ttft_mean.value if ttft_mean.n >= min_samples else prof_ttft
+            prof_wait, prof_decode = self._prior(pool, load, n)
+            wait = wait_mean.value if wait_mean.n >= min_samples else prof_wait
             if rate_mean.n >= min_samples:
                 rate = rate_mean.value
             else:
                 rate = (n - 1) / prof_decode if prof_decode > 0 else self.params.prior_decode_tok_s
         if request.hint is not None:
             rate *= self._hint_factor(pool, request.hint)
+        ttft = wait + self._prefill[pool].value * prompt
         return ttft, ttft + (n - 1) / rate, bucket
 
     def _uncertain(self, ce: float, cb: float, e: _Bucket, b: _Bucket) -> bool:
@@ -250,6 +384,24 @@ class OnlinePolicy:
             variance += (cv2 if cv2 > _MIN_CV2 else _MIN_CV2) / w
         return abs(ce - cb) <= self.params.explore_z * math.sqrt(variance) * min(ce, cb)
 
+    def _resample(self, pool: Pool, now: float) -> bool:
+        """Whether the next request re-samples `pool`: it has gone unheard of for `resample_s`
+        seconds and `resample_every` decisions, or its latest outcome was faster than its estimate
+        by more than `clip` and no re-sampling request of it is out (so a pool that turned fast
+        again is re-sampled outcome after outcome until its estimate is rebased)."""
+        p = self.params
+        if p.resample_s <= 0:
+            return False
+        heard = self._heard.setdefault(pool, (now, self._decisions))
+        span = self._backoff[pool]
+        due = now - heard[0] >= p.resample_s * span and self._decisions - heard[1] >= p.resample_every * span
+        if not due and (pool not in self._surprised or pool in self._probing):
+            return False
+        self._heard[pool] = (now, self._decisions)
+        self._probing.add(pool)
+        self._surprised.discard(pool)
+        return True
+
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         self._decisions += 1
         n = request.max_tokens or self.params.default_output_tokens
@@ -261,7 +413,10 @@ class OnlinePolicy:
         for pool in _POOLS:
             backend = first_least_loaded(view.pool(pool))
             if backend is not None:
-                ttft[pool], e2e[pool], buckets[pool] = self._predict(pool, backend.load, n, request)
+                prompt = request.prompt_tokens - backend.cached_tokens
+                ttft[pool], e2e[pool], buckets[pool] = self._predict(
+                    pool, backend.load, n, request, prompt if prompt > 0 else 0
+                )
         if len(e2e) < 2:  # the routing core's fallback (rule 4)
             pool, reason = fallback(e2e)
         else:
@@ -272,25 +427,63 @@ class OnlinePolicy:
                 pool, reason = "eagle", "faster_eagle"
             else:
                 pool, reason = "baseline", "faster_baseline"
+            other: Pool = "baseline" if pool == "eagle" else "eagle"
             eps = self.params.epsilon
-            if eps > 0.0 and self._uncertain(ce, cb, e, b) and self._rng.random() < eps:
-                pool, reason = ("baseline" if pool == "eagle" else "eagle"), "explore"
+            if self._resample(other, now) or (
+                eps > 0.0 and self._uncertain(ce, cb, e, b) and self._rng.random() < eps
+            ):
+                pool, reason = other, "explore"
         return pool_decision(pool, reason, policy=self.name, predicted_ttft_s=ttft, predicted_e2e_s=e2e)
 
     def observe(self, outcome: Outcome) -> None:
+        pool = outcome.decision.pool
+        probed = pool in self._probing
+        self._probing.discard(pool)
         if not teaches(outcome):
             return  # only requests this policy routed to where they ran teach it
+        surprise = self._learn(outcome)
+        if surprise:
+            self._surprised.add(pool)
+            self._backoff[pool] = 1
+        else:
+            self._surprised.discard(pool)
+            if probed:
+                self._backoff[pool] = min(2 * self._backoff[pool], MAX_BACKOFF)
+
+    def _learn(self, outcome: Outcome) -> bool:
+        """Learn from an outcome that teaches; whether it was faster than the estimates by more
+        than `clip` (a surprise)."""
         decision = outcome.decision
-        p = self.params
         pool = decision.pool
+        surprise = False
+        p = self.params
+        heard = self._heard.get(pool)
+        if heard is None or outcome.started_at >= heard[0]:
+            self._heard[pool] = (outcome.started_at, self._decisions)
         batch = decision.backend_load + 1
         bucket = self._bucket(pool, batch)
         window = self._window
+        trust = self._min_samples
         if outcome.ttft_s is not None:
-            bucket.ttft.add(outcome.ttft_s, 0.0, window)
+            prompt = outcome.request.prompt_tokens - (outcome.cached_tokens or 0)
+            prefill = self._prefill[pool]
+            if prompt >= p.min_prefill_tokens:
+                wait = (
+                    bucket.wait.value
+                    if bucket.wait.n >= trust
+                    else self._prior(pool, decision.backend_load, 1)[0]
+                )
+                x = outcome.ttft_s - wait
+                prefill.add((x if x > 0 else 0.0) / prompt, _PREFILL_PRIOR_WEIGHT, window, p.clip, 0.0, trust)
+            x = outcome.ttft_s - prefill.value * (prompt if prompt > 0 else 0)
+            wait = x if x > 0 else 0.0
+            surprise = bucket.wait.n >= trust and wait < _clipped(
+                wait, bucket.wait.value, p.clip, WAIT_FLOOR_S
+            )
+            bucket.wait.add(wait, 0.0, window, p.clip, WAIT_FLOOR_S, trust)
         rate = outcome.decode_tok_s
         if rate is None:
-            return
+            return surprise
         hint = outcome.request.hint
         factor = 1.0
         if hint is not None and p.max_hints > 0:
@@ -302,8 +495,12 @@ class OnlinePolicy:
                     factors[pool].add(rate / ref, p.hint_prior, 1.0 / p.hint_alpha)
                     factor = self._hint_factor(pool, hint)
         # the bucket learns the rate of untagged traffic; a stale one forgets faster
-        bucket.rate.add(rate / factor, window, self._keep(bucket.rate))
+        untagged = rate / factor
+        if bucket.rate.n >= trust and untagged > _clipped(untagged, bucket.rate.value, p.clip, 0.0):
+            surprise = True
+        bucket.rate.add(untagged, window, self._keep(bucket.rate), p.clip, trust)
         bucket.rate.last = self._decisions
+        return surprise
 
     def state(self) -> dict[str, Any]:
         """What the policy has learned, as plain data (for inspection and tests)."""
@@ -315,13 +512,17 @@ class OnlinePolicy:
                         "max_batch": bound,
                         "rate_samples": b.rate.n,
                         "decode_tok_s": b.rate.value if b.rate.n else None,
-                        "ttft_samples": b.ttft.n,
-                        "ttft_s": b.ttft.value if b.ttft.n else None,
+                        "wait_samples": b.wait.n,
+                        "wait_s": b.wait.value if b.wait.n else None,
                     }
                     for bound, b in zip(bounds, self._stats[pool], strict=True)
                 ]
                 for pool in _POOLS
             },
+            "prefill_tok_s": {
+                pool: 1.0 / m.value if m.value > 0 else None for pool, m in self._prefill.items()
+            },
+            "prefill_samples": {pool: m.n for pool, m in self._prefill.items()},
             "hint_factors": {
                 f"{pool}:{hint}": {"samples": m[pool].n, "factor": m[pool].value}
                 for hint, m in self._hints.items()
@@ -335,6 +536,7 @@ SPEC = PolicySpec(
     name="online",
     params=OnlineParams,
     factory=OnlinePolicy,
-    help="Learn each pool's decode rate and TTFT per load bucket from finished requests "
-    "(profile or optimistic prior until trusted); explore only near the decision boundary.",
+    help="Learn each pool's decode rate and TTFT wait per load bucket and its prefill rate per prompt "
+    "token from finished requests, robustly (clipped, rebased on a persistent change); profile or "
+    "optimistic prior until trusted; explore near the decision boundary and re-sample a pool unheard of.",
 )

@@ -55,6 +55,10 @@ class RequestFeatures:
     n: int = 1
     model: int = 0
     """Hash of the `model` field; 0 when absent."""
+    traits: int = 0
+    """What kind of task the text looks like, as bits (`policies.features.TRAITS`: code fences and
+    syntax, math notation, a language other than English, a long document with a short question,
+    an instruction to translate, summarize or extract, tool schemas, ...)."""
 
 
 @dataclass(slots=True)
@@ -73,10 +77,22 @@ class RequestInfo:
     features: RequestFeatures | None = None
     """What the request asks, as compact features (None when no extractor ran, e.g. traces
     without text); `hint` above stays the client's own word and is a feature too."""
+    client: int = 0
+    """A stable hash of who sent the request (its API key or address, as the proxy knows it); 0
+    when unknown. A learning policy bounds the share of what one client teaches."""
 
 
 HINT_HEADER = "x-specroute-hint"
 """The request header that carries `RequestInfo.hint` (read by the proxy and the emulator)."""
+
+
+def load_of(in_flight: int, running: int | None, queued: int | None) -> int:
+    """A backend's load (`BackendLoad.load`): the larger of this replica's in-flight count and
+    the backend-reported running + queued (`running` None: no fresh sample, in flight alone)."""
+    if running is None:
+        return in_flight
+    scraped = running + queued if queued else running
+    return scraped if scraped > in_flight else in_flight
 
 
 @dataclass(slots=True, init=False)
@@ -91,9 +107,10 @@ class BackendLoad:
 
     name: str
     pool: Pool
-    healthy: bool
-    """Health-wise usable: its probes pass and the outlier detector has not ejected it (or the
-    proxy is in panic mode). Whether it takes a request now is `admits`."""
+    usable: bool
+    """May get requests health-wise: its health probes pass and the outlier detector has not
+    ejected it (or the proxy is in panic mode: every backend). Whether it takes a request now
+    is `admits`."""
     in_flight: int
     """Requests this proxy replica has in flight on the backend (exact)."""
     in_flight_tokens: int
@@ -119,14 +136,14 @@ class BackendLoad:
     """The larger of the local in-flight count and the backend-reported load (running + queued,
     when there is a fresh sample)."""
     admits: bool = field(init=False, compare=False)
-    """Whether this backend may take a request now: healthy and not full. The routing core and
+    """Whether this backend may take a request now: usable and not full. The routing core and
     the policies route only to backends that admit."""
 
     def __init__(
         self,
         name: str,
         pool: Pool,
-        healthy: bool = True,
+        usable: bool = True,
         in_flight: int = 0,
         in_flight_tokens: int = 0,
         running: int | None = None,
@@ -139,7 +156,7 @@ class BackendLoad:
     ) -> None:
         self.name = name
         self.pool = pool
-        self.healthy = healthy
+        self.usable = usable
         self.in_flight = in_flight
         self.in_flight_tokens = in_flight_tokens
         self.running = running
@@ -149,12 +166,8 @@ class BackendLoad:
         self.cached_tokens = cached_tokens
         self.full = full
         self.max_running = max_running
-        if running is None:
-            self.load = in_flight
-        else:
-            scraped = running + queued if queued else running
-            self.load = scraped if scraped > in_flight else in_flight
-        self.admits = healthy and not full
+        self.load = load_of(in_flight, running, queued)
+        self.admits = usable and not full
 
     @property
     def scraped(self) -> int | None:
@@ -168,11 +181,6 @@ class BackendLoad:
 class PoolLoad:
     pool: Pool
     backends: tuple[BackendLoad, ...] = ()
-
-    @property
-    def healthy(self) -> tuple[BackendLoad, ...]:
-        """Backends that pass their health checks (full or not)."""
-        return tuple(b for b in self.backends if b.healthy)
 
     @property
     def admitting(self) -> tuple[BackendLoad, ...]:
@@ -197,9 +205,6 @@ class LoadView:
 
     def pool(self, pool: Pool) -> PoolLoad:
         return self.baseline if pool == "baseline" else self.eagle
-
-    def has_healthy(self, pool: Pool) -> bool:
-        return any(b.healthy for b in self.pool(pool).backends)
 
     def admits(self, pool: Pool) -> bool:
         """Whether some backend of `pool` may take a request now."""
@@ -252,7 +257,7 @@ class Decision:
 
 class NoHealthyBackend(Exception):
     """Raised by the routing core (`policies.routing`) when a request has nowhere to go: neither
-    pool has a healthy backend, or the pool the client forced has none."""
+    pool has a usable backend, or the pool the client forced has none."""
 
 
 class InvalidDecision(Exception):
@@ -285,6 +290,11 @@ class Outcome:
     """The request was moved to another backend after `decision` (its first backend failed
     before the first byte): `decision.backend_load` is not the load of the backend that served
     it. Such an outcome does not teach (`policies.routing.teaches`)."""
+    client_blocked_s: float = 0.0
+    """Seconds the proxy's relay was blocked writing to a client slower than the stream: part of
+    `duration_s` that is the client's, not the backend's."""
+    sequences: int = 1
+    """Sequences the request asked for (`n`): `completion_tokens` counts them together."""
 
     def __init__(
         self,
@@ -298,6 +308,8 @@ class Outcome:
         accept_length: float | None = None,
         cached_tokens: int | None = None,
         failed_over: bool = False,
+        client_blocked_s: float = 0.0,
+        sequences: int = 1,
     ) -> None:
         # written out: mypyc compiles this one (the dataclass's generated __init__ it does not)
         self.request = request
@@ -310,6 +322,8 @@ class Outcome:
         self.accept_length = accept_length
         self.cached_tokens = cached_tokens
         self.failed_over = failed_over
+        self.client_blocked_s = client_blocked_s
+        self.sequences = sequences
 
     @property
     def forced(self) -> bool:
@@ -318,15 +332,14 @@ class Outcome:
 
     @property
     def decode_tok_s(self) -> float | None:
-        """Per-request decode rate after the first token, or None when unknown."""
-        if (
-            self.status != "ok"
-            or self.ttft_s is None
-            or self.completion_tokens is None
-            or self.completion_tokens < 2
-        ):
+        """Per-sequence decode rate after the first token, or None when unknown. The time the
+        relay was blocked on the client (`client_blocked_s`) is not the backend's."""
+        if self.status != "ok" or self.ttft_s is None or self.completion_tokens is None:
             return None
-        decode_time = self.duration_s - self.ttft_s
+        tokens = self.completion_tokens / self.sequences if self.sequences > 1 else self.completion_tokens
+        if tokens < 2:
+            return None
+        decode_time = self.duration_s - self.ttft_s - self.client_blocked_s
         if decode_time <= 0:
             return None
-        return (self.completion_tokens - 1) / decode_time
+        return (tokens - 1) / decode_time

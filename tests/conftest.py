@@ -8,10 +8,12 @@
 - `emulator(mode="baseline", profile=KIMI, **config)` starts an in-process SGLang emulator
   (`simulator.emulator.app.run_emulator`); its default time scale is the `emulator_time_scale` fixture,
   which a test module may override.
+- `tiny_tmpfs`: a 256 KiB tmpfs (`helpers.tiny_tmpfs`) at a fresh path, for the test's length.
 - `spawn_serve(*args, env=..., stderr=..., preexec_fn=...)` runs `specroute serve --port 0 ...` as
   a subprocess and returns a `ServeProcess` (its URL read from the "specroute listening on" line);
-  with `SPECROUTE_TEST_CLOCK=1` in `env`, `ServeProcess.advance_clock(s)` moves its clock on. Its
-  `shutdown_grace_s` is 0 unless the test sets it (see `start_serve`).
+  with `driven=True` it runs on a clock the test moves (`tests/driven_serve.py`):
+  `ServeProcess.advance_clock(s)`. Its `shutdown_grace_s` is 0 unless the test sets it (see
+  `start_serve`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -29,14 +34,17 @@ import openai
 import pytest
 from aiohttp import web
 from fakes import FakeBackend, RawAnswer, RawBackend
-from helpers import KIMI, start_module, wait_until
+from helpers import KIMI, wait_until
+from helpers import tiny_tmpfs as mounted_tmpfs
 from prometheus_client import CollectorRegistry
 
 from controller.cli import spawn
-from controller.proxy.app import FORWARDER, TRACKER, create_app, make_runner, policy_context
+from controller.proxy.app import FORWARDER, TRACKER, create_app, make_runner
 from controller.proxy.config import Settings
-from controller.proxy.forward import Forwarder, Observer, RequestRecord
+from controller.proxy.core import policy_context
+from controller.proxy.forward import Forwarder
 from controller.proxy.load import LoadTracker
+from controller.proxy.ticket import Observer, RequestRecord
 from policies.base import Policy
 from policies.profile import Profile
 from policies.registry import default_registry
@@ -143,6 +151,13 @@ async def emulator(emulator_time_scale: float) -> AsyncIterator[Callable[..., Aw
 
 
 @pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs (needs root and the right to mount; skipped elsewhere)."""
+    with mounted_tmpfs(tmp_path / "tmpfs") as mnt:
+        yield mnt
+
+
+@pytest.fixture
 async def proxy() -> AsyncIterator[Callable[..., Awaitable[RunningProxy]]]:
     running: list[RunningProxy] = []
 
@@ -181,7 +196,7 @@ async def proxy() -> AsyncIterator[Callable[..., Awaitable[RunningProxy]]]:
             observers=[records.append, *observers],
             health_checks=health_checks,
             shadows=shadows,
-            **({"clock": clock} if clock is not None else {}),
+            clock=clock if clock is not None else time.monotonic,
         )
         runner = make_runner(app, shutdown_timeout=s.drain_timeout_s)
         await runner.setup()
@@ -209,8 +224,8 @@ class ServeProcess:
         return await asyncio.wait_for(self.proc.wait(), timeout_s)
 
     async def advance_clock(self, seconds: float) -> None:
-        """Move the process's clock on (it must run with `SPECROUTE_TEST_CLOCK=1`, see
-        `controller.cli.driven_clock`): its deadlines pass as if `seconds` had."""
+        """Move the process's clock on (started with `driven=True`, see `tests/driven_serve.py`):
+        its deadlines pass as if `seconds` had."""
         async with (
             aiohttp.ClientSession() as s,
             s.post(self.url + "/_test/clock", json={"advance_s": seconds}) as r,
@@ -219,6 +234,7 @@ class ServeProcess:
 
 
 SHUTDOWN_GRACE_ENV = "SPECROUTE_SHUTDOWN_GRACE_S"
+DRIVEN_SERVE = Path(__file__).resolve().parent / "driven_serve.py"
 
 
 async def start_serve(
@@ -227,17 +243,20 @@ async def start_serve(
     timeout_s: float = 30.0,
     stderr: int = asyncio.subprocess.PIPE,
     preexec_fn: Callable[[], Any] | None = None,
+    driven: bool = False,
 ) -> ServeProcess:
     """Run `specroute serve --port 0 ARGS` and wait for its listening line. `stderr` is piped
-    unless DEVNULL is passed (a test that does not read it and makes serve log a lot).
+    unless DEVNULL is passed (a test that does not read it and makes serve log a lot). `driven`:
+    the same serve on a clock the test moves (`tests/driven_serve.py`, `advance_clock`).
 
     `shutdown_grace_s` is 0 unless the test sets it (`--shutdown-grace-s`, or in `env`): the
     shipped 5 s would make every SIGTERM of a test wait 5 s with `/ready` at 503 before the
     drain, which only the shutdown tests look at (they set it themselves)."""
     environ = {SHUTDOWN_GRACE_ENV: "0", **os.environ, **(env or {})}
-    proc, line = await start_module(
-        "controller.cli", "serve", "--port", "0", *args, marker="specroute listening on ",
-        stderr=stderr, env=environ, preexec_fn=preexec_fn, timeout_s=timeout_s,
+    command = [str(DRIVEN_SERVE)] if driven else ["-m", "controller.cli", "serve"]
+    proc, line = await spawn.start(
+        [sys.executable, *command, "--port", "0", *args], marker="specroute listening on ",
+        stderr=stderr, stdin=None, env=environ, preexec_fn=preexec_fn, timeout_s=timeout_s,
     )  # fmt: skip
     return ServeProcess(proc, spawn.url_of(line))
 

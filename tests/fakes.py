@@ -464,9 +464,16 @@ class RawBackend:
             writer.close()
 
 
+POLL_S = 0.05
+"""How often the proxy looks again at a deadline on a test's clock (the clocks' `poll_s`)."""
+
+
 class ShiftedClock:
     """The proxy's clock for tests that need time to pass: `time.monotonic()` plus what
     `advance` added, so a test moves a deadline (a back-off, an ejection) instead of sleeping."""
+
+    poll_s = POLL_S
+    """Its time jumps: the proxy's timers on it look again this often (`controller.proxy.watchdog.poll_s`)."""
 
     def __init__(self) -> None:
         self.offset = 0.0
@@ -487,8 +494,6 @@ class ShiftedClock:
         `when`: a tick happens only when it holds at that moment (an in-process proxy runs on
         this loop, so nothing moves between the check and the step): e.g. "every request in
         flight is one that only a timeout ends", so no healthy request's deadline is moved."""
-        from controller.proxy.watchdog import POLL_S
-
         task = asyncio.ensure_future(aw)
         try:
             while not task.done():

@@ -16,6 +16,8 @@
   (by `controller.cli.spawn`, the spawn helper the tests, the benchmarks and the demo share; its
   `start_sync`/`read_listening_sync` serve synchronous tests).
 - `free_port()`, `raise_open_files_limit(n)`.
+- `tiny_tmpfs(path)`: a 256 KiB tmpfs mounted at `path` for a `with` block (skips the test where
+  mounting is not allowed); `fill_file_system(path, leave)`: fill it to its last bytes.
 - `port_of(url)`, `raw_post(path, body)` (a POST's bytes) and `raw_exchange(port, data)`: raw HTTP
   for the tests that speak it broken.
 - `Routed(policy, seed)`: a policy as the proxy and the simulator use it, every `choose` going
@@ -31,12 +33,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import inspect
+import os
 import resource
 import socket
+import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,21 +49,22 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
+from openai.types.chat import ChatCompletionMessageParam
 
+from controller.bench.server_state import Labels, metric_values, sglang_load
 from controller.cli import main, spawn
+from controller.proxy.config import parse_backend
+from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.routing import Router
 
 ROOT = Path(__file__).resolve().parent.parent
 
-Labels = tuple[tuple[str, str], ...]
-
-CHAT: list[dict[str, str]] = [{"role": "user", "content": "hello"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 BODY: dict[str, Any] = {"model": "m", "messages": CHAT, "stream": True}
 WHOLE_BODY: dict[str, Any] = {"model": "m", "messages": CHAT}
-FRANCE: list[dict[str, str]] = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 KIMI = resolve_profile("kimi-k25-int4-8gpu")  # prefill 8000 (baseline) / 7600 (eagle) tok/s
 
 
@@ -95,22 +101,12 @@ async def wait_until(
 
 async def metric_samples(url: str, name: str) -> dict[Labels, float]:
     """Samples of one metric from a `/metrics` endpoint, keyed by their sorted labels."""
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        assert r.status == 200
-        text = await r.text()
-    return {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
+    return {labels: value for (sample, labels), value in (await metric_values(url)).items() if sample == name}
 
 
 async def emulator_running(url: str) -> int:
     """Requests an emulated SGLang server runs or queues, from its `/v1/loads`."""
-    async with aiohttp.ClientSession() as s, s.get(url + "/v1/loads") as r:
-        load = (await r.json())["loads"][0]
-    return int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])
+    return await sglang_load(url)
 
 
 async def assert_in_flight_zero(url: str, timeout_s: float = 10.0) -> None:
@@ -335,3 +331,37 @@ async def replay_conversation(
         )
         messages.append({"role": "assistant", "content": "".join(text)})
     return turns
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(mnt: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs at `mnt` (created) while the block runs; the test is skipped where that
+    needs rights it lacks (root and the right to mount)."""
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill_file_system(path: Path, leave: int) -> None:
+    """Fill the file system of `path` to the last `leave` bytes (rounded to its pages)."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        f.truncate(max(0, f.tell() - leave))
+
+
+def make_tracker(baseline: Sequence[str], eagle: Sequence[str], **kw: Any) -> LoadTracker:
+    """A `LoadTracker` of backends written as `URL` or `NAME=URL`, as the settings take them."""
+    return LoadTracker(
+        [parse_backend(b, "baseline") for b in baseline], [parse_backend(e, "eagle") for e in eagle], **kw
+    )

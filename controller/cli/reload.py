@@ -94,7 +94,7 @@ async def read_stable(
     reads that did not; OSError when it cannot be read). The first read and each read that
     found the file changed are logged at INFO (a test on a driven clock waits for those lines
     before it moves the clock on); `sleep` is `asyncio.sleep` unless the caller's clock is
-    another (`serve` on `controller.cli.driven_clock`)."""
+    another (`serve` given a test's clock, `run_serve`)."""
     last = await asyncio.to_thread(snapshot, path)
     log.info("SIGHUP: config file %s read; reading it again in %g s to see it settled", path, settle_s)
     for _ in range(attempts):

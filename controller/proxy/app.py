@@ -1,12 +1,12 @@
 """The aiohttp application: routes, shared state and lifecycle.
 
 `create_app` takes every collaborator (settings, policy, policy registry, optional client
-session, clock, metrics registry) so tests build the real app around fakes. One `cleanup_ctx`
-opens the shared `ClientSession` (unless one was passed in), runs the health checker and the
-backend scraper (`controller.proxy.scrape.ScrapeLoop`, samples into `app[TRACKER]`), and opens and
-closes the decision log (`settings.decision_log`, written by `controller.proxy.decision_record`;
-`reopen_decision_log` makes it open its path anew). The error middleware passes specroute's
-error messages through `controller.proxy.identity` (`errors.CLIENT_TEXT`: backend names hidden
+session, clock, metrics registry) so tests build the real app around fakes. It builds the
+request path's `controller.proxy.core.Core` and serves it over HTTP; one `cleanup_ctx` opens the
+shared `ClientSession` (unless one was passed in) and runs the core's background work while the
+app runs (`Core.running`: health checks, scrapes, the decision log; `reopen_decision_log` makes
+the log open its path anew). The error middleware passes specroute's
+error messages through `controller.proxy.identity` (`http_errors.CLIENT_TEXT`: backend names hidden
 from clients with `backend_header: false`).
 
 Shadow policies (`settings.shadow_policies`, or built ones passed as `shadows=`) are asked by
@@ -17,47 +17,30 @@ the `Forwarder` on every request. Further observers: pass `observers=[callable]`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from controller.proxy.acceptance_metrics import AcceptanceMetrics
 from controller.proxy.admin import PolicyAdmin, admin_routes
-from controller.proxy.capacity import AdmissionMetrics, Capacity, in_flight_bounds
 from controller.proxy.config import Settings
-from controller.proxy.decision_record import DecisionLogger, open_decision_log
-from controller.proxy.engines import Engine
-from controller.proxy.errors import (
-    CLIENT_TEXT,
-    NoBackendAvailable,
-    NotFound,
-    ShuttingDown,
-    error_middleware,
-    expect_handler,
-    http_log,
-)
-from controller.proxy.forward import Forwarder, Observer, RequestRecord
-from controller.proxy.headers import BACKEND_HEADER, POOL_HEADER, forwardable
+from controller.proxy.core import Core, build_core, policy_context
+from controller.proxy.errors import NoBackendAvailable, NotFound, ShuttingDown
+from controller.proxy.forward import Forwarder
 from controller.proxy.health import HealthChecker
-from controller.proxy.info import model_info, server_info
-from controller.proxy.limits import read_bounded
+from controller.proxy.http_errors import CLIENT_TEXT, error_middleware, expect_handler, http_log
+from controller.proxy.info import list_models, model_info, server_info
 from controller.proxy.load import LoadTracker
 from controller.proxy.memory import keep_heap_small
-from controller.proxy.metrics import BudgetCollector, Metrics, RelayCollector
-from controller.proxy.outlier import OutlierDetector
-from controller.proxy.scrape import ScrapeLoop, apply_reported_cap
-from controller.proxy.shadow import ShadowPolicies, build_shadows
+from controller.proxy.metrics import Metrics, RelayCollector
+from controller.proxy.scrape import ScrapeLoop
 from controller.proxy.shutdown import SHUTDOWN, Shutdown, close_after_answer
-from policies.base import POOLS, Policy, Pool
-from policies.calibration import MISMATCH_AFTER
-from policies.prefix import DEFAULT_CACHE_TOKENS
-from policies.profile import Profile, resolve_profile
+from controller.proxy.ticket import Observer
+from policies.base import POOLS, Policy
 from policies.registry import PolicyRegistry
 from policies.spec import PolicyContext
 
@@ -70,14 +53,7 @@ METRICS = web.AppKey("metrics", Metrics)
 ADMIN = web.AppKey("admin", PolicyAdmin)
 HEALTH = web.AppKey("health", HealthChecker)
 SCRAPER = web.AppKey("scraper", ScrapeLoop)
-DECISION_LOGS = web.AppKey("decision_logs", list[DecisionLogger])
-"""The open decision log (none, or one while the app runs)."""
-
-
-def policy_context(settings: Settings) -> PolicyContext:
-    """Profile (resolved from a path or a built-in name) and seed for building policies."""
-    profile = resolve_profile(settings.profile) if settings.profile else None
-    return PolicyContext(profile=profile, seed=settings.seed)
+CORE = web.AppKey("core", Core)
 
 
 def create_app(
@@ -98,201 +74,26 @@ def create_app(
     keep_heap_small()  # what a request held goes back to the OS when it ends (the memory budget)
     app = web.Application(client_max_size=settings.body_limit_bytes, middlewares=[error_middleware])
     ctx = context if context is not None else policy_context(settings)
-    tracker = LoadTracker(
-        settings.baseline,
-        settings.eagle,
-        stale_after_s=settings.scrape_stale_after_s,
-        panic=settings.panic_routing,
-        replicas=settings.replicas,
-    )
-    tracker.set_bounds(*in_flight_bounds(settings, ctx.profile))
-    if settings.prefix_tracking:
-        tracker.track_prefixes(prefix_capacities(settings, ctx.profile, tracker))
-    registry_ = metrics_registry if metrics_registry is not None else CollectorRegistry()
-    metrics = Metrics(registry_, tracker, clock=clock)
-    if shadows is None:
-        shadows = build_shadows(settings.shadow_policies, registry, ctx)
-    fwd = Forwarder(
-        settings,
-        policy,
-        tracker,
-        metrics,
-        clock=clock,
-        observers=list(observers),
-        shadows=ShadowPolicies(shadows, metrics),
-        outlier=OutlierDetector(
-            tracker,
-            consecutive_failures=settings.outlier_consecutive_failures,
-            base_s=settings.outlier_base_ejection_s,
-            max_s=settings.outlier_max_ejection_s,
-            max_ejected_percent=settings.outlier_max_ejected_percent,
-        ),
-        capacity=Capacity(
-            tracker,
-            AdmissionMetrics(registry_),
-            wait_s=settings.admission_wait_s,
-            max_waiting=settings.admission_max_waiting,
-            clock=clock,
-            backoff_s=settings.overload_backoff_s,
-        ),
-    )
-    registry_.register(BudgetCollector(fwd.budget))
-    registry_.register(RelayCollector(fwd.relays))
-    fwd.observers.append(AcceptanceMetrics(registry_, lambda: fwd.policy))
-    fwd.observers.append(MismatchWatch(metrics))
-    app[SETTINGS] = settings
-    if not fwd.identity.show:
-        app[CLIENT_TEXT] = fwd.identity.for_clients
-    app[TRACKER] = tracker
-    app[METRICS] = metrics
-    app[FORWARDER] = fwd
-    app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
+    core = build_core(
+        settings, policy, registry=registry, metrics_registry=metrics_registry, clock=clock, context=ctx,
+        observers=observers, shadows=shadows,
+    )  # fmt: skip
+    fwd = Forwarder(core)
+    core.metrics.registry.register(RelayCollector(fwd.relays))
+    app[SETTINGS], app[CORE], app[FORWARDER] = settings, core, fwd
+    app[TRACKER], app[METRICS] = core.tracker, core.metrics
+    if not core.identity.show:
+        app[CLIENT_TEXT] = core.identity.for_clients
+    app[ADMIN] = admin = PolicyAdmin(fwd, registry, ctx, adapt=core.ladders.adapt)
+    core.rebuild = admin.fresh
+    if core.ladders.pool_ladder() is not None:  # backend_adaptive: the policy predicts the ladder's speed
+        admin.fresh()
+        log.info("eagle pool: %s", core.ladders.describe())
     app[SHUTDOWN] = Shutdown(clock)
     app.on_response_prepare.append(close_after_answer)
-    app[DECISION_LOGS] = open_logs = []
-    dropped = Counter(
-        "specroute_decision_log_dropped_records",
-        "Decision-log records not written, by reason (queue_full: the writer fell behind; "
-        "write_error: the disk failed or is full; unencodable).",
-        ["reason"],
-        registry=registry_,
-    )
-    for reason in ("queue_full", "write_error", "unencodable"):
-        dropped.labels(reason)
-
-    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        own = session is None
-        # No connection limit here: the admission bounds cap requests per backend, and a limit
-        # in the connector would queue requests out of sight of the accounting and the timeouts.
-        fwd.session = session or aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
-            auto_decompress=False,
-            trust_env=False,
-            headers={"Accept-Encoding": "identity"},
-        )
-        scraper = ScrapeLoop(
-            tracker,
-            fwd.session,
-            interval_s=settings.scrape_interval_s,
-            timeout_s=min(2.0, settings.scrape_stale_after_s),
-            clock=clock,
-            headers=lambda pool: {"Authorization": auth} if (auth := fwd.auth_header(pool)) else {},
-            engines={b.name: settings.engine_of(b.name) for b in settings.backends()},
-            on_capacity=lambda name, cap: _reported_cap(settings, fwd, name, cap),
-            on_engine=lambda name, engine: _engine_found(settings, tracker, name, engine),
-        )
-        app[SCRAPER] = scraper
-        checker = HealthChecker(
-            tracker,
-            fwd.session,
-            path=settings.health_check_path,
-            interval_s=settings.health_check_interval_s,
-            timeout_s=settings.health_check_timeout_s,
-            unhealthy_threshold=settings.health_check_unhealthy_threshold,
-            healthy_threshold=settings.health_check_healthy_threshold,
-            engine_of=scraper.engine,
-            clock=clock,
-        )
-        app[HEALTH] = checker
-        decisions = None
-        if settings.decision_log:
-            decisions = open_decision_log(
-                settings.decision_log, clock, on_drop=lambda reason, n: dropped.labels(reason).inc(n)
-            )
-            fwd.observers.append(decisions)
-            open_logs.append(decisions)
-        tasks = []
-        if health_checks:
-            tasks.append(asyncio.create_task(checker.run()))
-        if scrape:
-            tasks.append(asyncio.create_task(scraper.run()))
-        try:
-            yield
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            if decisions is not None:
-                fwd.observers.remove(decisions)
-                open_logs.remove(decisions)
-                await asyncio.to_thread(decisions.log.close)
-            if own:
-                await fwd.session.close()
-
-    app.cleanup_ctx.append(lifecycle)
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await fwd.handle(request, "chat", "/v1/chat/completions")
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await fwd.handle(request, "completions", "/v1/completions")
-
-    def sglang_only(path: str) -> None:
-        """A clear 404 for an SGLang-only route when every backend is known to run another engine."""
-        engines = [app[SCRAPER].engine(b.name) if SCRAPER in app else None for b in tracker]
-        if engines and all(e is not None and not e.native_generate for e in engines):
-            labels = sorted({e.label for e in engines if e is not None})
-            raise NotFound(
-                f"{path} is an SGLang route and every backend here runs {', '.join(labels)}: "
-                "use /v1/chat/completions or /v1/completions"
-            )
-
-    async def generate(request: web.Request) -> web.StreamResponse:
-        sglang_only("/generate")
-        return await fwd.handle(request, "generate", "/generate")
-
-    async def models(request: web.Request) -> web.StreamResponse:
-        return await list_models(fwd, request)
-
-    async def model_info_route(request: web.Request) -> web.StreamResponse:
-        sglang_only(request.path)
-        return await model_info(fwd, request)
-
-    async def server_info_route(request: web.Request) -> web.StreamResponse:
-        sglang_only(request.path)
-        return await server_info(fwd, request)
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def ready(request: web.Request) -> web.Response:
-        if app[SHUTDOWN].started:
-            raise ShuttingDown("specroute is shutting down: send new requests elsewhere")
-        now = clock()
-        healthy = [b for b in tracker if b.healthy and not b.ejected(now)]
-        if not healthy:
-            raise NoBackendAvailable("no healthy backend")
-        body: dict[str, object] = {
-            "status": "ready",
-            "healthy": {pool: sum(b.pool == pool for b in healthy) for pool in POOLS},
-        }
-        names = fwd.identity.names([b.name for b in healthy])
-        if names is not None:  # `backend_header: false`: the counts per pool only
-            body["healthy_backends"] = names
-        return web.json_response(body)
-
-    async def metrics_route(request: web.Request) -> web.Response:
-        body = generate_latest(metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
-        ("POST", "/v1/chat/completions", chat),
-        ("POST", "/v1/completions", completions),
-        ("POST", "/generate", generate),
-        ("PUT", "/generate", generate),  # SGLang accepts both
-        ("GET", "/v1/models", models),
-        ("GET", "/model_info", model_info_route),
-        ("GET", "/get_model_info", model_info_route),
-        ("GET", "/server_info", server_info_route),
-        ("GET", "/get_server_info", server_info_route),
-        ("GET", "/health", health),
-        ("GET", "/ready", ready),
-        ("GET", "/metrics", metrics_route),
-    ]
-    routes += [(r.method, r.path, r.handler) for r in admin_routes(app[ADMIN])]
-    for method, path, handler in routes:
+    app.cleanup_ctx.append(Serving(session, health_checks=health_checks, scrape=scrape))
+    admin_table = [(r.method, r.path, r.handler) for r in admin_routes(admin)]
+    for method, path, handler in (*ROUTES, *admin_table):
         # A bogus `Expect` is answered before any middleware runs: our handler gives OpenAI's shape.
         app.router.add_route(method, path, handler, expect_handler=expect_handler)
         if method == "GET":  # as `add_get` does: HEAD answers like GET, without the body
@@ -300,105 +101,134 @@ def create_app(
     return app
 
 
-class MismatchWatch:
-    """Reports a policy's profile mismatches (`policies.calibration`: a pool rebased because its
-    speeds were off by more than 2x) as a metric and a log line, once each."""
+class Serving:
+    """The app's one `cleanup_ctx`: the shared upstream `ClientSession` (unless one was given)
+    and the core's background work (`Core.running`) while the app runs."""
 
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self._seen: dict[tuple[int, Pool], int] = {}
+    def __init__(self, session: aiohttp.ClientSession | None, *, health_checks: bool, scrape: bool) -> None:
+        self.session = session
+        self.health_checks = health_checks
+        self.scrape = scrape
 
-    def __call__(self, record: RequestRecord) -> None:
-        calibration = getattr(record.policy, "calibration", None)
-        counts = getattr(calibration, "mismatches", None)
-        if not isinstance(counts, dict):
-            return
-        name = record.chosen.policy or type(record.policy).__name__
-        for pool, count in counts.items():
-            key = (id(calibration), pool)
-            seen = self._seen.get(key, 0)
-            if count > seen:
-                self._seen[key] = count
-                self.metrics.profile_mismatches.labels(name, pool).inc(count - seen)
-                factor = calibration.mismatch_factor.get(pool)  # type: ignore[union-attr]
-                log.warning(
-                    "policy %s: the %s pool runs %.2fx the speed its profile says (median of its last "
-                    "%d+ outcomes): the profile does not fit these servers; calibration rebased to the "
-                    "observed speed (measure them with `specroute bench --profile-out`)",
-                    name, pool, factor or 0.0, MISMATCH_AFTER,
-                )  # fmt: skip
-
-
-def _reported_cap(settings: Settings, fwd: Forwarder, name: str, cap: int) -> None:
-    """A backend reported its running-request cap: it sets the admission bound (unless the pool's
-    bound is configured), and waiters get a chance at a larger bound."""
-
-    def bounded(pool: Pool) -> bool:
-        return getattr(settings, f"{pool}_backend_max_in_flight") is not None
-
-    if apply_reported_cap(fwd.tracker, bounded, settings.admission_margin, name, cap) is not None:
-        fwd.capacity.released(fwd.tracker.get(name).pool)
+    async def __call__(self, app: web.Application) -> AsyncIterator[None]:
+        fwd, core = app[FORWARDER], app[CORE]
+        # No connection limit here: the admission bounds cap requests per backend, and a limit
+        # in the connector would queue requests out of sight of the accounting and the timeouts.
+        session = self.session or aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+            auto_decompress=False,
+            trust_env=False,
+            headers={"Accept-Encoding": "identity"},
+        )
+        fwd.session = session
+        try:
+            async with core.running(session, health_checks=self.health_checks, scrape=self.scrape):
+                assert core.scraper is not None and core.health is not None
+                app[SCRAPER], app[HEALTH] = core.scraper, core.health
+                yield
+        finally:
+            if self.session is None:
+                await session.close()
 
 
-def _engine_found(settings: Settings, tracker: LoadTracker, name: str, engine: Engine) -> None:
-    """Warn about settings the backend's engine does not honour."""
-    if settings.spec_details and not engine.spec_details and tracker.get(name).pool == "eagle":
-        log.info(
-            "spec_details: eagle backend %s runs %s, which ignores return_spec_tokens_details; each "
-            "request's accept length is read from its answer's metrics.speculative_decoding, which "
-            "vLLM adds when started with --per-request-spec-decode-metrics summary",
-            name, engine.label,
-        )  # fmt: skip
+# -- the routes, by family --
+
+# Completions: the request path (`forward.py`).
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await request.app[FORWARDER].handle(request, "chat", "/v1/chat/completions")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[FORWARDER].handle(request, "completions", "/v1/completions")
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    _sglang_only(request.app, "/generate")
+    return await request.app[FORWARDER].handle(request, "generate", "/generate")
+
+
+def _sglang_only(app: web.Application, path: str) -> None:
+    """A clear 404 for an SGLang-only route when every backend is known to run another engine."""
+    engines = [app[SCRAPER].engine(b.name) if SCRAPER in app else None for b in app[TRACKER]]
+    if engines and all(e is not None and not e.native_generate for e in engines):
+        labels = sorted({e.label for e in engines if e is not None})
+        raise NotFound(
+            f"{path} is an SGLang route and every backend here runs {', '.join(labels)}: "
+            "use /v1/chat/completions or /v1/completions"
+        )
+
+
+# What the backends say of themselves, relayed (`info.py`).
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    return await list_models(request.app[FORWARDER], request)
+
+
+async def model_info_route(request: web.Request) -> web.StreamResponse:
+    _sglang_only(request.app, request.path)
+    return await model_info(request.app[FORWARDER], request)
+
+
+async def server_info_route(request: web.Request) -> web.StreamResponse:
+    _sglang_only(request.app, request.path)
+    return await server_info(request.app[FORWARDER], request)
+
+
+# specroute's own: liveness, readiness, metrics.
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """200 while some backend is ready (`LoadTracker.ready`); 503 with none, or once a shutdown
+    began (balancers send new requests elsewhere)."""
+    app = request.app
+    if app[SHUTDOWN].started:
+        raise ShuttingDown("specroute is shutting down: send new requests elsewhere")
+    up = app[TRACKER].ready(app[FORWARDER].clock())
+    if not up:
+        raise NoBackendAvailable("no healthy backend")
+    body: dict[str, object] = {
+        "status": "ready",
+        "healthy": {pool: sum(b.pool == pool for b in up) for pool in POOLS},
+    }
+    names = app[CORE].identity.names([b.name for b in up])
+    if names is not None:  # `backend_header: false`: the counts per pool only
+        body["healthy_backends"] = names
+    return web.json_response(body)
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("POST", "/v1/chat/completions", chat),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/generate", generate),
+    ("PUT", "/generate", generate),  # SGLang accepts both
+    ("GET", "/v1/models", models),
+    ("GET", "/model_info", model_info_route),
+    ("GET", "/get_model_info", model_info_route),
+    ("GET", "/server_info", server_info_route),
+    ("GET", "/get_server_info", server_info_route),
+    ("GET", "/health", health),
+    ("GET", "/ready", ready),
+    ("GET", "/metrics", metrics_route),
+)
+"""Every route but the admin endpoint's (`admin.admin_routes`), with its handler."""
 
 
 def reopen_decision_log(app: web.Application) -> None:
     """Have the decision log open its path anew (SIGHUP, after an external rotation)."""
-    for decisions in app[DECISION_LOGS]:
-        decisions.log.reopen()
-
-
-def prefix_capacities(settings: Settings, profile: Profile | None, tracker: LoadTracker) -> dict[str, int]:
-    """Each backend's prefix index capacity in tokens: `prefix_cache_tokens`, else its pool's
-    `cache_tokens` in the profile, else `prefixes.DEFAULT_CACHE_TOKENS`."""
-    out = {}
-    for b in tracker:
-        tokens = settings.prefix_cache_tokens
-        if tokens is None and profile is not None and b.pool in profile.modes:
-            tokens = profile.modes[b.pool].cache_tokens
-        out[b.name] = DEFAULT_CACHE_TOKENS if tokens is None else tokens
-    return out
-
-
-async def list_models(fwd: Forwarder, request: web.Request) -> web.StreamResponse:
-    """Relay `GET /v1/models` from the first healthy backend that answers (baseline first)."""
-    assert fwd.session is not None
-    headers = {}
-    if "Authorization" in request.headers:
-        headers["Authorization"] = forwardable("Authorization", request.headers["Authorization"])
-    timeout = aiohttp.ClientTimeout(
-        total=fwd.settings.health_check_timeout_s + fwd.settings.connect_timeout_s,
-        sock_connect=fwd.settings.connect_timeout_s,
-    )
-    candidates = sorted(fwd.tracker.usable(fwd.clock()), key=lambda b: b.pool != "baseline")
-    for b in candidates:
-        auth = fwd.auth_header(b.pool)
-        hdrs = {**headers, "Authorization": auth} if auth else headers
-        try:
-            async with fwd.session.get(
-                b.url + "/v1/models", headers=hdrs, timeout=timeout, allow_redirects=False
-            ) as resp:
-                body = await read_bounded(resp, fwd.settings.response_limit_bytes)
-                if resp.status >= 500 or 300 <= resp.status < 400:
-                    continue
-                shown: dict[str, str] = {POOL_HEADER: b.pool}
-                if fwd.settings.backend_header:
-                    shown[BACKEND_HEADER] = b.name
-                return web.Response(
-                    status=resp.status, body=body, content_type=resp.content_type, headers=shown
-                )
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            continue
-    raise NoBackendAvailable("no healthy backend answered /v1/models")
+    app[CORE].reopen_decision_log()
 
 
 def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.AppRunner:

@@ -40,6 +40,7 @@ from controller.proxy.redact import (
     secrets_in_yaml,
 )
 from policies.base import POOLS, Pool
+from policies.ladder import LadderError, parse_ladder
 from policies.params import parse_policy_ref
 from policies.spec import PolicyError
 from policies.view import STALE_AFTER_S
@@ -94,6 +95,8 @@ def _shadow_entry(value: Any) -> Any:
     return {"name": name, "params": params or {}}
 
 
+PLACEHOLDER_DOMAIN = ".invalid"
+"""RFC 2606's reserved domain: the placeholder backend URLs `specroute plan` writes use it."""
 _BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -110,6 +113,11 @@ def _normalise_url(url: str) -> str:
         )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{mask_userinfo(repr(url))} is not an http(s)://host[:port] URL")
+    if parts.hostname.rstrip(".").lower().endswith(PLACEHOLDER_DOMAIN):
+        raise ValueError(
+            f"{mask_userinfo(repr(url))} is a placeholder (the reserved {PLACEHOLDER_DOMAIN} domain never "
+            "resolves; `specroute plan` writes such URLs): replace it with your server's URL"
+        )
     try:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
@@ -225,6 +233,13 @@ class Settings(BaseModel):
         gt=0,
         description="Largest backend answer specroute holds in memory: a non-streaming body, or the "
         "first event of a stream (both are read whole before committing); larger gets 502.",
+    )
+    info_limit_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        gt=0,
+        description="Largest backend answer to an info route (/v1/models, /model_info, /server_info) "
+        "specroute reads (else 502 info_answer_too_large); what it holds counts against "
+        "memory_budget_bytes, and a /server_info answer is parsed off the event loop when large.",
     )
     memory_budget_bytes: int = Field(
         default=512 * 1024 * 1024,
@@ -357,6 +372,19 @@ class Settings(BaseModel):
     admission_max_waiting: int = Field(
         default=1024, ge=0, description="Most requests waiting for a slot at once; beyond it, 429 at once."
     )
+    max_n: int = Field(
+        default=16,
+        ge=1,
+        description="Largest `n` (samples per prompt) a request may ask for (chat, completions, "
+        "/generate's sampling_params.n); above it, 400. A backend runs each sample as a request of its "
+        "own: the default fits in a third of the smallest running-request cap seen in practice (48).",
+    )
+    max_prompts_per_request: int = Field(
+        default=16,
+        ge=1,
+        description="Most prompts in one /v1/completions request (a list of prompts); above it, 400. A "
+        "request's prompts x n may not exceed the larger of this and max_n either.",
+    )
     shutdown_grace_s: float = Field(
         default=5.0,
         ge=0,
@@ -397,6 +425,22 @@ class Settings(BaseModel):
     )
     log_bodies: bool = Field(default=False, description="Log request bodies (debugging only).")
     decision_log: str | None = Field(default=None, description="Path of the JSONL decision log.")
+    decision_log_queue_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        gt=0,
+        description="Most memory the decision-log records waiting for the disk may hold (a hung disk or "
+        "mount); past it new records are dropped and counted (specroute_decision_log_dropped_records_total"
+        '{reason="queue_full"}). Beside memory_budget_bytes, not in it: a stalled log never refuses '
+        "requests.",
+    )
+    state_file: str | None = Field(
+        default=None,
+        description="Path of the file that keeps what the policy learned (and the prefix beliefs) "
+        "across restarts: loaded at start, saved every state_save_interval_s and at shutdown.",
+    )
+    state_save_interval_s: float = Field(
+        default=60.0, gt=0, le=86400, description="Seconds between saves of state_file."
+    )
     shadow_policies: list[ShadowPolicy] = Field(
         default_factory=list, description="Policies evaluated on every request without acting."
     )
@@ -443,6 +487,17 @@ class Settings(BaseModel):
         '(YAML mapping; JSON in the environment: {"b1": "vllm"}).',
     )
 
+    backend_adaptive: dict[str, str | list[list[int]]] = Field(
+        default_factory=dict,
+        description="In-engine adaptive speculation per eagle backend name, overriding what the backend "
+        "reports (SGLang's /server_info; vLLM's with VLLM_SERVER_DEV_MODE=1): `sglang` (SGLang's default "
+        "--speculative-adaptive ladder), `MIN_BATCH:STEPS[/STEPS...],...` (e.g. 1:1/3/5/7,8:0/1/3,32:0/1,"
+        "64:0), a vLLM num_speculative_tokens_per_batch_size list [[lo, hi, k], ...], a JSON file with "
+        "SGLang's --speculative-adaptive-config or such a list, or `off`. The policies predict the eagle "
+        "pool with that ladder's speed (YAML mapping; JSON in the environment: "
+        '{"e1": "sglang"}).',
+    )
+
     _split = field_validator("admin_policy_modules", mode="before")(_split_list)
     _specs = field_validator("baseline", "eagle", mode="before")(_backend_specs)
 
@@ -455,7 +510,7 @@ class Settings(BaseModel):
         return [_shadow_entry(v) for v in value] if isinstance(value, list) else value
 
     _blank = field_validator(
-        "profile", "decision_log", "admin_token", "baseline_model", "eagle_model",
+        "profile", "decision_log", "state_file", "admin_token", "baseline_model", "eagle_model",
         "baseline_api_key", "eagle_api_key", mode="before",
     )(_blank_is_unset)  # fmt: skip
 
@@ -491,6 +546,7 @@ class Settings(BaseModel):
         unknown = sorted(set(self.backend_engines) - names)
         if unknown:
             raise ValueError(f"backend_engines: no backend is named {', '.join(map(repr, unknown))}")
+        _check_adaptive(self.backend_adaptive, {b.name for b in self.eagle})
         labels = [s.label or s.name for s in self.shadow_policies]
         twice = sorted({x for x in labels if labels.count(x) > 1})
         if twice:
@@ -518,8 +574,19 @@ class Settings(BaseModel):
         return self.model_dump(mode="json")
 
 
+def _check_adaptive(entries: dict[str, str | list[list[int]]], eagle: set[str]) -> None:
+    """Every `backend_adaptive` entry names an eagle backend and gives a usable ladder."""
+    for name, spec in entries.items():
+        if name not in eagle:
+            raise ValueError(f"backend_adaptive: {name!r} is not the name of an eagle backend")
+        try:
+            parse_ladder(spec)
+        except LadderError as e:
+            raise ValueError(f"backend_adaptive[{name!r}]: {e}") from None
+
+
 FIELDS = frozenset(Settings.model_fields)
-_JSON_FIELDS = frozenset({"policy_params", "shadow_policies", "backend_engines"})
+_JSON_FIELDS = frozenset({"policy_params", "shadow_policies", "backend_engines", "backend_adaptive"})
 
 
 def read_text(path: str | Path) -> str:
@@ -560,10 +627,6 @@ def parse_yaml(text: str, path: str | Path) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}")
     return {str(k): v for k, v in data.items()}
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    return parse_yaml(read_text(path), path)
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -13,10 +13,13 @@ so writing resumes by itself once there is room, and serving never waits for the
 each batch the writer checks that `path` is still the file it has open (same device and
 inode): a file removed or moved away (external rotation, `logrotate` without `copytruncate`)
 is noticed and `path` is opened anew; `reopen()` (serve calls it on SIGHUP) does the same at
-once. When the disk falls behind by more than `max_queued` items, new items are dropped and
-counted rather than letting memory grow. Every drop is reported to `on_drop(reason, n)`
-(reasons: `queue_full`, `write_error`, `unencodable`). `close()` drains what is queued and joins
-the thread. The records hold routing facts only: never prompt or answer text.
+once. What waits for the disk is bounded in bytes: each item is queued with the bytes it holds
+(the caller's estimate), counted until its batch has been written (or dropped), so a disk or
+mount that hangs in `write` holds at most `max_queued_bytes` of records, the batch it is stuck
+on included; past it new items are dropped and counted rather than letting memory grow. Every
+drop is reported to `on_drop(reason, n)` (reasons: `queue_full`, `write_error`, `unencodable`).
+`close()` drains what is queued and joins the thread. The records hold routing facts only:
+never prompt or answer text.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class DecisionLog:
         max_bytes: int = 100 * 1024 * 1024,
         backups: int = 5,
         transform: Callable[[Any], Any] | None = None,
-        max_queued: int = 100_000,
+        max_queued_bytes: int = 32 * 1024 * 1024,
         batch_interval_s: float = 0.05,
         on_drop: Callable[[str, int], None] | None = None,
         write: Writer = os.write,
@@ -58,7 +61,9 @@ class DecisionLog:
         self.max_bytes = max_bytes
         self.backups = backups
         self.transform = transform
-        self.max_queued = max_queued
+        self.max_queued_bytes = max_queued_bytes
+        self.queued_bytes = 0
+        """What the queued items and the batch being written hold, by the writers' estimates."""
         self.batch_interval_s = batch_interval_s
         self.on_drop = on_drop
         self._write = write
@@ -76,14 +81,26 @@ class DecisionLog:
 
     # -- the event loop's side --
 
-    def write(self, record: Any) -> None:
-        """Queue one record (called on the event loop: never blocks)."""
-        if self._queue.qsize() >= self.max_queued:
+    def write(self, record: Any, size: int = 0) -> None:
+        """Queue one record holding about `size` bytes (called on the event loop: never blocks)."""
+        with self._lock:
+            full = self.queued_bytes + size > self.max_queued_bytes
+            if not full:
+                self.queued_bytes += size
+        if full:
             n = self._drop("queue_full", 1)
             if n == 1 or n % 10_000 == 0:
-                log.warning("decision log: writer behind, %d record(s) dropped so far", n)
+                log.warning(
+                    "decision log: writer behind (%d bytes queued), %d record(s) dropped so far",
+                    self.queued_bytes, n,
+                )  # fmt: skip
             return
-        self._queue.put(record)
+        self._queue.put((record, size))
+
+    def unencodable(self, e: Exception) -> None:
+        """Count a record that could not be built or encoded (it costs only itself)."""
+        self._drop("unencodable", 1)
+        log.warning("decision log: record dropped (%s: %s)", type(e).__name__, e)
 
     def reopen(self) -> None:
         """Open `path` anew before the next write (after an external rotation: SIGHUP)."""
@@ -154,8 +171,7 @@ class DecisionLog:
                 record = self.transform(record)
             return json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
         except Exception as e:  # a record that cannot be written must not cost the others
-            self._drop("unencodable", 1)
-            log.warning("decision log: record dropped (%s: %s)", type(e).__name__, e)
+            self.unencodable(e)
             return None
 
     def _append(self, lines: list[str]) -> None:
@@ -234,8 +250,8 @@ class DecisionLog:
             return False
         return True
 
-    def _batch(self) -> tuple[list[Any], bool, bool]:
-        """The next batch: (records, reopen asked for, stop asked for)."""
+    def _batch(self) -> tuple[list[tuple[Any, int]], bool, bool]:
+        """The next batch: ((record, size) pairs, reopen asked for, stop asked for)."""
         item = self._queue.get()
         if item is not _STOP and self.batch_interval_s > 0:
             # Let a batch gather: one wake-up (and one GIL hand-off) per interval under load
@@ -254,16 +270,23 @@ class DecisionLog:
     def _run(self) -> None:
         stop = False
         while not stop:
-            records, reopen, stop = self._batch()
-            try:
-                if reopen:
-                    self._reopen("asked to (SIGHUP)")
-                else:
-                    self._check_path()
-                lines = [line for line in map(self._encode, records) if line is not None]
-                if lines:
-                    self._append(lines)
-            except Exception as e:  # the writer must outlive any one batch
-                self._drop("write_error", len(records))
-                log.error("decision log: batch dropped: %s: %s", type(e).__name__, e)
+            batch, reopen, stop = self._batch()
+            self._write_batch(batch, reopen)
+            size = sum(n for _, n in batch)
+            batch.clear()  # not held while the next batch is awaited: it no longer counts
+            with self._lock:
+                self.queued_bytes -= size
         os.close(self._fd)
+
+    def _write_batch(self, batch: list[tuple[Any, int]], reopen: bool) -> None:
+        try:
+            if reopen:
+                self._reopen("asked to (SIGHUP)")
+            else:
+                self._check_path()
+            lines = [line for record, _ in batch if (line := self._encode(record)) is not None]
+            if lines:
+                self._append(lines)
+        except Exception as e:  # the writer must outlive any one batch
+            self._drop("write_error", len(batch))
+            log.error("decision log: batch dropped: %s: %s", type(e).__name__, e)

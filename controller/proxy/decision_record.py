@@ -1,9 +1,13 @@
-"""Decision-log records: one JSON object per finished request, built off the event loop.
+"""Decision-log records: one JSON object per finished request.
 
-The observer on the request path only stamps the arrival's wall-clock time and queues the
-(immutable) `RequestRecord`; `decision_record` turns it into plain data in the decision log's
-writer thread. Fields (stable; `simulator/traces.py` replays `ts`, `prompt_tokens`,
-`max_tokens`, `completion_tokens` and `hint` as a `specroute-log` trace):
+The observer on the request path turns the finished `RequestRecord` into the record's plain
+dict at once (`decision_record`: numbers, short strings) and queues it with its estimated size
+(`record_bytes`) for the decision log's writer thread, which encodes and writes it. So what waits
+for the disk is the compact record, not the request's `RequestInfo`, view and decisions, and the
+queue is bounded in bytes (`decision_log_queue_bytes`). A number the view or the outcome holds
+that is not finite is written as null, so whatever a backend reported, the record is written.
+Fields (stable; `simulator/traces.py` replays `ts`, `prompt_tokens`, `max_tokens`,
+`completion_tokens` and `hint` as a `specroute-log` trace):
 
     ts                 arrival, unix seconds
     endpoint, stream   "chat"|"completions"|"generate", the request's stream flag
@@ -36,18 +40,28 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from controller.proxy.acceptance_metrics import reported_factor
 from controller.proxy.decision_log import DecisionLog
-from controller.proxy.forward import RequestRecord, believed_cached
+from controller.proxy.ticket import RequestRecord, believed_cached_on
 from policies.base import Decision, LoadView, PoolLoad
 
 
+def _num(value: float | None, digits: int = 6) -> float | None:
+    """`value` rounded; null when it is unknown or not finite (a pool ruled out, a backend's NaN)."""
+    if value is None or not math.isfinite(value):
+        return None
+    return round(value, digits)
+
+
 def _times(values: Any) -> dict[str, float | None]:
-    """Per-pool seconds; a non-finite prediction (a pool ruled out) becomes null."""
-    return {pool: round(float(v), 6) if math.isfinite(v) else None for pool, v in values.items()}
+    """Per-pool seconds (a non-finite prediction, a pool ruled out, is null)."""
+    return {pool: _num(float(v)) for pool, v in values.items()}
 
 
 def _pool_summary(pool: PoolLoad) -> dict[str, Any]:
@@ -67,7 +81,7 @@ def _pool_summary(pool: PoolLoad) -> dict[str, Any]:
         "scraped": scraped,
         "healthy": healthy,
         "backends": len(pool.backends),
-        "accept_length": round(sum(accepts) / len(accepts), 4) if accepts else None,
+        "accept_length": _num(sum(accepts) / len(accepts), 4) if accepts else None,
     }
 
 
@@ -91,7 +105,7 @@ def decision_record(item: tuple[RequestRecord, float]) -> dict[str, Any]:
     r, ts = item
     info, out, d = r.request, r.outcome, r.decision
     return {
-        "ts": round(ts, 6),
+        "ts": _num(ts),
         "endpoint": info.endpoint,
         "stream": info.stream,
         "prompt_tokens": info.prompt_tokens,
@@ -107,11 +121,11 @@ def decision_record(item: tuple[RequestRecord, float]) -> dict[str, Any]:
         "chosen_backend": r.chosen.backend,
         "predicted_ttft_s": _times(r.chosen.predicted_ttft_s),
         "predicted_e2e_s": _times(r.chosen.predicted_e2e_s),
-        "ttft_s": None if out.ttft_s is None else round(out.ttft_s, 6),
+        "ttft_s": _num(out.ttft_s),
         "completion_tokens": out.completion_tokens,
-        "believed_cached_tokens": believed_cached(r.view, d),
+        "believed_cached_tokens": believed_cached_on(r.view, d),
         "cached_tokens": out.cached_tokens,
-        "duration_s": round(out.duration_s, 6),
+        "duration_s": _num(out.duration_s),
         "status": out.status,
         "http_status": r.http_status,
         "shadow": [_shadow(s.label, s.decision) for s in r.shadow],
@@ -121,14 +135,28 @@ def decision_record(item: tuple[RequestRecord, float]) -> dict[str, Any]:
 
 
 def _factor(value: float | None) -> float | None:
-    return None if value is None or not math.isfinite(value) else round(value, 4)
+    return _num(value, 4)
+
+
+RECORD_BYTES = 3072
+"""What one queued record holds at most without shadows: its dict, the nested load and
+prediction dicts, floats and a hint of 32 characters (the strings it names, pools, backends,
+reasons, are shared; `tests/proxy/test_decision_log_bytes.py` measures it)."""
+SHADOW_BYTES = 1024
+"""What one shadow policy's entry adds."""
+
+
+def record_bytes(record: dict[str, Any]) -> int:
+    """The memory a queued `decision_record` holds, at most (`RECORD_BYTES`, `SHADOW_BYTES`)."""
+    return RECORD_BYTES + SHADOW_BYTES * len(record["shadow"])
 
 
 class DecisionLogger:
-    """Request observer that queues each finished request for the decision log.
+    """Request observer that queues each finished request's record for the decision log.
 
-    On the event loop it costs two clock reads and a queue put; the record is turned into
-    JSON in the log's writer thread."""
+    On the event loop it builds the record's dict (`decision_record`) and queues it; the writer
+    thread encodes and writes it. A record that cannot be built costs only itself (counted
+    `unencodable`)."""
 
     def __init__(self, log: DecisionLog, clock: Callable[[], float]) -> None:
         self.log = log
@@ -136,10 +164,30 @@ class DecisionLogger:
 
     def __call__(self, record: RequestRecord) -> None:
         arrived = record.arrived_at if record.arrived_at is not None else record.outcome.started_at
-        self.log.write((record, time.time() - (self.clock() - arrived)))
+        try:
+            line = decision_record((record, time.time() - (self.clock() - arrived)))
+        except Exception as e:
+            self.log.unencodable(e)
+            return
+        self.log.write(line, record_bytes(line))
 
 
 def open_decision_log(path: str, clock: Callable[[], float], **kwargs: Any) -> DecisionLogger:
     """Open (append to) the decision log at `path`; raises OSError when it cannot be opened.
-    `kwargs` go to `DecisionLog` (`on_drop=` counts dropped records)."""
-    return DecisionLogger(DecisionLog(path, transform=decision_record, **kwargs), clock)
+    `kwargs` go to `DecisionLog` (`on_drop=` counts dropped records, `max_queued_bytes=` bounds
+    what waits for the disk)."""
+    return DecisionLogger(DecisionLog(path, **kwargs), clock)
+
+
+class DecisionLogCollector(Collector):
+    """What the open decision logs hold waiting for the disk, at scrape time."""
+
+    def __init__(self, logs: list[DecisionLogger]) -> None:
+        self._logs = logs
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "specroute_decision_log_queued_bytes",
+            "Bytes of decision-log records waiting for the disk now (bounded by decision_log_queue_bytes).",
+            value=sum(d.log.queued_bytes for d in self._logs),
+        )

@@ -19,16 +19,22 @@ cares about into a `BackendSample`:
   `--max-num-seqs`; `max_running` is then the most requests seen running while others waited for
   capacity (`num_requests_waiting_by_reason{reason="capacity"}`), the cap that actually binds.
 
+Numbers a backend reports are not trusted (issue 37): a sample value that is not finite (`NaN`,
+`+Inf`) or larger than `MAX_SAMPLE_VALUE` is dropped as it is read (`read_samples`), and a
+`BackendSample` whose values are out of their range is mended by `check_sample`: implausible
+running or queued counts reject the whole sample, any other implausible value is dropped (None).
+Each rejection is counted by the name of what was rejected, so a scraper can report them.
+
 The parsers are pure; `controller.proxy.scrape` does the HTTP, the budgets and the loop.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -142,20 +148,77 @@ class BackendSample:
 
 
 Samples = dict[str, list[tuple[Mapping[str, str], float]]]
+Rejected = Counter[str]
+"""Values a backend reported that were not taken, by what they were (a sample or field name)."""
+
+MAX_SAMPLE_VALUE = 1e15
+"""Largest magnitude of a sample value taken (vLLM's lifetime token counters stay far below it;
+a sum of a few thousand such values is still finite)."""
+MAX_REQUESTS = 1_000_000
+"""Most requests a backend may report running, queued or as its cap (a larger count is absurd)."""
+MAX_ACCEPT_LENGTH = 64.0
+"""Largest accept length taken: tokens per verify step, at most the draft tokens plus one."""
+MAX_TOKENS = 10**12
+"""Largest token count (KV cache capacity) or token rate taken."""
 
 
-def read_samples(text: str, wanted: frozenset[str] = WANTED_SAMPLES) -> Samples | None:
-    """The samples named in `wanted`, by name; None when the text is not Prometheus text."""
+def plausible(value: float | None, low: float, high: float) -> bool:
+    """Whether `value` is a finite number within [low, high] (None is not)."""
+    return value is not None and low <= value <= high  # False for NaN; +-Inf is out of range
+
+
+def read_samples(
+    text: str, wanted: frozenset[str] = WANTED_SAMPLES, rejected: Rejected | None = None
+) -> Samples | None:
+    """The samples named in `wanted`, by name; None when the text is not Prometheus text. A value
+    that is not finite or is larger than `MAX_SAMPLE_VALUE` is dropped (counted in `rejected`)."""
     found: Samples = defaultdict(list)
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name in wanted:
-                    found[s.name].append((s.labels, float(s.value)))
+                    value = float(s.value)
+                    if plausible(value, -MAX_SAMPLE_VALUE, MAX_SAMPLE_VALUE):
+                        found[s.name].append((s.labels, value))
+                    elif rejected is not None:
+                        rejected[s.name] += 1
     except (ValueError, TypeError, IndexError) as e:
         log.debug("unparseable metrics text: %s", e)
         return None
     return found
+
+
+RANGES: dict[str, tuple[float, float]] = {
+    "running": (0, MAX_REQUESTS),
+    "queued": (0, MAX_REQUESTS),
+    "accept_length": (1e-9, MAX_ACCEPT_LENGTH),
+    "gen_throughput": (0, MAX_TOKENS),
+    "kv_usage": (0, 1),
+    "cache_hit_rate": (0, 1),
+    "max_running": (1, MAX_REQUESTS),
+    "cache_tokens": (1, MAX_TOKENS),
+}
+"""The range each value of a `BackendSample` must lie in to be taken."""
+
+
+def taken(name: str, value: float | None) -> float | None:
+    """`value` when it lies in `RANGES[name]`, else None (unknown)."""
+    low, high = RANGES[name]
+    return value if plausible(value, low, high) else None
+
+
+def check_sample(sample: BackendSample) -> tuple[BackendSample | None, tuple[str, ...]]:
+    """`sample` with its implausible values dropped, and what was dropped: a running or queued
+    count out of range (or not finite) rejects the whole sample (None); any other value out of
+    its range becomes None."""
+    for name in ("running", "queued"):
+        if taken(name, getattr(sample, name)) is None:
+            return None, (name,)
+    bad = tuple(
+        name for name in RANGES if (value := getattr(sample, name)) is not None and taken(name, value) is None
+    )
+    changes: dict[str, Any] = dict.fromkeys(bad)
+    return (replace(sample, **changes) if bad else sample), bad
 
 
 def detect(names: Iterable[str]) -> Engine | None:

@@ -1,45 +1,17 @@
 """The errors specroute itself answers with, in OpenAI's shape.
 
-Every class knows its HTTP status, its OpenAI `type` and a short `code`; `response()` renders
-`{"error": {"message", "type", "param": null, "code"}}`. Lower-level failures (aiohttp client
-errors, timeouts) are translated into these where they enter, in `forward.py`. Errors that a
-backend returns after it was chosen are NOT wrapped: they are relayed as the backend sent them.
+Every class knows its HTTP status, its OpenAI `type` and a short `code`; `body()` is
+`{"error": {"message", "type", "param": null, "code"}}` (`controller.proxy.http_errors` renders
+it as an HTTP answer, `sse_event()` as the event that ends a broken stream). Lower-level failures
+(aiohttp client errors, timeouts) are translated into these where they enter (`upstream.py`).
+Errors that a backend returns after it was chosen are NOT wrapped: they are relayed as the
+backend sent them. No transport here: the request path's transport-free halves raise these.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Callable
 from typing import Any, ClassVar
-
-from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.typedefs import Handler
-from aiohttp.web_protocol import RequestPayloadError
-
-log = logging.getLogger("specroute.errors")
-
-
-class _MalformedHttpFilter(logging.Filter):
-    """aiohttp logs a client's malformed HTTP (oversized header, bad request line) with a traceback
-    whose message quotes the offending bytes -- possibly an Authorization header -- and a body it
-    cannot decode after the answer went out. Such a record is rewritten to one INFO line naming
-    the error class only."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError | RequestPayloadError):
-            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "a client"
-            record.msg, record.args = "malformed HTTP from %s: %s", (peer, type(exc).__name__)
-            record.exc_info, record.exc_text = None, None
-            record.levelno, record.levelname = logging.INFO, "INFO"
-        return True
-
-
-http_log = logging.getLogger("specroute.http")
-"""The logger of aiohttp's HTTP protocol handler (`make_runner` passes it): no client bytes in it."""
-http_log.addFilter(_MalformedHttpFilter())
 
 
 class SpecrouteError(Exception):
@@ -58,16 +30,13 @@ class SpecrouteError(Exception):
         self.param = param
         """The request field at fault (OpenAI's `param`), when there is one."""
 
+    @property
+    def http_status(self) -> int:
+        """The status the client is answered with (`status`, unless the error relays a backend's)."""
+        return self.status
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.Response(
-            status=self.status,
-            body=json.dumps(self.body()).encode(),
-            content_type="application/json",
-            headers=self.headers,
-        )
 
     def sse_event(self) -> bytes:
         """The error as an SSE event followed by `[DONE]` (for streams broken after the first byte)."""
@@ -176,75 +145,3 @@ class StreamBroken(SpecrouteError):
     status = 502
     type = "server_error"
     code = "stream_broken"
-
-
-def http_error_response(e: web.HTTPException) -> web.Response:
-    """Any other HTTP error aiohttp raised itself, re-rendered in OpenAI's shape (same status)."""
-    body = {
-        "error": {
-            "message": e.text or e.reason,
-            "type": "server_error" if e.status >= 500 else "invalid_request_error",
-            "param": None,
-            "code": e.reason.lower().replace(" ", "_").replace("-", "_"),
-        }
-    }
-    return web.Response(
-        status=e.status,
-        body=json.dumps(body).encode(),
-        content_type="application/json",
-        headers={k: v for k, v in e.headers.items() if k in _KEPT},
-    )
-
-
-_KEPT = frozenset({"Allow", "Retry-After", "WWW-Authenticate"})
-
-
-async def expect_handler(request: web.Request) -> web.StreamResponse | None:
-    """Every route's `Expect` handler: `100-continue` as aiohttp does; anything else a 417 in
-    OpenAI's shape (aiohttp's own answers it in plain text, before any middleware runs)."""
-    expect = request.headers.get("Expect", "")
-    if request.version >= (1, 1) and expect.lower() != "100-continue":
-        return ExpectationFailed(f"unsupported Expect header {expect[:60]!r} (only 100-continue)").response()
-    if request.version >= (1, 1):
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0  # as aiohttp's default handler: the body starts after it
-    return None
-
-
-CLIENT_TEXT: web.AppKey[Callable[[str], str]] = web.AppKey("client_text")
-"""What the app's errors' messages pass on their way to a client (`identity.BackendIdentity.
-for_clients`, set when backend names are hidden: `backend_header: false`); absent: as they are."""
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Render our errors, and every error aiohttp raises itself (404, 405, 413, 400 ...), in
-    OpenAI's shape; other HTTP exceptions (redirects) pass. The message of every specroute
-    error passes the app's `CLIENT_TEXT` (a backend's own answers are relayed as they are)."""
-    try:
-        resp: web.StreamResponse = await handler(request)
-        return resp
-    except SpecrouteError as e:
-        for_clients = request.app.get(CLIENT_TEXT)
-        if for_clients is not None:
-            e.message = for_clients(e.message)
-        return e.response()
-    except web.HTTPNotFound:
-        return NotFound(f"unknown route {request.method} {request.path}").response()
-    except web.HTTPMethodNotAllowed as e:
-        allowed = ", ".join(sorted(e.allowed_methods))
-        return MethodNotAllowed(
-            f"method {request.method} not allowed on {request.path} (allowed: {allowed})",
-            headers={"Allow": ",".join(sorted(e.allowed_methods))},
-        ).response()
-    except web.HTTPRequestEntityTooLarge as e:
-        return PayloadTooLarge(f"request body too large: {e.text}").response()
-    except RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match
-        return BadRequest(f"request body could not be read: {e.__cause__ or e}").response()
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return http_error_response(e)
-    except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return SpecrouteError("internal error in specroute").response()

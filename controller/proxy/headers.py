@@ -6,18 +6,26 @@ specroute asks backends for `identity`, because it reads the answers it relays (
 the usage chunk); a backend that compresses anyway has its `Content-Encoding` relayed with the
 bytes, so the client can decode them. A forwarded header value must be valid UTF-8: the HTTP
 client re-encodes header values and would silently drop other bytes, so such a request is
-refused (400) rather than forwarded altered.
+refused (400) rather than forwarded altered. `PoolRewrite` is what changes per pool: the model
+name in the body and the Authorization header.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from multidict import CIMultiDict
 
 from controller.proxy.errors import BadRequest
 from policies.base import HINT_HEADER as HINT_HEADER  # its one home; re-exported for the proxy
-from policies.base import Decision
+from policies.base import Decision, Pool
+
+if TYPE_CHECKING:
+    from pydantic import SecretStr
+
+    from controller.proxy.config import Settings
 
 MODE_HEADER = "x-specroute-mode"
 POOL_HEADER = "x-specroute-pool"
@@ -89,3 +97,40 @@ def client_headers(
         out[BACKEND_HEADER] = decision.backend
     out[REASON_HEADER] = decision.reason
     return out
+
+
+class PoolRewrite:
+    """What changes in a request for the pool it goes to: the `model` named in its body and the
+    `Authorization` header, when the settings configure them for that pool (else the client's)."""
+
+    def __init__(self, models: Mapping[Pool, str | None], auth: Mapping[Pool, str | None]) -> None:
+        self._models = dict(models)
+        self._auth = dict(auth)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PoolRewrite:
+        keys: tuple[tuple[Pool, SecretStr | None], ...] = (
+            ("baseline", settings.baseline_api_key),
+            ("eagle", settings.eagle_api_key),
+        )
+        return cls(
+            {"baseline": settings.baseline_model, "eagle": settings.eagle_model},
+            {pool: None if key is None else f"Bearer {key.get_secret_value()}" for pool, key in keys},
+        )
+
+    def auth_header(self, pool: Pool) -> str | None:
+        """The Authorization header configured for `pool` (None: forward the client's)."""
+        return self._auth[pool]
+
+    def apply(
+        self, pool: Pool, raw: bytes, body: Mapping[str, Any], headers: CIMultiDict[str]
+    ) -> tuple[bytes, CIMultiDict[str]]:
+        """(body bytes, headers) of the request as `pool`'s backends get it."""
+        model = self._models[pool]
+        if model is not None:
+            raw = json.dumps({**body, "model": model}).encode()
+        auth = self._auth[pool]
+        if auth is not None:
+            headers = headers.copy()
+            headers["Authorization"] = auth
+        return raw, headers

@@ -6,7 +6,7 @@ and in `/ready`. With `backend_header: false` they learn only the pool: every te
 client goes through `BackendIdentity.for_clients`, the one place that hides names, which turns
 "backend gpu-3" into "a baseline backend" (and any other mention of a name, URL or host:port
 into the same). Call it where specroute's own words leave for a client: the error responses
-(the app's error middleware, `errors.CLIENT_TEXT`) and the error event that ends a broken stream.
+(the app's error middleware, `http_errors.CLIENT_TEXT`) and the error event that ends a broken stream.
 `/ready` lists healthy backends by name only when names are shown, and `server_info` drops
 a backend's addresses from the launch arguments it relays (`host`, `port`, ...).
 

@@ -14,7 +14,7 @@ corrected by that difference (the backend's count already includes the other rep
 requests), and drops samples older than `stale_after_s`.
 
 The view is built by `policies.view` (the builder every simulated router uses too); this module
-supplies the facts. Availability: a backend is *usable* (`BackendLoad.healthy`) when its health
+supplies the facts. Availability: a backend is *usable* (`BackendLoad.usable`) when its health
 probes pass (`healthy`) and the outlier detector has not ejected it (`ejected_until`); when no
 backend of either pool is usable and `panic` is on, all of them are (Envoy's panic mode: try
 them rather than refuse). A usable backend takes a request only while it and its pool are below
@@ -36,7 +36,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from controller.proxy.config import BackendSpec, parse_backend
+from controller.proxy.config import BackendSpec
+from controller.proxy.engines import taken
 from policies.base import POOLS, LoadView, Pool
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.view import STALE_AFTER_S, backend_load, believed_cached, dispatched, load_view
@@ -99,23 +100,22 @@ class LoadTracker:
 
     def __init__(
         self,
-        baseline: Iterable[BackendSpec | str],
-        eagle: Iterable[BackendSpec | str],
+        baseline: Iterable[BackendSpec],
+        eagle: Iterable[BackendSpec],
         *,
         stale_after_s: float = STALE_AFTER_S,
         panic: bool = True,
         replicas: float = 1.0,
     ) -> None:
-        """`baseline`, `eagle`: the backends of each pool, as parsed by `Settings` (or as text,
-        `URL` or `NAME=URL`, which tests and benchmarks find handier)."""
+        """`baseline`, `eagle`: the backends of each pool, as parsed by `Settings`
+        (`config.parse_backend`)."""
         self.backends: dict[str, BackendState] = {}
-        pools: tuple[tuple[Pool, Iterable[BackendSpec | str]], ...] = (
+        pools: tuple[tuple[Pool, Iterable[BackendSpec]], ...] = (
             ("baseline", baseline),
             ("eagle", eagle),
         )
         for pool, entries in pools:
-            for entry in entries:
-                spec = parse_backend(entry, pool) if isinstance(entry, str) else entry
+            for spec in entries:
                 if spec.pool != pool:
                     raise ValueError(f"backend {spec.name} of pool {spec.pool} given as a {pool} backend")
                 if spec.name in self.backends:
@@ -143,10 +143,15 @@ class LoadTracker:
             self.backends[name].max_in_flight = bound
         self.pool_max_in_flight = {p: pool.get(p) for p in POOLS}
 
+    def ready(self, now: float) -> list[BackendState]:
+        """Backends in service: their probes pass and the outlier detector has not ejected them
+        (what `/ready` counts)."""
+        return [b for b in self.backends.values() if b.healthy and not b.ejected(now)]
+
     def usable(self, now: float) -> list[BackendState]:
-        """Backends that may get requests health-wise: probes pass and not ejected; in panic (none
-        such, `panic` on) every backend."""
-        up = [b for b in self.backends.values() if b.healthy and not b.ejected(now)]
+        """Backends that may get requests health-wise: the `ready` ones; in panic (none ready,
+        `panic` on) every backend."""
+        up = self.ready(now)
         if not up and self.panic:
             return list(self.backends.values())
         return up
@@ -155,18 +160,13 @@ class LoadTracker:
         bound = self.pool_max_in_flight[pool]
         return bound is None or sum(b.in_flight for b in self.backends.values() if b.pool == pool) < bound
 
-    def takers(self, now: float) -> list[BackendState]:
-        """Usable backends with room for one more request (theirs and their pool's)."""
-        room = {p: self.pool_has_room(p) for p in POOLS}
-        return [b for b in self.usable(now) if room[b.pool] and b.has_room(now)]
-
     def track_prefixes(self, capacity_tokens: Mapping[str, int]) -> None:
         """Give each named backend a prefix index holding `capacity_tokens` tokens (in blocks)."""
         for name, tokens in capacity_tokens.items():
             self.backends[name].prefixes = PrefixIndex(tokens // DEFAULT_BLOCK_TOKENS)
 
     def view(self, now: float, blocks: tuple[int, ...] = (), prompt_tokens: int | None = None) -> LoadView:
-        """Every backend's load (`policies.view`): `healthy` = usable, `full` = at its own or its
+        """Every backend's load (`policies.view`): `usable` as `usable` says, `full` = at its own or its
         pool's bound (`admits`: may take this request now); `cached_tokens`: the matched prefix
         of the request's prompt `blocks` on each backend, at most `prompt_tokens` (the request's
         estimate: blocks of canonical text also hold the chat roles, which the estimate does
@@ -178,7 +178,7 @@ class LoadTracker:
             [
                 backend_load(
                     b.name, b.pool, b.in_flight, b.in_flight_tokens,
-                    healthy=b.name in usable, full=not (room[b.pool] and b.has_room(now)),
+                    usable=b.name in usable, full=not (room[b.pool] and b.has_room(now)),
                     cached_tokens=believed_cached(b.prefixes, blocks, prompt_tokens),
                     running=b.running, queued=b.queued, sample_time=b.sample_time,
                     sample_in_flight=b.sample_in_flight, accept_length=b.accept_length, now=now,
@@ -218,16 +218,21 @@ class LoadTracker:
         in_flight_at_sample: int | None,
         accept_length: float | None = None,
         gen_throughput: float | None = None,
-    ) -> None:
+    ) -> bool:
         """Store a scraped sample taken at `taken_at` (when this replica had
-        `in_flight_at_sample` requests in flight on the backend)."""
+        `in_flight_at_sample` requests in flight on the backend); False (nothing stored) when its
+        running or queued count is out of range (`engines.RANGES`). An accept length or throughput
+        out of range is stored as unknown."""
+        if taken("running", running) is None or taken("queued", queued) is None:
+            return False
         b = self.backends[name]
         b.running = round(running)
         b.queued = round(queued)
-        b.accept_length = accept_length
-        b.gen_throughput = gen_throughput
+        b.accept_length = taken("accept_length", accept_length)
+        b.gen_throughput = taken("gen_throughput", gen_throughput)
         b.sample_time = taken_at
         b.sample_in_flight = in_flight_at_sample
+        return True
 
     def set_healthy(self, name: str, healthy: bool) -> bool:
         """Set a backend's health; True when it changed."""
@@ -240,7 +245,3 @@ class LoadTracker:
     @property
     def total_in_flight(self) -> int:
         return sum(b.in_flight for b in self.backends.values())
-
-    def any_healthy(self) -> bool:
-        """Whether any backend passes its health probes (what `/ready` reports)."""
-        return any(b.healthy for b in self.backends.values())

@@ -13,10 +13,16 @@ running/queued come from it. An SGLang backend's running-request cap comes from 
 (`/get_server_info` on older releases: the scheduler's effective cap per data-parallel rank,
 summed, else the `max_running_requests` launch argument), asked at its first scrape and every
 `recheck_every` scrapes after (launch arguments change only with a restart); `/v1/loads`' cap
-is the fallback. A backend's engine is configured or detected at its first scrape
-whose `/metrics` names one; `BackendScraper` then asks only that engine's endpoints.
-`ScrapeLoop` runs a scraper per backend in the background and stores the samples in the
-`LoadTracker`.
+is the fallback. The same answer says whether the backend adapts its draft depth in-engine
+(`--speculative-adaptive`: `policies.ladder.from_sglang_server_info`); a vLLM backend says so on
+`/server_info?config_format=json` when it serves that route (`VLLM_SERVER_DEV_MODE=1`: its
+`num_speculative_tokens_per_batch_size`), asked as rarely. A backend's engine is configured or
+detected at its first scrape whose `/metrics` names one; `BackendScraper` then asks only that
+engine's endpoints. `ScrapeLoop` runs a scraper per backend in the background and stores the
+samples in the `LoadTracker`.
+Numbers that are not finite or out of their range (`engines.check_sample`) are
+not taken: each is counted per backend (`specroute_backend_rejected_values_total`) and the first
+one of a backend is logged, never a traceback per scrape.
 """
 
 from __future__ import annotations
@@ -24,24 +30,31 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
 import aiohttp
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from controller.proxy.capacity import replica_bound
 from controller.proxy.engines import (
     ENGINES,
+    MAX_SAMPLE_VALUE,
     SGLANG,
     WANTED_SAMPLES,
     BackendSample,
     Engine,
     EngineSetting,
+    Rejected,
     VllmCounters,
+    check_sample,
     detect,
     parse_sglang_metrics,
+    plausible,
     read_samples,
     server_info_cap,
     sglang_sample,
@@ -50,6 +63,7 @@ from controller.proxy.engines import (
 from controller.proxy.limits import ResponseTooLarge, read_bounded
 from controller.proxy.load import LoadTracker
 from policies.base import Pool
+from policies.ladder import Reported, from_sglang_server_info, from_vllm_server_info
 
 __all__ = [
     "BackendSample",
@@ -72,6 +86,8 @@ INFO_LIMIT_BYTES = 256 * 1024
 """Largest /server_info answer parsed (its launch arguments are a few kB)."""
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 """SGLang's server info route, and its name on older releases."""
+VLLM_INFO_PATH = "/server_info?config_format=json"
+"""vLLM's resolved configuration as JSON (a development route: served with VLLM_SERVER_DEV_MODE=1)."""
 SCRAPE_BUDGET_S = 0.1
 """CPU seconds one scrape may spend filtering `/metrics` lines before it gives up."""
 CHUNK_BYTES = 64 * 1024
@@ -86,9 +102,8 @@ wanted name without one."""
 
 def _lines_starting(data: bytes, mark: bytes) -> Iterator[bytes]:
     """The lines of `data` (whole lines) that start with `mark`, found by `bytes.find` (a `memchr`
-    scan): a large answer of other samples costs no Python step per line (8 MB of them: a Python
-    loop over their 200k lines took ~0.1 s, the whole filtering budget, in a process with a large
-    heap; a MULTILINE regex, ~8 ns a byte)."""
+    scan): a large answer of other samples costs no Python step per line (a Python loop over the
+    lines of a large answer would spend the whole filtering budget, and a MULTILINE regex more)."""
     at = 0 if data.startswith(mark) else -1
     if at < 0 and (found := data.find(b"\n" + mark)) >= 0:
         at = found + 1
@@ -155,14 +170,19 @@ async def read_metric_lines(
     return text, {p.decode(errors="replace") for p in seen}
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+def parse_v1_loads(data: Any, taken_at: float, rejected: Rejected | None = None) -> BackendSample | None:
+    """Parse `GET /v1/loads` (`{"loads": [per rank...]}` or a bare list of ranks). A number that
+    is not finite or is larger than `MAX_SAMPLE_VALUE` is not taken (counted in `rejected`)."""
+
+    def _number(value: Any, name: str) -> float | None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        if plausible(value, -MAX_SAMPLE_VALUE, MAX_SAMPLE_VALUE):
+            return float(value)
+        if rejected is not None:
+            rejected["loads:" + name] += 1
         return None
-    return float(value)
 
-
-def parse_v1_loads(data: Any, taken_at: float) -> BackendSample | None:
-    """Parse `GET /v1/loads` (`{"loads": [per rank...]}` or a bare list of ranks)."""
     ranks = data.get("loads") if isinstance(data, dict) else data
     if not isinstance(ranks, list) or not ranks:
         return None
@@ -175,20 +195,20 @@ def parse_v1_loads(data: Any, taken_at: float) -> BackendSample | None:
     for rank in ranks:
         if not isinstance(rank, dict):
             continue
-        r = _number(rank.get("num_running_reqs"))
+        r = _number(rank.get("num_running_reqs"), "num_running_reqs")
         if r is None:
             continue
         seen = True
         running += r
-        queued += _number(rank.get("num_waiting_reqs")) or 0.0
-        throughput += _number(rank.get("gen_throughput")) or 0.0
-        cap += int(_number(rank.get("max_running_requests")) or 0)
-        tokens += int(_number(rank.get("max_total_num_tokens")) or 0)
-        if (u := _number(rank.get("token_usage"))) is not None:
+        queued += _number(rank.get("num_waiting_reqs"), "num_waiting_reqs") or 0.0
+        throughput += _number(rank.get("gen_throughput"), "gen_throughput") or 0.0
+        cap += int(_number(rank.get("max_running_requests"), "max_running_requests") or 0)
+        tokens += int(_number(rank.get("max_total_num_tokens"), "max_total_num_tokens") or 0)
+        if (u := _number(rank.get("token_usage"), "token_usage")) is not None:
             usage.append(u)
         spec = rank.get("speculative")
         if isinstance(spec, dict):
-            a = _number(spec.get("accept_length"))
+            a = _number(spec.get("accept_length"), "accept_length")
             if a is not None and a > 0:
                 accepts.append(a)
     if not seen:
@@ -236,8 +256,11 @@ class BackendScraper:
         headers: Mapping[str, str] | None = None,
         recheck_every: int = 60,
         engine: EngineSetting = "auto",
+        budget_s: float = SCRAPE_BUDGET_S,
     ) -> None:
         self.url = url.rstrip("/")
+        self.budget_s = budget_s
+        """CPU seconds one `/metrics` answer may take to filter (`read_metric_lines`)."""
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = dict(headers or {})
         self.recheck_every = recheck_every
@@ -252,7 +275,13 @@ class BackendScraper:
         self._scrapes = 0
         self.capacity: int | None = None
         """The running-request cap `/server_info` reported (SGLang; None: not known)."""
+        self.adaptive: Reported | None = None
+        """What `/server_info` says about in-engine adaptive speculation (None: it says nothing)."""
         self._info_asked = False
+        self.rejected: Rejected = Counter()
+        """Values this backend reported that were not taken (not finite, or out of range), by name."""
+        self._vllm_info: bool | None = None
+        """Whether vLLM's `/server_info` answered (None: not asked yet)."""
 
     def _ask(self, known: bool | None) -> bool:
         return known is not False or self._scrapes % self.recheck_every == 0
@@ -267,7 +296,7 @@ class BackendScraper:
             if resp.status != 200:
                 return None
             try:
-                text, prefixes = await read_metric_lines(resp)
+                text, prefixes = await read_metric_lines(resp, budget_s=self.budget_s)
             except (ResponseTooLarge, ScrapeBudgetExceeded) as e:
                 log.debug("metrics of %s not read: %s", self.url, e)
                 return None
@@ -275,7 +304,7 @@ class BackendScraper:
             self.engine = detect(prefixes)
             if self.engine is not None and not self.engine.loads_route:
                 self.has_loads = False
-        found = read_samples(text)
+        found = read_samples(text, rejected=self.rejected)
         if found is None or self.engine is None:
             return None
         if self.engine is SGLANG:
@@ -292,24 +321,43 @@ class BackendScraper:
                 return None
             try:
                 body = await read_bounded(resp, LOADS_LIMIT_BYTES)
-                return parse_v1_loads(json.loads(body), now)
+                return parse_v1_loads(json.loads(body), now, self.rejected)
             except (ResponseTooLarge, ValueError, RecursionError):  # deep JSON: no sample, no traceback
                 return None
 
-    async def _server_info(self, session: aiohttp.ClientSession) -> int | None:
-        """The cap SGLang's `/server_info` (or `/get_server_info`) reports; None when it reports
-        none or cannot be read now."""
+    async def _info(self, session: aiohttp.ClientSession, paths: tuple[str, ...]) -> tuple[Any, bool]:
+        """(the JSON of the first of `paths` that answers, None when none can be read now; whether
+        one answered other than 404)."""
         try:
-            for path in SERVER_INFO_PATHS:
+            for path in paths:
                 async with self._request(session, path) as resp:
                     if resp.status == 404:
                         continue
                     if resp.status != 200:
-                        return None
-                    return server_info_cap(json.loads(await read_bounded(resp, INFO_LIMIT_BYTES)))
+                        return None, True
+                    return json.loads(await read_bounded(resp, INFO_LIMIT_BYTES)), True
         except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as e:
             log.debug("server info of %s not read: %s", self.url, type(e).__name__)
-        return None
+            return None, True
+        return None, False
+
+    async def _server_info(self, session: aiohttp.ClientSession) -> None:
+        """Read SGLang's `/server_info` (or `/get_server_info`): its cap and its adaptation."""
+        info, _ = await self._info(session, SERVER_INFO_PATHS)
+        cap = server_info_cap(info)
+        if cap is not None:
+            self.capacity = cap
+        reported = from_sglang_server_info(info)
+        if reported is not None:
+            self.adaptive = reported
+
+    async def _vllm_server_info(self, session: aiohttp.ClientSession) -> None:
+        """Read vLLM's `/server_info?config_format=json` for its adaptation, where it is served."""
+        info, answered = await self._info(session, (VLLM_INFO_PATH,))
+        self._vllm_info = answered
+        reported = from_vllm_server_info(info)
+        if reported is not None:
+            self.adaptive = reported
 
     async def scrape(self, session: aiohttp.ClientSession, now: float) -> BackendSample | None:
         """One scrape; raises aiohttp/OS/timeout errors when the backend cannot be reached. The
@@ -317,21 +365,30 @@ class BackendScraper:
         self._scrapes += 1
         metrics = loads = None
         if self._ask(self.has_metrics):
+            before = self.rejected.total()
             metrics = await self._metrics(session, now)
-            self.has_metrics = metrics is not None
+            # values it reported and were not taken: it answers, so it is asked again next time
+            self.has_metrics = metrics is not None or self.rejected.total() > before
         if self._ask(self.has_loads):
+            before = self.rejected.total()
             loads = await self._loads(session, now)
-            self.has_loads = loads is not None
+            self.has_loads = loads is not None or self.rejected.total() > before
             if loads is not None and self.engine is None:
                 self.engine = SGLANG
-        if self.engine is SGLANG and (not self._info_asked or self._scrapes % self.recheck_every == 0):
-            self._info_asked = True
-            cap = await self._server_info(session)
-            if cap is not None:
-                self.capacity = cap
+        due = self._scrapes % self.recheck_every == 0
+        if self.engine is SGLANG:
+            if not self._info_asked or due:
+                self._info_asked = True
+                await self._server_info(session)
+        elif self.engine is not None and (self._vllm_info is None or due):
+            await self._vllm_server_info(session)
         sample = merge_samples(metrics, loads)
         if sample is not None and self.capacity is not None:
             sample = replace(sample, max_running=self.capacity)
+        if sample is None:
+            return None
+        sample, dropped = check_sample(sample)
+        self.rejected.update(dropped)
         return sample
 
 
@@ -339,6 +396,9 @@ CapacityHook = Callable[[str, int], None]
 """Called with a backend's name and the running-request cap it reported, on every sample that has one."""
 EngineHook = Callable[[str, Engine], None]
 """Called once per backend with the engine it was found (or configured) to run."""
+AdaptiveHook = Callable[[str, Reported], None]
+"""Called with a backend's name and what it reports about its in-engine adaptation, when that
+changes (first report included)."""
 
 
 class ScrapeLoop:
@@ -359,6 +419,7 @@ class ScrapeLoop:
         engines: Mapping[str, EngineSetting] | None = None,
         on_capacity: CapacityHook | None = None,
         on_engine: EngineHook | None = None,
+        on_adaptive: AdaptiveHook | None = None,
     ) -> None:
         self.tracker = tracker
         self.session = session
@@ -376,7 +437,10 @@ class ScrapeLoop:
         }
         self.on_capacity = on_capacity
         self.on_engine = on_engine
+        self.on_adaptive = on_adaptive
+        self._adaptive: dict[str, Reported] = {}
         self._announced: set[str] = set()
+        self._rejecting: set[str] = set()
         self.latest: dict[str, BackendSample] = {}
         self.samples = 0
         """Samples stored so far (all backends)."""
@@ -405,22 +469,36 @@ class ScrapeLoop:
             log.info("backend %s runs %s (%s)", name, scraper.engine.label, how)
             if self.on_engine is not None:
                 self.on_engine(name, scraper.engine)
+        if sample is not None and not self.tracker.record_sample(
+            name,
+            sample.running,
+            sample.queued,
+            taken_at,
+            in_flight,
+            accept_length=sample.accept_length,
+            gen_throughput=sample.gen_throughput,
+        ):
+            scraper.rejected["running"] += 1
+            sample = None
         if sample is not None:
-            self.tracker.record_sample(
-                name,
-                sample.running,
-                sample.queued,
-                taken_at,
-                in_flight,
-                accept_length=sample.accept_length,
-                gen_throughput=sample.gen_throughput,
-            )
             self.latest[name] = sample
             self.samples += 1
+        if scraper.rejected and name not in self._rejecting:
+            self._rejecting.add(name)
+            log.warning(
+                "backend %s reports numbers specroute does not take (not finite, or out of range): %s; "
+                "they are dropped and counted in specroute_backend_rejected_values_total (logged once)",
+                name, ", ".join(sorted(scraper.rejected)),
+            )  # fmt: skip
         cap = sample.max_running if sample is not None else scraper.capacity
         if cap is not None and self.on_capacity is not None:
             # every scrape, not only on a change: a config reload resets the bounds
             self.on_capacity(name, cap)
+        reported = scraper.adaptive
+        if reported is not None and _changed(self._adaptive.get(name), reported):
+            self._adaptive[name] = reported
+            if self.on_adaptive is not None:
+                self.on_adaptive(name, reported)
         return sample
 
     def _warn_no_metrics(self, name: str, scraper: BackendScraper) -> None:
@@ -454,23 +532,59 @@ class ScrapeLoop:
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
 
 
+def _changed(before: Reported | None, now: Reported) -> bool:
+    if before is None or before.note != now.note:
+        return True
+    if before.ladder is None or now.ladder is None:
+        return before.ladder is not now.ladder
+    return not before.ladder.same_depths(now.ladder)
+
+
 def apply_reported_cap(
-    tracker: LoadTracker, bounded: Callable[[Pool], bool], margin: float, name: str, cap: int
+    tracker: LoadTracker,
+    bounded: Callable[[Pool], bool],
+    margin: float,
+    name: str,
+    cap: int,
+    replicas: int = 1,
 ) -> int | None:
     """Backend `name` reports running `cap` requests at most: the view carries it (policies
-    predict its queue from it), and its admission bound becomes `ceil(cap x (1 + margin))`
-    unless its pool's bound is set explicitly (`bounded(pool)`). Returns the new bound when it
-    changed (None when left alone)."""
+    predict its queue from it), and its admission bound becomes this replica's share of it
+    (`capacity.replica_bound`: the cap plus `margin`, over `replicas`) unless its pool's bound is
+    set explicitly (`bounded(pool)`). Returns the new bound when it changed (None when left alone)."""
     backend = tracker.get(name)
     backend.max_running = cap
     if bounded(backend.pool):
         return None
-    bound = math.ceil(cap * (1 + margin))
+    bound = replica_bound(cap, margin, replicas)
     if bound == backend.max_in_flight:
         return None
     log.info(
-        "backend %s reports %d running requests at most: admission bound %d (was %s)",
+        "backend %s reports %d running requests at most: admission bound %d (was %s)%s",
         name, cap, bound, backend.max_in_flight if backend.max_in_flight is not None else "unbounded",
+        f", this replica's share of {replicas}" if replicas > 1 else "",
     )  # fmt: skip
     backend.max_in_flight = bound
     return bound
+
+
+class RejectedValuesCollector(Collector):
+    """The numbers each backend reported that were not taken, at scrape time (`BackendScraper.
+    rejected`): `specroute_backend_rejected_values_total{backend, value}`. `loop` gives the running
+    `ScrapeLoop` (None before the app started)."""
+
+    def __init__(self, loop: Callable[[], ScrapeLoop | None]) -> None:
+        self._loop = loop
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "specroute_backend_rejected_values",
+            "Numbers a backend reported on /metrics or /v1/loads that were not taken (NaN, Inf, or out of "
+            "range), by backend and what they were; the backend's first is logged.",
+            labels=["backend", "value"],
+        )
+        loop = self._loop()
+        for name, scraper in (loop.scrapers if loop is not None else {}).items():
+            for value, n in sorted(scraper.rejected.items()):
+                family.add_metric([name, value], n)
+        yield family

@@ -17,6 +17,11 @@ The rules follow SGLang 0.5.x (`entrypoints/openai/protocol.py`, `serving_chat.p
 `null` means "default" as in SGLang. A value of the wrong JSON type (a string for a number) is
 left to the backend, which coerces what pydantic coerces; only the budget fields must be numbers
 here, because routing reads them. Everything else (tools, response_format, ...) SGLang judges.
+
+What a request costs the backend is counted here too: `sequences` is how many sequences it runs
+at once (a backend runs each of `n` samples of each prompt as its own request), and
+`check_sequences` refuses one asking for more than the settings allow (`max_n`,
+`max_prompts_per_request`) with a 400, before anything is reserved.
 """
 
 from __future__ import annotations
@@ -117,3 +122,80 @@ def check_openai_body(body: Mapping[str, Any], endpoint: Endpoint) -> None:
 def check_generate_sampling(params: Mapping[str, Any]) -> None:
     """BadRequest for `/generate` sampling_params SGLang's `SamplingParams.verify` would refuse."""
     _check_sampling(params, "sampling_params.")
+
+
+# --- sequences ----------------------------------------------------------------------------
+
+
+def _n(params: Mapping[str, Any]) -> int:
+    """`n` of checked sampling parameters (1 when absent or null)."""
+    value = params.get("n")
+    return 1 if value is None else _integer(value) or 1
+
+
+def _prompts(prompt: Any) -> int:
+    """Prompts in an OpenAI `prompt` or SGLang `text` / `input_ids`: a string or a list of token
+    ids is one; a list of strings or of token-id lists is one per entry (at least one)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return len(prompt)
+    return 1
+
+
+def prompts(body: Mapping[str, Any], endpoint: Endpoint) -> int:
+    """How many prompts a checked body holds (a chat request: one)."""
+    if endpoint == "chat":
+        return 1
+    if endpoint == "completions":
+        return _prompts(body.get("prompt"))
+    text = body.get("text")
+    return _prompts(text if text is not None else body.get("input_ids"))
+
+
+def sequences(body: Mapping[str, Any], endpoint: Endpoint) -> int:
+    """How many sequences the backend runs for a checked body: `n` for a chat request, prompts x
+    `n` for a completions one (SGLang and vLLM run each sample of each prompt as a request of its
+    own), and for `/generate` the prompts x `sampling_params.n` (a list of `sampling_params`, one
+    per prompt: the sum of their `n`). What the request holds of a backend's running slots, and
+    what its `completion_tokens` are the sum over."""
+    if endpoint == "generate":
+        params = body.get("sampling_params")
+        if isinstance(params, list):
+            return sum(_n(p) if isinstance(p, dict) else 1 for p in params) or 1
+        return prompts(body, endpoint) * _n(params if isinstance(params, dict) else {})
+    return prompts(body, endpoint) * _n(body)
+
+
+def check_sequences(body: Mapping[str, Any], endpoint: Endpoint, max_n: int, max_prompts: int) -> int:
+    """`sequences(body, endpoint)`, or BadRequest when `n` is over `max_n`, the prompts over
+    `max_prompts`, or the sequences over the larger of the two (so no request runs more sequences
+    than either setting allows on its own)."""
+    if endpoint == "generate":
+        params = body.get("sampling_params")
+        each = params if isinstance(params, list) else [params]
+        n = max((_n(p) for p in each if isinstance(p, dict)), default=1)
+        where = "sampling_params.n"
+    else:
+        n = _n(body)
+        where = "n"
+    if n > max_n:
+        raise BadRequest(f"'{where}' is {n}: at most {max_n} (max_n) per request", param=where)
+    if endpoint == "chat":
+        count = total = n
+    else:
+        count = prompts(body, endpoint)
+        if count > max_prompts:
+            field = "prompt" if endpoint == "completions" else "text"
+            raise BadRequest(
+                f"'{field}' holds {count} prompts: at most {max_prompts} (max_prompts_per_request) per "
+                "request; send the rest as further requests",
+                param=field,
+            )
+        total = sequences(body, endpoint)
+    most = max(max_n, max_prompts)
+    if total > most:
+        raise BadRequest(
+            f"this request runs {total} sequences ({count} prompts x n): at most {most} per request "
+            "(the larger of max_n and max_prompts_per_request)",
+            param=where,
+        )
+    return total

@@ -16,9 +16,9 @@ the next bytes can take about as long again to come. So the read that follows a 
 for `b` seconds may wait `idle_s + b`: silence the client caused is not the backend's.
 
 Both limits, and `ClockTimeout` (`asyncio.timeout` for the request path), read the proxy's one
-injected clock, not the loop's: with the real clock (`time.monotonic`, the loop's own) a timer
-fires at the deadline; with another (a test's `ShiftedClock`) the timer also polls every
-`POLL_S`, so a test moves time past a deadline instead of sleeping for it.
+injected clock, not the loop's. A timer on the loop's clock fires at the deadline; a clock whose
+time may jump (a test's, moved past a deadline instead of waited for) says so with a `poll_s`
+attribute, and timers on it look again that often (`poll_s`).
 
 A watchdog given a `live` set is in it while it runs: whoever reads the set on the event loop
 (`specroute_client_writes_blocked`, at scrape time) sees `side == "client"` only for a relay
@@ -37,13 +37,13 @@ from typing import Literal
 
 Side = Literal["backend", "client"]
 Clock = Callable[[], float]
-POLL_S = 0.05
-"""How often a deadline on a clock that is not the loop's is checked."""
 
 
 def poll_s(clock: Clock) -> float:
-    """The longest a timer on `clock` may wait before checking it again."""
-    return math.inf if clock is time.monotonic else POLL_S
+    """The longest a timer on `clock` may wait before reading it again: its `poll_s` when it has
+    one (its time may jump), else no limit (the loop's timers fire at the deadline)."""
+    poll = getattr(clock, "poll_s", math.inf)
+    return poll if isinstance(poll, float | int) and poll > 0 else math.inf
 
 
 class ClockTimeout:
@@ -120,6 +120,8 @@ class RelayWatchdog:
         self.side: Side = "backend"
         self.since = 0.0
         self.credit = 0.0
+        self.blocked_s = 0.0
+        """Seconds the relay has spent in writes to the client (the credits given so far)."""
         self.expired: Side | None = None
         self._loop = asyncio.get_running_loop()
         self._task: asyncio.Task[object] | None = None
@@ -130,6 +132,7 @@ class RelayWatchdog:
         """From `now` on the relay waits for the backend, which gets `credit` seconds more than
         `idle_s` (how long the write before this read was blocked)."""
         self.side, self.since, self.credit = "backend", now, credit
+        self.blocked_s += credit
 
     def writing(self, now: float) -> None:
         """From `now` on the relay waits for the client to take a write."""

@@ -8,9 +8,8 @@ import asyncio
 
 import aiohttp
 from aiohttp import web
+from driven_clock import DrivenClock
 from helpers import serve_app
-
-from controller.cli.driven_clock import DrivenClock
 
 
 async def test_a_sleep_on_the_driven_clock_ends_at_the_advance_past_its_deadline():

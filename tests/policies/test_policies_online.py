@@ -123,7 +123,7 @@ def test_failed_and_tokenless_outcomes_teach_nothing() -> None:
     policy.observe(Outcome(req, d, 0.0, None, None, 1.0, "timeout"))
     policy.observe(outcome(req, d, 50.0, tokens=1))  # TTFT known, no decode rate
     first = policy.state()["buckets"]["eagle"][0]  # type: ignore[attr-defined]
-    assert (first["rate_samples"], first["ttft_samples"]) == (0, 1)
+    assert (first["rate_samples"], first["wait_samples"]) == (0, 1)
 
 
 def test_per_hint_factors_route_code_to_eagle_and_prose_to_baseline() -> None:
@@ -146,7 +146,7 @@ def test_per_hint_factors_route_code_to_eagle_and_prose_to_baseline() -> None:
 
 def test_exploration_only_near_the_boundary_and_fading_with_confidence() -> None:
     # eagle twice as fast: once both buckets are trusted, the choice is clear and exploring stops
-    # but for a re-check of the unused pool now and then (its weight halves every 200 decisions)
+    # but for the re-sampling of the unused pool, whose span doubles while it confirms the estimate
     policy = online(profile=True, seed=4)
     clear = run(policy, 3000, lambda pool, req: 160.0 if pool == "eagle" else 80.0)
     explored = sum(d.reason == "explore" for d in clear[-2000:])

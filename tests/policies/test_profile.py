@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from policies.base import Pool
 from policies.profile import ProfileError, load_profile, parse_profile, resolve_profile
 
 
@@ -42,7 +43,11 @@ def test_kimi_profile_matches_its_headline_figures() -> None:
     assert e.throughput_tok_s(48) == pytest.approx(354, rel=1e-3)
     assert [pt.concurrency for pt in p.mode("baseline").points] == [1, 2, 5, 10, 30, 70, 100, 250]
     # every point lies on the fitted line t(b) = a + c*b
-    for mode, a, c in (("baseline", 0.009532, 0.0012555), ("eagle", 0.007742, 0.0026636)):
+    fits: tuple[tuple[Pool, float, float], ...] = (
+        ("baseline", 0.009532, 0.0012555),
+        ("eagle", 0.007742, 0.0026636),
+    )
+    for mode, a, c in fits:
         for pt in p.mode(mode).points:
             assert 1 / pt.decode_tok_s == pytest.approx(a + c * pt.concurrency, rel=1e-3)
 
@@ -65,6 +70,23 @@ def test_resolve_by_path_and_unknown_builtin_lists_known() -> None:
     assert resolve_profile(path).name == resolve_profile("kimi-k25-int4-8gpu").name
     with pytest.raises(ProfileError, match=r"no built-in profile 'nope'.*kimi-k25-int4-8gpu.*llama31"):
         resolve_profile("nope")
+
+
+def test_a_missing_profile_file_named_alone_is_reported_as_a_missing_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--profile my-profile.json` in a folder without it: the file is what is missing, not a
+    built-in profile of that name; a built-in's name with `.json` still finds the built-in."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ProfileError) as info:
+        resolve_profile("my-profile.json")
+    text = str(info.value)
+    assert text.startswith("my-profile.json: no such profile file") and str(tmp_path) in text
+    assert "no built-in profile" not in text and "kimi-k25-int4-8gpu" in text
+    assert resolve_profile("kimi-k25-int4-8gpu.json").name == resolve_profile("kimi-k25-int4-8gpu").name
+    (tmp_path / "my-profile.json").write_text((Path(__file__).resolve().parents[2] / "policies" / "profiles" /
+                                               "kimi-k25-int4-8gpu.json").read_text())  # fmt: skip
+    assert resolve_profile("my-profile.json").name == resolve_profile("kimi-k25-int4-8gpu").name
 
 
 # -- errors name the file and the field ---------------------------------------------------

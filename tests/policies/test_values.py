@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import make_tracker
 
-from controller.proxy.load import LoadTracker
 from policies.base import BackendLoad, Decision, LoadView, Outcome, PoolLoad, RequestInfo
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
 from policies.routing import Router
-from simulator.engine.routers import PERFECT_VIEW, RouterSetup
+from simulator.engine.replica_views import PERFECT_VIEW, RouterSetup
 from simulator.engine.runner import PolicyChoice, run
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
@@ -79,7 +79,7 @@ def test_the_simulator_and_every_policy_build_values_once(
 
 
 def test_the_proxy_view_and_routing_core_build_values_once(set_once: None) -> None:
-    tracker = LoadTracker(["b0=http://127.0.0.1:1", "b1=http://127.0.0.1:2"], ["e0=http://127.0.0.1:3"])
+    tracker = make_tracker(["b0=http://127.0.0.1:1", "b1=http://127.0.0.1:2"], ["e0=http://127.0.0.1:3"])
     tracker.track_prefixes({"b0": 4096, "b1": 4096, "e0": 4096})
     tracker.set_bounds({"b0": 1, "b1": None, "e0": None}, {"baseline": None, "eagle": None})
     tracker.record_sample("e0", 3, 1, 0.0, 0, 3.1)

@@ -12,12 +12,13 @@ import dataclasses
 from typing import Any
 
 import pytest
+from helpers import make_tracker
 
-from controller.proxy.load import LoadTracker, Reservation
+from controller.proxy.load import Reservation
 from policies.base import BackendLoad, Decision, LoadView, Outcome, RequestInfo
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.view import STALE_AFTER_S, backend_load, believed_cached, dispatched, true_load
-from simulator.engine.routers import RouterGroup, Routers, RouterSetup
+from simulator.engine.replica_views import RouterGroup, Routers, RouterSetup
 
 SERVERS = [("b0", "baseline", None), ("b1", "baseline", None), ("e0", "eagle", 3.2)]
 CAPACITY = 8 * DEFAULT_BLOCK_TOKENS
@@ -48,7 +49,7 @@ class Both:
     driven by the same events."""
 
     def __init__(self, replicas: float) -> None:
-        self.live = LoadTracker(
+        self.live = make_tracker(
             ["b0=http://127.0.0.1:1", "b1=http://127.0.0.1:2"],
             ["e0=http://127.0.0.1:3"],
             stale_after_s=STALE_AFTER_S,
@@ -144,14 +145,14 @@ def test_the_perfect_view_is_the_builder_s_fresh_sample() -> None:
 
 
 def test_a_full_backend_is_healthy_but_does_not_admit() -> None:
-    tracker = LoadTracker(["b0=http://127.0.0.1:1"], ["e0=http://127.0.0.1:2"])
+    tracker = make_tracker(["b0=http://127.0.0.1:1"], ["e0=http://127.0.0.1:2"])
     tracker.set_bounds({"b0": 1, "e0": None}, {"baseline": None, "eagle": None})
     tracker.reserve("b0")
     b0 = tracker.view(0.0).baseline.backends[0]
-    assert (b0.healthy, b0.full, b0.admits) == (True, True, False)
+    assert (b0.usable, b0.full, b0.admits) == (True, True, False)
     assert b0 == backend_load("b0", "baseline", 1, 0, now=0.0, full=True)
     tracker.set_healthy("e0", False)
     tracker.set_healthy("b0", False)
     e0 = tracker.view(0.0).eagle.backends[0]
-    assert (e0.healthy, e0.full, e0.admits) == (True, False, True)  # panic: every backend usable
+    assert (e0.usable, e0.full, e0.admits) == (True, False, True)  # panic: every backend usable
     assert isinstance(e0, BackendLoad)

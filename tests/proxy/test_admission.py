@@ -11,10 +11,8 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from fakes import ShiftedClock
+from fakes import POLL_S, ShiftedClock
 from helpers import CHAT, assert_openai_error, wait_until
-
-from controller.proxy.watchdog import POLL_S
 
 
 async def _hold(c: openai.AsyncOpenAI, **kw: Any) -> Any:

@@ -22,13 +22,11 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from fakes import ShiftedClock
+from fakes import POLL_S, ShiftedClock
 from helpers import BODY, CHAT, assert_openai_error, metric_samples, raise_open_files_limit, wait_until
 from helpers import port_of as _port
 from helpers import raw_exchange as _raw
 from helpers import raw_post as _request
-
-from controller.proxy.watchdog import POLL_S
 
 
 async def _normal_request(base_url: str) -> None:

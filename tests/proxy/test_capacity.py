@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from helpers import make_tracker
 from prometheus_client import CollectorRegistry
 
 from controller.proxy.capacity import AdmissionMetrics, Capacity
@@ -16,7 +17,7 @@ from controller.proxy.outlier import OutlierDetector
 
 
 def _capacity(now: list[float], **kw: float) -> tuple[LoadTracker, Capacity]:
-    tracker = LoadTracker(["b0=http://10.0.0.1:1", "b1=http://10.0.0.2:1"], ["e0=http://10.0.1.1:1"])
+    tracker = make_tracker(["b0=http://10.0.0.1:1", "b1=http://10.0.0.2:1"], ["e0=http://10.0.1.1:1"])
     params = {"wait_s": 5.0, "max_waiting": 10, "backoff_s": 1.0} | kw
     cap = Capacity(
         tracker,
@@ -31,9 +32,10 @@ def test_a_queue_full_backs_the_backend_off_until_its_deadline():
     now = [100.0]
     tracker, cap = _capacity(now)
     cap.back_off(tracker.get("b0"), now[0])
-    assert [b.name for b in tracker.takers(100.5)] == ["b1", "e0"]
-    assert not tracker.view(100.5).pool("baseline").backends[0].admits
-    assert [b.name for b in tracker.takers(101.0)] == ["b0", "b1", "e0"]  # back at its deadline
+    admitting = [b.name for p in ("baseline", "eagle") for b in tracker.view(100.5).pool(p).admitting]
+    assert admitting == ["b1", "e0"] and not tracker.view(100.5).pool("baseline").backends[0].admits
+    admitting = [b.name for p in ("baseline", "eagle") for b in tracker.view(101.0).pool(p).admitting]
+    assert admitting == ["b0", "b1", "e0"]  # back at its deadline
     assert tracker.get("b0").healthy and not tracker.get("b0").ejected(100.5)  # never ill, never out
 
 
@@ -63,7 +65,7 @@ async def test_a_released_slot_wakes_the_waiter_that_may_use_it():
 
 
 def test_a_timeout_counts_only_when_the_backend_served_nobody_since():
-    tracker = LoadTracker(["b0=http://10.0.0.1:1", "b1=http://10.0.0.2:1"], [])
+    tracker = make_tracker(["b0=http://10.0.0.1:1", "b1=http://10.0.0.2:1"], [])
     d = OutlierDetector(tracker, consecutive_failures=1, base_s=10.0, max_s=300.0, max_ejected_percent=100.0)
     b = tracker.get("b0")
     d.progress(b, 5.0)  # another request's first byte at t=5

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from controller.proxy.app import policy_context
 from controller.proxy.config import Settings
+from controller.proxy.core import policy_context
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo, reads_features
 from policies.registry import default_registry
 

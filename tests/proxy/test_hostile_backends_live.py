@@ -285,7 +285,7 @@ async def test_b_an_absurd_usage_does_not_lose_the_decision_log_line(
 
 
 async def test_j_a_non_streaming_request_is_never_run_twice_nor_blamed(spawn_serve, raw_backend):
-    """On the process's driven clock (`SPECROUTE_TEST_CLOCK`): realistic limits, no waiting."""
+    """On the process's driven clock (`tests/driven_serve.py`): realistic limits, no waiting."""
     release = asyncio.Event()
 
     async def slow(req: RawRequest, w: asyncio.StreamWriter) -> None:
@@ -298,7 +298,7 @@ async def test_j_a_non_streaming_request_is_never_run_twice_nor_blamed(spawn_ser
         "--baseline", a.url, "--eagle", b.url, "--policy", "fixed", "--policy-param", "pool=baseline",
         "--health-check-interval-s", "3600", "--log-level", "ERROR", "--first-byte-timeout-s", "10",
         "--request-timeout-s", "60", "--outlier-consecutive-failures", "1",
-        env={"SPECROUTE_TEST_CLOCK": "1"},
+        driven=True,
     )  # fmt: skip
     long_body = {"model": "m", "messages": [{"role": "user", "content": "long"}]}
     short_body = {"model": "m", "messages": CHAT}

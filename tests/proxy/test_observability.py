@@ -17,13 +17,13 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from helpers import run_command, run_specroute, wait_until
+from helpers import make_tracker, run_command, run_specroute, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.proxy.app import FORWARDER, SCRAPER, policy_context
+from controller.proxy.app import FORWARDER, SCRAPER
 from controller.proxy.config import Settings
+from controller.proxy.core import policy_context
 from controller.proxy.decision_log import DecisionLog
-from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, Policy, RequestInfo
 from policies.registry import default_registry
 
@@ -49,6 +49,9 @@ PUBLIC_METRICS = {
     "specroute_shadow_decisions": "counter",
     "specroute_accept_factor_ratio": "histogram",
     "specroute_acceptance_families": "gauge",
+    "specroute_exploration_share": "gauge",
+    "specroute_exploration_budget_spent_ratio": "gauge",
+    "specroute_exploration_regret_seconds": "gauge",
 }
 LOG_FIELDS = {
     "ts", "endpoint", "stream", "prompt_tokens", "max_tokens", "hint", "forced_pool", "load", "policy",
@@ -61,7 +64,7 @@ LOG_FIELDS = {
 def sglang_metrics(running: int, queued: int = 0, accept: float | None = None) -> str:
     """SGLang-shaped scheduler gauges (two tensor-parallel ranks reporting the same state)."""
     lines = []
-    gauges = [("num_running_reqs", running), ("num_queue_reqs", queued)]
+    gauges: list[tuple[str, float]] = [("num_running_reqs", running), ("num_queue_reqs", queued)]
     if accept is not None:
         gauges.append(("spec_accept_length", accept))
     for name, value in gauges:
@@ -129,7 +132,18 @@ async def test_metrics_under_traffic_pass_promtool_and_parse(fake_backend, proxy
     for family in found.values():  # bounded labels: never a prompt, an id or free text
         for s in family.samples:
             assert SECRET not in str(s.labels)
-            assert set(s.labels) <= {"pool", "backend", "status", "policy", "reason", "agrees", "code", "le"}
+            assert set(s.labels) <= {
+                "pool",
+                "backend",
+                "status",
+                "policy",
+                "reason",
+                "agrees",
+                "code",
+                "le",
+                "source",
+                "learned",
+            }
 
     def value(name: str, **labels: str) -> float | None:
         return p.metrics.get_sample_value(name, labels)
@@ -239,7 +253,7 @@ async def test_stale_sample_is_ignored(fake_backend, proxy):
 
 
 def test_sample_is_combined_with_this_replicas_traffic_since_it_was_taken():
-    t = LoadTracker(["http://b:1"], ["http://e:1"], stale_after_s=5.0)
+    t = make_tracker(["http://b:1"], ["http://e:1"], stale_after_s=5.0)
     e = "http://e:1"
     mine = [t.reserve(e) for _ in range(2)]
     # The backend reports 6 running + 3 queued, our 2 included (others sent the remaining 7).

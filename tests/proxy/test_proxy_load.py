@@ -3,10 +3,9 @@ exact, and the LoadView reports them (with scraped samples only while fresh)."""
 
 from __future__ import annotations
 
+from helpers import make_tracker
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from controller.proxy.load import LoadTracker
 
 URLS = ["http://b1:1", "http://b2:1", "http://e1:1"]
 
@@ -22,7 +21,7 @@ OPS = st.tuples(
 @settings(max_examples=200, deadline=None)
 @given(st.lists(OPS, max_size=80))
 def test_counts_are_exact_under_any_interleaving(ops):
-    t = LoadTracker(URLS[:2], URLS[2:])
+    t = make_tracker(URLS[:2], URLS[2:])
     live = []  # (reservation, current backend name, tokens)
     released = []
     for op, target, idx, tokens in ops:
@@ -49,7 +48,7 @@ def test_counts_are_exact_under_any_interleaving(ops):
 
 
 def test_view_reports_load_health_and_fresh_samples_only():
-    t = LoadTracker(URLS[:2], URLS[2:], stale_after_s=5.0)
+    t = make_tracker(URLS[:2], URLS[2:], stale_after_s=5.0)
     t.reserve(URLS[0], 10)
     t.reserve(URLS[2], 3)
     t.set_healthy(URLS[1], False)
@@ -57,7 +56,7 @@ def test_view_reports_load_health_and_fresh_samples_only():
     b.running, b.queued, b.accept_length, b.sample_time = 7, 2, 2.5, 100.0
     view = t.view(104.0)
     assert [x.in_flight for x in view.baseline.backends] == [1, 0]
-    assert [x.healthy for x in view.baseline.backends] == [True, False]
+    assert [x.usable for x in view.baseline.backends] == [True, False]
     e = view.eagle.backends[0]
     assert (e.in_flight, e.in_flight_tokens, e.running, e.queued, e.accept_length) == (1, 3, 7, 2, 2.5)
     assert e.sample_age_s == 4.0 and e.load == 9

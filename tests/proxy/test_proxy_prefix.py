@@ -12,9 +12,8 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from helpers import block_text, cache_profile, replay_conversation
+from helpers import block_text, cache_profile, make_tracker, replay_conversation
 
-from controller.proxy.load import LoadTracker
 from controller.proxy.prefixes import (
     BLOCK_TOKENS,
     THREAD_FROM_CHARS,
@@ -89,7 +88,7 @@ def test_reported_cached_tokens_reads_usage_and_meta_info_but_not_answer_text() 
 
 
 def test_view_carries_each_backends_matched_prefix_after_reserve_and_move() -> None:
-    tracker = LoadTracker(["b1=http://127.0.0.1:1", "b2=http://127.0.0.1:2"], ["e1=http://127.0.0.1:3"])
+    tracker = make_tracker(["b1=http://127.0.0.1:1", "b2=http://127.0.0.1:2"], ["e1=http://127.0.0.1:3"])
     tracker.track_prefixes({"b1": 100 * BLOCK_TOKENS, "b2": 100 * BLOCK_TOKENS, "e1": 100 * BLOCK_TOKENS})
     system = block_text(3, "system")
     first = fingerprint(system + block_text(2, "alice"))
@@ -111,7 +110,7 @@ def test_view_carries_each_backends_matched_prefix_after_reserve_and_move() -> N
 
 
 def test_the_index_is_bounded_by_the_backends_capacity() -> None:
-    tracker = LoadTracker(["b1=http://127.0.0.1:1"], [])
+    tracker = make_tracker(["b1=http://127.0.0.1:1"], [])
     tracker.track_prefixes({"b1": 4 * BLOCK_TOKENS})
     a, b = fingerprint(block_text(3, "alpha")), fingerprint(block_text(3, "beta"))
     tracker.release(tracker.reserve("b1", 0, a))

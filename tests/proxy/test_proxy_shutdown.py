@@ -108,12 +108,12 @@ async def test_sigterm_ready_503_then_grace_period_serves_then_drain(fake_backen
     gets answers for shutdown_grace_s; only then does the listener close. A stream running then
     finishes in the drain; answers during the grace carry `Connection: close` (a raw HTTP/1.1
     client sees it), so no keep-alive connection outlives the listener. On the process's driven
-    clock (`SPECROUTE_TEST_CLOCK`): the grace ends when the test moves the clock past it."""
+    clock (`tests/driven_serve.py`): the grace ends when the test moves the clock past it."""
     fb = await fake_backend(chunks=20, delay_s=0.1)  # a 2 s stream, running across the grace
     grace = 20.0  # on the driven clock; below every limit of the stream the advances also move
     sp = await spawn_serve(
         "--baseline", fb.url, "--policy", "fixed", "--shutdown-grace-s", str(grace),
-        "--drain-timeout-s", "20", "--log-level", "WARNING", env={"SPECROUTE_TEST_CLOCK": "1"},
+        "--drain-timeout-s", "20", "--log-level", "WARNING", driven=True,
     )  # fmt: skip
     port = int(sp.url.rsplit(":", 1)[1])
     client = openai.AsyncOpenAI(base_url=sp.url + "/v1", api_key="unused", max_retries=0, timeout=10)

@@ -66,9 +66,6 @@ class StderrLines:
         return "".join(self.lines)
 
 
-DRIVEN = {"SPECROUTE_TEST_CLOCK": "1"}
-"""serve on the driven clock (`controller.cli.driven_clock`): the settle intervals pass when the
-test moves the clock, not by waiting for them."""
 READ = "read; reading it again in"
 """The reload's first read of the file (`read_stable`): it is settling from here on."""
 CHANGING = "is changing; waiting for it to settle"
@@ -82,7 +79,7 @@ async def test_a_file_written_in_two_parts_around_a_sighup_is_applied_only_whole
     cfg = tmp_path / "specroute.yaml"
     head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 10\npolicy: fixed\n"
     cfg.write_text(head + "policy_params: {pool: baseline}\n")
-    sp = await spawn_serve("--config", str(cfg), env=DRIVEN)
+    sp = await spawn_serve("--config", str(cfg), driven=True)
     stderr = StderrLines(sp)
     assert await _pool(sp.url) == "baseline"
     # Part one alone is a complete, valid file (fixed, its default pool: baseline, with seed 7);
@@ -116,7 +113,7 @@ async def test_a_file_that_keeps_changing_or_does_not_validate_is_not_applied(
     cfg = tmp_path / "specroute.yaml"
     head = f"baseline: [{base.url}]\neagle: [{eagle.url}]\nreload_settle_s: 10\npolicy: fixed\n"
     cfg.write_text(head + "policy_params: {pool: eagle}\n")
-    sp = await spawn_serve("--config", str(cfg), env=DRIVEN)
+    sp = await spawn_serve("--config", str(cfg), driven=True)
     stderr = StderrLines(sp)
     assert await _pool(sp.url) == "eagle"
 

@@ -15,10 +15,8 @@ import json
 from typing import Any
 
 import aiohttp
-from fakes import RAW_COMPLETION, RawBackend, RawRequest, ShiftedClock, raw_json_response
+from fakes import POLL_S, RAW_COMPLETION, RawBackend, RawRequest, ShiftedClock, raw_json_response
 from helpers import assert_openai_error, metric_samples, wait_until
-
-from controller.proxy.watchdog import POLL_S
 
 FIRST_BYTE_S = 60.0
 REQUEST_S = 600.0

@@ -6,6 +6,7 @@ streaming or not, with or without the usage chunk."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from helpers import FRANCE, post_bytes
@@ -20,7 +21,7 @@ from controller.proxy.spec_details import (
 )
 
 CHAT = FRANCE
-CASES = [
+CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"model": "m", "messages": CHAT}),
     ("/v1/completions", {"model": "m", "prompt": "The capital of France is"}),
 ]

@@ -8,18 +8,17 @@ import sys
 from typing import Any
 
 import pytest
-from helpers import run_main
+from helpers import make_tracker, run_main
 
-from controller.proxy.load import LoadTracker
 from policies.base import Decision, LoadView, Outcome, RequestInfo
 from policies.profile import resolve_profile
 from policies.replicas import believed_counts
 from policies.routing import pool_decision
 from policies.view import backend_load
+from simulator.engine.deployment import build_deployment, parse_deployment
 from simulator.engine.loop import RequestBatch, simulate
-from simulator.engine.routers import RouterGroup, RouterSetup
+from simulator.engine.replica_views import RouterGroup, RouterSetup
 from simulator.engine.runner import PolicyChoice, run
-from simulator.engine.servers import build_deployment, parse_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
 PROFILE = "kimi-k25-int4-8gpu"
@@ -95,7 +94,7 @@ def test_every_router_learns_from_its_own_outcomes_only() -> None:
 
 
 def test_the_proxy_and_the_simulator_combine_a_sample_the_same_way() -> None:
-    tracker = LoadTracker(["b=http://127.0.0.1:1"], ["e=http://127.0.0.1:2"], stale_after_s=5.0, replicas=3)
+    tracker = make_tracker(["b=http://127.0.0.1:1"], ["e=http://127.0.0.1:2"], stale_after_s=5.0, replicas=3)
     for _ in range(4):
         tracker.reserve("e")
     tracker.record_sample("e", running=10, queued=2, taken_at=100.0, in_flight_at_sample=1)
