@@ -12,7 +12,11 @@ the same cores:
                     (`num_speculative_tokens_per_batch_size`, `servers.ADAPTIVE`)
     pair, blind     plain + EAGLE-3, cost_model without content features
     pair, aware     plain + EAGLE-3, content-aware cost_model with `spec_details` (the accept
-                    length vLLM reports per request), after WARMUP never-seen prompts
+                    length vLLM reports per request), after 2 x WARMUP never-seen prompts
+    pair, aware,    the same, each request sent where it finishes soonest (`scope=request`) and
+      selfish       no exploration (`explore_budget=0`): what content learned alone decides;
+                    cost_model's defaults also weigh the slowdown a request imposes on others
+                    (system scope) and explore, both of which send prose to an idle EAGLE-3
     oracle          plain + EAGLE-3, each request sent to its domain's faster server (code to
                     EAGLE-3, prose to plain), 50/50 traffic only
 
@@ -70,8 +74,10 @@ MAX_TOKENS = 64
 WARMUP = 80
 """Never-seen prompts (half code, half prose, concurrency 2) the aware pair learns from first."""
 TRAFFIC = ("code", "prose", "mixed")
-ADAPTIVE_BUCKETS = "3:1,5:0.5"
-"""`servers.ADAPTIVE` for the simulator: full depth below batch 3, half below 5, none after."""
+AWARE = ("aware", "aware0")
+"""The content-aware pairs (warmed up on never-seen prompts first)."""
+ADAPTIVE_LADDER = json.dumps(servers.ADAPTIVE)
+"""The adaptive servers' vLLM schedule, as `simulate` and `plan` take it (`--adaptive-ladder`)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ CONFIGS = (
     Config("eagle", "2x EAGLE-3", (), ("eagle0", "eagle1"), PINNED["eagle"],
            ("--deployment", "eagle=2", "--policy", "fixed:pool=eagle")),
     Config("adaptive", "2x adaptive", (), ("adaptive0", "adaptive1"), PINNED["eagle"],
-           ("--deployment", "adaptive=2", "--adaptive-buckets", ADAPTIVE_BUCKETS,
+           ("--deployment", "adaptive=2", "--adaptive-ladder", ADAPTIVE_LADDER,
             "--policy", "fixed:pool=eagle")),
     Config("blind", "pair, blind", ("plain0",), ("eagle1",),
            ("--policy", "cost_model", "--policy-param", "content_aware=false"),
@@ -102,6 +108,10 @@ CONFIGS = (
     Config("aware", "pair, aware", ("plain0",), ("eagle1",),
            ("--policy", "cost_model", "--spec-details", "true"),
            ("--deployment", PAIR, "--policy", "cost_model", "--spec-details")),
+    Config("aware0", "pair, aware, selfish", ("plain0",), ("eagle1",),
+           ("--policy", "cost_model", "--spec-details", "true", "--policy-param", "scope=request",
+            "--policy-param", "explore_budget=0"),
+           ("--deployment", PAIR, "--policy", "cost_model:scope=request,explore_budget=0", "--spec-details")),
     Config("oracle", "oracle (domain split)", ("plain0",), ("eagle1",),
            ("--policy", "cost_model", "--allow-client-override", "true"), None, mixed_only=True),
 )  # fmt: skip
@@ -182,8 +192,10 @@ async def closed_loop(
 ) -> list[Result]:
     """`concurrency` clients taking prompts in order: `warmup`, then `measured`, then fillers
     until the last measured request has ended (the loop stays full while it is measured)."""
+    if len(prompts) < warmup + measured:
+        raise ValueError(f"{len(prompts)} prompts are too few for {warmup} + {measured} requests")
     results: list[Result] = []
-    state = {"next": 0, "done": 0}
+    state = {"next": 0, "done": 0, "short": 0}
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
@@ -191,8 +203,9 @@ async def closed_loop(
             while state["done"] < measured:
                 i = state["next"]
                 state["next"] += 1
-                if i >= len(prompts):
-                    raise RuntimeError(f"{len(prompts)} prompts are too few for this cell")
+                if i >= len(prompts):  # fillers only: the loop thins out at the very end
+                    state["short"] += 1
+                    return
                 domain, prompt = prompts[i]
                 forced = ("eagle" if domain == "code" else "baseline") if oracle else None
                 r = await one(session, url, domain, prompt, i, forced)
@@ -201,7 +214,15 @@ async def closed_loop(
                     state["done"] += 1
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
+    if state["short"]:
+        print(f"warning: {len(prompts)} prompts ran out before the last measured request ended")
     return results
+
+
+def enough(warmup: int, measured: int, concurrency: int) -> int:
+    """Prompts a closed loop needs: fillers keep it full while the slowest measured requests end
+    (a long prose answer can outlast many short code ones)."""
+    return warmup + measured + 16 * concurrency + 16
 
 
 def cell_prompts(traffic: str, concurrency: int, n: int) -> list[tuple[str, str]]:
@@ -294,7 +315,7 @@ def planned(merged: Path, level: int, requests: int, prompt_tokens: int, work: P
         "plan", "--profile", str(merged), "--servers", "2", "--objective", "mean_e2e_s", "--loads", "1",
         "--workload", "sweep", "--concurrency", str(level), "--requests-per-level", str(requests),
         "--output-tokens", f"const:{MAX_TOKENS}", "--prompt-tokens", f"const:{prompt_tokens}",
-        "--adaptive-buckets", ADAPTIVE_BUCKETS, *hint_args(json.loads(merged.read_text()), "mixed"),
+        "--adaptive-ladder", ADAPTIVE_LADDER, *hint_args(json.loads(merged.read_text()), "mixed"),
         "--json", "--no-progress", "--jobs", "1", "--out", str(work / f"plan-{level}.yaml"),
     ))  # fmt: skip
     return plan_ranking(doc)
@@ -383,17 +404,23 @@ def main(argv: list[str] | None = None) -> int:
             proc, line = spawn.start_sync(cmd, stderr=subprocess.DEVNULL, timeout_s=60)
             stack.callback(spawn.stop_sync, proc)
             urls[config.key] = spawn.url_of(line)
-        warm = asyncio.run(
-            closed_loop(urls["aware"], domains.mixed("bench-warmup", WARMUP + 2), 2, 0, WARMUP, False)
-        )
-        report["warmup_eagle_share"] = shares(warm)
-        print(f"aware pair warmed up on {WARMUP} prompts: EAGLE-3 share {report['warmup_eagle_share']}")
+        # the serve share: WARMUP never-seen prompts, then the next WARMUP, at concurrency 2
+        report["serve_share"] = {}
+        for key in AWARE:
+            fresh = domains.mixed(f"bench-warmup-{key}", enough(WARMUP, WARMUP, 2))
+            warm = asyncio.run(closed_loop(urls[key], fresh, 2, WARMUP, WARMUP, False))
+            after = [r for r in warm if WARMUP <= r.index < 2 * WARMUP]
+            during, then = shares([r for r in warm if r.index < WARMUP]), shares(after)
+            counts = {d: sum(r.domain == d for r in after) for d in domains.DOMAINS}
+            report["serve_share"][key] = {"warmup": during, "next": then, "n": counts}
+            print(f"{key}: EAGLE-3 share by domain {during} during {WARMUP} never-seen warm-up prompts "
+                  f"(concurrency 2), {then} of the next {WARMUP} (n by domain {counts})")  # fmt: skip
 
         cells: list[Cell] = []
         for traffic in args.traffic:
             for level in args.concurrency:
                 warmup = max(2, level)
-                prompts = cell_prompts(traffic, level, warmup + args.requests + level)
+                prompts = cell_prompts(traffic, level, enough(warmup, args.requests, level))
                 for config in configs:
                     if config.mixed_only and traffic != "mixed":
                         continue
@@ -462,7 +489,7 @@ def summary(
     """Print the tables; the figures as data."""
     by = {(c.config, c.traffic, c.concurrency): c for c in cells}
     labels = {c.key: c.label for c in configs}
-    out: dict[str, Any] = {"cells": [], "aware_vs_best": [], "shares": {}, "plan": {}}
+    out: dict[str, Any] = {"cells": [], "pair_vs_best": [], "plan": {}}
     for traffic in args.traffic:
         print(f"\n{traffic} traffic: mean end-to-end seconds (95% CI, n), ratio to the better of 2x plain "
               f"and 2x EAGLE-3; simulate's prediction and predicted / measured")  # fmt: skip
@@ -494,23 +521,30 @@ def summary(
             if config.simulate is not None:
                 print(pred_row)
     if "mixed" in args.traffic:
-        print("\n50/50 traffic: pair, aware minus the better of 2x plain and 2x EAGLE-3 (paired by prompt)")
+        print("\n50/50 traffic: each pair minus the better of 2x plain and 2x EAGLE-3 (paired by prompt)")
         for level in args.concurrency:
-            aware = by[("aware", "mixed", level)].e2e()
             ests = {k: estimate(list(by[(k, "mixed", level)].e2e().values())) for k in ("plain", "eagle")}
             best_key = min(ests, key=lambda k: ests[k].mean if ests[k] else math.inf)  # type: ignore[union-attr]
             other = by[(best_key, "mixed", level)].e2e()
-            common = sorted(set(aware) & set(other))
-            diff = interval([aware[i] - other[i] for i in common])
-            verdict = "below" if diff.high < 0 else "above" if diff.low > 0 else "not distinguishable"
-            print(f"c={level}: {diff.mean:+.4f} s (95% CI {diff.low:+.4f} .. {diff.high:+.4f}, "
-                  f"n={diff.n} pairs) against {labels[best_key]}: {verdict}")  # fmt: skip
-            out["aware_vs_best"].append({"concurrency": level, "against": best_key, **diff.to_json(),
-                                         "verdict": verdict})  # fmt: skip
-            measured = [r for r in by[("aware", "mixed", level)].results
-                        if r.index in by[("aware", "mixed", level)].measured]  # fmt: skip
-            out["shares"][level] = shares(measured)
-            print(f"      aware pair's EAGLE-3 share by domain: {out['shares'][level]}")
+            for key in (*AWARE, "blind", "oracle"):
+                if (key, "mixed", level) not in by:
+                    continue
+                cell = by[(key, "mixed", level)]
+                mine = cell.e2e()
+                common = sorted(set(mine) & set(other))
+                diff = interval([mine[i] - other[i] for i in common])
+                verdict = "below" if diff.high < 0 else "above" if diff.low > 0 else "not distinguishable"
+                share = shares([r for r in cell.results if r.index in cell.measured])
+                print(f"c={level} {labels[key]:<24} {diff.mean:+.4f} s (95% CI {diff.low:+.4f} .. "
+                      f"{diff.high:+.4f}, n={diff.n} pairs) against {labels[best_key]}: {verdict}; "
+                      f"EAGLE-3 share {share}")  # fmt: skip
+                entry: dict[str, Any] = {
+                    "config": key,
+                    "concurrency": level,
+                    "against": best_key,
+                    "verdict": verdict,
+                }
+                out["pair_vs_best"].append({**entry, **diff.to_json(), "shares": share})
         if rankings:
             print("\nplan (two servers, 50/50) against measured, best first")
             names = {

