@@ -244,16 +244,12 @@ def cell_prompts(traffic: str, concurrency: int, n: int) -> list[tuple[str, str]
 
 
 def specroute(*args: str, timeout_s: float = 3600) -> str:
-    # the compiled simulator (`specroute native build`) cannot run co-located pairs (its Server is
-    # compiled, colocation's subclass of it is not); the pure one gives the same numbers
-    env = {**os.environ, "SPECROUTE_NATIVE": "0"}
     done = subprocess.run(
         [sys.executable, "-m", "controller.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
         cwd=ROOT,
-        env=env,
     )
     if done.returncode != 0:
         raise RuntimeError(f"specroute {' '.join(args[:2])} failed: {done.stderr[-3000:]}")
