@@ -357,11 +357,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--single-requests", type=int, default=None, help="measured requests per code-only or prose-only cell"
     )
+    ap.add_argument(
+        "--warmup", type=int, default=WARMUP, help="never-seen prompts each aware pair learns from"
+    )
     ap.add_argument("--profile-requests", type=int, default=32, help="bench's measured requests per level")
     ap.add_argument("--no-adaptive", action="store_true", help="leave the adaptive servers out")
     ap.add_argument("--quick", action="store_true", help="50/50 at c=1 and 2, 12 requests per cell")
     ap.add_argument("--out", type=Path, help="write every figure as JSON here")
+    ap.add_argument(
+        "--markdown", type=Path, help="print the tables of a report --out wrote, as Markdown, and exit"
+    )
     args = ap.parse_args(argv)
+    if args.markdown:
+        done = json.loads(args.markdown.read_text())
+        for traffic in TRAFFIC:
+            if any(c["traffic"] == traffic for c in done["cells"]):
+                print(markdown(done, traffic))
+        return 0
     if args.quick:
         args.concurrency, args.traffic, args.requests, args.profile_requests = [1, 2], ["mixed"], 12, 8
     if args.single_requests is None:
@@ -414,17 +426,17 @@ def main(argv: list[str] | None = None) -> int:
             proc, line = spawn.start_sync(cmd, stderr=subprocess.DEVNULL, timeout_s=60)
             stack.callback(spawn.stop_sync, proc)
             urls[config.key] = spawn.url_of(line)
-        # the serve share: WARMUP never-seen prompts, then the next WARMUP, at concurrency 2
-        report["serve_share"] = {}
+        # the serve share: `--warmup` never-seen prompts, then as many more, at concurrency 2
+        report["serve_share"], w = {}, args.warmup
         for key in AWARE:
-            fresh = domains.mixed(f"bench-warmup-{key}", enough(WARMUP, WARMUP, 2))
-            warm = asyncio.run(closed_loop(urls[key], fresh, 2, WARMUP, WARMUP, False))
-            after = [r for r in warm if WARMUP <= r.index < 2 * WARMUP]
-            during, then = shares([r for r in warm if r.index < WARMUP]), shares(after)
+            fresh = domains.mixed(f"bench-warmup-{key}", enough(w, w, 2))
+            warm = asyncio.run(closed_loop(urls[key], fresh, 2, w, w, False))
+            after = [r for r in warm if w <= r.index < 2 * w]
+            during, then = shares([r for r in warm if r.index < w]), shares(after)
             counts = {d: sum(r.domain == d for r in after) for d in domains.DOMAINS}
             report["serve_share"][key] = {"warmup": during, "next": then, "n": counts}
-            print(f"{key}: EAGLE-3 share by domain {during} during {WARMUP} never-seen warm-up prompts "
-                  f"(concurrency 2), {then} of the next {WARMUP} (n by domain {counts})")  # fmt: skip
+            print(f"{key}: EAGLE-3 share by domain {during} during {w} never-seen warm-up prompts "
+                  f"(concurrency 2), {then} of the next {w} (n by domain {counts})")  # fmt: skip
 
         cells: list[Cell] = []
         for traffic in args.traffic:
@@ -572,6 +584,37 @@ def summary(
                 print(f"c={level}: plan {ranking}; measured {[names[k] for k in measured_order]}")
                 out["plan"][level] = {"plan": ranking, "measured": [names[k] for k in measured_order]}
     return out
+
+
+def markdown(report: dict[str, Any], traffic: str = "mixed", predicted: bool = True) -> str:
+    """A report's cells on `traffic` as a Markdown table: mean e2e (95% CI), its ratio to the
+    better of 2x plain and 2x EAGLE-3, and (with `predicted`) simulate's prediction over it."""
+    cells = [c for c in report["cells"] if c["traffic"] == traffic and c["e2e"]]
+    levels = sorted({c["concurrency"] for c in cells})
+    n = sorted({c["e2e"]["n"] for c in cells})
+    lines = [
+        f"| {traffic}, n={n[0] if len(n) == 1 else f'{n[0]}-{n[-1]}'} per cell | "
+        + " | ".join(f"c={lv}" for lv in levels)
+        + " |",
+        "|---|" + "---|" * len(levels),
+    ]
+    for config in CONFIGS:
+        row = {c["concurrency"]: c for c in cells if c["config"] == config.key}
+        if not row:
+            continue
+        out = []
+        for lv in levels:
+            c = row.get(lv)
+            if c is None:
+                out.append("-")
+                continue
+            e = c["e2e"]
+            text = f"{e['mean']:.3f} ±{e['ci95'] or 0:.3f} s ({c['ratio_to_best_single_kind']:.2f}x)"
+            if predicted and c.get("predicted_e2e"):
+                text += f", sim {c['predicted_e2e'] / e['mean']:.2f}x"
+            out.append(text)
+        lines.append(f"| {config.label} | " + " | ".join(out) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
