@@ -31,6 +31,7 @@ Prediction error: `|true factor / predicted - 1|` per request (the predicted fac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -43,16 +44,18 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prompt_workloads import SCENARIOS, build, write
+from prompt_workloads import SCENARIOS, SPLITS, TASK_FACTORS, build, build_tasks, write
 
-from policies.base import Decision, LoadView, Outcome, RequestInfo
+from policies.base import Decision, LoadView, Outcome, RequestFeatures, RequestInfo
 from policies.cost_model import CostModelParams, CostModelPolicy
+from policies.features import TRAIT_BITS
 from policies.profile import resolve_profile
 from policies.spec import PolicyContext
 from simulator.engine.loop import simulate
+from simulator.engine.results import summarize
 from simulator.engine.runner import PolicyChoice, run
 from simulator.engine.servers import ServerKind, build_deployment
-from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
+from simulator.engine.workloads import LengthSpec, Segment, WorkloadSpec, generate
 
 PROFILE = "kimi-k25-int4-8gpu"
 LOADS = (0.5, 1.0, 2.0)
@@ -131,6 +134,218 @@ def prediction_error(job_args: tuple[str, float, bool, str, int, int]) -> dict[s
     }
 
 
+HELD_OUT_RUNS: dict[str, tuple[str, bool]] = {
+    # name: (policy params, hints file); every run on the pair, spec_details on
+    "aware": ("", False),
+    "thompson": ("explore=thompson", False),
+    "no-explore": ("explore_budget=0", False),
+    "blind": ("content_aware=false", False),
+    "told": ("content_aware=false", True),
+}
+
+
+@dataclass(frozen=True)
+class HeldOutJob:
+    scenario: str
+    split: str
+    load: float
+    run: str
+    seed: int
+    ablate: str = ""
+    """A feature group of ABLATIONS taken out of every request's features ("": none)."""
+
+
+def _traits(*names: str) -> int:
+    return sum(TRAIT_BITS[n] for n in names)
+
+
+ABLATIONS: dict[str, Any] = {
+    # name: what is taken out of a request's features (every request, training and test)
+    "code fences and syntax": {"traits": _traits("code_fence", "code")},
+    "math notation": {"traits": _traits("math")},
+    "non-English": {"traits": _traits("non_latin", "non_english")},
+    "long document, short question": {"traits": _traits("long_doc_question")},
+    "translate / summarize / extract": {"traits": _traits("translate", "summarize", "extract")},
+    "JSON asked for": {"traits": _traits("json")},
+    "tool schemas": {"traits": _traits("tool_schema"), "tools": True},
+    "every trait": {"traits": sum(TRAIT_BITS.values()), "tools": True},
+    "temperature and top_p": {"sampling": True},
+    "prompt family": {"family": True},
+    "text grams": {"grams": True},
+}
+
+
+def ablated(f: RequestFeatures | None, what: dict[str, Any]) -> RequestFeatures | None:
+    if f is None:
+        return None
+    return dataclasses.replace(
+        f,
+        traits=f.traits & ~what.get("traits", 0),
+        tools=0 if what.get("tools") else f.tools,
+        temperature=None if what.get("sampling") else f.temperature,
+        top_p=None if what.get("sampling") else f.top_p,
+        family=0 if what.get("family") else f.family,
+        grams=() if what.get("grams") else f.grams,
+    )
+
+
+def held_out_file(folder: str, scenario: str, split: str, part: str, hints: bool) -> Path:
+    return Path(folder) / f"tasks-{scenario}-{split}-{part}{'-hints' if hints else ''}.jsonl"
+
+
+def held_out_job(job_args: tuple[HeldOutJob, str, int, int]) -> dict[str, Any]:
+    """Train on the split's task types, then test on the others: one policy across both segments
+    (what it learned in training it keeps); the figures are the test segment's."""
+    job, folder, train_n, test_n = job_args
+    params, hints = HELD_OUT_RUNS[job.run]
+    choice = PolicyChoice("cost_model", dict(p.split("=", 1) for p in params.split(",") if p))
+    segments: list[Segment] = []
+    for part, n in (("train", train_n), ("test", test_n)):
+        path = held_out_file(folder, job.scenario, job.split, part, hints)
+        segments += generate(spec(path, job.load, n), job.seed * 7 + (part == "test"))
+    if job.ablate:
+        what = ABLATIONS[job.ablate]
+        segments = [
+            dataclasses.replace(
+                seg,
+                batch=dataclasses.replace(
+                    seg.batch, features=[ablated(f, what) for f in seg.batch.features or ()]
+                ),
+            )
+            for seg in segments
+        ]
+    result = run(resolve_profile(PROFILE), choice, PAIR, segments, seed=job.seed, spec_details=True)
+    s = summarize([result.samples[1]])
+    return {"mean": s["mean_e2e_s"], "p99": s["p99_e2e_s"], "n": s["requests"]}
+
+
+def write_task_files(folder: str, scenarios: list[str], temperatures: bool) -> None:
+    """Every split's train and test files of each scenario, with and without hints."""
+    for scenario in scenarios:
+        for split, (train, test) in SPLITS.items():
+            for part, types in (("train", train), ("test", test)):
+                for hints in (False, True):
+                    lines = build_tasks(
+                        scenario, types=types, sigma=0.08, hints=hints, temperatures=temperatures
+                    )
+                    write(held_out_file(folder, scenario, split, part, hints), lines)
+
+
+def held_out(args: argparse.Namespace) -> None:
+    """Capture on task types held out from training, per split, scenario and load."""
+    runs = list(HELD_OUT_RUNS)
+    with tempfile.TemporaryDirectory(prefix="specroute-tasks-") as folder:
+        write_task_files(folder, args.task_scenarios, args.temperatures)
+        jobs = [
+            HeldOutJob(sc, split, load, r, seed)
+            for sc in args.task_scenarios
+            for split in SPLITS
+            for load in LOADS
+            for r in runs
+            for seed in range(args.seeds)
+        ]
+        sizes = {
+            (sc, split): args.test
+            or len(held_out_file(folder, sc, split, "test", False).read_text().splitlines())
+            for sc in args.task_scenarios
+            for split in SPLITS
+        }
+        with ProcessPoolExecutor(args.workers) as pool:
+            results = list(
+                pool.map(held_out_job, [(j, folder, args.train, sizes[(j.scenario, j.split)]) for j in jobs])
+            )
+    by: dict[tuple[str, str, float, str], list[dict[str, Any]]] = {}
+    for job, res in zip(jobs, results, strict=True):
+        by.setdefault((job.scenario, job.split, job.load, job.run), []).append(res)
+    print(
+        f"## held-out task types: {args.train} training requests of the split's train types, then "
+        f"{args.test or 'each of'} its test prompts (figures: the test requests); {args.seeds} seeds "
+        "per cell; "
+        f"temperatures {'on' if args.temperatures else 'off'}; mean e2e s +- 95% CI over seeds\n"
+    )
+    for split, (train, test) in SPLITS.items():
+        print(f"split {split}: train {', '.join(train)}; test {', '.join(test)}")
+    print()
+    print(
+        "| scenario | split | req/s | "
+        + " | ".join(runs)
+        + " | told gain | captured | aware vs blind mean / p99 |"
+    )
+    print("|---|---|---|" + "---|" * len(runs) + "---|---|---|")
+    for sc in args.task_scenarios:
+        for split in SPLITS:
+            for load in LOADS:
+                cells = []
+                for r in runs:
+                    m, h = ci([c["mean"] for c in by[(sc, split, load, r)]])
+                    cells.append(f"{m:.2f} ±{h:.2f}")
+                mean = {r: statistics.fmean(c["mean"] for c in by[(sc, split, load, r)]) for r in runs}
+                p99 = {r: statistics.fmean(c["p99"] for c in by[(sc, split, load, r)]) for r in runs}
+                gain = 1.0 - mean["told"] / mean["blind"]
+                got = 1.0 - mean["aware"] / mean["blind"]
+                share = f"{got / gain:.0%}" if gain >= 0.03 else "n/a (< 3%)"
+                vs = f"{mean['aware'] / mean['blind'] - 1:+.1%} / {p99['aware'] / p99['blind'] - 1:+.1%}"
+                print(
+                    f"| {sc} | {split} | {load:g} | "
+                    + " | ".join(cells)
+                    + f" | {gain:+.1%} | {share} | {vs} |"
+                )
+    print()
+
+
+def ablation(args: argparse.Namespace) -> None:
+    """Each feature group's contribution: held-out capture with it taken out, per split."""
+    load, scenario = 1.0, args.task_scenarios[0]
+    variants = ["", *ABLATIONS]
+    with tempfile.TemporaryDirectory(prefix="specroute-tasks-") as folder:
+        write_task_files(folder, [scenario], args.temperatures)
+        sizes = {
+            split: args.test
+            or len(held_out_file(folder, scenario, split, "test", False).read_text().splitlines())
+            for split in SPLITS
+        }
+        jobs = [
+            HeldOutJob(scenario, split, load, "aware", seed, v)
+            for split in SPLITS
+            for v in variants
+            for seed in range(args.seeds)
+        ] + [
+            HeldOutJob(scenario, split, load, r, seed)
+            for split in SPLITS
+            for r in ("blind", "told")
+            for seed in range(args.seeds)
+        ]
+        with ProcessPoolExecutor(args.workers) as pool:
+            results = list(pool.map(held_out_job, [(j, folder, args.train, sizes[j.split]) for j in jobs]))
+    by: dict[tuple[str, str, str], list[float]] = {}
+    for job, res in zip(jobs, results, strict=True):
+        by.setdefault((job.split, job.run, job.ablate), []).append(res["mean"])
+    print(
+        f"## feature ablation: scenario {scenario}, {load:g} req/s, temperatures "
+        f"{'on' if args.temperatures else 'off'}; {args.train} training requests, then each test prompt "
+        "once; "
+        f"{args.seeds} seeds; captured share of the told gain on the held-out task types (mean e2e, "
+        "mean over seeds), and the change against all features\n"
+    )
+    print("| taken out | " + " | ".join(SPLITS) + " |")
+    print("|---|" + "---|" * len(SPLITS))
+    full = {}
+    for v in variants:
+        cells = []
+        for split in SPLITS:
+            blind = statistics.fmean(by[(split, "blind", "")])
+            told = statistics.fmean(by[(split, "told", "")])
+            aware = statistics.fmean(by[(split, "aware", v)])
+            got = (blind - aware) / (blind - told) if blind - told > 0 else math.nan
+            if not v:
+                full[split] = got
+                cells.append(f"{got:.0%}")
+            else:
+                cells.append(f"{got:.0%} ({got - full[split]:+.0%})")
+        print(f"| {v or 'nothing (all features)'} | " + " | ".join(cells) + " |")
+    print()
+
+
 def ci(values: list[float]) -> tuple[float, float]:
     m = statistics.fmean(values)
     if len(values) < 2:
@@ -146,9 +361,39 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--markdown", action="store_true", help="Also print docs/content-routing.md's table.")
+    p.add_argument(
+        "--held-out",
+        action="store_true",
+        help="Only the held-out task-type runs (train on some types, test on others).",
+    )
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="Only the feature ablation (held-out capture without each group).",
+    )
+    p.add_argument("--task-scenarios", nargs="+", default=list(TASK_FACTORS), choices=TASK_FACTORS)
+    p.add_argument("--train", type=int, default=2000, help="Held-out runs: training requests.")
+    p.add_argument(
+        "--test",
+        type=int,
+        default=None,
+        help="Held-out runs: test requests (default: each test prompt once).",
+    )
+    p.add_argument(
+        "--no-temperatures",
+        dest="temperatures",
+        action="store_false",
+        help="Held-out runs: no sampling temperatures in the task files.",
+    )
     args = p.parse_args()
     if args.quick:
         args.seeds, args.requests = 2, 1000
+    if args.held_out:
+        held_out(args)
+        return 0
+    if args.ablation:
+        ablation(args)
+        return 0
     with tempfile.TemporaryDirectory(prefix="specroute-prompts-") as folder:
         for scenario in args.scenarios:
             for hints in (False, True):

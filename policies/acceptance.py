@@ -14,9 +14,15 @@ else its decode rate over the calibrated prediction at its load. Three estimates
   from a table of `param_dim` floats, each moved by `param_rate` times the error: a parameter
   (acceptance falls with temperature) shifts every prompt alike instead of being diluted in the
   text's mean;
+  The request's traits (`RequestFeatures.traits`: code, math, another language, a document with
+  a question, translate / summarize / extract, tool schemas) are parameter tokens too: what one
+  task type teaches reaches its never-seen prompts whatever their words;
 - a per-family offset (`RequestFeatures.family`: the system prompt's first block) learned on
   what the token model misses for that family, shrunk toward 0 with a prior of `family_prior`
-  samples; at most `max_families`, least recently taught out;
+  samples; at most `max_families`, least recently taught out. A family keeps one offset per
+  client (`RequestInfo.client`, at most `FAMILY_CLIENTS`) and its offset is their mean, each
+  client weighing at most `CLIENT_WEIGHT` outcomes: one client cannot move a family that others
+  teach further than its share;
 - the caller's fallback `F` (the pool average for requests of that hint: what content-blind
   routing uses).
 
@@ -27,8 +33,25 @@ unseen. A model that does not beat the pool average gets `c` near 0 and the requ
 predicted at `F`; a request with nothing known is predicted at `F`: never-seen traffic is
 routed as content-blind routing routes it.
 
+Each outcome's influence is bounded (a robust loss in log space): its error is clipped to
+`step_bound` -- `CLIP_SIGMAS` times the model's out-of-sample error, within [MIN_STEP, MAX_STEP]
+-- before it moves a weight or an offset, so an absurd outcome (a client that reads slowly makes
+its requests look slow) moves a shared weight by at most `rate x step_bound`. Within a family, a
+client whose recent share of the family's outcomes is above an equal share teaches the shared
+weights in proportion less (`_Family.share_weight`).
+
+Uncertainty (`predict_spread`): the prediction's standard deviation in log space, from how much
+evidence stands behind it: the model's out-of-sample squared error (`res2`) weighted by the
+confidence in it, the spread of requests around the pool average (`pop2`) for the rest, and the
+pool average's own error (its samples given by the caller). A family's evidence halves every
+`stale_after` predictions without an outcome of that family, so a family that stopped being
+sampled (say, one predicted slow) grows uncertain again and gets re-tried by the exploration of
+`policies.explore`.
+
 Deterministic (no randomness, insertion-ordered tables) and bounded: `dim` weights and counts,
-`param_dim` parameter weights, `max_families` families. Pure: no I/O, no clock.
+`param_dim` parameter weights, `max_families` families of at most `FAMILY_CLIENTS` clients.
+The learned state is plain data (`state` / `load_state`: JSON-able, round-trips exactly). Pure:
+no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -36,12 +59,29 @@ from __future__ import annotations
 import math
 import zlib
 from collections import OrderedDict
+from typing import Any
 
 from policies.base import RequestFeatures
 from policies.calibration import ShrunkMean
+from policies.features import TRAITS
 
 MAX_LOG = math.log(4.0)
 """A prediction and a target stay within [1/4, 4] times the profile's speed."""
+MAX_STEP = math.log(1.5)
+"""An outcome's error is clipped to at most this (log space) before it teaches anything."""
+MIN_STEP = 0.05
+CLIP_SIGMAS = 3.0
+FAMILY_CLIENTS = 16
+"""Clients whose offsets a family keeps (the one with the fewest outcomes leaves first)."""
+SHARE_WINDOW = 20.0
+"""Outcomes of a family over which its clients' recent shares are counted (decayed)."""
+QUIET = 0.05
+"""A client whose recent outcomes (decayed) fall below this leaves its family."""
+CLIENT_WEIGHT = 8
+"""Outcomes at most that one client's offset weighs in its family's mean."""
+PRIOR_VAR = 0.3**2
+"""Spread (log space, squared) of requests' factors around the pool average before any outcome:
+published per-task acceptance ranges from about 0.6x to 1.5x of the average."""
 
 
 def _tok(name: str) -> int:
@@ -82,15 +122,66 @@ def param_tokens(features: RequestFeatures, hint: str | None) -> list[int]:
         out.append(_tok("n>1"))
     if hint is not None:
         out.append(_tok(f"hint:{hint}"))
+    traits = f.traits
+    if traits:
+        out.extend(_TRAIT_TOKENS[i] for i in range(len(TRAITS)) if traits >> i & 1)
     return out
 
 
+_TRAIT_TOKENS = [_tok(f"trait:{name}") for name in TRAITS]
+
+
 class _Family:
-    __slots__ = ("n", "offset")
+    """A family's offset: the weighted mean of its clients' offsets (see the module docstring)."""
+
+    __slots__ = ("clients", "n", "offset", "taught_at")
 
     def __init__(self) -> None:
         self.n = 0
         self.offset = 0.0
+        self.taught_at = 0
+        """`AcceptanceModel.asked` when an outcome last taught the family."""
+        self.clients: dict[int, list[float]] = {}
+        """client -> [outcomes, recent outcomes (decayed over SHARE_WINDOW), offset]"""
+
+    def share_weight(self, client: int) -> float:
+        """How much an outcome of `client` may teach what everyone shares: 1 while its recent share
+        of the family's outcomes is at most an equal share among the family's active clients,
+        falling to 0 at twice that share (1 for a family with one client)."""
+        clients = self.clients
+        if len(clients) < 2:
+            return 1.0
+        own = clients.get(client)
+        if own is None:
+            return 1.0
+        total = sum(c[1] for c in clients.values())
+        fair = total / len(clients)
+        return 1.0 if own[1] <= fair else max(0.0, 2.0 - own[1] / fair)
+
+    def teach(self, client: int, residual: float, window: float) -> None:
+        clients = self.clients
+        keep = 1.0 - 1.0 / SHARE_WINDOW
+        for key in list(clients):
+            c = clients[key]
+            c[1] *= keep
+            if c[1] < QUIET and key != client:  # a client gone quiet no longer counts
+                del clients[key]
+        own = clients.get(client)
+        if own is None:
+            if len(clients) >= FAMILY_CLIENTS:
+                del clients[min(clients, key=lambda c: clients[c][1])]
+            own = clients[client] = [0.0, 0.0, 0.0]
+        own[0] += 1.0
+        own[1] += 1.0
+        a = max(1.0 / own[0], 1.0 / window)
+        own[2] += a * (residual - own[2])
+        self.n += 1
+        total = weight = 0.0
+        for n, _, offset in clients.values():
+            w = n if n < CLIENT_WEIGHT else CLIENT_WEIGHT
+            total += w * offset
+            weight += w
+        self.offset = total / weight
 
 
 class AcceptanceModel:
@@ -107,6 +198,7 @@ class AcceptanceModel:
         max_families: int = 4096,
         window: int = 200,
         seen_after: int = 8,
+        stale_after: int = 500,
     ) -> None:
         if dim < 1 or dim & (dim - 1) or param_dim < 1 or param_dim & (param_dim - 1):
             raise ValueError("dim and param_dim must be powers of two")
@@ -121,11 +213,17 @@ class AcceptanceModel:
         self._max_families = max_families
         self._window = float(window)
         self._seen_after = seen_after
+        self._stale_after = float(stale_after)
         self._families: OrderedDict[int, _Family] = OrderedDict()
         # out of sample: mean of (y - F)(yhat - F) and of (yhat - F)^2; the model starts untrusted
         self.cov = ShrunkMean(0.0)
         self.var = ShrunkMean(0.01)
+        # out of sample: the prediction's squared error, and the pool average's (y - F)^2
+        self.res2 = ShrunkMean(PRIOR_VAR)
+        self.pop2 = ShrunkMean(PRIOR_VAR)
         self.taught = 0
+        self.asked = 0
+        """Predictions made (the clock a family's evidence grows stale by)."""
 
     @property
     def families(self) -> int:
@@ -170,6 +268,23 @@ class AcceptanceModel:
         yhat, _, seen, _ = self._estimate(self._indices(features, hint), features.family)
         return _clip(fallback + self.confidence(seen) * (yhat - fallback))
 
+    def predict_spread(
+        self, features: RequestFeatures, hint: str | None, fallback: float, fallback_n: float
+    ) -> tuple[float, float]:
+        """(log speed factor as `predict` gives it, its standard deviation in log space); see the
+        module docstring. `fallback_n`: the samples behind `fallback`."""
+        self.asked += 1
+        pop2 = self.pop2.value
+        base = pop2 / (1.0 + fallback_n)
+        if not self.taught:
+            return fallback, math.sqrt(pop2 + base)
+        yhat, _, seen, fam = self._estimate(self._indices(features, hint), features.family)
+        trust = self.confidence(seen)
+        mean = _clip(fallback + trust * (yhat - fallback))
+        if fam is not None and fam.n:
+            trust *= 0.5 ** ((self.asked - fam.taught_at) / self._stale_after)
+        return mean, math.sqrt(trust * self.res2.value + (1.0 - trust) * pop2 + base)
+
     def confidence(self, seen: float) -> float:
         """How far to trust the model over the fallback: the regression coefficient of the
         observed `y - F` on the model's `yhat - F` (out of sample, in [0, 1]), times the
@@ -179,21 +294,30 @@ class AcceptanceModel:
         beta = 0.0 if beta < 0 else 1.0 if beta > 1 else beta
         return beta * (1.0 if seen > 0.5 else 2.0 * seen)
 
-    def learn(self, features: RequestFeatures, hint: str | None, target: float, fallback: float) -> None:
+    def learn(
+        self, features: RequestFeatures, hint: str | None, target: float, fallback: float, client: int = 0
+    ) -> None:
         """Learn from one outcome: `target` is its observed log speed factor, `fallback` what the
-        pool average predicted for it."""
+        pool average predicted for it, `client` who sent the request (0: unknown)."""
         if not math.isfinite(target) or not math.isfinite(fallback):
             return
         y = _clip(target)
         idx = self._indices(features, hint)
-        yhat, mean, _, fam = self._estimate(idx, features.family)
+        yhat, mean, seen, fam = self._estimate(idx, features.family)
         window = self._window
-        if self.taught:
-            d = max(-1.0, min(1.0, yhat - fallback))
-            self.cov.add(max(-1.0, min(1.0, y - fallback)) * d, 10.0, window)
-            self.var.add(d * d, 10.0, window)
+        share = 1.0 if fam is None else fam.share_weight(client)
+        if share == 1.0:  # a client beyond its share does not sway how far the model is trusted
+            if self.taught:
+                d = max(-1.0, min(1.0, yhat - fallback))
+                self.cov.add(max(-1.0, min(1.0, y - fallback)) * d, 10.0, window)
+                self.var.add(d * d, 10.0, window)
+                used = _clip(fallback + self.confidence(seen) * (yhat - fallback))
+                cap = (2.0 * self.step_bound()) ** 2  # an outlier widens the scale by a bounded step too
+                self.res2.add(min(cap, (y - used) ** 2), 10.0, window)
+            self.pop2.add(min(1.0, (y - fallback) ** 2), 10.0, window)
         self.taught += 1
-        err = max(-1.0, min(1.0, y - yhat))
+        bound = self.step_bound()
+        err = share * max(-bound, min(bound, y - yhat))
         step = self._rate * err
         w, count = self._w, self._count
         for i in idx[0]:
@@ -215,9 +339,97 @@ class AcceptanceModel:
                 families.move_to_end(features.family)
             # the family learns what the linear model (after this step) still misses
             lin = self._estimate(idx, 0)[0]
-            fam.n += 1
-            a = max(1.0 / fam.n, 1.0 / window)
-            fam.offset += a * (y - lin - fam.offset)
+            fam.taught_at = self.asked
+            fam.teach(client, max(-bound, min(bound, y - lin - fam.offset)) + fam.offset, window)
+
+    def step_bound(self) -> float:
+        """How far (log space) one outcome's error counts: `CLIP_SIGMAS` times the model's
+        out-of-sample error, within [MIN_STEP, MAX_STEP] (a robust loss whose scale follows how
+        well the model predicts: an outlier to an accurate model teaches little)."""
+        bound = CLIP_SIGMAS * math.sqrt(self.res2.value)
+        return MAX_STEP if bound > MAX_STEP else MIN_STEP if bound < MIN_STEP else bound
+
+    def state(self) -> dict[str, Any]:
+        """What the model has learned, as JSON-able plain data (copies); `load_state` takes it
+        back. Dimensions and rates are parameters, not state."""
+        w = self._w
+        return {
+            "version": STATE_VERSION,
+            "dim": len(w),
+            "param_dim": len(self._p),
+            "tokens": [[i, w[i], c] for i, c in enumerate(self._count) if c],
+            "params": list(self._p),
+            "families": [
+                [key, f.n, f.taught_at, [[c, *v] for c, v in f.clients.items()]]
+                for key, f in self._families.items()
+            ],
+            "cov": [self.cov.n, self.cov.value],
+            "var": [self.var.n, self.var.value],
+            "res2": [self.res2.n, self.res2.value],
+            "pop2": [self.pop2.n, self.pop2.value],
+            "taught": self.taught,
+            "asked": self.asked,
+        }
+
+    def load_state(self, state: Any) -> None:
+        """Take back what `state` returned. ValueError on data it cannot take (another version,
+        other dimensions, wrong types, non-finite numbers), and then the model is unchanged:
+        everything is checked before anything is assigned."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"acceptance state: not layout version {STATE_VERSION}")
+        try:
+            dim, param_dim = len(self._w), len(self._p)
+            if state["dim"] != dim or state["param_dim"] != param_dim:
+                raise ValueError("saved with other dimensions (other parameters)")
+            w, counts = [0.0] * dim, [0] * dim
+            for i, weight, c in state["tokens"]:
+                if not 0 <= _int(i) < dim or counts[i]:
+                    raise ValueError("a token slot is out of range or repeated")
+                w[i], counts[i] = _finite(weight), _int(c)
+            params = [_finite(x) for x in state["params"]]
+            if len(params) != param_dim:
+                raise ValueError("other parameter dimensions")
+            families: OrderedDict[int, _Family] = OrderedDict()
+            for key, n, taught_at, clients in state["families"]:
+                if _int(key, signed=True) in families or not isinstance(clients, list):
+                    raise ValueError("a family is repeated or malformed")
+                fam = families[key] = _Family()
+                fam.n, fam.taught_at = _int(n), _int(taught_at)
+                for c, k, r, v in clients[:FAMILY_CLIENTS]:
+                    fam.clients[_int(c, signed=True)] = [_finite(k), _finite(r), _finite(v)]
+                if fam.clients:
+                    pairs = [(min(k, CLIENT_WEIGHT), v) for k, _, v in fam.clients.values()]
+                    total = sum(a for a, _ in pairs)
+                    fam.offset = sum(a * v for a, v in pairs) / total if total > 0 else 0.0
+            if len(families) > self._max_families:
+                raise ValueError("more families than max_families")
+            means = {}
+            for name in ("cov", "var", "res2", "pop2"):
+                n, value = state[name]
+                m = means[name] = ShrunkMean(_finite(value))
+                m.n = _int(n)
+            taught, asked = _int(state["taught"]), _int(state["asked"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"acceptance state: {e}") from None
+        self._w, self._count, self._p, self._families = w, counts, params, families
+        self.cov, self.var, self.res2, self.pop2 = means["cov"], means["var"], means["res2"], means["pop2"]
+        self.taught, self.asked = taught, asked
+
+
+STATE_VERSION = 2
+"""The layout of `AcceptanceModel.state()` (1: before per-client families and the spread)."""
+
+
+def _finite(x: Any) -> float:
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        raise ValueError(f"expected a finite number, got {x!r}"[:100])
+    return float(x)
+
+
+def _int(x: Any, signed: bool = False) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or (x < 0 and not signed):
+        raise ValueError(f"expected {'an' if signed else 'a non-negative'} integer, got {x!r}"[:100])
+    return x
 
 
 def _clip(x: float) -> float:

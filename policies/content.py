@@ -15,6 +15,10 @@ the profile's at the request's load, less the load bucket's deviation from the p
 timing only, the rate handed on to the calibration has the predicted content deviation divided
 out, so the pool and bucket means keep learning the speed of an average request (a pair that
 sends only the fast requests to eagle does not mistake them for a faster server).
+
+Each prediction carries its spread (`AcceptanceModel.predict_spread`), the pool average's own
+evidence being the calibrated samples behind `F`; `policies.explore` reads it. What it learns
+is the model's (`AcceptanceModel.state`).
 """
 
 from __future__ import annotations
@@ -48,17 +52,29 @@ class ContentAcceptance:
             return cal.log_hint(hint)
         return cal.pool["eagle"].value + cal.log_hint(hint)
 
-    def factor(self, request: RequestInfo, cal: SpeedCalibration | None) -> tuple[float, float] | None:
+    @staticmethod
+    def _fallback_n(hint: str | None, cal: SpeedCalibration | None) -> float:
+        """Samples behind the fallback: its hint's (or untagged requests') calibrated mean."""
+        if cal is None:
+            return 0.0
+        state = cal.hints.get(hint) if hint is not None else None
+        if state is not None:
+            return float(state.n)
+        return float(cal.untagged.n if cal.accept_reported else cal.pool["eagle"].n)
+
+    def factor(self, request: RequestInfo, cal: SpeedCalibration | None) -> tuple[float, float, float] | None:
         """(the eagle rate multiplier `cost_model` applies for this request, its speed factor
-        against the profile), or None for a request without features."""
+        against the profile, the factor's standard deviation in log space), or None for a
+        request without features."""
         features = request.features
         if features is None:
             return None
-        fallback = self._fallback(request.hint, cal)
-        y = self.model.predict(features, request.hint, fallback)
+        hint = request.hint
+        fallback = self._fallback(hint, cal)
+        y, sd = self.model.predict_spread(features, hint, fallback, self._fallback_n(hint, cal))
         if cal is not None and not cal.accept_reported:
-            return math.exp(y - cal.pool["eagle"].value), math.exp(y)
-        return math.exp(y), math.exp(y)
+            return math.exp(y - cal.pool["eagle"].value), math.exp(y), sd
+        return math.exp(y), math.exp(y), sd
 
     def observe(
         self, outcome: Outcome, cal: SpeedCalibration | None, batch: int, rate_ratio: float | None
@@ -74,7 +90,8 @@ class ContentAcceptance:
         fallback = self._fallback(hint, cal)
         accept = outcome.accept_length
         if accept is not None and accept > 0.0 and self._profile_accept:
-            self.model.learn(features, hint, math.log(accept / self._profile_accept), fallback)
+            y = math.log(accept / self._profile_accept)
+            self.model.learn(features, hint, y, fallback, request.client)
             return rate_ratio
         if rate_ratio is None or not rate_ratio > 0.0:
             return rate_ratio
@@ -83,5 +100,5 @@ class ContentAcceptance:
         deviation = 0.0 if cal is None else cal.log_speed("eagle", batch) - cal.pool["eagle"].value
         y = math.log(rate_ratio) - deviation
         used = self.model.predict(features, hint, fallback)
-        self.model.learn(features, hint, y, fallback)
+        self.model.learn(features, hint, y, fallback, request.client)
         return rate_ratio / math.exp(used - fallback)

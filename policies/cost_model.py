@@ -28,6 +28,14 @@ Content (`content_aware`, on by default): a request with content features (`Requ
 gets its own eagle speed factor, predicted by `policies.content.ContentAcceptance` from what it
 asks and learned from outcomes; it replaces the hint's factor (the hint stays one of its features).
 The predictions for both pools go into the `Decision`, so predicted-vs-actual can be measured.
+A content prediction carries its uncertainty, and `policies.explore` sometimes tries EAGLE for a
+request predicted cheaper on the plain pool (reason `explore`), within `explore_budget`.
+
+The reason names what decided: `faster_<pool>` when the chosen pool's predicted e2e (TTFT for
+`objective=ttft`) is the smaller, `cheaper_<pool>` when system scope chose the pool whose marginal
+cost is smaller although this request alone would finish sooner on the other, `eagle_margin`
+when EAGLE was predicted cheaper but not by `eagle_margin`, `slo_<pool>`, `explore`, or the
+routing core's `<pool>_unavailable`.
 
 Prefix caches (`prefix_aware`, on by default): a backend's prediction counts only the prefill of
 the prompt tokens it does not hold (`BackendLoad.cached_tokens`, from the prefix index), at the
@@ -48,7 +56,9 @@ least-loaded backend of each pool).
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
+from typing import Any
 
 from policies.base import BackendLoad, Decision, LoadView, Outcome, Pool, PoolLoad, RequestInfo
 from policies.calibration import SpeedCalibration
@@ -58,6 +68,7 @@ from policies.cost_model_params import DEFAULT_PREFILL_TOK_S as DEFAULT_PREFILL_
 from policies.cost_model_params import CostModelParams as CostModelParams
 from policies.cost_model_params import Objective as Objective
 from policies.cost_model_params import Scope as Scope
+from policies.explore import Explorer
 from policies.profile import TABLE_SIZE as _TABLE_SIZE
 from policies.profile import SpeedModel
 from policies.routing import (
@@ -134,11 +145,16 @@ class CostModelPolicy:
             self.content = ContentAcceptance(self._hint_priors, self._profile_accept)
         self.reads_features = self.content is not None
         """Content-blind (`content_aware: false`), it never reads `RequestInfo.features`."""
+        self.explorer: Explorer | None = None
+        if self.content is not None and params.explore_budget > 0.0:
+            rng = random.Random(f"{context.seed}/explore")
+            self.explorer = Explorer(params.explore, params.explore_budget, params.explore_z, rng)
         self._reported_caps: dict[str, int] = {}
         """The running-request cap each backend last reported (`BackendLoad.max_running`), for
         `observe` to place an outcome at the batch size its decision assumed."""
-        self._content_own: tuple[float, float] | None = None
-        """(eagle rate multiplier, speed factor) of the request being decided, from its content."""
+        self._content_own: tuple[float, float, float] | None = None
+        """(eagle rate multiplier, speed factor, its log-space spread) of the request being decided,
+        from its content."""
 
     def _predict(
         self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int, now: float
@@ -316,21 +332,14 @@ class CostModelPolicy:
             assert on is not None
             ttft, e2e = on[1][:2]
             return self._decision(only, reason, on, {only: ttft}, {only: e2e}, request, now)
-        tb, eb, cb, qb, pb, _, _ = on_b[1]
-        te, ee, ce, qe, pe, _, _ = on_e[1]
-        # the smaller cost wins: system scope compares marginal costs (e2e) or, for TTFT, avoids
-        # a queue while the other pool has a free slot; request scope the request's own time.
-        # Where both marginal costs are infinite (neither pool gains from one more request),
-        # the request's own time decides.
-        xe, xb = (te, tb) if self._ttft else (ee, eb)
-        if self._system:
-            if self._ttft:
-                if qe != qb:
-                    xe, xb = (math.inf, 0.0) if qe else (0.0, math.inf)
-            elif ce != cb:
-                xe, xb = ce, cb
-        pool: Pool = "eagle" if xe < xb * self._eagle_factor else "baseline"
-        reason = "faster_eagle" if pool == "eagle" else "faster_baseline"
+        tb, eb, _, _, pb, _, _ = on_b[1]
+        te, ee, _, _, pe, _, _ = on_e[1]
+        xe, xb = self._compared(on_e[1], on_b[1])
+        eagle = xe < xb * self._eagle_factor
+        pool: Pool = "eagle" if eagle else "baseline"
+        reason = self._reason(pool, on_e[1], on_b[1])
+        if not eagle and xe < xb:
+            reason = "eagle_margin"
         if self._slo:
             p = self.params
             meets_b = (p.slo_ttft_s is None or tb <= p.slo_ttft_s) and (
@@ -343,6 +352,15 @@ class CostModelPolicy:
                 met: Pool = "baseline" if meets_b else "eagle"
                 if met != pool:
                     pool, reason = met, "slo_eagle" if met == "eagle" else "slo_baseline"
+        explorer = self.explorer
+        if explorer is not None:
+            if pool == "baseline" and own is not None and reason != "slo_baseline":
+                regret = xe - xb if xe > xb else 0.0
+                shift = explorer.draw(own[2]) if explorer.affords(regret) else 0.0
+                if shift > 0.0 and self._tried(shift, own, view, request, n, now, on_b[1]):
+                    pool, reason = "eagle", "explore"
+                    explorer.spend(regret)
+            explorer.accrue(eb if pool == "baseline" else ee)
         return self._decision(
             pool,
             reason,
@@ -353,6 +371,52 @@ class CostModelPolicy:
             now,
             None if own is None else own[1],
         )
+
+    def _compared(self, e: Prediction, b: Prediction) -> tuple[float, float]:
+        """(eagle's, baseline's) compared quantity: the smaller wins. System scope compares
+        marginal costs (e2e) or, for TTFT, avoids a queue while the other pool has a free slot;
+        request scope the request's own time. Where both marginal costs are infinite (neither pool
+        gains from one more request), the request's own time decides."""
+        te, ee, ce, qe = e[0], e[1], e[2], e[3]
+        tb, eb, cb, qb = b[0], b[1], b[2], b[3]
+        xe, xb = (te, tb) if self._ttft else (ee, eb)
+        if self._system:
+            if self._ttft:
+                if qe != qb:
+                    xe, xb = (math.inf, 0.0) if qe else (0.0, math.inf)
+            elif ce != cb:
+                xe, xb = ce, cb
+        return xe, xb
+
+    def _reason(self, pool: Pool, e: Prediction, b: Prediction) -> str:
+        """`faster_<pool>` when the chosen pool's own predicted time (e2e, or TTFT) is no larger
+        than the other's, else `cheaper_<pool>` (system scope's marginal cost decided)."""
+        mine, other = (e[0], b[0]) if self._ttft else (e[1], b[1])
+        if pool == "baseline":
+            mine, other = other, mine
+        return ("faster_" if mine <= other else "cheaper_") + pool
+
+    def _tried(
+        self,
+        shift: float,
+        own: tuple[float, float, float],
+        view: LoadView,
+        request: RequestInfo,
+        n: int,
+        now: float,
+        b: Prediction,
+    ) -> bool:
+        """Whether EAGLE wins at the request's factor taken `shift` (log) faster than predicted."""
+        k = math.exp(shift)
+        self._content_own = (own[0] * k, own[1] * k, own[2])
+        try:
+            tried = self._backend("eagle", view.eagle, request, n, now)
+        finally:
+            self._content_own = own
+        if tried is None:
+            return False
+        xe, xb = self._compared(tried[1], b)
+        return xe < xb * self._eagle_factor
 
     def observe(self, outcome: Outcome) -> None:
         cal = self.calibration
@@ -377,6 +441,44 @@ class CostModelPolicy:
             ratio = self.content.observe(outcome, cal, batch, ratio)
         if ratio is not None:
             cal.observe(pool, batch, outcome.request.hint, ratio, outcome.accept_length)
+
+    def state(self) -> dict[str, Any]:
+        """What it learned beyond its calibration, as JSON-able data: the content model and the
+        exploration's counters, each None when the parameters turn it off (`load_state` takes it
+        back). Booked prefills are tied to the clock: not kept."""
+        return {
+            "version": STATE_VERSION,
+            "content": None if self.content is None else self.content.model.state(),
+            "explore": None if self.explorer is None else self.explorer.state(),
+        }
+
+    def load_state(self, state: Any) -> None:
+        """Take back what `state` returned. ValueError when it does not fit this policy (other
+        parameters, another layout), and then nothing is changed."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"cost_model state: not layout version {STATE_VERSION}")
+        parts: dict[str, Any] = {
+            "content": None if self.content is None else self.content.model,
+            "explore": self.explorer,
+        }
+        for key, part in parts.items():
+            if (state.get(key) is None) != (part is None):
+                raise ValueError(f"cost_model state: {key} was {'off' if part else 'on'} when saved")
+        loaded: list[tuple[Any, dict[str, Any]]] = []
+        try:
+            for key, part in parts.items():
+                if part is not None:
+                    before = part.state()
+                    part.load_state(state[key])
+                    loaded.append((part, before))
+        except ValueError:  # one part refused: the others go back to what they were
+            for part, before in loaded:
+                part.load_state(before)
+            raise
+
+
+STATE_VERSION = 2
+"""The layout of `CostModelPolicy.state()`."""
 
 
 SPEC = PolicySpec(

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
 
 from policies.calibration import check_bounds
+from policies.explore import ExploreMode
 
 Objective = Literal["e2e", "ttft"]
 Scope = Literal["system", "request"]
@@ -120,6 +121,22 @@ class CostModelParams(BaseModel):
         description="Predict each request's eagle speed factor from its content features (text grams, "
         "sampling parameters, hint), learned online from outcomes (policies/acceptance.py); false: one "
         "eagle rate per hint (content-blind).",
+    )
+    explore: ExploreMode = Field(
+        default="optimistic",
+        description="Content-aware: how a request predicted cheaper on the plain pool is tried on EAGLE "
+        "to learn its kind's speed there (policies/explore.py): optimistic (its speed factor taken "
+        "explore_z standard deviations above the prediction) or thompson (a sample of it).",
+    )
+    explore_budget: float = Field(
+        default=0.01,
+        ge=0.0,
+        le=0.5,
+        description="Content-aware: predicted regret exploration may spend, as a share of the predicted "
+        "end-to-end time of the requests routed (0: never explore).",
+    )
+    explore_z: float = Field(
+        default=1.0, gt=0.0, description="explore=optimistic: standard deviations above the mean tried."
     )
     hint_idle: int = Field(
         default=1000,

@@ -19,6 +19,7 @@ prompt: about 20 us per request on this project's machine whatever the prompt's 
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections.abc import Mapping
 from hashlib import blake2b
@@ -37,6 +38,94 @@ MAX_TOOLS = 64
 """Tool definitions looked at (their count is `RequestFeatures.tools` however many are sent)."""
 MAX_GRAMS = 256
 """At most this many gram ids (the smallest ids: a deterministic subset)."""
+
+
+TRAITS = (
+    "code_fence",
+    "code",
+    "math",
+    "non_latin",
+    "non_english",
+    "long_doc_question",
+    "translate",
+    "summarize",
+    "extract",
+    "json",
+    "tool_schema",
+)
+"""`RequestFeatures.traits`: bit i set when the request has trait TRAITS[i]."""
+TRAIT_BITS = {name: 1 << i for i, name in enumerate(TRAITS)}
+LONG_DOC_CHARS = 2500
+"""A prompt this long (characters) whose last paragraph is short is a document with a question."""
+SHORT_QUESTION_CHARS = 400
+
+# each pattern starts with a literal, so `re` finds its candidates with a fast substring scan
+_CODE = tuple(re.compile(p) for p in (r"def \w+\(", r"class \w+[(:]", r"import \w+", r"function ?\w* ?\("))
+_CODE_MARKS = ("#include", "=>", ";\n", "{\n", "};")
+_MATH = tuple(re.compile(p) for p in (r"\\(?:frac|sqrt|sum|int|cdot|times|pi)\b", r"\$[^$\n]{1,80}\$"))
+_MATH_MARKS = ("≤", "≥", "∑", "∫", "√", "π", "×", "÷")
+_DIGIT = re.compile(r"\d")
+_LETTER = re.compile(r"[^\W\d_]")
+_NON_LATIN = re.compile(r"[^\W\d_\u0000-\u024f]")
+_ACCENTED = re.compile(r"[äöüßéèêàâçñìòùíóúåøæœ]")
+_WORD_MATH = (
+    "how many",
+    "how much",
+    "how long",
+    "how far",
+    "calculat",
+    "compute",
+    "solve",
+    "percent",
+    "average",
+)
+_INSTRUCTIONS = {
+    "translate": ("translat", "tradu", "übersetz", "перевед", "翻译", "翻訳"),
+    "summarize": ("summar", "tl;dr", "tldr", "key points", "résum", "zusammenfass"),
+    "extract": ("extract", "list all", "list every", "list each", "find all", "find every", "pull out"),
+}
+_SCHEMA = ('"type":', '"properties":', '"parameters":')
+_ENGLISH = frozenset(
+    "the and of to is are for with that this it be by at from what how which you your we does not can".split()
+)
+
+
+def text_traits(text: str, prompt_chars: int, tools: int) -> int:
+    """`RequestFeatures.traits` of a bounded slice of the prompt (see the module docstring);
+    `prompt_chars`: the whole prompt's length. Substring tests and a few C-level regex scans: a
+    few microseconds on the slice."""
+    bits = 0
+    low = text.lower()
+    if "```" in text:
+        bits |= TRAIT_BITS["code_fence"]
+    if any(k in text for k in _CODE_MARKS) or any(p.search(text) for p in _CODE):
+        bits |= TRAIT_BITS["code"]
+    if (
+        any(k in text for k in _MATH_MARKS)
+        or any(p.search(text) for p in _MATH)
+        or (any(k in low for k in _WORD_MATH) and _DIGIT.search(text))
+    ):
+        bits |= TRAIT_BITS["math"]
+    if not bits & (TRAIT_BITS["code"] | TRAIT_BITS["code_fence"]):
+        if not text.isascii() and len(_NON_LATIN.findall(text)) * 3 > len(_LETTER.findall(text)):
+            bits |= TRAIT_BITS["non_latin"]
+        else:
+            words = low.split()
+            if len(words) >= 12:
+                english = sum(map(_ENGLISH.__contains__, words))
+                accented = 0 if text.isascii() else len(_ACCENTED.findall(low))
+                if english * 10 < len(words) or accented * 50 > len(text):
+                    bits |= TRAIT_BITS["non_english"]
+    if prompt_chars >= LONG_DOC_CHARS and len(text.rstrip().rsplit("\n\n", 1)[-1]) <= SHORT_QUESTION_CHARS:
+        bits |= TRAIT_BITS["long_doc_question"]
+    for name, keys in _INSTRUCTIONS.items():
+        if any(k in low for k in keys):
+            bits |= TRAIT_BITS[name]
+    if "json" in low:
+        bits |= TRAIT_BITS["json"]
+    if tools or any(k in text for k in _SCHEMA):
+        bits |= TRAIT_BITS["tool_schema"]
+    return bits
 
 
 def stable_hash(text: str) -> int:
@@ -140,6 +229,11 @@ def extract_features(body: Mapping[str, Any], endpoint: EndpointKind) -> Request
     tools = body.get("tools")
     n = _number(params.get("n"))
     model = body.get("model")
+    n_tools = len(tools) if isinstance(tools, list) else 0
+    rf_json = isinstance(rf_type, str) and rf_type.startswith("json")
+    traits = text_traits(text, estimate_prompt_chars(body, endpoint), n_tools) if text else 0
+    if rf_json:
+        traits |= TRAIT_BITS["json"]
     return RequestFeatures(
         family=stable_hash(family) if family else 0,
         grams=text_grams(text) if text else (),
@@ -147,9 +241,10 @@ def extract_features(body: Mapping[str, Any], endpoint: EndpointKind) -> Request
         top_p=_number(params.get("top_p")),
         top_k=None if top_k is None else int(top_k),
         response_format=rf_type[:40] if isinstance(rf_type, str) else None,
-        tools=len(tools) if isinstance(tools, list) else 0,
+        tools=n_tools,
         n=int(n) if n is not None and 1 <= n < 2**31 else 1,
         model=stable_hash(model) if isinstance(model, str) and model else 0,
+        traits=traits,
     )
 
 

@@ -55,6 +55,10 @@ class RequestFeatures:
     n: int = 1
     model: int = 0
     """Hash of the `model` field; 0 when absent."""
+    traits: int = 0
+    """What kind of task the text looks like, as bits (`policies.features.TRAITS`: code fences and
+    syntax, math notation, a language other than English, a long document with a short question,
+    an instruction to translate, summarize or extract, tool schemas, ...)."""
 
 
 @dataclass(slots=True)
@@ -73,6 +77,9 @@ class RequestInfo:
     features: RequestFeatures | None = None
     """What the request asks, as compact features (None when no extractor ran, e.g. traces
     without text); `hint` above stays the client's own word and is a feature too."""
+    client: int = 0
+    """A stable hash of who sent the request (its API key or address, as the proxy knows it); 0
+    when unknown. A learning policy bounds the share of what one client teaches."""
 
 
 HINT_HEADER = "x-specroute-hint"

@@ -5,7 +5,11 @@ the one its backend reported, and how many prompt families the acceptance model 
 eagle backend with `spec_details` on has ended, it observes reported / predicted (the predicted
 factor is `Decision.accept_factor`, the reported one the accept length over the profile's) in
 `specroute_accept_factor_ratio`. `specroute_acceptance_families` is read from the live policy at
-scrape time (a reloaded policy starts from zero). A policy without a content model adds nothing.
+scrape time (a reloaded policy starts from zero), and so are the exploration's figures
+(`policies/explore.py`): `specroute_exploration_share` (decisions that explored over all) and
+`specroute_exploration_budget_spent_ratio` (predicted regret spent over what `explore_budget`
+allowed), with the regret itself in `specroute_exploration_regret_seconds`. A policy without a
+content model adds nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from controller.proxy.ticket import RequestRecord
 from policies.base import Outcome, Policy
 from policies.content import ContentAcceptance
+from policies.explore import Explorer
 
 RATIO_BUCKETS = (0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0)
 
@@ -45,9 +50,33 @@ class _Families:
             "specroute_acceptance_families",
             "Prompt families the live policy's acceptance model tracks (content-aware cost_model).",
         )
-        content = content_model(self._policy())
+        policy = self._policy()
+        content = content_model(policy)
         gauge.add_metric([], 0 if content is None else content.model.families)
         yield gauge
+        explorer = getattr(policy, "explorer", None)
+        explorer = explorer if isinstance(explorer, Explorer) else None
+        for name, doc, value in (
+            (
+                "specroute_exploration_share",
+                "Decisions of the live policy that explored (sent to EAGLE to learn: reason explore) over "
+                "all.",
+                0.0 if explorer is None else explorer.share,
+            ),
+            (
+                "specroute_exploration_budget_spent_ratio",
+                "Predicted regret exploration spent over what explore_budget allowed (at most 1).",
+                0.0 if explorer is None else explorer.spent_ratio,
+            ),
+            (
+                "specroute_exploration_regret_seconds",
+                "Predicted regret exploration spent so far (seconds of predicted cost).",
+                0.0 if explorer is None else explorer.spent,
+            ),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
 
 
 class AcceptanceMetrics:

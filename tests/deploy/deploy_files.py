@@ -80,7 +80,14 @@ SPECROUTE_METRICS = frozenset(
 )
 # Further metrics the proxy exports (controller/proxy/metrics.py), shown but not part of the list above.
 SPECROUTE_EXTRA_METRICS = frozenset(
-    {"specroute_rejected_requests_total", "specroute_failovers_total", "specroute_backend_sample_age_seconds"}
+    {
+        "specroute_rejected_requests_total",
+        "specroute_failovers_total",
+        "specroute_backend_sample_age_seconds",
+        "specroute_exploration_share",
+        "specroute_exploration_budget_spent_ratio",
+        "specroute_exploration_regret_seconds",
+    }
 )
 SGLANG_METRICS = frozenset(
     {

@@ -4,9 +4,11 @@ deterministic, bounded; content_aware=false is today's behaviour."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
+import pytest
 from helpers import Routed
 
 from policies.acceptance import AcceptanceModel
@@ -159,3 +161,77 @@ def test_content_aware_false_is_content_blind() -> None:
         plain.choose(info, idle(), 0.0).predicted_e2e_s
         == cost_model(content_aware=False).choose(info, idle(), 0.0).predicted_e2e_s
     )
+
+
+# --- what was learned survives a restart (i34b's state file calls these) --------------------------
+
+
+def test_state_round_trips_exactly_through_json() -> None:
+    rng = random.Random(8)
+    policy = cost_model()
+    truth = {"code": 1.5, "prose": 0.8}
+    for i in range(200):
+        kind = rng.choice(("code", "prose"))
+        info = RequestInfo(max_tokens=200, features=prompt(kind, rng), client=i % 3)
+        teach(policy, info, truth[kind], spec=True)
+    saved = json.loads(json.dumps(policy.policy.state()))  # type: ignore[attr-defined]
+    assert set(saved) == {"version", "content", "explore"}
+    fresh = cost_model()
+    fresh.policy.load_state(saved)  # type: ignore[attr-defined]
+    assert json.loads(json.dumps(fresh.policy.state())) == saved  # type: ignore[attr-defined]
+    probes = [RequestInfo(max_tokens=200, features=prompt(k, random.Random(i))) for i, k in enumerate(truth)]
+    for info in probes:  # the restored policy predicts what the original does
+        a, b = policy.choose(info, idle(), 0.0), fresh.choose(info, idle(), 0.0)
+        assert a.accept_factor == b.accept_factor and a.accept_factor is not None
+    # a state that does not fit is refused whole, the model unchanged
+    small = AcceptanceModel(dim=256)
+    with pytest.raises(ValueError, match="other dimensions"):
+        small.load_state(saved["content"])
+    with pytest.raises(ValueError, match="not layout version"):
+        small.load_state({"version": 1})
+    with pytest.raises(ValueError, match="cost_model state: explore was on"):
+        cost_model(explore_budget=0).policy.load_state(saved)  # type: ignore[attr-defined]
+    broken = json.loads(json.dumps(saved["content"]))
+    broken["tokens"][0][1] = float("nan")
+    model = AcceptanceModel()
+    with pytest.raises(ValueError, match="finite"):
+        model.load_state(broken)
+    assert model.taught == 0
+
+
+# --- one client cannot move what everyone shares (issue 37, finding 1) ----------------------------
+
+
+def test_one_client_cannot_move_a_shared_family_far() -> None:
+    """Many clients teach one family (the same system prompt) its true factor; then one client sends
+    hundreds of absurd outcomes (a slow reader's requests look 4x slow) while the others' keep
+    coming at a tenth of its rate (what exploration keeps sending to EAGLE). The prediction for
+    everyone stays near the truth, and every outcome moves it by a bounded step."""
+    rng = random.Random(9)
+    system = "You are a helpful assistant."
+
+    def ask(i: int) -> RequestFeatures:
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{i} x"}]}
+        return extract_features(body, "chat")
+
+    m = AcceptanceModel()
+    for i in range(300):  # ten clients, true factor 1.2
+        m.learn(ask(i), None, math.log(1.2) + rng.gauss(0, 0.03), 0.0, client=100 + i % 10)
+    before = math.exp(m.predict(ask(10_000), None, 0.0))
+    assert abs(before / 1.2 - 1) < 0.05
+    step = []
+    for i in range(300):
+        m.learn(ask(20_000 + i), None, math.log(0.25), 0.0, client=666)
+        step.append(math.exp(m.predict(ask(10_000), None, 0.0)))
+        if i % 10 == 9:
+            m.learn(ask(30_000 + i), None, math.log(1.2) + rng.gauss(0, 0.03), 0.0, client=100 + i % 7)
+    assert step[0] / before > 0.92  # one absurd outcome moves it a bounded step
+    assert min(step) / before > 0.8, (before, min(step))  # its first outcomes, up to an equal share
+    assert abs(step[-1] / 1.2 - 1) < 0.1
+    # the same outcomes from the family's only client are learned: a real change is followed
+    alone = AcceptanceModel()
+    for i in range(300):
+        alone.learn(ask(i), None, math.log(1.2), 0.0, client=1)
+    for i in range(300):
+        alone.learn(ask(20_000 + i), None, math.log(0.5), 0.0, client=1)
+    assert abs(math.exp(alone.predict(ask(10_000), None, 0.0)) / 0.5 - 1) < 0.1

@@ -15,6 +15,7 @@ from policies.features import (
     HEAD_CHARS,
     MAX_GRAMS,
     TAIL_CHARS,
+    TRAIT_BITS,
     estimate_prompt_chars,
     extract_features,
     request_text,
@@ -127,3 +128,35 @@ def test_prompt_chars_match_the_proxy_estimate() -> None:
     ]
     for body, endpoint in bodies:
         assert estimate_prompt_chars(body, endpoint) // 4 == estimate_prompt_tokens(body, endpoint)
+
+
+def traits_of(text: str, **extra: Any) -> set[str]:
+    bits = extract_features(chat(("user", text), **extra), "chat").traits
+    return {name for name, bit in TRAIT_BITS.items() if bits & bit}
+
+
+def test_traits_say_what_kind_of_task_the_text_is() -> None:
+    """Issue 33: what lets one task type's outcomes teach its never-seen prompts."""
+    assert traits_of("Explain the Nile river to a curious high-school student, with two facts.") == set()
+    assert traits_of(CODE) == {"code"}
+    assert "code_fence" in traits_of("Fix this:\n```js\nconst f = (x) => x + 1;\n```")
+    assert "math" in traits_of("Natalia sold 48 clips in April. How many clips did she sell in all?")
+    assert "math" in traits_of(r"Prove that $\frac{a}{b} \le 1$ when a <= b.")
+    assert traits_of("Переведите на английский: мороз и солнце, день чудесный, ещё ты дремлешь") >= {
+        "non_latin",
+        "translate",
+    }
+    german = "Wer im Glashaus sitzt, soll nicht mit Steinen werfen, denn die Scheiben gehen sonst kaputt."
+    assert "non_english" in traits_of(german)
+    assert "non_english" not in traits_of(
+        "Give a concise encyclopedic overview of the Byzantine Empire: its origins, its height and its fall."
+    )
+    doc = "Python reference.\n\n" + "The assignment statement binds names to objects. " * 80
+    assert "long_doc_question" in traits_of(doc + "\n\nWhich statement is this about?")
+    assert "long_doc_question" not in traits_of("Which statement is this about?")
+    assert "summarize" in traits_of("TL;DR of this documentation:\n\n" + doc)
+    assert "extract" in traits_of("Extract every name mentioned below as a JSON list.\n\n" + doc) >= {"json"}
+    assert "json" in traits_of("hello", response_format={"type": "json_object"})
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather"}}]
+    assert "tool_schema" in traits_of("What is the weather in Paris?", tools=tools)
+    assert "tool_schema" in traits_of('Use this tool: {"name": "f", "parameters": {"type": "object"}}')

@@ -26,8 +26,8 @@ from policies.registry import PolicyContext, PolicyError, default_registry
 
 LLAMA = resolve_profile("llama31-8b-h100-eagle3")
 REASONS = {
-    "faster_eagle", "faster_baseline", "slo_eagle", "slo_baseline", "client_override", "eagle_unavailable",
-    "baseline_unavailable",
+    "faster_eagle", "faster_baseline", "cheaper_eagle", "cheaper_baseline", "eagle_margin", "explore",
+    "slo_eagle", "slo_baseline", "client_override", "eagle_unavailable", "baseline_unavailable",
 }  # fmt: skip
 
 
@@ -286,6 +286,47 @@ def test_reasons_are_a_small_bounded_set_and_choices_deterministic() -> None:
         runs.append(out)
     assert runs[0] == runs[1]
     assert {r[2] for r in runs[0] if r} >= {"faster_eagle", "faster_baseline"}
+
+
+def reason_agrees(d: Decision, objective: str = "e2e") -> bool:
+    """What the decision log shows: the reason against the predictions logged beside it."""
+    predicted = d.predicted_ttft_s if objective == "ttft" else d.predicted_e2e_s
+    if d.reason.startswith(("faster_", "cheaper_")):
+        mine = predicted[d.pool]
+        other = predicted["eagle" if d.pool == "baseline" else "baseline"]
+        return (mine <= other) == d.reason.startswith("faster_")
+    if d.reason == "eagle_margin":  # EAGLE was cheaper, by less than the margin
+        return d.pool == "baseline"
+    if d.reason == "explore":
+        return d.pool == "eagle"
+    return True
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"eagle_margin": 0.1}, {"scope": "request", "eagle_margin": 0.05}, {"objective": "ttft"}],
+    ids=["system", "margin", "request", "ttft"],
+)
+def test_the_reason_agrees_with_the_predictions_logged(params: dict[str, object]) -> None:
+    """Issue 34: `faster_baseline` beside predictions that show EAGLE faster. A reason says what
+    decided: `faster_X` only where X's own predicted time is the smaller; `cheaper_X` where system
+    scope's marginal cost chose the slower pool; `eagle_margin` where the margin kept EAGLE out."""
+    rng = random.Random(11)
+    policy = cost_model(seed=3, **params)
+    seen: set[str] = set()
+    for _ in range(800):
+        req = RequestInfo(max_tokens=rng.choice([None, 16, 2048]))
+        try:
+            d = policy.choose(req, _random_view(rng), 0.0)
+        except NoHealthyBackend:
+            continue
+        assert reason_agrees(d, str(params.get("objective", "e2e"))), d
+        seen.add(d.reason)
+    assert {"faster_eagle", "faster_baseline"} <= seen
+    if "eagle_margin" in params:
+        assert "eagle_margin" in seen
+    if params == {}:
+        assert {"cheaper_eagle", "cheaper_baseline"} & seen
 
 
 def test_construction_errors_are_clear() -> None:

@@ -16,11 +16,15 @@ from typing import Any
 
 import aiohttp
 import openai
+import pytest
 from helpers import start_module
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.cli import spawn
 from policies.profile import Profile, resolve_profile
+from simulator.emulator.accept_rules import parse_accept_rules
+
+ROOT = Path(__file__).resolve().parents[2]
 
 KIMI = resolve_profile("kimi-k25-int4-8gpu")
 RULES = [{"match": r"\bdef \w+\(", "factor": 1.4}, {"match": "(?i)poem|story", "factor": 0.6}]
@@ -104,3 +108,127 @@ async def test_serve_learns_the_emulators_accept_rules(
     assert count == sum(1 for x in lines if x["accept_factor_reported"] is not None) >= 300
     (tracked,) = (s.value for s in families["specroute_acceptance_families"].samples)
     assert tracked > 0
+
+
+# --- issue 33: never-seen prompts of six task types, the kimi profile, exploration -------------------
+
+SHARED = next(
+    (p for p in (ROOT.parent / "shared/data/prompts", Path("/work/shared/data/prompts")) if p.is_dir()), None
+)
+SIX_RULES = [
+    {"match": r"^<\|user\|>\nComplete the following Python function", "factor": 1.5},
+    {"match": r"^<\|user\|>\n(?:Give a concise encyclopedic|Explain [^\n]* to a curious)", "factor": 0.7},
+]
+"""code (HumanEval) 1.5, prose (the general set) 0.7, the rest 1.0."""
+DOC_TASKS = {
+    "summarize": "Summarize the following section of the Python reference in three sentences.\n\n{doc}",
+    "extract": "Extract every Python keyword mentioned in the text below, as a JSON list.\n\n{doc}",
+    "longqa": "{doc}\n\nQuestion: according to the text above, what does Python do first? One sentence.",
+}
+
+
+def six_task_prompts(per_type: int) -> list[tuple[str, str]]:
+    """(task type, prompt): HumanEval, GSM8K, the general prose set, and passages of the Python
+    reference (CPython's pydoc_data) to summarize, extract from or ask about; shuffled, seeded."""
+    assert SHARED is not None
+    from pydoc_data.topics import topics
+
+    def read(path: Path) -> list[str]:
+        return [json.loads(x)["messages"][0]["content"] for x in path.read_text().splitlines() if x.strip()]
+
+    rng = random.Random(33)
+    by = {
+        "code": read(SHARED / "humaneval.jsonl"),
+        "math": read(SHARED / "gsm8k_train.jsonl")[:400],
+        "prose": read(ROOT / "controller" / "bench" / "prompt_sets" / "general.jsonl"),
+    }
+    docs, part = [], ""
+    for key in sorted(topics):  # passages of about 2,000 characters, cut at paragraphs
+        for para in topics[key].split("\n\n"):
+            part = f"{part}\n\n{para}" if part else para
+            if len(part) >= 2000:
+                docs.append(part[:4000])
+                part = ""
+    for k, (kind, template) in enumerate(DOC_TASKS.items()):
+        by[kind] = [template.format(doc=d) for d in docs[k :: len(DOC_TASKS)]]
+    out = [(kind, text) for kind, texts in by.items() for text in rng.sample(texts, per_type)]
+    rng.shuffle(out)
+    return out
+
+
+def wall_kimi(path: Path, scale: float) -> None:
+    """The kimi profile in wall time for emulators running it at `scale`: serve predicts what it sees."""
+    doc = KIMI.model_dump(mode="json", exclude_none=True)
+    for mode in doc["modes"].values():
+        for point in mode["points"]:
+            point["decode_tok_s"] /= scale
+            point["ttft_s"] = point.get("ttft_s", 0.0) * scale
+        if "prefill_tok_s" in mode:
+            mode["prefill_tok_s"] /= scale
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.skipif(SHARED is None, reason="the shared prompt sets (HumanEval, GSM8K) are not here")
+async def test_serve_explores_and_learns_never_seen_task_types(
+    emulator: Any, spawn_serve: Any, tmp_path: Path
+) -> None:
+    """Issue 33's live setting: serve (cost_model, the kimi profile, spec_details) in front of a plain
+    and an EAGLE-3 emulator whose acceptance follows rules by task type (code 1.5, prose 0.7, the
+    rest 1.0); 300 never-seen prompts of six task types, 3 clients at a time. In the second half
+    EAGLE-3 serves at least 30 requests, code at least twice as often as prose, and the factor the
+    policy predicted is within 12% (median) of what the backend reported. (How its mean e2e compares
+    with content-blind routing is measured in benchmarks/content_routing_live.py.)"""
+    scale = 0.05
+    profile_path = tmp_path / "kimi-wall.json"
+    wall_kimi(profile_path, scale)
+    base = await emulator("baseline", time_scale=scale)
+    eagle = await emulator("eagle", time_scale=scale, accept_rules=parse_accept_rules(SIX_RULES))
+    log = tmp_path / "decisions.jsonl"
+    sp = await spawn_serve(
+        "--baseline", base.url, "--eagle", eagle.url, "--profile", str(profile_path),
+        "--policy", "cost_model", "--spec-details", "true", "--decision-log", str(log),
+    )  # fmt: skip
+    client = openai.AsyncOpenAI(base_url=sp.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = six_task_prompts(50)
+    queue = list(enumerate(prompts))
+
+    async def worker() -> None:
+        while queue:
+            i, (_, text) = queue.pop(0)
+            # a length per prompt finds its decision-log line
+            r = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": text}], max_tokens=200 + i,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert r.usage is not None and r.usage.completion_tokens == 200 + i
+
+    await asyncio.gather(*(worker() for _ in range(3)))
+    await client.close()
+    async with aiohttp.ClientSession() as s, s.get(sp.url + "/metrics") as resp:
+        families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+    sp.signal(signal.SIGTERM)
+    assert await sp.wait() == 0
+
+    by_tokens = {x["max_tokens"]: x for x in map(json.loads, log.read_text().splitlines())}
+    lines = [(kind, by_tokens[200 + i]) for i, (kind, _) in enumerate(prompts)]
+    assert len(lines) == 300
+    late = lines[150:]
+    assert sum(x["pool"] == "eagle" for _, x in late) >= 30
+
+    def share(kind: str) -> float:
+        mine = [x for k, x in late if k == kind]
+        return sum(x["pool"] == "eagle" for x in mine) / len(mine)
+
+    # code (1.5x) goes to EAGLE-3 far more often than prose (0.7x). Not 3x: system scope sends prose
+    # to an idle EAGLE-3 while the plain server runs two requests (its marginal cost is lower), so
+    # even told every request's true factor, cost_model's prose share is 0.30 to code's 0.96 in the
+    # simulated twin (benchmarks/content_routing_explore.py); measured here 0.21-0.37 against 0.79-1.0
+    assert share("code") >= 2 * share("prose") and share("code") >= 0.6, (share("code"), share("prose"))
+    served = [x for _, x in lines if x["pool"] == "eagle" and x["accept_factor_reported"] is not None]
+    errors = [abs(x["accept_factor_reported"] / x["accept_factor_predicted"] - 1) for x in served]
+    assert len(errors) >= 30 and statistics.median(errors) <= 0.12
+    # the exploration's figures are exported, and its regret stays within what its budget allowed
+    (spent,) = (s.value for s in families["specroute_exploration_budget_spent_ratio"].samples)
+    (explored,) = (s.value for s in families["specroute_exploration_share"].samples)
+    assert 0.0 <= spent <= 1.0 and 0.0 <= explored < 0.2
+    assert explored == pytest.approx(sum(x["reason"] == "explore" for _, x in lines) / 300)

@@ -49,6 +49,9 @@ PUBLIC_METRICS = {
     "specroute_shadow_decisions": "counter",
     "specroute_accept_factor_ratio": "histogram",
     "specroute_acceptance_families": "gauge",
+    "specroute_exploration_share": "gauge",
+    "specroute_exploration_budget_spent_ratio": "gauge",
+    "specroute_exploration_regret_seconds": "gauge",
 }
 LOG_FIELDS = {
     "ts", "endpoint", "stream", "prompt_tokens", "max_tokens", "hint", "forced_pool", "load", "policy",
