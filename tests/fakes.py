@@ -330,6 +330,7 @@ class FakeBackend:
         if mode == "queue_full":
             await resp.write(sse_error(QUEUE_FULL) + SSE_DONE)
             return resp
+        delay_s = float(body.get("fake_delay_s", self.delay_s))  # a request may pace its own stream
 
         def piece(text: str | None, finish: str | None, role: bool = False) -> bytes:
             return sse(stream_chunk(rid, model, chat, text, finish, role))
@@ -343,8 +344,8 @@ class FakeBackend:
                 assert request.transport is not None
                 request.transport.abort()
                 return resp
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
+            if delay_s:
+                await asyncio.sleep(delay_s)
             await resp.write(piece(tok, None))
         await resp.write(piece(None, "length"))
         details = self.spec_details(body, len(tokens))

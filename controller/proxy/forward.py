@@ -146,7 +146,7 @@ class Forwarder:
         except SpecrouteError as e:
             self.metrics.reject(e.status)
             raise
-        request_ = await tickets.describe(raw, endpoint, request.headers)
+        request_ = await tickets.describe(raw, endpoint, request.headers, request.remote)
         try:
             headers = upstream_headers(request.headers)
         except SpecrouteError as e:

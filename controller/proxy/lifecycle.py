@@ -54,7 +54,7 @@ from controller.proxy.sse import (
     ends_with_done,
     last_event_end,
 )
-from controller.proxy.ticket import AttemptReports, Ticket, requested_sequences
+from controller.proxy.ticket import AttemptReports, Ticket
 from controller.proxy.upstream import (
     COUNTED,
     TURN,
@@ -218,9 +218,7 @@ class RequestLifecycle:
     async def run(self) -> web.StreamResponse:
         sr: web.StreamResponse | None = None
         up: Upstream | None = None
-        sequences = 1
         try:
-            sequences = requested_sequences(self.body, self.ticket.info.endpoint)
             if self.ticket.info.endpoint != "generate":  # /generate: meta_info has the counts
                 asked = ask_for_usage(self.raw, self.body)
                 if asked is not None:
@@ -252,7 +250,7 @@ class RequestLifecycle:
             self.state.end(
                 self.relay.clock(), completion_tokens=self.tokens, accept_length=self.accept_length,
                 cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens,
-                client_blocked_s=self.blocked_s, sequences=sequences,
+                client_blocked_s=self.blocked_s,
             )  # fmt: skip
 
     def _client_headers(self, resp: aiohttp.ClientResponse) -> CIMultiDict[str]:
@@ -552,7 +550,10 @@ class RequestLifecycle:
         last = self._filter(last, strip_usage)
         if self.spec is not None:
             self.accept_length = accept_length(self.spec.details, as_count(self.tokens))
-        await sr.write_eof(last)
+        began = self.relay.clock()
+        await sr.write_eof(last)  # (it waits for the client to take what is buffered)
+        now = self.relay.clock()
+        dog.reading(now, now - began)  # that wait is the client's too (`client_blocked_s`)
         self.state.judge("ok")
 
     async def _broken(self, sr: web.StreamResponse, why: str) -> None:
