@@ -13,7 +13,8 @@ Deployments and routers, all with two servers:
 - `aware-timing`: the same, without spec_details (learns from decode timing only);
 - `blind`: the pair, cost_model with content_aware=false (today's routing, no hints);
 - `told`: the pair, content-blind cost_model, every request's category sent as its hint;
-- `plain`: two plain servers; `eagle`: two EAGLE servers.
+- `plain`: two plain servers; `eagle`: two EAGLE servers; `adaptive`: two EAGLE servers that adapt
+  their draft depth in-engine (SGLang's `--speculative-adaptive` default ladder).
 
 Per cell: mean and p99 e2e over `--seeds` seeds (each a different arrival sequence and order of
 the file), as mean and 95% CI (t over seeds). Then the issue's targets: the share of the
@@ -69,6 +70,7 @@ RUNS: dict[str, tuple[str, tuple[tuple[ServerKind, int], ...], bool, bool]] = {
     "told": ("content_aware=false", PAIR, True, True),
     "plain": ("", (("baseline", 2),), True, False),
     "eagle": ("", (("eagle", 2),), True, False),
+    "adaptive": ("", (("adaptive", 2),), True, False),
 }
 T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
@@ -480,10 +482,10 @@ def main() -> int:
 
 def readme_table(scenarios: list[str], by: dict[tuple[str, float, str], list[dict[str, Any]]]) -> str:
     """docs/content-routing.md's table: per scenario and load, mean / p99 e2e ± 95% CI of each run."""
-    runs = ("aware", "aware-timing", "blind", "told", "plain", "eagle")
+    runs = ("aware", "aware-timing", "blind", "told", "plain", "eagle", "adaptive")
     lines = [
-        "| scenario | req/s | aware | timing only | blind | told | 2x plain | 2x EAGLE |",
-        "|---|---|---|---|---|---|---|---|",
+        "| scenario | req/s | aware | timing only | blind | told | 2x plain | 2x EAGLE | 2x adaptive |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for scenario in scenarios:
         for load in LOADS:

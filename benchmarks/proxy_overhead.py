@@ -77,7 +77,10 @@ def _event(i: int) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def run_backend(ports: int) -> None:
+def run_backend(ports: int, pace_s: float = 0.0) -> None:
+    """The fake backend: `CHUNKS` events per request, each written on its own, `pace_s` apart
+    (0: as fast as it can; a real server's decode step is 5-30 ms, so each event is its own read
+    and write in every proxy)."""
     events = [_event(i) for i in range(CHUNKS)]
     tail = (
         b'data: {"id":"bench","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[],'
@@ -90,6 +93,8 @@ def run_backend(ports: int) -> None:
         await resp.prepare(request)
         for ev in events:
             await resp.write(ev)
+            if pace_s:
+                await asyncio.sleep(pace_s)
         await resp.write(tail)
         await resp.write_eof()
         return resp
@@ -422,9 +427,10 @@ def main() -> int:
     ap.add_argument("--role", choices=["backend", "passthrough"], help=argparse.SUPPRESS)
     ap.add_argument("--upstream", help=argparse.SUPPRESS)
     ap.add_argument("--ports", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--pace-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "backend":
-        run_backend(args.ports)
+        run_backend(args.ports, args.pace_ms / 1000)
         return 0
     if args.role == "passthrough":
         run_passthrough(args.upstream)

@@ -3,12 +3,14 @@ on the built-in profiles, for docs/when-specroute-helps.md.
 
 For each built-in profile and a ladder of Poisson arrival rates, plus one bursty workload (rate
 x10 and back, 60 s on average in each state), with 200-token answers and 256-token prompts, it
-runs `specroute plan --servers 2 --kinds baseline,eagle --json` (printed, so each figure can be
-checked by hand) and reports mean end-to-end latency with its 95% CI over the planner's seeds
-for two plain servers (least-loaded), the plain + EAGLE-3 pair (the best tuned
-routing policy) and two EAGLE-3 servers, the pair's difference against two plain servers with a
-paired 95% CI across seeds, and the verdict with `plan`'s own rule (a margin inside its CI or
-under 1% is a tie). Re-run it after changing a policy or a profile; the table in
+runs `specroute plan --servers 2 --kinds baseline,eagle,adaptive --json` (printed, so each figure
+can be checked by hand) and reports mean end-to-end latency with its 95% CI over the planner's
+seeds for two plain servers (least-loaded), the plain + EAGLE-3 pair (the best tuned routing
+policy), two EAGLE-3 servers and two EAGLE-3 servers that adapt their draft depth in-engine
+(SGLang's default `--speculative-adaptive` ladder, at the plain server's cap), the pair's
+difference against two plain servers with a paired 95% CI across seeds, the verdict with
+`plan`'s own rule (a margin inside its CI or under 1% is a tie), and the best of the four with
+what `plan` finds tied with it. Re-run it after changing a policy or a profile; the table in
 docs/when-specroute-helps.md is its `--markdown` output.
 
     python benchmarks/when_specroute_helps.py [--markdown] [--profiles NAME ...] [--seeds 0 1 2]
@@ -34,12 +36,18 @@ RATES: dict[str, tuple[float, ...]] = {
     # requests/s; two plain kimi servers saturate near 2 x 773 tok/s = ~7.7 req/s of 200 tokens
     "kimi-k25-int4-8gpu": (0.2, 0.5, 1.0, 2.0, 4.0, 6.0),
     # two plain llama-8B servers reach ~10k tok/s at batch 64 (~50 req/s); EAGLE-3 caps at 48 running
-    "llama31-8b-h100-eagle3": (1.0, 5.0, 10.0, 20.0, 40.0),
+    "llama31-8b-h100-eagle3": (1.0, 5.0, 10.0, 20.0, 40.0, 80.0),
 }
 BURSTY_RATE = {"kimi-k25-int4-8gpu": 1.0, "llama31-8b-h100-eagle3": 10.0}
 """Mean rate of the bursty workload: quiet and busy periods (x10) around a mid load."""
 BURSTY = ["--burst-factor", "10", "--burst-period", "60"]
 TIE_WITHIN = 0.01  # plan's default --tie-within 1%
+NAMES = {
+    "baseline=2": "2x plain",
+    "baseline=1,eagle=1": "pair",
+    "eagle=2": "2x EAGLE",
+    "adaptive=2": "2x adaptive",
+}
 
 
 @dataclass
@@ -49,12 +57,15 @@ class Row:
     plain: dict[str, Any]
     pair: dict[str, Any]
     eagle: dict[str, Any] | None
+    adaptive: dict[str, Any] | None
+    best: list[str]
+    """The best deployment and those tied with it (plan's labels)."""
     command: str
 
 
 def plan_command(profile: str, workload: list[str], requests: int, seeds: list[int], out: Path) -> list[str]:
     return [
-        "specroute", "plan", "--profile", profile, "--servers", "2", "--kinds", "baseline,eagle",
+        "specroute", "plan", "--profile", profile, "--servers", "2", "--kinds", "baseline,eagle,adaptive",
         *workload, "--requests", str(requests), "--loads", "1", "--seeds", *map(str, seeds),
         "--out", str(out), "--json", "--no-progress",
     ]  # fmt: skip
@@ -75,7 +86,8 @@ def run_plan(argv: list[str]) -> dict[str, Any]:
     )
     if proc.returncode != 0:
         raise SystemExit(f"{shlex.join(argv)} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
+    doc: dict[str, Any] = json.loads(proc.stdout)
+    return doc
 
 
 def entry(ranking: list[dict[str, Any]], deployment: dict[str, int]) -> dict[str, Any] | None:
@@ -106,14 +118,15 @@ def compare(row: Row) -> tuple[str, str]:
 
 def table(rows: list[Row], markdown: bool) -> str:
     head = ["profile", "mean req/s", "2x plain e2e s", "plain+EAGLE e2e s", "2x EAGLE e2e s",
-            "pair vs 2x plain", "verdict", "pair's eagle share"]  # fmt: skip
+            "2x adaptive e2e s", "pair vs 2x plain", "verdict", "pair's eagle share", "best"]  # fmt: skip
     body = []
     for r in rows:
         diff, verdict = compare(r)
         share = r.pair["summary"]["pool_share"]["eagle"]
         body.append(
             [r.profile, r.load, fmt_ci(r.plain), f"{fmt_ci(r.pair)} ({r.pair['policy']})",
-             fmt_ci(r.eagle) if r.eagle else "-", diff, verdict, f"{100 * share:.0f}%"]
+             fmt_ci(r.eagle) if r.eagle else "-", fmt_ci(r.adaptive) if r.adaptive else "-", diff,
+             verdict, f"{100 * share:.0f}%", " ~ ".join(NAMES.get(b, b) for b in r.best)]
         )  # fmt: skip
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -147,12 +160,15 @@ def main() -> int:
                 plain = entry(ranking, {"baseline": 2})
                 pair = entry(ranking, {"baseline": 1, "eagle": 1})
                 assert plain is not None and pair is not None, ranking
-                rows.append(Row(profile, label, plain, pair, entry(ranking, {"eagle": 2}), shlex.join(argv)))
+                eagle, adaptive = entry(ranking, {"eagle": 2}), entry(ranking, {"adaptive": 2})
+                best = [result["loads"][0]["best"], *result["loads"][0]["tied_with_best"]]
+                rows.append(Row(profile, label, plain, pair, eagle, adaptive, best, shlex.join(argv)))
     print(table(rows, args.markdown))
     n = len(args.seeds)
     print(
         f"\n{len(rows)} plans, {args.requests} requests per simulation, mean e2e ± 95% CI over {n} seeds; "
         f"pair vs 2x plain: paired difference [95% CI]; tie: inside its CI or under {100 * TIE_WITHIN:g}%; "
+        "best: plan's best, ~ those tied with it; "
         f"{time.monotonic() - t0:.0f} s"
     )
     return 0

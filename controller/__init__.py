@@ -8,4 +8,16 @@
 
 Nothing here imports the simulator except the `demo`, `emulate`, `simulate`, `tune` and `plan`
 command modules, and only when that command runs.
+
+`specroute_version()`: the installed distribution's version (`specroute --version`, and what
+`bench` writes into its results).
 """
+
+from importlib.metadata import PackageNotFoundError, version
+
+
+def specroute_version() -> str:
+    try:
+        return version("specroute")
+    except PackageNotFoundError:
+        return "unknown"

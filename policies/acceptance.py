@@ -61,9 +61,12 @@ import zlib
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from policies.base import RequestFeatures
 from policies.calibration import ShrunkMean
 from policies.features import TRAITS
+from policies.learned import StateError, check_version, count, field, number, pack, unpack
 
 MAX_LOG = math.log(4.0)
 """A prediction and a target stay within [1/4, 4] times the profile's speed."""
@@ -349,20 +352,32 @@ class AcceptanceModel:
         bound = CLIP_SIGMAS * math.sqrt(self.res2.value)
         return MAX_STEP if bound > MAX_STEP else MIN_STEP if bound < MIN_STEP else bound
 
+    # What it learned, as plain data (`policies.learned`): the taught token weights (sparse: a
+    # weight is read only once its token was taught), the parameter weights, the families in
+    # least-recently-taught order with their clients, the out-of-sample means; long arrays
+    # `pack`ed. Dimensions and rates are parameters.
+
     def state(self) -> dict[str, Any]:
-        """What the model has learned, as JSON-able plain data (copies); `load_state` takes it
-        back. Dimensions and rates are parameters, not state."""
-        w = self._w
+        counts = np.asarray(self._count, dtype=np.int64)
+        slots = np.flatnonzero(counts)
+        families = self._families.values()
+        clients = [(c, v) for f in families for c, v in f.clients.items()]
         return {
             "version": STATE_VERSION,
-            "dim": len(w),
+            "dim": len(self._w),
             "param_dim": len(self._p),
-            "tokens": [[i, w[i], c] for i, c in enumerate(self._count) if c],
-            "params": list(self._p),
-            "families": [
-                [key, f.n, f.taught_at, [[c, *v] for c, v in f.clients.items()]]
-                for key, f in self._families.items()
-            ],
+            "token_slots": pack(slots, "<i8"),
+            "token_weights": pack(np.asarray(self._w)[slots], "<f8"),
+            "token_counts": pack(counts[slots], "<i8"),
+            "params": pack(self._p, "<f8"),
+            "family_keys": pack(list(self._families), "<u8"),
+            "family_counts": pack([f.n for f in families], "<i8"),
+            "family_taught_at": pack([f.taught_at for f in families], "<i8"),
+            "family_clients": pack([len(f.clients) for f in families], "<i8"),
+            "client_keys": pack([c for c, _ in clients], "<u8"),
+            "client_outcomes": pack([v[0] for _, v in clients], "<f8"),
+            "client_recent": pack([v[1] for _, v in clients], "<f8"),
+            "client_offsets": pack([v[2] for _, v in clients], "<f8"),
             "cov": [self.cov.n, self.cov.value],
             "var": [self.var.n, self.var.value],
             "res2": [self.res2.n, self.res2.value],
@@ -371,65 +386,64 @@ class AcceptanceModel:
             "asked": self.asked,
         }
 
-    def load_state(self, state: Any) -> None:
-        """Take back what `state` returned. ValueError on data it cannot take (another version,
-        other dimensions, wrong types, non-finite numbers), and then the model is unchanged:
-        everything is checked before anything is assigned."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"acceptance state: not layout version {STATE_VERSION}")
-        try:
-            dim, param_dim = len(self._w), len(self._p)
-            if state["dim"] != dim or state["param_dim"] != param_dim:
-                raise ValueError("saved with other dimensions (other parameters)")
-            w, counts = [0.0] * dim, [0] * dim
-            for i, weight, c in state["tokens"]:
-                if not 0 <= _int(i) < dim or counts[i]:
-                    raise ValueError("a token slot is out of range or repeated")
-                w[i], counts[i] = _finite(weight), _int(c)
-            params = [_finite(x) for x in state["params"]]
-            if len(params) != param_dim:
-                raise ValueError("other parameter dimensions")
-            families: OrderedDict[int, _Family] = OrderedDict()
-            for key, n, taught_at, clients in state["families"]:
-                if _int(key, signed=True) in families or not isinstance(clients, list):
-                    raise ValueError("a family is repeated or malformed")
-                fam = families[key] = _Family()
-                fam.n, fam.taught_at = _int(n), _int(taught_at)
-                for c, k, r, v in clients[:FAMILY_CLIENTS]:
-                    fam.clients[_int(c, signed=True)] = [_finite(k), _finite(r), _finite(v)]
-                if fam.clients:
-                    pairs = [(min(k, CLIENT_WEIGHT), v) for k, _, v in fam.clients.values()]
-                    total = sum(a for a, _ in pairs)
-                    fam.offset = sum(a * v for a, v in pairs) / total if total > 0 else 0.0
-            if len(families) > self._max_families:
-                raise ValueError("more families than max_families")
-            means = {}
-            for name in ("cov", "var", "res2", "pop2"):
-                n, value = state[name]
-                m = means[name] = ShrunkMean(_finite(value))
-                m.n = _int(n)
-            taught, asked = _int(state["taught"]), _int(state["asked"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"acceptance state: {e}") from None
+    def load_state(self, state: object) -> None:
+        what = "content model"
+        s = check_version(state, what, STATE_VERSION)
+        dim, param_dim = len(self._w), len(self._p)
+        if field(s, "dim", what) != dim or field(s, "param_dim", what) != param_dim:
+            raise StateError(f"{what}: saved with other dimensions")
+        slots = unpack(field(s, "token_slots", what), "<i8", what)
+        weights = unpack(field(s, "token_weights", what), "<f8", what, len(slots))
+        taught_counts = unpack(field(s, "token_counts", what), "<i8", what, len(slots))
+        w, counts = [0.0] * dim, [0] * dim
+        for i, weight, c in zip(slots, weights, taught_counts, strict=True):
+            if not 0 <= i < dim or counts[i] or not c:
+                raise StateError(f"{what}: a token slot is out of range, repeated or untaught")
+            w[i], counts[i] = weight, c
+        keys = unpack(field(s, "family_keys", what), "<u8", what)
+        family_counts = unpack(field(s, "family_counts", what), "<i8", what, len(keys))
+        taught_at = unpack(field(s, "family_taught_at", what), "<i8", what, len(keys))
+        n_clients = unpack(field(s, "family_clients", what), "<i8", what, len(keys))
+        total = sum(n_clients)
+        client_keys = unpack(field(s, "client_keys", what), "<u8", what, total)
+        outcomes = unpack(field(s, "client_outcomes", what), "<f8", what, total)
+        recent = unpack(field(s, "client_recent", what), "<f8", what, total)
+        offsets = unpack(field(s, "client_offsets", what), "<f8", what, total)
+        if len(set(keys)) != len(keys) or 0 in keys:
+            raise StateError(f"{what}: a family key is 0 or repeated")
+        if len(keys) > self._max_families or any(k > FAMILY_CLIENTS for k in n_clients):
+            raise StateError(f"{what}: more families than max_families, or clients than FAMILY_CLIENTS")
+        families: OrderedDict[int, _Family] = OrderedDict()
+        j = 0
+        for key, n, at, k in zip(keys, family_counts, taught_at, n_clients, strict=True):
+            fam = families[key] = _Family()
+            fam.n, fam.taught_at = n, at
+            for c in range(j, j + k):
+                if client_keys[c] in fam.clients or outcomes[c] <= 0.0:
+                    raise StateError(f"{what}: a family's client is repeated or never taught it")
+                fam.clients[client_keys[c]] = [outcomes[c], recent[c], offsets[c]]
+            j += k
+            if fam.clients:
+                pairs = [(min(k, CLIENT_WEIGHT), v) for k, _, v in fam.clients.values()]
+                fam.offset = sum(a * v for a, v in pairs) / sum(a for a, _ in pairs)
+        means = []
+        for key in ("cov", "var", "res2", "pop2"):
+            pair = field(s, key, what)
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise StateError(f"{what}: {key} must be [samples, value]")
+            m = ShrunkMean(number(pair[1], what))
+            m.n = count(pair[0], what)
+            means.append(m)
+        params = unpack(field(s, "params", what), "<f8", what, param_dim)
+        taught = count(field(s, "taught", what), what)
+        asked = count(field(s, "asked", what), what)
         self._w, self._count, self._p, self._families = w, counts, params, families
-        self.cov, self.var, self.res2, self.pop2 = means["cov"], means["var"], means["res2"], means["pop2"]
+        self.cov, self.var, self.res2, self.pop2 = means
         self.taught, self.asked = taught, asked
 
 
 STATE_VERSION = 2
 """The layout of `AcceptanceModel.state()` (1: before per-client families and the spread)."""
-
-
-def _finite(x: Any) -> float:
-    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
-        raise ValueError(f"expected a finite number, got {x!r}"[:100])
-    return float(x)
-
-
-def _int(x: Any, signed: bool = False) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or (x < 0 and not signed):
-        raise ValueError(f"expected {'an' if signed else 'a non-negative'} integer, got {x!r}"[:100])
-    return x
 
 
 def _clip(x: float) -> float:

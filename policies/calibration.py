@@ -46,9 +46,10 @@ from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from policies.base import Pool
+from policies.learned import StateError, check_version, count, field, items, number, numbers
 
 T = TypeVar("T")
 
@@ -61,6 +62,8 @@ MISMATCH_AFTER = 24
 MISMATCH_FACTOR = 2.0
 """How far (as a factor) the recent median must be from the estimate to rebase the pool."""
 _MISMATCH_LOG = math.log(MISMATCH_FACTOR)
+STATE_VERSION = 1
+"""The layout of `SpeedCalibration.state()`."""
 
 
 class ShrunkMean:
@@ -122,6 +125,36 @@ class HintSlots(Generic[T]):
 
     def items(self) -> list[tuple[str, T]]:
         return sorted((hint, slot[1]) for hint, slot in self._slots.items())
+
+    def snapshot(self, encode: Callable[[T], list[Any]]) -> dict[str, Any]:
+        """The slots as plain data (`policies.learned`), each `[hint, last seen, *encode(state)]`
+        in slot order (which eviction's ties follow)."""
+        return {
+            "clock": self._clock,
+            "slots": [[h, seen, *encode(s)] for h, (seen, s) in self._slots.items()],
+        }
+
+    def restored(self, data: object, width: int, decode: Callable[[list[Any]], T]) -> dict[str, Any]:
+        """Check `snapshot` data (`width`: the length of `encode`'s lists; `decode` raises
+        StateError) and return what `restore` assigns; nothing is changed here."""
+        what = "hint slots"
+        if not isinstance(data, dict):
+            raise StateError(f"{what}: expected an object")
+        clock = count(field(data, "clock", what), what)
+        slots: dict[str, tuple[int, T]] = {}
+        for row in items(field(data, "slots", what), what, width + 2):
+            hint, seen = row[0], count(row[1], what)
+            if not isinstance(hint, str) or hint in slots or seen > clock:
+                raise StateError(f"{what}: a slot's hint or clock is not valid")
+            slots[hint] = (seen, decode(row[2:]))
+        if len(slots) > self.capacity:
+            raise StateError(f"{what}: {len(slots)} slots where {self.capacity} fit (other parameters?)")
+        return {"clock": clock, "slots": slots}
+
+    def restore(self, checked: dict[str, Any]) -> None:
+        """Assign what `restored` checked."""
+        self._clock = checked["clock"]
+        self._slots = checked["slots"]
 
 
 def check_bounds(bounds: list[int]) -> list[int]:
@@ -313,6 +346,85 @@ class SpeedCalibration:
         self._ordered[pool].clear()
         self.mismatches[pool] += 1
         self.mismatch_factor[pool] = math.exp(target)
+
+    # What it learned, as plain data (`policies.learned`): every estimate as it stands, so a
+    # loaded calibration predicts exactly as the saved one did. The parameters (buckets, window,
+    # priors, the profile's accept length) are the policy's, not part of the state.
+
+    def state(self) -> dict[str, Any]:
+        def pair(m: ShrunkMean) -> list[Any]:
+            return [m.n, m.value]
+
+        return {
+            "version": STATE_VERSION,
+            "pool": {p: pair(m) for p, m in self.pool.items()},
+            "buckets": {p: [pair(m) for m in ms] for p, ms in self.buckets.items()},
+            "own_part": {p: list(v) for p, v in self._own_part.items()},
+            "pool_weight": {p: list(v) for p, v in self._pool_weight.items()},
+            "accept_mean": pair(self._accept_mean),
+            "accept_reported": self.accept_reported,
+            "untagged": pair(self.untagged),
+            "hints": self.hints.snapshot(pair),
+            "max_log": self._max_log,
+            "recent": {p: list(d) for p, d in self._recent.items()},
+            "since_rebase": dict(self._since_rebase),
+            "mismatches": dict(self.mismatches),
+            "mismatch_factor": dict(self.mismatch_factor),
+        }
+
+    def load_state(self, state: object) -> None:
+        what = "calibration"
+        s = check_version(state, what, STATE_VERSION)
+        size = len(self.buckets["baseline"])
+
+        def mean(x: object) -> ShrunkMean:
+            if not isinstance(x, list) or len(x) != 2:
+                raise StateError(f"{what}: expected [samples, value], got {x!r}"[:200])
+            m = ShrunkMean(number(x[1], what))
+            m.n = count(x[0], what)
+            return m
+
+        def per_pool(key: str) -> dict[Pool, Any]:
+            value = field(s, key, what)
+            if not isinstance(value, dict) or sorted(value) != ["baseline", "eagle"]:
+                raise StateError(f"{what}: {key} must have the baseline and eagle pools")
+            return {"baseline": value["baseline"], "eagle": value["eagle"]}
+
+        pools: dict[Pool, ShrunkMean] = {p: mean(v) for p, v in per_pool("pool").items()}
+        buckets: dict[Pool, list[ShrunkMean]] = {}
+        for p, ms in per_pool("buckets").items():
+            if not isinstance(ms, list) or len(ms) != size:
+                raise StateError(f"{what}: {p} has other load buckets than this policy's (other parameters?)")
+            buckets[p] = [mean(m) for m in ms]
+        own = {p: numbers(v, what, size) for p, v in per_pool("own_part").items()}
+        weight = {p: numbers(v, what, size) for p, v in per_pool("pool_weight").items()}
+        recent: dict[Pool, deque[float]] = {}
+        for p, v in per_pool("recent").items():
+            values = numbers(v, what)
+            if len(values) > MISMATCH_WINDOW:
+                raise StateError(f"{what}: more recent outcomes than the mismatch window")
+            recent[p] = deque(values, maxlen=MISMATCH_WINDOW)
+        since = {p: count(v, what) for p, v in per_pool("since_rebase").items()}
+        mismatches = {p: count(v, what) for p, v in per_pool("mismatches").items()}
+        factors = {p: None if v is None else number(v, what) for p, v in per_pool("mismatch_factor").items()}
+        max_log = number(field(s, "max_log", what), what)
+        if max_log not in (_MAX_LOG_SCALE, _REBASED_LOG_SCALE):
+            raise StateError(f"{what}: max_log is neither bound")
+        reported = field(s, "accept_reported", what)
+        if not isinstance(reported, bool):
+            raise StateError(f"{what}: accept_reported must be true or false")
+        accept_mean, untagged = mean(field(s, "accept_mean", what)), mean(field(s, "untagged", what))
+        hints = self.hints.restored(field(s, "hints", what), 2, mean)
+        # all checked: assign
+        self.pool, self.buckets = pools, buckets
+        self._own_part, self._pool_weight = own, weight
+        self._recent = recent
+        self._ordered = {p: sorted(d) for p, d in recent.items()}
+        self._since_rebase, self.mismatches, self.mismatch_factor = since, mismatches, factors
+        self._max_log = max_log
+        self.accept_reported = reported
+        self._accept_mean, self.untagged = accept_mean, untagged
+        self.hints.restore(hints)
 
 
 def _near(x: float, estimate: float, bound: float) -> float:

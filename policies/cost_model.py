@@ -58,6 +58,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 from policies.base import BackendLoad, Decision, LoadView, Outcome, Pool, PoolLoad, RequestInfo
@@ -69,6 +70,7 @@ from policies.cost_model_params import CostModelParams as CostModelParams
 from policies.cost_model_params import Objective as Objective
 from policies.cost_model_params import Scope as Scope
 from policies.explore import Explorer
+from policies.learned import Learner, StateError, check_version, field
 from policies.profile import TABLE_SIZE as _TABLE_SIZE
 from policies.profile import SpeedModel
 from policies.routing import (
@@ -196,6 +198,9 @@ class CostModelPolicy:
             accept, profiled = backend.accept_length, self._profile_accept
             if self._scraped_accept and accept is not None and profiled is not None:
                 own *= accept / profiled
+            drafts = model.speculating  # an adaptive server: acceptance matters where it drafts
+            if drafts is not None and not drafts[batch if batch < _TABLE_SIZE else -1]:
+                own = 1.0
         prefill_s: float | None = None
         wait = imposed = 0.0
         if self._prefix_aware:
@@ -443,33 +448,34 @@ class CostModelPolicy:
             cal.observe(pool, batch, outcome.request.hint, ratio, outcome.accept_length)
 
     def state(self) -> dict[str, Any]:
-        """What it learned beyond its calibration, as JSON-able data: the content model and the
-        exploration's counters, each None when the parameters turn it off (`load_state` takes it
-        back). Booked prefills are tied to the clock: not kept."""
+        """What it learned (`policies.learned`): the calibration, the content model and the
+        exploration's counters, each None when the parameters turn it off. Booked prefills are
+        tied to the clock: not kept."""
         return {
             "version": STATE_VERSION,
+            "calibration": None if self.calibration is None else self.calibration.state(),
             "content": None if self.content is None else self.content.model.state(),
             "explore": None if self.explorer is None else self.explorer.state(),
         }
 
-    def load_state(self, state: Any) -> None:
-        """Take back what `state` returned. ValueError when it does not fit this policy (other
-        parameters, another layout), and then nothing is changed."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"cost_model state: not layout version {STATE_VERSION}")
-        parts: dict[str, Any] = {
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        s = check_version(state, "cost_model", STATE_VERSION)
+        parts: dict[str, Learner | None] = {
+            "calibration": self.calibration,
             "content": None if self.content is None else self.content.model,
             "explore": self.explorer,
         }
         for key, part in parts.items():
-            if (state.get(key) is None) != (part is None):
-                raise ValueError(f"cost_model state: {key} was {'off' if part else 'on'} when saved")
-        loaded: list[tuple[Any, dict[str, Any]]] = []
+            if (field(s, key, "cost_model") is None) != (part is None):
+                raise StateError(
+                    f"cost_model: {key} was {'off' if part else 'on'} when saved (other parameters)"
+                )
+        loaded: list[tuple[Learner, dict[str, Any]]] = []
         try:
             for key, part in parts.items():
                 if part is not None:
                     before = part.state()
-                    part.load_state(state[key])
+                    part.load_state(s[key])
                     loaded.append((part, before))
         except ValueError:  # one part refused: the others go back to what they were
             for part, before in loaded:
@@ -478,7 +484,7 @@ class CostModelPolicy:
 
 
 STATE_VERSION = 2
-"""The layout of `CostModelPolicy.state()`."""
+"""The layout of `CostModelPolicy.state()` (1: without the exploration's counters)."""
 
 
 SPEC = PolicySpec(

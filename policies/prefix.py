@@ -38,6 +38,8 @@ from collections.abc import Iterable, Sequence
 from hashlib import blake2b
 from typing import Any
 
+from policies.learned import check_version, field, pack, unpack
+
 DEFAULT_BLOCK_TOKENS = 512
 DEFAULT_CACHE_TOKENS = 1_000_000
 """A server's prefix-cache capacity in tokens when neither the config nor the profile gives one:
@@ -143,3 +145,19 @@ class PrefixIndex:
 
     def clear(self) -> None:
         self._blocks.clear()
+
+    # What it believes, as plain data (`policies.learned`): the block hashes, least recently
+    # used first. Loaded into an index of another capacity, the most recent ones that fit stay.
+
+    def state(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "blocks": pack(list(self._blocks), "<u8")}
+
+    def load_state(self, state: object) -> None:
+        what = "prefix index"
+        blocks = unpack(field(check_version(state, what, STATE_VERSION), "blocks", what), "<u8", what)
+        kept = blocks[len(blocks) - self.capacity_blocks :] if self.capacity_blocks else []
+        self._blocks = OrderedDict.fromkeys(kept)
+
+
+STATE_VERSION = 1
+"""The layout of `PrefixIndex.state()`."""

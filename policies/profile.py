@@ -42,6 +42,12 @@ class ProfilePoint(BaseModel):
     decode_tok_s: float = Field(gt=0, description="Output tok/s of ONE request after its first token.")
     ttft_s: float = Field(default=0.0, ge=0, description="Time to first token at this concurrency.")
     samples: int | None = Field(default=None, ge=0, description="Requests measured (informational).")
+    spec_steps: float | None = Field(
+        default=None,
+        ge=0,
+        description="Draft depth the server runs at this concurrency (an adaptive EAGLE-3 server, "
+        "`policies.adaptive`; 0: it does not draft, so a request's acceptance does not change its speed).",
+    )
 
 
 def _sorted_points(points: list[ProfilePoint]) -> list[ProfilePoint]:
@@ -80,6 +86,13 @@ class ModeProfile(BaseModel):
     )
     accept_length: float | None = Field(
         default=None, gt=0, description="Mean accepted tokens per verify step (EAGLE)."
+    )
+    speculative_num_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description="Draft depth the points were measured at (SGLang --speculative-num-steps, vLLM "
+        "num_speculative_tokens; EAGLE). The adaptive-server model's reference depth, 3 when absent.",
     )
     prefill_tok_s: float | None = Field(
         default=None, gt=0, description="Prompt tokens per second of prefill (optional)."
@@ -156,14 +169,19 @@ def load_profile(path: str | Path) -> Profile:
     return parse_profile(data, str(p))
 
 
+_BUILTIN = Path(__file__).parent / "profiles"
+
+
+def builtin_profile_names() -> list[str]:
+    return sorted(p.stem for p in _BUILTIN.glob("*.json"))
+
+
 def builtin_profile_path(name: str) -> Path:
     """Path of a profile shipped with specroute (`kimi-k25-int4-8gpu`, ...)."""
-    base = Path(__file__).parent / "profiles"
     stem = name[:-5] if name.endswith(".json") else name
-    path = base / f"{stem}.json"
+    path = _BUILTIN / f"{stem}.json"
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in base.glob("*.json")))
-        raise ProfileError(f"no built-in profile {name!r} (known: {known})")
+        raise ProfileError(f"no built-in profile {name!r} (known: {', '.join(builtin_profile_names())})")
     return path
 
 
@@ -172,7 +190,17 @@ def resolve_profile(name_or_path: str | Path) -> Profile:
     p = Path(name_or_path)
     if p.is_file() or len(p.parts) > 1:
         return load_profile(p)  # a missing path is reported by its path
-    return load_profile(builtin_profile_path(str(name_or_path)))
+    try:
+        path = builtin_profile_path(str(name_or_path))
+    except ProfileError:
+        if not p.suffix:
+            raise
+        # written as a file name (my-profile.json): the file is what is missing
+        raise ProfileError(
+            f"{p}: no such profile file (in {Path.cwd()}), nor a built-in profile of that name "
+            f"(built-in: {', '.join(builtin_profile_names())})"
+        ) from None
+    return load_profile(path)
 
 
 def _interp_extrap(x: FloatArray, xs: FloatArray, ys: FloatArray) -> FloatArray:
@@ -206,6 +234,13 @@ class SpeedModel:
         self.ttft_table = self._ttft_table
         """`ttft_s(b)` for b in 0..TABLE_SIZE-1 (read-only)."""
         self._rate_table: list[float] = [1.0 / v for v in self._step_table]
+        steps = [p.spec_steps for p in mode.points]
+        self.speculating: list[bool] | None = None
+        """Whether the server drafts at batch size b, for b in 0..TABLE_SIZE-1, where the points
+        give `spec_steps` (an adaptive server); None: a fixed mode (it always does, if it is EAGLE)."""
+        if all(s is not None for s in steps):
+            depth = np.interp(np.maximum(grid, 1.0), self._xs, np.array(steps, dtype=np.float64))
+            self.speculating = [bool(d > 0.0) for d in depth]
 
     # -- bulk (numpy) -------------------------------------------------------------------
 

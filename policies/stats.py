@@ -1,6 +1,7 @@
 """The one statistics module: Student-t quantiles, means with confidence intervals,
-percentiles, the overlap verdict `bench`/`compare`/`demo` print, and the paired margins across
-seeds `plan` ranks with.
+percentiles, the overlap verdict `bench`/`compare` print, the paired margins across seeds `plan`
+and `tune` rank with, and the unpaired (Welch) differences `demo` judges with; one tie rule for
+both kinds of difference (`tie_rule`).
 
 How it works: the two-sided t quantile is found by bisection on the exact CDF of Student's
 t for integer degrees of freedom, which has a closed form as a finite trigonometric series
@@ -274,10 +275,36 @@ def paired_margin(
     if math.isnan(iv.mean):
         return Margin(iv, "n/a")
     scale = max((abs(v) for v in [*better, *worse]), default=0.0)
-    if abs(iv.mean) <= _REL_TOL * scale and (math.isnan(iv.half) or iv.half <= _REL_TOL * scale):
-        return Margin(iv, "tie")  # identical up to rounding, whatever the seed count
-    if abs(iv.mean) <= tie_within * abs(math.fsum(better) / len(better)):
-        return Margin(iv, "tie")
-    if math.isnan(iv.half):
-        return Margin(iv, "n/a")  # one seed: no estimate of the noise
-    return Margin(iv, "tie" if iv.low <= 0.0 <= iv.high else "win")
+    return Margin(iv, tie_rule(iv, math.fsum(better) / len(better), tie_within, scale))
+
+
+def tie_rule(diff: Interval, reference: float, tie_within: float = 0.0, scale: float = 0.0) -> MarginVerdict:
+    """The tie rule on a difference between two figures: "tie" when the difference is
+    floating-point noise (relative to `scale`, the largest value compared), at most `tie_within`
+    of `reference` (the figure it is a margin of), or when its 95% interval contains zero;
+    "n/a" without an interval; else "win": the difference is resolved, whatever its sign."""
+    if math.isnan(diff.mean):
+        return "n/a"
+    if abs(diff.mean) <= _REL_TOL * scale and (math.isnan(diff.half) or diff.half <= _REL_TOL * scale):
+        return "tie"  # identical up to rounding, whatever the sample size
+    if abs(diff.mean) <= tie_within * abs(reference):
+        return "tie"
+    if math.isnan(diff.half):
+        return "n/a"  # one sample: no estimate of the noise
+    return "tie" if diff.low <= 0.0 <= diff.high else "win"
+
+
+def welch_difference(base: Estimate, other: Estimate, confidence: float = 0.95) -> Interval:
+    """`other.mean - base.mean` of two independent samples with Welch's t-interval (unequal
+    variances; Welch-Satterthwaite degrees of freedom, rounded down); `half` is NaN when either
+    has fewer than two values. `n` is the smaller sample."""
+    n = min(base.n, other.n)
+    diff = other.mean - base.mean
+    if base.std is None or other.std is None or base.n < 2 or other.n < 2:
+        return Interval(diff, math.nan, n)
+    va, vb = base.std**2 / base.n, other.std**2 / other.n
+    se2 = va + vb
+    if se2 == 0.0:
+        return Interval(diff, 0.0, n)
+    df = se2**2 / (va**2 / (base.n - 1) + vb**2 / (other.n - 1))
+    return Interval(diff, t_quantile(confidence, max(1, math.floor(df))) * math.sqrt(se2), n)

@@ -8,6 +8,7 @@
 - `emulator(mode="baseline", profile=KIMI, **config)` starts an in-process SGLang emulator
   (`simulator.emulator.app.run_emulator`); its default time scale is the `emulator_time_scale` fixture,
   which a test module may override.
+- `tiny_tmpfs`: a 256 KiB tmpfs (`helpers.tiny_tmpfs`) at a fresh path, for the test's length.
 - `spawn_serve(*args, env=..., stderr=..., preexec_fn=...)` runs `specroute serve --port 0 ...` as
   a subprocess and returns a `ServeProcess` (its URL read from the "specroute listening on" line);
   with `driven=True` it runs on a clock the test moves (`tests/driven_serve.py`):
@@ -21,7 +22,7 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import pytest
 from aiohttp import web
 from fakes import FakeBackend, RawAnswer, RawBackend
 from helpers import KIMI, wait_until
+from helpers import tiny_tmpfs as mounted_tmpfs
 from prometheus_client import CollectorRegistry
 
 from controller.cli import spawn
@@ -145,6 +147,13 @@ async def emulator(emulator_time_scale: float) -> AsyncIterator[Callable[..., Aw
             return await stack.enter_async_context(run_emulator(config))
 
         yield make
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs (needs root and the right to mount; skipped elsewhere)."""
+    with mounted_tmpfs(tmp_path / "tmpfs") as mnt:
+        yield mnt
 
 
 @pytest.fixture

@@ -16,6 +16,8 @@
   (by `controller.cli.spawn`, the spawn helper the tests, the benchmarks and the demo share; its
   `start_sync`/`read_listening_sync` serve synchronous tests).
 - `free_port()`, `raise_open_files_limit(n)`.
+- `tiny_tmpfs(path)`: a 256 KiB tmpfs mounted at `path` for a `with` block (skips the test where
+  mounting is not allowed); `fill_file_system(path, leave)`: fill it to its last bytes.
 - `port_of(url)`, `raw_post(path, body)` (a POST's bytes) and `raw_exchange(port, data)`: raw HTTP
   for the tests that speak it broken.
 - `Routed(policy, seed)`: a policy as the proxy and the simulator use it, every `choose` going
@@ -31,12 +33,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import inspect
+import os
 import resource
 import socket
+import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -337,6 +342,33 @@ async def replay_conversation(
         )
         messages.append({"role": "assistant", "content": "".join(text)})
     return turns
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(mnt: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs at `mnt` (created) while the block runs; the test is skipped where that
+    needs rights it lacks (root and the right to mount)."""
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill_file_system(path: Path, leave: int) -> None:
+    """Fill the file system of `path` to the last `leave` bytes (rounded to its pages)."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        f.truncate(max(0, f.tell() - leave))
 
 
 def make_tracker(baseline: Sequence[str], eagle: Sequence[str], **kw: Any) -> LoadTracker:

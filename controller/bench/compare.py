@@ -5,6 +5,10 @@ difference against the first run and a verdict: faster / slower, or "not disting
 when the two intervals overlap. For TTFT and e2e lower is better. Levels with fewer than
 `MIN_REQUESTS` requests get a warning: too few to distinguish differences of a few percent.
 
+Runs measured with different settings (`SETTINGS`: max_tokens, prompts, endpoint, ...) are not
+like for like -- an answer twice as long takes twice as long -- so `setting_warnings` names them
+and every verdict of such a run says so.
+
 Each level ends with a `verdict` row, and the verdict is the end-to-end time's (what a user
 waits for), not the decode rate's: decode is measured from the first token on, so a server
 whose requests wait in its queue can decode faster and still answer later. When the two
@@ -95,6 +99,7 @@ def compare_table(runs: Sequence[BenchResult], names: Sequence[str] | None = Non
     names = list(names or [r.label for r in runs])
     by_level = [{lv.concurrency: lv.summary for lv in r.levels} for r in runs]
     queued = [queued_levels(r) for r in runs]
+    unlike = mismatched_settings(runs)
     levels = sorted({c for m in by_level for c in m})
     header = ["conc", "metric", *(f"[{i + 1}] {n}" for i, n in enumerate(names))]
     rows: list[list[str]] = []
@@ -122,7 +127,7 @@ def compare_table(runs: Sequence[BenchResult], names: Sequence[str] | None = Non
                     f"(< {MIN_REQUESTS}): too few to distinguish differences of a few percent"
                 )
         rows.append(row)
-        rows.append([str(conc), "verdict", *_verdicts(by_level, queued, conc)])
+        rows.append([str(conc), "verdict", *_verdicts(by_level, queued, conc, unlike)])
     widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
@@ -135,10 +140,13 @@ def compare_table(runs: Sequence[BenchResult], names: Sequence[str] | None = Non
 
 
 def _verdicts(
-    by_level: Sequence[dict[int, LevelSummary]], queued: Sequence[dict[int, str]], conc: int
+    by_level: Sequence[dict[int, LevelSummary]],
+    queued: Sequence[dict[int, str]],
+    conc: int,
+    unlike: Sequence[str] = (),
 ) -> list[str]:
-    """Per run: the e2e verdict against run [1] (with the decode verdict when it disagrees) and
-    the queued flag."""
+    """Per run: the e2e verdict against run [1] (with the decode verdict when it disagrees), the
+    settings that differ from [1]'s (`unlike`) and the queued flag."""
     base = by_level[0].get(conc)
     out = []
     for i, m in enumerate(by_level):
@@ -150,6 +158,8 @@ def _verdicts(
             parts.append(f"e2e {_relative(E2E.get(base), E2E.get(s), False)}")
             if decode != e2e:
                 parts.append(f"(decode alone would say {decode})")
+            if unlike:
+                parts.append(f"(not like for like: {', '.join(unlike)} differ{'s' * (len(unlike) == 1)})")
         if s is not None and conc in queued[i]:
             parts.append(f"{QUEUED_NOTE} ({queued[i][conc]})")
         out.append(" ".join(parts) if parts else "-")
@@ -171,15 +181,19 @@ def describe_runs(runs: Sequence[BenchResult], names: Sequence[str]) -> list[str
     return out
 
 
-SETTINGS = ("endpoint", "prompt_set", "max_tokens", "temperature", "ignore_eos")
+SETTINGS = ("endpoint", "prompt_set", "max_tokens", "temperature", "ignore_eos", "model", "warmup")
+"""What a run was measured with that changes its figures; runs compared should agree on them."""
+
+
+def mismatched_settings(runs: Sequence[BenchResult]) -> list[str]:
+    """The `SETTINGS` whose values differ between the runs (in `SETTINGS` order)."""
+    return [key for key in SETTINGS if len({repr(r.metadata.get(key)) for r in runs}) > 1]
 
 
 def setting_warnings(runs: Sequence[BenchResult], names: Sequence[str]) -> list[str]:
     """Warnings for settings that differ between runs (the comparison is then not like for like)."""
     out = []
-    for key in SETTINGS:
-        values = [r.metadata.get(key) for r in runs]
-        if len({repr(v) for v in values}) > 1:
-            shown = ", ".join(f"[{i + 1}] {v}" for i, v in enumerate(values))
-            out.append(f"runs differ in {key} ({shown}): not a like-for-like comparison")
+    for key in mismatched_settings(runs):
+        shown = ", ".join(f"[{i + 1}] {r.metadata.get(key)}" for i, r in enumerate(runs))
+        out.append(f"runs differ in {key} ({shown}): not a like-for-like comparison")
     return out

@@ -47,11 +47,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import aiohttp
 
+from controller import specroute_version
 from controller.bench.client import BenchError, base_url, discover_model, fetch_server_info, one_request
 from controller.bench.prefill import DEFAULT_PREFILL_REPEATS, PrefillResult, measure_prefill
 from controller.bench.progress import SweepProgress, level_point
@@ -113,13 +113,6 @@ class BenchConfig:
             raise ValueError(f"endpoint must be 'chat' or 'completions', got {self.endpoint!r}")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"URL must start with http:// or https://, got {self.url!r}")
-
-
-def specroute_version() -> str:
-    try:
-        return version("specroute")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 CATEGORY_PROBE = 8

@@ -34,6 +34,7 @@ NATIVE_COMMANDS = frozenset({"simulate", "tune", "plan"})
 
 COMMANDS: tuple[Command, ...] = (
     Command("serve", "controller.cli.serve", "Run the routing proxy in front of the two pools."),
+    Command("picker", "controller.cli.picker", "serve's routing as a gateway's endpoint picker (ext_proc)."),
     Command("policies", "controller.cli.serve", "List the routing policies and their parameters."),
     Command("check-config", "controller.cli.serve", "Validate a config file and print the settings."),
     Command("emulate", "controller.cli.emulate", "An emulated SGLang server whose speed follows a profile."),
@@ -62,6 +63,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="specroute",
         description="Adaptive speculation controller for twin SGLang pools (plain and EAGLE-3).",
     )
+    from controller import specroute_version
+
+    parser.add_argument("--version", action="version", version=f"specroute {specroute_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         # argparse %-formats help strings (not descriptions): a literal % must be doubled there.

@@ -527,13 +527,15 @@ def run_compare(args: argparse.Namespace) -> int:
     names = _names(runs, args.results)
     table, warnings = compare_table(runs, names)
     print("\n".join(describe_runs(runs, names)))
+    for w in setting_warnings(runs, names):  # before the table: every verdict below depends on it
+        print(f"warning: {w}")
     print(
         "cells: mean ± 95% CI half-width (n); vs [1]: relative difference and verdict "
         "(intervals overlap = not distinguishable; TTFT: lower is faster)"
     )
     print()
     print(table)
-    for w in [*setting_warnings(runs, names), *warnings]:
+    for w in warnings:
         print(f"warning: {w}")
     return 0
 

@@ -21,10 +21,15 @@ from controller.cli.args import (
 )
 from controller.cli.workload_args import (
     SIMULATION_ERRORS,
+    add_ladder_arg,
     add_workload_args,
-    buckets_from_args,
     describe_workload,
+    full_batch_ttft_s,
+    ladder_from_args,
+    offered_tok_s,
     profile_ref,
+    skip_note,
+    swamp_warning,
     workload_from_args,
 )
 from policies import together
@@ -42,12 +47,13 @@ from simulator.planning.plan import (
     DEFAULT_SEEDS,
     DEFAULT_TIE_WITHIN,
     PlanError,
+    PlanResult,
     PlanSpec,
     check_spec,
     count_simulations,
     plan,
 )
-from simulator.planning.report import format_plan, plan_json, write_report
+from simulator.planning.report import format_plan, plan_json, policy_label, write_report
 from simulator.planning.tuner import OBJECTIVES, parse_grid, write_config
 
 
@@ -117,7 +123,7 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
         metavar="PCT",
         help="Margins below this percentage of the objective are ties, whatever the seeds say (default 1).",
     )
-    p.add_argument("--adaptive-buckets", metavar="LIMIT:DEPTH,...", help="Adaptive server's depth buckets.")
+    add_ladder_arg(p)
     p.add_argument(
         "--jobs", type=positive_int, default=os.cpu_count() or 1, help="Worker processes (default: CPUs)."
     )
@@ -188,7 +194,7 @@ def _spec(args: argparse.Namespace) -> PlanSpec:
         seeds=tuple(args.seeds),
         loads=tuple(loads),
         tie_within=args.tie_within / 100.0,
-        buckets=buckets_from_args(args),
+        ladder=ladder_from_args(args),
     )
 
 
@@ -224,6 +230,49 @@ def _warn_transient(spec: PlanSpec) -> None:
         )
 
 
+def _warn_swamped(result: PlanResult, profile: Profile) -> None:
+    """`simulate`'s overload warning, per load factor: the first deployment (in ranking order)
+    whose figures, averaged over the seeds, show a swamped deployment, and how many others do."""
+    full_batch = full_batch_ttft_s(profile)
+    for lr in result.loads:
+        offered = offered_tok_s(generate(lr.workload, result.spec.seeds[0]))
+        warnings = []
+        for r in lr.ranking:
+            e = r.entry
+            summary = {k: e.mean(k) for k in ("throughput_tok_s", "mean_ttft_s", "p99_ttft_s")}
+            label = f"at {lr.factor:g}x load, {policy_label(e)} on {e.label}"
+            w = swamp_warning(offered, label, summary, full_batch)
+            if w is not None:
+                warnings.append(w)
+        if warnings:
+            others = len(warnings) - 1
+            more = (
+                f" (and {others} other deployment{'s' * (others != 1)} at this load likewise)"
+                if others
+                else ""
+            )
+            print(f"specroute plan: warning: {warnings[0]}{more if others else ''}", file=sys.stderr)
+
+
+def identical_seeds_note(result: PlanResult) -> str | None:
+    """A note when every deployment scored the same on every seed (and there are several): the
+    workload drew nothing from the seed, so the intervals are zero-width, not narrow."""
+    seeds = result.spec.seeds
+    if len(seeds) < 2:
+        return None
+    for lr in result.loads:
+        for r in lr.ranking:
+            scores = r.entry.scores
+            if max(scores) - min(scores) > 1e-9 * max(abs(v) for v in scores):
+                return None
+    return (
+        f"every deployment scored the same on each of the {len(seeds)} seeds: this workload draws nothing "
+        "from the seed (a trace replay takes its arrivals and lengths from the file), so each figure is one "
+        f"simulation's and has no interval; margins under {100 * result.spec.tie_within:g}% are ties, larger "
+        "ones are the simulation's exact differences"
+    )
+
+
 def _main(args: argparse.Namespace) -> int:
     check_writable(args.out)
     try:
@@ -256,8 +305,15 @@ def _main(args: argparse.Namespace) -> int:
                 draft_model_path=args.draft_model_path,
             ),
         )
+        _warn_swamped(result, profile)
         description = _describe(spec, profile)
+        identical = identical_seeds_note(result)
         if args.json:
+            skipped = skip_note(spec.workload)
+            if skipped is not None:
+                print(f"note: trace {spec.workload.trace}: {skipped}", file=sys.stderr)
+            if identical is not None:
+                print(f"note: {identical}", file=sys.stderr)
             doc = plan_json(result, args.out)
             colocation = together.to_json(profile)
             if colocation is not None:
@@ -266,6 +322,8 @@ def _main(args: argparse.Namespace) -> int:
             print(json.dumps(doc, indent=2))
         else:
             print(format_plan(result, description + native.describe()))
+            if identical is not None:
+                print(f"\nnote: {identical}")
             print(f"\nconfig for {result.reference.best.label} written to {args.out}")
         if args.report:
             report = write_report(result, args.report, description=description, config_path=args.out)

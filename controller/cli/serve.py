@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -119,15 +120,18 @@ def _build(args: argparse.Namespace) -> tuple[Settings, PolicyRegistry, PolicyCo
     registry = default_registry()
     context = policy_context(settings)
     policy = registry.create(settings.policy, settings.policy_params, context)
-    _check_observability(settings, registry, context)
     return settings, registry, context, policy
 
 
-def _check_observability(settings: Settings, registry: PolicyRegistry, context: PolicyContext) -> None:
+def check_observability(settings: Settings, registry: PolicyRegistry, context: PolicyContext) -> None:
     """Fail at start-up, with the setting's name, on a bad shadow policy or decision log path."""
     from controller.proxy.shadow import build_shadows
 
     build_shadows(settings.shadow_policies, registry, context)
+    if settings.state_file:
+        from controller.proxy.learned_state import check_state_path
+
+        check_state_path(settings.state_file)
     if settings.decision_log:
         path = settings.decision_log
         try:
@@ -154,18 +158,10 @@ def raise_open_files_limit() -> None:
         log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, e)
 
 
-def run_serve(
-    args: argparse.Namespace,
-    *,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    routes: Sequence[web.RouteDef] = (),
-) -> int:
-    """`specroute serve`. `clock` is the app's (every deadline reads it) and `sleep` a sleep on it
-    (the reload's settle intervals, the shutdown's grace); `routes` are added to the app. The
-    command runs on the loop's clock with no route added; a test gives its own
-    (`tests/driven_serve.py`)."""
-    early_reload = EarlyReload.install()  # `main` installed it already when it ran `serve`
+def start_up(args: argparse.Namespace) -> tuple[Settings, PolicyRegistry, PolicyContext, Policy, Redactor]:
+    """What `serve` and `picker` do before they listen: logging at `--log-level`, every log line
+    through the secrets filter, the settings and the policy built (a `CommandError` names what
+    is wrong), the open-files limit raised."""
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -179,14 +175,63 @@ def run_serve(
         raise CommandError(e) from None
     redactor.add(secrets_in_values(dict(settings)))
     raise_open_files_limit()
+    return settings, registry, context, policy, redactor
+
+
+def run_serve(
+    args: argparse.Namespace,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    routes: Sequence[web.RouteDef] = (),
+) -> int:
+    """`specroute serve`. `clock` is the app's (every deadline reads it) and `sleep` a sleep on it
+    (the reload's settle intervals, the shutdown's grace); `routes` are added to the app. The
+    command runs on the loop's clock with no route added; a test gives its own
+    (`tests/driven_serve.py`)."""
+    early_reload = EarlyReload.install()  # `main` installed it already when it ran `serve`
+    settings, registry, context, policy, redactor = start_up(args)
+    # Bind first: a serve that cannot listen (a port in use) exits having written nothing -- no
+    # decision-log folder, no state file -- and the checks below create those only after it.
+    try:
+        sockets = listen(settings.host, settings.port)
+    except OSError as e:
+        raise CommandError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
+    try:
+        check_observability(settings, registry, context)
+    except (ConfigError, PolicyError, ProfileError) as e:
+        for sock in sockets:
+            sock.close()
+        raise CommandError(e) from None
     try:
         served = _serve(
-            args, settings, registry, context, policy, early_reload, redactor, clock, sleep, routes
+            args, settings, registry, context, policy, early_reload, redactor, clock, sleep, routes, sockets
         )
         run_async(served)
     except OSError as e:
         raise CommandError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
     return 0
+
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Bound sockets for every address of `host` (as asyncio's `create_server` binds them:
+    SO_REUSEADDR, IPv6 sockets IPv6-only); the listen backlog is set when they are served."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.setblocking(False)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 async def _serve(
@@ -200,14 +245,28 @@ async def _serve(
     clock: Callable[[], float],
     sleep: Callable[[float], Awaitable[None]],
     routes: Sequence[web.RouteDef],
+    sockets: list[socket.socket],
 ) -> None:
     from aiohttp import web
 
     from controller.cli.reload import ConfigReloader, ReloadMetrics
-    from controller.proxy.app import ADMIN, METRICS, create_app, drain, make_runner, reopen_decision_log
+    from controller.proxy.app import (
+        ADMIN,
+        METRICS,
+        TRACKER,
+        create_app,
+        drain,
+        make_runner,
+        reopen_decision_log,
+    )
+    from controller.proxy.learned_state import keeper_for
 
     app = create_app(settings, policy, registry=registry, context=context, clock=clock)
     app.router.add_routes(routes)
+    keeper = None
+    if settings.state_file:
+        keeper = keeper_for(settings, app[ADMIN], app[TRACKER], app[METRICS].registry)
+        keeper.load()  # before the listener opens: the first request meets what was learned
     # `drain` below does the waiting; aiohttp's own shutdown then has only idle connections left.
     runner = make_runner(app, shutdown_timeout=0.5)
     await runner.setup()
@@ -215,8 +274,8 @@ async def _serve(
         # aiohttp's default accept backlog (128) overflows when hundreds of clients connect at
         # once on a busy host, and the kernel then resets connections: keep a deeper queue (the
         # kernel caps it at net.core.somaxconn).
-        site = web.TCPSite(runner, settings.host, settings.port, backlog=ACCEPT_BACKLOG)
-        await site.start()
+        for sock in sockets:
+            await web.SockSite(runner, sock, backlog=ACCEPT_BACKLOG).start()
         port = runner.addresses[0][1]
         host = settings.host if ":" not in settings.host else f"[{settings.host}]"
         # Start-up objects (modules, settings, app) never die: keep them out of every collection,
@@ -255,6 +314,9 @@ async def _serve(
             sleep=sleep,
         )
         loop.add_signal_handler(signal.SIGHUP, reloader.request)
+        loop.add_signal_handler(signal.SIGUSR1, lambda: _reopen_logs(app))
+        if keeper is not None:
+            keeper.start()
         if early_reload.pending:
             log.warning("SIGHUP during start-up: re-reading the config now")
             reloader.request()
@@ -267,9 +329,19 @@ async def _serve(
             settings.drain_timeout_s,
         )
         await drain(runner, settings.drain_timeout_s)
+        if keeper is not None:
+            await keeper.stop()  # after the drain: every outcome is learned from
     finally:
         await runner.cleanup()
     log.warning("stopped")
+
+
+def _reopen_logs(app: Any) -> None:
+    """SIGUSR1: reopen the decision log (after a rotation), and nothing else."""
+    from controller.proxy.app import reopen_decision_log
+
+    log.info("SIGUSR1: reopening the decision log")
+    reopen_decision_log(app)
 
 
 async def _grace_period(

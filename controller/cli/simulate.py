@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -16,20 +17,25 @@ from controller.cli.args import (
     check_writable,
     non_negative_float,
     non_negative_int,
+    number,
     positive_float,
     positive_int,
     require,
 )
 from controller.cli.workload_args import (
     SIMULATION_ERRORS,
+    add_ladder_arg,
     add_workload_args,
-    buckets_from_args,
+    deployment_text,
     describe_workload,
     full_batch_ttft_s,
+    ladder_from_args,
     offered_tok_s,
     profile_ref,
+    skip_note,
     swamp_warning,
     transient_warning,
+    uniform_accept_note,
     workload_from_args,
 )
 from policies import together
@@ -44,8 +50,12 @@ from simulator.engine.runner import PolicyChoice, is_single_pool, run
 from simulator.engine.servers import ServerKind, parse_deployment, parse_speed, server_profile
 from simulator.engine.workloads import WorkloadSpec, generate
 from simulator.planning.tuner import (
+    DEFAULT_SEEDS,
+    DEFAULT_TIE_WITHIN,
     OBJECTIVE_UNITS,
     OBJECTIVES,
+    PointResult,
+    TuneResult,
     config_text,
     parse_grid,
     tune,
@@ -114,18 +124,7 @@ def _add_common(p: argparse.ArgumentParser, steady_per_client: str) -> None:
         "index assumes), instead of the profiles' cache_tokens; 0: no cache. Matters for workloads "
         "with prompt blocks (multiturn, Mooncake traces).",
     )
-    d.add_argument(
-        "--adaptive-buckets",
-        metavar="LIMIT:DEPTH,...",
-        help="Adaptive server: speculation depth (0..1) below each batch size; 0 beyond the last "
-        "(default 8:1,32:0.667,64:0.333).",
-    )
-    p.add_argument(
-        "--seed",
-        type=non_negative_int,
-        default=0,
-        help="Random seed of the workload and the run (default 0).",
-    )
+    add_ladder_arg(d)
 
 
 def configure_simulate(s: argparse.ArgumentParser) -> None:
@@ -134,6 +133,12 @@ def configure_simulate(s: argparse.ArgumentParser) -> None:
         "and EAGLE servers whose speed follows a profile."
     )
     _add_common(s, "with --oracle")
+    s.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="Random seed of the workload and the run (default 0).",
+    )
     s.add_argument(
         "--policy",
         action="append",
@@ -186,6 +191,24 @@ def configure_simulate(s: argparse.ArgumentParser) -> None:
 def configure_tune(t: argparse.ArgumentParser) -> None:
     t.description = "Simulate every grid point, rank them, and write the best as a serve config."
     _add_common(t, "always")
+    t.add_argument(
+        "--seeds",
+        "--seed",
+        type=non_negative_int,
+        nargs="+",
+        default=list(DEFAULT_SEEDS),
+        metavar="S",
+        help=f"Seeds every grid point runs on (default {' '.join(map(str, DEFAULT_SEEDS))}): a point's "
+        "score is its mean over them with a 95%% interval, and margins are paired over them.",
+    )
+    t.add_argument(
+        "--tie-within",
+        type=number,
+        default=100 * DEFAULT_TIE_WITHIN,
+        metavar="PCT",
+        help="Margins below this percentage of the objective are ties, whatever the seeds say (default 1), "
+        "as in `specroute plan`.",
+    )
     t.add_argument(
         "--policy", required=True, metavar="NAME", help="Policy to tune (a built-in name or module:Class)."
     )
@@ -253,7 +276,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
                 raise CommandError("--oracle needs a closed-loop sweep (--workload sweep)")
             _warn_transient(spec)
         deployments = _deployments(args)
-        buckets = buckets_from_args(args)
+        ladder = ladder_from_args(args)
         if args.report:
             require("matplotlib", "plot", "--report")
         base_params = parse_assignments(args.policy_param)
@@ -266,6 +289,9 @@ def _simulate_main(args: argparse.Namespace) -> int:
             interval = 0.0 if args.routers == 1 else 1.0
         routers = RouterSetup(args.routers, interval, args.router_split, float(args.replicas_setting))
         segments = generate(spec, args.seed)
+        uniform = uniform_accept_note(spec, segments)
+        if uniform is not None:
+            print(f"note: {uniform}", file=sys.stderr)
         runs: list[RunResult] = []
         for dep in deployments:
             for c in choices[:1] if is_single_pool(dep) else choices:
@@ -276,7 +302,7 @@ def _simulate_main(args: argparse.Namespace) -> int:
                         dep,
                         segments,
                         seed=args.seed,
-                        buckets=buckets,
+                        ladder=ladder,
                         registry=registry,
                         server_profile=servers,
                         oracle=args.oracle,
@@ -288,10 +314,14 @@ def _simulate_main(args: argparse.Namespace) -> int:
         description = _describe(spec, profile, servers)
         offered = offered_tok_s(segments)
         for r in runs:
-            swamped = swamp_warning(offered, r, full_batch_ttft_s(servers))
+            label = f"{r.policy} on {deployment_text(r.deployment)}"
+            swamped = swamp_warning(offered, label, r.summary, full_batch_ttft_s(servers))
             if swamped is not None:
                 print(f"warning: {swamped}", file=sys.stderr)
         if args.json:
+            skipped = skip_note(spec)
+            if skipped is not None:
+                print(f"note: trace {spec.trace}: {skipped}", file=sys.stderr)
             doc: dict[str, Any] = {"runs": [r.to_json() for r in runs]}
             if servers is not profile:
                 doc["server_profile"] = servers.name
@@ -309,6 +339,41 @@ def _simulate_main(args: argparse.Namespace) -> int:
     except SIMULATION_ERRORS as e:
         raise CommandError(e) from None
     return 0
+
+
+def _pm(v: Any, half: float, identical: bool) -> str:
+    if not isinstance(v, int | float) or math.isnan(v):
+        return "-"
+    return f"{v:.4f}" if identical or math.isnan(half) else f"{v:.4f} ±{half:.2g}"
+
+
+def _tune_table(result: TuneResult, objective: str, label: Any) -> str:
+    """The ranking: the objective's mean over the seeds (± its 95% half-width), the other figures'
+    means, the eagle share and the paired margin to the next point."""
+    columns = [c for c in ("throughput_tok_s", "mean_e2e_s", "p99_ttft_s", "p99_e2e_s") if c != objective]
+    header = ["rank", "params", f"{objective} (95% CI)", *columns, "eagle %", "margin to next (95% CI)"]
+    rows = []
+    identical = result.identical_seeds
+    for i, (r, m) in enumerate(zip(result.ranking, result.margins, strict=True), 1):
+        s = r.summary
+        score = r.score
+        margin = ""
+        if m is not None:
+            d = m.diff
+            exact = math.isnan(d.half) or d.half <= 1e-9 * abs(d.mean)  # one seed, or identical runs
+            ci = "" if exact else f" [{d.low:.3g}, {d.high:.3g}]"
+            margin = f"{d.mean:.3g}{ci} {m.verdict}"
+        rows.append(
+            [
+                str(i),
+                label(r),
+                _pm(score.mean, score.half, identical),
+                *(f"{s[c]:.4f}" if isinstance(s.get(c), int | float) else "-" for c in columns),
+                f"{100 * s['pool_share']['eagle']:.0f}",
+                margin,
+            ]
+        )
+    return align_columns(header, rows, left={1, len(header) - 1}, strip=True)
 
 
 def _tune_main(args: argparse.Namespace) -> int:
@@ -331,13 +396,14 @@ def _tune_main(args: argparse.Namespace) -> int:
         grid = parse_grid(args.grid)
         registry = default_registry()
         points, _, rejected = valid_points(registry, args.policy, base_params, grid)  # before the bar
-        total = len(points) + len(rejected)
+        seeds = tuple(args.seeds)
+        total = (len(points) + len(rejected)) * len(seeds)
         skipped: list[tuple[dict[str, Any], str]] = []
         # a bar on a terminal only: in a log every refresh would be a line
         with tqdm(
-            total=total, desc="grid points", unit="pt", file=sys.stderr, disable=not sys.stderr.isatty()
+            total=total, desc="simulations", unit="run", file=sys.stderr, disable=not sys.stderr.isatty()
         ) as bar:
-            ranking = tune(
+            result = tune(
                 profile,
                 args.policy,
                 base_params,
@@ -347,9 +413,10 @@ def _tune_main(args: argparse.Namespace) -> int:
                 args.objective,
                 registry=registry,
                 slo=Slo(args.slo_ttft, args.slo_tpot),
-                seed=args.seed,
+                seeds=seeds,
+                tie_within=args.tie_within / 100.0,
                 jobs=args.jobs,
-                buckets=buckets_from_args(args),
+                ladder=ladder_from_args(args),
                 server_profile=servers,
                 spec_details=args.spec_details,
                 cache_tokens=args.cache_tokens,
@@ -359,36 +426,52 @@ def _tune_main(args: argparse.Namespace) -> int:
         for point, reason in skipped:
             shown = ",".join(f"{k}={point[k]}" for k, _ in grid)
             print(f"warning: grid point {shown} skipped: {reason}", file=sys.stderr)
-        print(_describe(spec, profile, servers) + native.describe())
-        print(f"objective: {args.objective} ({OBJECTIVE_UNITS[args.objective]})")
-        columns = [
-            c for c in ("throughput_tok_s", "mean_e2e_s", "p99_ttft_s", "p99_e2e_s") if c != args.objective
+        keys = dict(grid)
+
+        def label(r: PointResult) -> str:
+            return ",".join(f"{k}={json.dumps(v)}" for k, v in r.params.items() if k in keys) or "-"
+
+        offered = offered_tok_s(generate(spec, seeds[0]))
+        where = f"{args.policy} on {deployment_text(deployments[0])}"
+        swamped = [
+            w
+            for r in result.ranking
+            if (w := swamp_warning(offered, f"{where} ({label(r)})", r.summary, full_batch_ttft_s(servers)))
         ]
-        header = ["rank", "params", args.objective, *columns, "eagle %"]
-        rows = []
-        for i, r in enumerate(ranking, 1):
-            s = r.summary
-            rows.append(
-                [
-                    str(i),
-                    ",".join(f"{k}={json.dumps(v)}" for k, v in r.params.items() if k in dict(grid)) or "-",
-                    f"{r.score:.4f}",
-                    *(f"{s[c]:.4f}" if s[c] is not None else "-" for c in columns),
-                    f"{100 * s['pool_share']['eagle']:.0f}",
-                ]
+        if swamped:
+            others = len(swamped) - 1
+            more = f" (and {others} other grid point{'s' * (others != 1)} likewise)" if others else ""
+            print(f"warning: {swamped[0]}{more}", file=sys.stderr)
+        print(_describe(spec, profile, servers) + native.describe())
+        print(
+            f"objective: {args.objective} ({OBJECTIVE_UNITS[args.objective]}); the mean over {len(seeds)} "
+            f"seed{'s' * (len(seeds) != 1)} ({', '.join(map(str, seeds))}) with its 95% interval; a margin "
+            f"inside its 95% interval or under {args.tie_within:g}% is a tie"
+        )
+        print(_tune_table(result, args.objective, label))
+        if result.identical_seeds:
+            print(
+                f"note: every grid point scored the same on each of the {len(seeds)} seeds: this workload "
+                "draws nothing from the seed (a trace replay takes its arrivals and lengths from the file), "
+                "so each figure is one simulation's and has no interval; margins under "
+                f"{args.tie_within:g}% are ties, larger ones are the simulation's exact differences"
             )
-        print(align_columns(header, rows, left={1}))
-        best = ranking[0]
+        best = result.best
         text = config_text(
             args.policy,
             best.params,
             profile_ref(args.profile),
             objective=args.objective,
-            best=best,
+            result=result,
             command="specroute " + shlex.join(sys.argv[1:]),
         )
         write_config(args.out, text)
-        print(f"best: {args.policy} {json.dumps(best.params)} -> {args.out}")
+        tie = ""
+        if result.tied_with_best:
+            tie = f", within the noise of {'; '.join(label(r) for r in result.tied_with_best)}: a tie"
+        elif result.margins[0] is not None and result.margins[0].verdict == "n/a":
+            tie = " (one seed: no confidence interval, give more --seeds)"
+        print(f"best: {args.policy} {json.dumps(best.params)}{tie} -> {args.out}")
     except SIMULATION_ERRORS as e:
         raise CommandError(e) from None
     return 0

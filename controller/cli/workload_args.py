@@ -4,17 +4,18 @@ the values they become."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from controller.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
+from policies.ladder import Ladder
 from policies.profile import Profile, ProfileError
 from policies.spec import PolicyError
 from simulator.engine.loop import SimulationError
 from simulator.engine.report import ReportError
-from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, DeploymentError, parse_buckets
-from simulator.engine.traces import TRACE_FORMATS, TraceError
+from simulator.engine.servers import DEFAULT_LADDER, DeploymentError, parse_adaptive
+from simulator.engine.traces import TRACE_FORMATS, TraceError, describe_skipped, skipped_records
 from simulator.engine.workloads import (
     DEFAULT_LEVELS,
     WORKLOAD_KINDS,
@@ -306,15 +307,18 @@ def full_batch_ttft_s(profile: Profile) -> float:
     return max((p.ttft_s for m in profile.modes.values() for p in m.points), default=0.0)
 
 
-def swamp_warning(offered: float | None, run: Any, full_batch_ttft: float) -> str | None:
+def swamp_warning(
+    offered: float | None, label: str, summary: Mapping[str, Any], full_batch_ttft: float
+) -> str | None:
     """A warning when an open-loop run's load swamps its deployment: its servers delivered output
     tokens markedly slower than the arrivals asked for them (`SWAMP_FACTOR`), or its mean TTFT is
     over `SWAMP_TTFT_FACTOR` times a full batch's (a load just above capacity builds its queue
     slowly). Requests then pile up in the servers' queues and the figures measure a backlog that
-    grows with the run's length, not a steady state. None for closed-loop sweeps (`offered`
-    None: their load is bounded)."""
-    served = run.summary.get("throughput_tok_s")
-    ttft = run.summary.get("mean_ttft_s")
+    grows with the run's length, not a steady state. `label` names the run (policy and
+    deployment), `summary` holds its `throughput_tok_s`, `mean_ttft_s` and `p99_ttft_s` (one run's,
+    or a mean over seeds). None for closed-loop sweeps (`offered` None: their load is bounded)."""
+    served = summary.get("throughput_tok_s")
+    ttft = summary.get("mean_ttft_s")
     if offered is None or not isinstance(served, int | float) or not served > 0:
         return None
     short = offered > SWAMP_FACTOR * served
@@ -323,15 +327,24 @@ def swamp_warning(offered: float | None, run: Any, full_batch_ttft: float) -> st
     )
     if not (short or queued):
         return None
-    deployment = ",".join(f"{k}={v}" for k, v in run.deployment.items())
+    p99 = summary.get("p99_ttft_s")
     return (
-        f"{run.policy} on {deployment}: the offered load swamps the deployment -- arrivals ask for "
+        f"{label}: the offered load swamps the deployment -- arrivals ask for "
         f"{offered:.0f} output tok/s, the servers delivered {served:.0f}; mean TTFT "
-        f"{run.summary.get('mean_ttft_s', float('nan')):.1f} s (a full batch without a queue: "
-        f"{full_batch_ttft:.2f} s), p99 {run.summary.get('p99_ttft_s', float('nan')):.1f} s. Requests queue, "
-        "so these figures measure a backlog that grows with the run, not a steady state: lower the rate "
-        "(--rate, --time-scale) or add servers (--deployment)"
+        f"{_num(ttft)} s (a full batch without a queue: {full_batch_ttft:.2f} s), p99 {_num(p99)} s. "
+        "Requests queue, so these figures measure a backlog that grows with the run, not a steady state: "
+        "lower the rate (--rate, --time-scale) or add servers (--deployment)"
     )
+
+
+def _num(v: Any) -> str:
+    return f"{v:.1f}" if isinstance(v, int | float) else "nan"
+
+
+def deployment_text(deployment: Mapping[str, int] | Sequence[tuple[str, int]]) -> str:
+    """`baseline=1,eagle=1`."""
+    items = deployment.items() if isinstance(deployment, Mapping) else deployment
+    return ",".join(f"{k}={v}" for k, v in items)
 
 
 def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
@@ -341,6 +354,9 @@ def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
         what = sweep
     elif spec.kind == "trace":
         what = f"trace {spec.trace} (time scale {spec.time_scale:g})"
+        skipped = skip_note(spec)
+        if skipped is not None:
+            what += f"; {skipped}"
     elif spec.kind == "multiturn":
         turns = spec.turns or "const:5"
         what = (
@@ -358,9 +374,46 @@ def describe_workload(spec: WorkloadSpec, sweep: str) -> str:
     return f"workload: {what}; output tokens {out}"
 
 
-def buckets_from_args(args: argparse.Namespace) -> tuple[tuple[int, float], ...]:
-    """--adaptive-buckets, or the default buckets."""
-    return parse_buckets(args.adaptive_buckets) if args.adaptive_buckets else DEFAULT_ADAPTIVE_BUCKETS
+def uniform_accept_note(spec: WorkloadSpec, segments: Sequence[Any]) -> str | None:
+    """For a prompts workload whose requests all have the same true EAGLE speed factor (no line
+    has an `accept`, no --accept-sigma or --hint-accept spread): why policies that differ only in
+    content awareness print equal rows. None otherwise."""
+    if spec.kind != "prompts":
+        return None
+    factors = {f for seg in segments for f in seg.batch.accept}
+    if len(factors) > 1:
+        return None
+    return (
+        f"every request of {spec.prompts} has the same EAGLE speed factor ({next(iter(factors), 1.0):g}: no "
+        "line has an `accept` field, and no --accept-sigma or --hint-accept spreads it), so EAGLE-3 is as "
+        "fast for every prompt and content-aware routing has nothing to tell apart: policies that differ "
+        "only in content awareness give equal rows. Give the lines `accept` factors (your drafter's "
+        "measured acceptance per task, over its mean) to compare them."
+    )
+
+
+def skip_note(spec: WorkloadSpec) -> str | None:
+    """How many records of a decision-log trace were left out as not completed, or None."""
+    if spec.kind != "trace" or spec.trace is None:
+        return None
+    return describe_skipped(skipped_records(spec.trace, spec.trace_format))
+
+
+def add_ladder_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--adaptive-ladder (simulate, plan)."""
+    parser.add_argument(
+        "--adaptive-ladder",
+        metavar="LADDER",
+        help="Adaptive servers' draft depth by batch size: sglang (SGLang's default ladder, the default), "
+        "MIN_BATCH:STEPS[/STEPS...],... (e.g. 1:1/3/5/7,8:0/1/3,32:0/1,64:0; several steps: SGLang's "
+        "controller picks among them), a vLLM schedule [[lo,hi,k],...], or a JSON file with SGLang's "
+        "--speculative-adaptive-config or a vLLM schedule.",
+    )
+
+
+def ladder_from_args(args: argparse.Namespace) -> Ladder:
+    """--adaptive-ladder, or SGLang's default ladder."""
+    return parse_adaptive(args.adaptive_ladder) if args.adaptive_ladder else DEFAULT_LADDER
 
 
 def profile_ref(arg: str) -> str:

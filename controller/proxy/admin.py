@@ -9,22 +9,35 @@ completion's. A policy named `module.path:ClassName` is imported only from a mod
 `admin_policy_modules` (or inside a listed package): an admin request must not import arbitrary
 installed code. Built-in and entry-point policies are always allowed, and SIGHUP reads the
 policy from the config file, which is trusted like the command line.
+
+A reload that names the running policy again -- same name, same parameters once resolved, same
+profile and seed (`controller.proxy.learned_state.PolicyIdentity`) -- keeps the running policy
+object, and so what it learned (calibration, content model); any other reload starts the new
+policy with nothing learned and logs so. Both are counted in
+`specroute_policy_reloads_total{source, learned}` (`source`: sighup or admin; `learned`: kept
+or reset). `GET /admin/policy` shows, besides the policy, a summary of what it learned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
+import math
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import Counter
 
 from controller.proxy.config import Settings
 from controller.proxy.errors import BadRequest, NotFound, Unauthorized
 from controller.proxy.forward import Forwarder
+from controller.proxy.learned_state import PolicyIdentity, policy_identity
 from controller.proxy.limits import load_json
 from policies.base import Policy
+from policies.learned import learner, unpack
 from policies.params import parse_policy_ref
 from policies.profile import ProfileError, resolve_profile
 from policies.registry import PolicyRegistry
@@ -35,21 +48,74 @@ _RELOADABLE = frozenset({"policy", "policy_params", "profile", "seed"})
 
 
 class PolicyAdmin:
-    def __init__(self, fwd: Forwarder, registry: PolicyRegistry, context: PolicyContext) -> None:
+    def __init__(
+        self,
+        fwd: Forwarder,
+        registry: PolicyRegistry,
+        context: PolicyContext,
+        adapt: Callable[[PolicyContext], PolicyContext] = lambda context: context,
+    ) -> None:
         self.fwd = fwd
         self.registry = registry
         self.context = context
+        self.adapt = adapt
+        """What a policy is built from, given the settings' context (`controller.proxy.adaptive`:
+        the eagle pool's in-engine ladder)."""
         self.name = fwd.settings.policy
         self.params: dict[str, Any] = dict(fwd.settings.policy_params)
+        self.reloads = Counter(
+            "specroute_policy_reloads",
+            "Policy reloads by source (sighup, admin) and whether the policy kept what it had learned "
+            "(kept: the same policy and parameters) or started fresh (reset).",
+            ["source", "learned"],
+            registry=fwd.metrics.registry,
+        )
+        for source in ("sighup", "admin"):
+            for learned in ("kept", "reset"):
+                self.reloads.labels(source, learned)
 
-    def swap(self, name: str, params: dict[str, Any], context: PolicyContext | None = None) -> Policy:
-        """Build the new policy (raises PolicyError) and swap it in atomically."""
+    def running(self) -> Policy:
+        return self.fwd.policy
+
+    def identity(self) -> PolicyIdentity:
+        """The running policy's identity (as configured: name, resolved parameters, profile, seed)."""
+        return policy_identity(self.registry, self.name, self.params, self.context)
+
+    def swap(
+        self,
+        name: str,
+        params: dict[str, Any],
+        context: PolicyContext | None = None,
+        *,
+        source: str = "admin",
+    ) -> Policy:
+        """Build the new policy (raises PolicyError) and swap it in atomically -- unless it is the
+        running policy again, which then stays, with what it learned."""
         ctx = context or self.context
-        policy = self.registry.create(name, params, ctx)
+        new = policy_identity(self.registry, name, params, ctx)
+        try:
+            same = new == self.identity()
+        except PolicyError:  # the running policy's settings no longer resolve (a plugin gone)
+            same = False
+        shown = f"{name} {json.dumps(params, default=str)}"
+        if same:
+            self.name, self.params, self.context = name, dict(params), ctx
+            self.reloads.labels(source, "kept").inc()
+            log.warning("routing policy %s unchanged: it keeps what it has learned", shown)
+            return self.fwd.policy
+        policy = self.registry.create(name, params, self.adapt(ctx))
+        old = self.fwd.policy
         self.fwd.policy = policy
         self.name, self.params, self.context = name, dict(params), ctx
-        log.warning("routing policy is now %s %s", name, json.dumps(params, default=str))
+        self.reloads.labels(source, "reset").inc()
+        dropped = f"; what {old.name} had learned is dropped" if learner(old) is not None else ""
+        log.warning("routing policy is now %s: it starts with nothing learned%s", shown, dropped)
         return policy
+
+    def fresh(self) -> None:
+        """Replace the running policy by a newly built one with the same settings (nothing
+        learned): what the adaptation of the eagle pool changed is built in."""
+        self.fwd.policy = self.registry.create(self.name, self.params, self.adapt(self.context))
 
     def reload(self, settings: Settings) -> None:
         """Swap to the policy of freshly read settings (SIGHUP). Raises PolicyError/ProfileError."""
@@ -58,7 +124,8 @@ class PolicyAdmin:
         ignored = sorted(k for k in after if k not in _RELOADABLE and after[k] != before.get(k))
         if ignored:
             log.warning("reload applies only policy, policy_params, profile, seed; restart for: %s", ignored)
-        self.swap(settings.policy, dict(settings.policy_params), PolicyContext(profile, settings.seed))
+        context = PolicyContext(profile, settings.seed)
+        self.swap(settings.policy, dict(settings.policy_params), context, source="sighup")
 
     def authorize(self, request: web.Request) -> None:
         token = self.fwd.settings.admin_token
@@ -83,7 +150,35 @@ class PolicyAdmin:
             )
 
     def current(self) -> dict[str, Any]:
-        return {"name": self.name, "params": self.params, "policy": self.fwd.policy.name}
+        return {
+            "name": self.name,
+            "params": self.params,
+            "policy": self.fwd.policy.name,
+            "learned": learned_summary(self.fwd.policy),
+        }
+
+
+def learned_summary(policy: Policy) -> dict[str, Any] | None:
+    """A short account of what `policy` learned (None: it keeps no learned state): for
+    `cost_model`, per pool its calibrated speed scale and the untagged outcomes behind it, the
+    hints tracked, the content model's outcomes and families. Parts whose layout it does not
+    know are left out."""
+    target = learner(policy)
+    if target is None:
+        return None
+    state = target.state()
+    out: dict[str, Any] = {}
+    cal, content = state.get("calibration"), state.get("content")
+    with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
+        pools = {
+            pool: {"outcomes": int(n), "speed_scale": round(math.exp(value), 6)}
+            for pool, (n, value) in cal["pool"].items()  # type: ignore[index]
+        }
+        out["calibration"] = {**pools, "hints": [row[0] for row in cal["hints"]["slots"]]}  # type: ignore[index]
+    with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
+        families = len(unpack(content["family_keys"], "<u8", "content model"))  # type: ignore[index]
+        out["content"] = {"outcomes": int(content["taught"]), "families": families}  # type: ignore[index]
+    return out
 
 
 def admin_routes(admin: PolicyAdmin) -> list[web.RouteDef]:

@@ -88,7 +88,11 @@ def create_app(
     app[TRACKER] = tracker
     app[METRICS] = metrics
     app[FORWARDER] = fwd
-    app[ADMIN] = PolicyAdmin(fwd, registry, ctx)
+    app[ADMIN] = admin = PolicyAdmin(fwd, registry, ctx, adapt=core.ladders.adapt)
+    core.rebuild = admin.fresh
+    if core.ladders.pool_ladder() is not None:  # backend_adaptive: the policy predicts the ladder's speed
+        admin.fresh()
+        log.info("eagle pool: %s", core.ladders.describe())
     app[SHUTDOWN] = Shutdown(clock)
     app.on_response_prepare.append(close_after_answer)
 

@@ -8,9 +8,10 @@ is capacity, not failure: the outlier detector never sees it), and `admit` is th
 The counts themselves live on `BackendState` (`controller.proxy.load`), which the load view reads.
 
 Admission: each backend has an in-flight bound (by default its pool's `max_running_requests`
-from the profile plus `admission_margin`), and so has each pool (by default the sum), counted in
-sequences: a request takes as many slots as the backend runs sequences for it (`n` x prompts),
-and has room only where all of them fit. A full
+from the profile, or the cap the backend reports, plus `admission_margin`, split over the
+`replicas` specroute replicas in front of it: `replica_bound`), and so has each pool (by default
+the sum), counted in sequences: a request takes as many slots as the backend runs sequences for
+it (`n` x prompts), and has room only where all of them fit. A full
 backend appears unhealthy in the `LoadView` (`LoadTracker.takers`), so policies route around it
 to backends that still have room, in the same pool or the other. Only when none of the backends a
 request may use has room (all of them, or those of the pool the client forced) does the request
@@ -225,11 +226,18 @@ class Capacity:
                 return
 
 
+def replica_bound(cap: int, margin: float, replicas: int = 1) -> int:
+    """This replica's admission bound on a backend that runs `cap` requests at most: the cap plus
+    `margin`, divided evenly between the `replicas` specroute replicas that share the backend (at
+    least 1). Bounds set explicitly (`*_max_in_flight`) are per replica as given."""
+    return max(1, math.ceil(cap * (1 + margin) / replicas))
+
+
 def in_flight_bounds(
     settings: Settings, profile: Profile | None
 ) -> tuple[dict[str, int | None], dict[Pool, int | None]]:
     """(bound per backend name, bound per pool) from the settings; None is unbounded. A backend's
-    default is its pool's `max_running_requests` in the profile times `1 + admission_margin`."""
+    default is `replica_bound` of its pool's `max_running_requests` in the profile."""
     backends: dict[str, int | None] = {}
     pools: dict[Pool, int | None] = {}
     for pool in POOLS:
@@ -240,7 +248,7 @@ def in_flight_bounds(
         else:
             mode = profile.modes.get(pool) if profile is not None else None
             cap = mode.max_running_requests if mode is not None else None
-            bound = math.ceil(cap * (1 + settings.admission_margin)) if cap else None
+            bound = replica_bound(cap, settings.admission_margin, settings.replicas) if cap else None
         for b in settings.backends(pool):
             backends[b.name] = bound
         pool_bound: int | None = getattr(settings, f"{pool}_max_in_flight")

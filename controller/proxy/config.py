@@ -40,6 +40,7 @@ from controller.proxy.redact import (
     secrets_in_yaml,
 )
 from policies.base import POOLS, Pool
+from policies.ladder import LadderError, parse_ladder
 from policies.params import parse_policy_ref
 from policies.spec import PolicyError
 from policies.view import STALE_AFTER_S
@@ -94,6 +95,8 @@ def _shadow_entry(value: Any) -> Any:
     return {"name": name, "params": params or {}}
 
 
+PLACEHOLDER_DOMAIN = ".invalid"
+"""RFC 2606's reserved domain: the placeholder backend URLs `specroute plan` writes use it."""
 _BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -110,6 +113,11 @@ def _normalise_url(url: str) -> str:
         )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{mask_userinfo(repr(url))} is not an http(s)://host[:port] URL")
+    if parts.hostname.rstrip(".").lower().endswith(PLACEHOLDER_DOMAIN):
+        raise ValueError(
+            f"{mask_userinfo(repr(url))} is a placeholder (the reserved {PLACEHOLDER_DOMAIN} domain never "
+            "resolves; `specroute plan` writes such URLs): replace it with your server's URL"
+        )
     try:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
@@ -426,6 +434,14 @@ class Settings(BaseModel):
         '{reason="queue_full"}). Beside memory_budget_bytes, not in it: a stalled log never refuses '
         "requests.",
     )
+    state_file: str | None = Field(
+        default=None,
+        description="Path of the file that keeps what the policy learned (and the prefix beliefs) "
+        "across restarts: loaded at start, saved every state_save_interval_s and at shutdown.",
+    )
+    state_save_interval_s: float = Field(
+        default=60.0, gt=0, le=86400, description="Seconds between saves of state_file."
+    )
     shadow_policies: list[ShadowPolicy] = Field(
         default_factory=list, description="Policies evaluated on every request without acting."
     )
@@ -472,6 +488,17 @@ class Settings(BaseModel):
         '(YAML mapping; JSON in the environment: {"b1": "vllm"}).',
     )
 
+    backend_adaptive: dict[str, str | list[list[int]]] = Field(
+        default_factory=dict,
+        description="In-engine adaptive speculation per eagle backend name, overriding what the backend "
+        "reports (SGLang's /server_info; vLLM's with VLLM_SERVER_DEV_MODE=1): `sglang` (SGLang's default "
+        "--speculative-adaptive ladder), `MIN_BATCH:STEPS[/STEPS...],...` (e.g. 1:1/3/5/7,8:0/1/3,32:0/1,"
+        "64:0), a vLLM num_speculative_tokens_per_batch_size list [[lo, hi, k], ...], a JSON file with "
+        "SGLang's --speculative-adaptive-config or such a list, or `off`. The policies predict the eagle "
+        "pool with that ladder's speed (YAML mapping; JSON in the environment: "
+        '{"e1": "sglang"}).',
+    )
+
     _split = field_validator("admin_policy_modules", mode="before")(_split_list)
     _specs = field_validator("baseline", "eagle", mode="before")(_backend_specs)
 
@@ -484,7 +511,7 @@ class Settings(BaseModel):
         return [_shadow_entry(v) for v in value] if isinstance(value, list) else value
 
     _blank = field_validator(
-        "profile", "decision_log", "admin_token", "baseline_model", "eagle_model",
+        "profile", "decision_log", "state_file", "admin_token", "baseline_model", "eagle_model",
         "baseline_api_key", "eagle_api_key", mode="before",
     )(_blank_is_unset)  # fmt: skip
 
@@ -520,6 +547,7 @@ class Settings(BaseModel):
         unknown = sorted(set(self.backend_engines) - names)
         if unknown:
             raise ValueError(f"backend_engines: no backend is named {', '.join(map(repr, unknown))}")
+        _check_adaptive(self.backend_adaptive, {b.name for b in self.eagle})
         labels = [s.label or s.name for s in self.shadow_policies]
         twice = sorted({x for x in labels if labels.count(x) > 1})
         if twice:
@@ -547,8 +575,19 @@ class Settings(BaseModel):
         return self.model_dump(mode="json")
 
 
+def _check_adaptive(entries: dict[str, str | list[list[int]]], eagle: set[str]) -> None:
+    """Every `backend_adaptive` entry names an eagle backend and gives a usable ladder."""
+    for name, spec in entries.items():
+        if name not in eagle:
+            raise ValueError(f"backend_adaptive: {name!r} is not the name of an eagle backend")
+        try:
+            parse_ladder(spec)
+        except LadderError as e:
+            raise ValueError(f"backend_adaptive[{name!r}]: {e}") from None
+
+
 FIELDS = frozenset(Settings.model_fields)
-_JSON_FIELDS = frozenset({"policy_params", "shadow_policies", "backend_engines"})
+_JSON_FIELDS = frozenset({"policy_params", "shadow_policies", "backend_engines", "backend_adaptive"})
 
 
 def read_text(path: str | Path) -> str:

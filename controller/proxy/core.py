@@ -10,7 +10,9 @@ ext_proc endpoint picker), which then routes exactly as `serve` does.
 
 `Core.running(session)` is the background work while serving: it opens the decision log
 (`settings.decision_log`), runs the health checker and the scraper (`ScrapeLoop`: samples into
-the tracker, a reported cap into the admission bounds), and stops them all on exit.
+the tracker, a reported cap into the admission bounds, a reported in-engine adaptation into
+`Core.ladders`), and stops them all on exit. The transport builds its policies through
+`Core.ladders.adapt` and gives `Core.rebuild`, called when the eagle pool's ladder changes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter
 
 from controller.proxy.acceptance_metrics import AcceptanceMetrics
+from controller.proxy.adaptive import EagleLadders
 from controller.proxy.capacity import AdmissionMetrics, Capacity, in_flight_bounds
 from controller.proxy.config import Settings
 from controller.proxy.decision_record import DecisionLogCollector, DecisionLogger, open_decision_log
@@ -41,6 +44,7 @@ from controller.proxy.shadow import ShadowPolicies, build_shadows
 from controller.proxy.ticket import AttemptReports, Observer, RequestRecord, Tickets
 from policies.base import Policy, Pool
 from policies.calibration import MISMATCH_AFTER
+from policies.ladder import Reported
 from policies.prefix import DEFAULT_CACHE_TOKENS
 from policies.profile import Profile, resolve_profile
 from policies.registry import PolicyRegistry
@@ -84,6 +88,10 @@ class Core:
     tickets: Tickets
     dropped_records: Counter
     """`specroute_decision_log_dropped_records_total`, by reason."""
+    ladders: EagleLadders
+    """The eagle pool's in-engine adaptive speculation: configured, reported, predicted."""
+    rebuild: Callable[[], None] | None = None
+    """Rebuilds the running policy through `ladders.adapt` (the transport's; `PolicyAdmin.fresh`)."""
     scraper: ScrapeLoop | None = None
     """The scrape loop while `running` (its engines: `ScrapeLoop.engine`)."""
     health: HealthChecker | None = None
@@ -107,6 +115,7 @@ class Core:
             engines={b.name: settings.engine_of(b.name) for b in settings.backends()},
             on_capacity=self._reported_cap,
             on_engine=self._engine_found,
+            on_adaptive=self._adaptive_reported,
         )
         self.health = checker = HealthChecker(
             tracker,
@@ -161,8 +170,20 @@ class Core:
         def bounded(pool: Pool) -> bool:
             return getattr(settings, f"{pool}_backend_max_in_flight") is not None
 
-        if apply_reported_cap(self.tracker, bounded, settings.admission_margin, name, cap) is not None:
+        margin, replicas = settings.admission_margin, settings.replicas
+        if apply_reported_cap(self.tracker, bounded, margin, name, cap, replicas) is not None:
             self.capacity.released(self.tracker.get(name).pool)
+
+    def _adaptive_reported(self, name: str, reported: Reported) -> None:
+        """A backend reported its in-engine adaptation: when that changes the eagle pool's ladder,
+        the policy is rebuilt to predict it."""
+        if self.ladders.report(name, reported) and self.rebuild is not None:
+            log.warning(
+                "eagle pool: %s (reported by %s): the routing policy is rebuilt to predict it, with "
+                "nothing learned",
+                self.ladders.describe(), name,
+            )  # fmt: skip
+            self.rebuild()
 
     def _engine_found(self, name: str, engine: Engine) -> None:
         """Warn about settings the backend's engine does not honour."""
@@ -198,12 +219,13 @@ def build_core(
     tracker.set_bounds(*in_flight_bounds(settings, ctx.profile))
     if settings.prefix_tracking:
         tracker.track_prefixes(prefix_capacities(settings, ctx.profile, tracker))
+    ladders = EagleLadders(settings)
     registry_ = metrics_registry if metrics_registry is not None else CollectorRegistry()
     metrics = Metrics(registry_, tracker, clock=clock)
     if shadows is None:
         if registry is None:
             raise ValueError("build_core needs the policy registry to build settings.shadow_policies")
-        shadows = build_shadows(settings.shadow_policies, registry, ctx)
+        shadows = build_shadows(settings.shadow_policies, registry, ladders.adapt(ctx))
     outlier = OutlierDetector(
         tracker,
         consecutive_failures=settings.outlier_consecutive_failures,
@@ -254,6 +276,7 @@ def build_core(
         tickets=tickets,
         dropped_records=dropped,
         decision_logs=decision_logs,
+        ladders=ladders,
     )
     registry_.register(RejectedValuesCollector(lambda: core.scraper))
     return core

@@ -16,6 +16,10 @@ without generating. A backend that answers the
 path with 404 (vLLM before its engine is known, an SGLang release without `/ready`) is probed on
 `/health` from then on, logged once. Redirects are not followed.
 
+A change of health is logged with why: the failed probes in a row and the last one's failure
+(the status it answered, no answer within the timeout, or the connection error), or the probe
+that passed.
+
 A probe's timeout and the pause between rounds are on the proxy's injected clock
 (`ClockTimeout`), like every other deadline, so a test moves time past them instead of waiting.
 """
@@ -27,6 +31,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import aiohttp
 
@@ -42,6 +47,22 @@ FALLBACK_PATH = "/health"
 _PROBE_LIMIT_BYTES = 1 << 20
 _NO_LIMIT = aiohttp.ClientTimeout()
 """The session's own limits off for a probe: its one limit is `timeout_s` on the clock."""
+
+
+class Probe(NamedTuple):
+    ok: bool
+    detail: str
+    """What the probe saw, for the log: `GET /ready answered 503`, a timeout, a connection error."""
+
+
+def _failure(e: BaseException) -> str:
+    """A connection error in a few words (no response body: a backend's text is not logged)."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return f"cannot connect ({e.os_error.strerror or type(e.os_error).__name__})"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{type(e).__name__} ({e.strerror})"
+    text = str(e).splitlines()[0][:160] if str(e) else ""
+    return f"{type(e).__name__}" + (f" ({text})" if text else "")
 
 
 class HealthChecker:
@@ -81,7 +102,7 @@ class HealthChecker:
             path = self._paths[name] = engine.health_path
         return path, engine
 
-    async def probe(self, backend: BackendState) -> bool:
+    async def probe(self, backend: BackendState) -> Probe:
         path, engine = self._path(backend.name)
         try:
             with ClockTimeout(self.timeout_s, self.clock):
@@ -89,8 +110,10 @@ class HealthChecker:
                 async with self.session.get(url, timeout=_NO_LIMIT, allow_redirects=False) as resp:
                     await read_bounded(resp, _PROBE_LIMIT_BYTES)
                     status = resp.status
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
+        except TimeoutError:
+            return Probe(False, f"GET {path}: no answer within {self.timeout_s:g} s")
+        except (aiohttp.ClientError, OSError) as e:
+            return Probe(False, f"GET {path}: {_failure(e)}")
         if status == 404 and path != FALLBACK_PATH:
             why = (
                 f"its engine is {engine.label}"
@@ -103,27 +126,32 @@ class HealthChecker:
             )  # fmt: skip
             self._paths[backend.name] = FALLBACK_PATH
             return await self.probe(backend)
-        return status == 200
+        return Probe(status == 200, f"GET {path} answered {status}")
 
-    def record(self, backend: BackendState, ok: bool) -> None:
-        """Count one probe result; the backend's health flips after enough in a row."""
+    def record(self, backend: BackendState, ok: bool, detail: str = "") -> None:
+        """Count one probe result (`detail`: what the probe saw); the backend's health flips
+        after enough in a row."""
         first = backend.name not in self._probed
         self._probed.add(backend.name)
         if ok == backend.healthy:
             self._streak[backend.name] = 0
             return
-        self._streak[backend.name] += 1
+        streak = self._streak[backend.name] = self._streak[backend.name] + 1
         needed = self.healthy_threshold if ok else self.unhealthy_threshold
-        if first or self._streak[backend.name] >= needed:
+        if first or streak >= needed:
             self._streak[backend.name] = 0
             self.tracker.set_healthy(backend.name, ok)
-            log.warning("backend %s is now %s", backend.name, "healthy" if ok else "UNHEALTHY")
+            probes = "the first health probe" if first else f"{streak} health probe(s) in a row"
+            if ok:
+                log.warning("backend %s is now healthy: %s passed (%s)", backend.name, probes, detail)
+            else:
+                log.warning("backend %s is now UNHEALTHY: %s failed (last: %s)", backend.name, probes, detail)
 
     async def check_all(self) -> None:
         backends = list(self.tracker)
         results = await asyncio.gather(*(self.probe(b) for b in backends))
-        for backend, ok in zip(backends, results, strict=True):
-            self.record(backend, ok)
+        for backend, result in zip(backends, results, strict=True):
+            self.record(backend, result.ok, result.detail)
 
     async def run(self) -> None:
         """Probe forever (until cancelled), starting with one round right away."""

@@ -13,10 +13,14 @@ running/queued come from it. An SGLang backend's running-request cap comes from 
 (`/get_server_info` on older releases: the scheduler's effective cap per data-parallel rank,
 summed, else the `max_running_requests` launch argument), asked at its first scrape and every
 `recheck_every` scrapes after (launch arguments change only with a restart); `/v1/loads`' cap
-is the fallback. A backend's engine is configured or detected at its first scrape
-whose `/metrics` names one; `BackendScraper` then asks only that engine's endpoints.
-`ScrapeLoop` runs a scraper per backend in the background and stores the samples in the
-`LoadTracker`. Numbers that are not finite or out of their range (`engines.check_sample`) are
+is the fallback. The same answer says whether the backend adapts its draft depth in-engine
+(`--speculative-adaptive`: `policies.ladder.from_sglang_server_info`); a vLLM backend says so on
+`/server_info?config_format=json` when it serves that route (`VLLM_SERVER_DEV_MODE=1`: its
+`num_speculative_tokens_per_batch_size`), asked as rarely. A backend's engine is configured or
+detected at its first scrape whose `/metrics` names one; `BackendScraper` then asks only that
+engine's endpoints. `ScrapeLoop` runs a scraper per backend in the background and stores the
+samples in the `LoadTracker`.
+Numbers that are not finite or out of their range (`engines.check_sample`) are
 not taken: each is counted per backend (`specroute_backend_rejected_values_total`) and the first
 one of a backend is logged, never a traceback per scrape.
 """
@@ -26,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -37,6 +40,7 @@ import aiohttp
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from controller.proxy.capacity import replica_bound
 from controller.proxy.engines import (
     ENGINES,
     MAX_SAMPLE_VALUE,
@@ -59,6 +63,7 @@ from controller.proxy.engines import (
 from controller.proxy.limits import ResponseTooLarge, read_bounded
 from controller.proxy.load import LoadTracker
 from policies.base import Pool
+from policies.ladder import Reported, from_sglang_server_info, from_vllm_server_info
 
 __all__ = [
     "BackendSample",
@@ -81,6 +86,8 @@ INFO_LIMIT_BYTES = 256 * 1024
 """Largest /server_info answer parsed (its launch arguments are a few kB)."""
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 """SGLang's server info route, and its name on older releases."""
+VLLM_INFO_PATH = "/server_info?config_format=json"
+"""vLLM's resolved configuration as JSON (a development route: served with VLLM_SERVER_DEV_MODE=1)."""
 SCRAPE_BUDGET_S = 0.1
 """CPU seconds one scrape may spend filtering `/metrics` lines before it gives up."""
 CHUNK_BYTES = 64 * 1024
@@ -266,9 +273,13 @@ class BackendScraper:
         self._scrapes = 0
         self.capacity: int | None = None
         """The running-request cap `/server_info` reported (SGLang; None: not known)."""
+        self.adaptive: Reported | None = None
+        """What `/server_info` says about in-engine adaptive speculation (None: it says nothing)."""
         self._info_asked = False
         self.rejected: Rejected = Counter()
         """Values this backend reported that were not taken (not finite, or out of range), by name."""
+        self._vllm_info: bool | None = None
+        """Whether vLLM's `/server_info` answered (None: not asked yet)."""
 
     def _ask(self, known: bool | None) -> bool:
         return known is not False or self._scrapes % self.recheck_every == 0
@@ -312,20 +323,39 @@ class BackendScraper:
             except (ResponseTooLarge, ValueError, RecursionError):  # deep JSON: no sample, no traceback
                 return None
 
-    async def _server_info(self, session: aiohttp.ClientSession) -> int | None:
-        """The cap SGLang's `/server_info` (or `/get_server_info`) reports; None when it reports
-        none or cannot be read now."""
+    async def _info(self, session: aiohttp.ClientSession, paths: tuple[str, ...]) -> tuple[Any, bool]:
+        """(the JSON of the first of `paths` that answers, None when none can be read now; whether
+        one answered other than 404)."""
         try:
-            for path in SERVER_INFO_PATHS:
+            for path in paths:
                 async with self._request(session, path) as resp:
                     if resp.status == 404:
                         continue
                     if resp.status != 200:
-                        return None
-                    return server_info_cap(json.loads(await read_bounded(resp, INFO_LIMIT_BYTES)))
+                        return None, True
+                    return json.loads(await read_bounded(resp, INFO_LIMIT_BYTES)), True
         except (aiohttp.ClientError, TimeoutError, ValueError, RecursionError) as e:
             log.debug("server info of %s not read: %s", self.url, type(e).__name__)
-        return None
+            return None, True
+        return None, False
+
+    async def _server_info(self, session: aiohttp.ClientSession) -> None:
+        """Read SGLang's `/server_info` (or `/get_server_info`): its cap and its adaptation."""
+        info, _ = await self._info(session, SERVER_INFO_PATHS)
+        cap = server_info_cap(info)
+        if cap is not None:
+            self.capacity = cap
+        reported = from_sglang_server_info(info)
+        if reported is not None:
+            self.adaptive = reported
+
+    async def _vllm_server_info(self, session: aiohttp.ClientSession) -> None:
+        """Read vLLM's `/server_info?config_format=json` for its adaptation, where it is served."""
+        info, answered = await self._info(session, (VLLM_INFO_PATH,))
+        self._vllm_info = answered
+        reported = from_vllm_server_info(info)
+        if reported is not None:
+            self.adaptive = reported
 
     async def scrape(self, session: aiohttp.ClientSession, now: float) -> BackendSample | None:
         """One scrape; raises aiohttp/OS/timeout errors when the backend cannot be reached. The
@@ -343,11 +373,13 @@ class BackendScraper:
             self.has_loads = loads is not None or self.rejected.total() > before
             if loads is not None and self.engine is None:
                 self.engine = SGLANG
-        if self.engine is SGLANG and (not self._info_asked or self._scrapes % self.recheck_every == 0):
-            self._info_asked = True
-            cap = await self._server_info(session)
-            if cap is not None:
-                self.capacity = cap
+        due = self._scrapes % self.recheck_every == 0
+        if self.engine is SGLANG:
+            if not self._info_asked or due:
+                self._info_asked = True
+                await self._server_info(session)
+        elif self.engine is not None and (self._vllm_info is None or due):
+            await self._vllm_server_info(session)
         sample = merge_samples(metrics, loads)
         if sample is not None and self.capacity is not None:
             sample = replace(sample, max_running=self.capacity)
@@ -362,6 +394,9 @@ CapacityHook = Callable[[str, int], None]
 """Called with a backend's name and the running-request cap it reported, on every sample that has one."""
 EngineHook = Callable[[str, Engine], None]
 """Called once per backend with the engine it was found (or configured) to run."""
+AdaptiveHook = Callable[[str, Reported], None]
+"""Called with a backend's name and what it reports about its in-engine adaptation, when that
+changes (first report included)."""
 
 
 class ScrapeLoop:
@@ -382,6 +417,7 @@ class ScrapeLoop:
         engines: Mapping[str, EngineSetting] | None = None,
         on_capacity: CapacityHook | None = None,
         on_engine: EngineHook | None = None,
+        on_adaptive: AdaptiveHook | None = None,
     ) -> None:
         self.tracker = tracker
         self.session = session
@@ -399,6 +435,8 @@ class ScrapeLoop:
         }
         self.on_capacity = on_capacity
         self.on_engine = on_engine
+        self.on_adaptive = on_adaptive
+        self._adaptive: dict[str, Reported] = {}
         self._announced: set[str] = set()
         self._rejecting: set[str] = set()
         self.latest: dict[str, BackendSample] = {}
@@ -454,6 +492,11 @@ class ScrapeLoop:
         if cap is not None and self.on_capacity is not None:
             # every scrape, not only on a change: a config reload resets the bounds
             self.on_capacity(name, cap)
+        reported = scraper.adaptive
+        if reported is not None and _changed(self._adaptive.get(name), reported):
+            self._adaptive[name] = reported
+            if self.on_adaptive is not None:
+                self.on_adaptive(name, reported)
         return sample
 
     def _warn_no_metrics(self, name: str, scraper: BackendScraper) -> None:
@@ -487,23 +530,37 @@ class ScrapeLoop:
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
 
 
+def _changed(before: Reported | None, now: Reported) -> bool:
+    if before is None or before.note != now.note:
+        return True
+    if before.ladder is None or now.ladder is None:
+        return before.ladder is not now.ladder
+    return not before.ladder.same_depths(now.ladder)
+
+
 def apply_reported_cap(
-    tracker: LoadTracker, bounded: Callable[[Pool], bool], margin: float, name: str, cap: int
+    tracker: LoadTracker,
+    bounded: Callable[[Pool], bool],
+    margin: float,
+    name: str,
+    cap: int,
+    replicas: int = 1,
 ) -> int | None:
     """Backend `name` reports running `cap` requests at most: the view carries it (policies
-    predict its queue from it), and its admission bound becomes `ceil(cap x (1 + margin))`
-    unless its pool's bound is set explicitly (`bounded(pool)`). Returns the new bound when it
-    changed (None when left alone)."""
+    predict its queue from it), and its admission bound becomes this replica's share of it
+    (`capacity.replica_bound`: the cap plus `margin`, over `replicas`) unless its pool's bound is
+    set explicitly (`bounded(pool)`). Returns the new bound when it changed (None when left alone)."""
     backend = tracker.get(name)
     backend.max_running = cap
     if bounded(backend.pool):
         return None
-    bound = math.ceil(cap * (1 + margin))
+    bound = replica_bound(cap, margin, replicas)
     if bound == backend.max_in_flight:
         return None
     log.info(
-        "backend %s reports %d running requests at most: admission bound %d (was %s)",
+        "backend %s reports %d running requests at most: admission bound %d (was %s)%s",
         name, cap, bound, backend.max_in_flight if backend.max_in_flight is not None else "unbounded",
+        f", this replica's share of {replicas}" if replicas > 1 else "",
     )  # fmt: skip
     backend.max_in_flight = bound
     return bound

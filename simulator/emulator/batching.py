@@ -8,7 +8,13 @@ plain server emits one token per request per step. An EAGLE server runs verify s
 (a chain-acceptance draw whose mean is `accept_length` times the request's hint factor), so
 the per-request token rate is the profile's `decode_tok_s(b)` on average. Steps are
 scheduled against absolute deadlines, so late timer wake-ups on a loaded machine do not
-accumulate drift. A request's first token arrives `(ttft_s(b) + prefill) * time_scale` after it
+accumulate drift. An adaptive EAGLE server (`--speculative-adaptive`, `adaptive.py`) picks each
+step's draft depth from `b` (SGLang's from its decode batch: here a request waiting for its first
+token counts, as it does in the step time and in the profile's concurrency): its step lasts the
+depth's verify step (the plain step at depth 0, still counted as a verify step of one token, as
+SGLang's per-request `completion_tokens / spec_verify_ct` counts it) and each request accepts up
+to that many drafts.
+A request's first token arrives `(ttft_s(b) + prefill) * time_scale` after it
 is admitted, prefill being its prompt tokens not found in the prefix cache (`cache.py`, matched
 at admission as SGLang's scheduler matches when it schedules a prefill) at the profile's
 `prefill_tok_s` (none without one); requests beyond `max_running_requests` wait in a FIFO
@@ -28,7 +34,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from policies.adaptive import alpha_for
 from policies.profile import SpeedModel
+from simulator.emulator.adaptive import AdaptiveDrafting
 from simulator.emulator.cache import CacheHandle, PrefixCache
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -76,6 +84,8 @@ class EngineRequest:
     """Verify steps this request took part in (EAGLE)."""
     accepted_tokens: int = 0
     """Tokens those verify steps produced (accepted drafts plus the bonus token)."""
+    proposed_drafts: int = 0
+    """Draft tokens those verify steps proposed (the depth of each)."""
     submitted_at: float = 0.0
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -102,6 +112,14 @@ class SchedulerStats:
     gen_throughput: float = 0.0
     spec_accept_length: float = 0.0
     spec_accept_rate: float = 0.0
+    spec_num_steps: int = 0
+    """Draft depth of the latest decode step (0: none; adaptive servers change it)."""
+
+    @property
+    def spec_num_draft_tokens(self) -> int:
+        """Tokens a verify step checks: the drafts and the bonus token (0 without drafting)."""
+        return self.spec_num_steps + 1 if self.spec_num_steps else 0
+
     cache_hit_rate: float = 0.0
     """Cached / prompt tokens of the last prefill batch (admission), as SGLang logs it."""
     num_used_tokens: int = 0
@@ -133,20 +151,10 @@ class AcceptanceSampler:
         self._rng = rng
         self._p_cache: dict[float, float] = {}
 
-    def mean_of(self, p: float) -> float:
-        return sum(p**i for i in range(self.steps + 1))
-
     def _p_for(self, mean: float) -> float:
         p = self._p_cache.get(mean)
         if p is None:
-            lo, hi = 0.0, 1.0
-            for _ in range(60):
-                mid = (lo + hi) / 2
-                if self.mean_of(mid) < mean:
-                    lo = mid
-                else:
-                    hi = mid
-            p = self._p_cache[mean] = (lo + hi) / 2
+            p = self._p_cache[mean] = alpha_for(mean, self.steps)
         return p
 
     def sample(self, mean: float) -> int:
@@ -178,8 +186,10 @@ class BatchEngine:
         seed: int = 0,
         observer: EngineObserver | None = None,
         cache: PrefixCache | None = None,
+        adaptive: AdaptiveDrafting | None = None,
     ) -> None:
-        """`cache`: the prefix cache (None: no prefix caching; every prompt token is prefilled)."""
+        """`cache`: the prefix cache (None: no prefix caching; every prompt token is prefilled).
+        `adaptive`: an EAGLE server's depth per step (None: always `speculative_num_steps`)."""
         self.speed = speed
         self.max_running_requests = max_running_requests
         self.time_scale = time_scale
@@ -191,6 +201,7 @@ class BatchEngine:
         self.max_total_num_tokens = max_total_num_tokens
         self.cache = cache
         self.sampler = AcceptanceSampler(speculative_num_steps, random.Random(seed))
+        self.adaptive = adaptive
         self._loop = asyncio.get_running_loop()
         self._queue: collections.deque[EngineRequest] = collections.deque()
         self._running: dict[str, EngineRequest] = {}
@@ -206,6 +217,7 @@ class BatchEngine:
         self._win_tokens = 0
         self._win_verify = 0
         self._win_accepted = 0
+        self._win_proposed = 0
         self._win_start = self._loop.time()
         self._steps_since_stats = 0
 
@@ -252,12 +264,22 @@ class BatchEngine:
             return None
         return self.total_accepted / self.total_verify
 
-    def step_seconds(self, batch: int) -> float:
-        """Wall seconds of one decode (or verify) step with `batch` running requests."""
+    def step_seconds(self, batch: int, steps: int | None = None) -> float:
+        """Wall seconds of one decode (or verify) step with `batch` running requests, at draft
+        depth `steps` on an adaptive server."""
+        if self.adaptive is not None and steps is not None:
+            return self.adaptive.speed.step_s(batch, steps) * self.time_scale
         t = self.speed.step_time(batch)
         if self.accept_length is not None:
             t *= self.accept_length
         return t * self.time_scale
+
+    def step_depth(self, running: int) -> int:
+        """The draft depth of a step with `running` requests (the profile's concurrency, which the
+        step time follows too)."""
+        if self.adaptive is not None:
+            return self.adaptive.steps_for(running)
+        return self.speculative_num_steps if self.speculative else 0
 
     # -- requests ----------------------------------------------------------------------
 
@@ -358,20 +380,30 @@ class BatchEngine:
         if not self._running:
             self._refresh_stats(decode=self._steps_since_stats > 0)  # show an idle server as idle
 
-    def _advance(self, batch: list[EngineRequest]) -> None:
-        """End of one step: every request that was decoding at its start gets its tokens."""
+    def _advance(self, batch: list[EngineRequest], steps: int, running: int) -> None:
+        """End of one step at draft depth `steps` (chosen for `running` requests): every request
+        that was decoding at its start gets its tokens."""
         now = self._loop.time()
         finished = False
+        adaptive = self.adaptive
+        drafts: list[int] = []
         for req in batch:
             if req.done:
                 continue
             if self.accept_length is not None:
-                k = self.sampler.sample(req.accept_mean)
+                if adaptive is not None:
+                    j = adaptive.drafts(req.accept_mean, steps)
+                    drafts.append(j)
+                    k = 1 + j
+                else:
+                    k = self.sampler.sample(req.accept_mean)
                 self.total_verify += 1
                 self.total_accepted += k
                 self._win_verify += 1
                 self._win_accepted += k
+                self._win_proposed += steps
                 req.verify_ct += 1
+                req.proposed_drafts += steps
             else:
                 k = 1
             k = min(k, req.output_tokens - req.generated)
@@ -388,6 +420,8 @@ class BatchEngine:
             if req.generated >= req.output_tokens:
                 self._finish(req, req.finish_reason)
                 finished = True
+        if adaptive is not None:
+            adaptive.observe(running, drafts)
         self.steps += 1
         self._steps_since_stats += 1
         if self._steps_since_stats >= self.stats_interval_steps:
@@ -407,9 +441,10 @@ class BatchEngine:
             throughput = self._win_tokens / elapsed if elapsed > 0 else 0.0
             if self._win_verify:
                 accept_len = self._win_accepted / self._win_verify
-                accept_rate = self._win_accepted / (self._win_verify * (self.speculative_num_steps + 1))
+                proposed = self._win_proposed
+                accept_rate = (self._win_accepted - self._win_verify) / proposed if proposed else 0.0
         if decode or not self._running:
-            self._win_tokens = self._win_verify = self._win_accepted = 0
+            self._win_tokens = self._win_verify = self._win_accepted = self._win_proposed = 0
             self._win_start = now
             self._steps_since_stats = 0
         if not self._running:
@@ -422,6 +457,7 @@ class BatchEngine:
             gen_throughput=throughput,
             spec_accept_length=accept_len,
             spec_accept_rate=accept_rate,
+            spec_num_steps=self.adaptive.last_steps if self.adaptive is not None else self.step_depth(0),
             cache_hit_rate=old.cache_hit_rate if hit_rate is None else hit_rate,
             num_used_tokens=used,
             token_usage=round(used / self.max_total_num_tokens, 2),
@@ -441,8 +477,10 @@ class BatchEngine:
             if deadline is None or now - deadline > _MAX_LAG_S:
                 deadline = now
             batch = list(self._decoding.values())
-            deadline += self.step_seconds(len(self._running))
+            running = len(self._running)
+            steps = self.step_depth(running)
+            deadline += self.step_seconds(running, steps)
             delay = deadline - self._loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            self._advance(batch)
+            self._advance(batch, steps, running)

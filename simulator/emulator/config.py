@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from policies.adaptive import DepthModel, check_adaptable
 from policies.base import Pool
+from policies.ladder import SGLANG_DEFAULT, Ladder, LadderError, parse_ladder
 from policies.prefix import DEFAULT_CACHE_TOKENS
 from policies.profile import Profile
 from simulator.emulator.accept_rules import AcceptRules
@@ -46,7 +48,27 @@ class EmulatorConfig(BaseModel):
     accept_length: float | None = Field(
         default=None, ge=1, description="Override the profile's accept_length."
     )
-    speculative_num_steps: int = Field(default=3, ge=1, le=16, description="Draft steps per verify (eagle).")
+    speculative_num_steps: int = Field(
+        default=3,
+        ge=1,
+        le=16,
+        description="Draft steps per verify (eagle); with speculative_adaptive, the depth each "
+        "batch-size bucket starts at (one of the ladder's steps, as SGLang requires).",
+    )
+    speculative_adaptive: bool = Field(
+        default=False,
+        description="SGLang's --speculative-adaptive (eagle): the draft depth of every step follows "
+        "the decode batch size (SGLang's default ladder: batch >= 1 -> 1/3/5/7 steps, >= 8 -> 0/1/3, "
+        ">= 32 -> 0/1, >= 64 -> 0, each bucket's EMA of accepted drafts choosing), and the speed with "
+        "it (the plain mode's at 0 steps; policies/adaptive.py). Needs both modes in the profile. "
+        "Mind --max-running-requests: SGLang caps a speculative server at 48.",
+    )
+    speculative_adaptive_config: str | None = Field(
+        default=None,
+        description="SGLang's --speculative-adaptive-config: a JSON file with its ladder (integer-string "
+        'batch sizes -> {"candidate_steps": [...]}, optional knobs), or the compact '
+        "MIN_BATCH:STEPS[/STEPS...],... form; reported as given on /server_info.",
+    )
     hint_factors: dict[str, float] = Field(
         default_factory=dict, description="Acceptance factor per x-specroute-hint value (eagle)."
     )
@@ -97,6 +119,7 @@ class EmulatorConfig(BaseModel):
     )
     seed: int = Field(default=0, description="Seeds output lengths, acceptance draws and error draws.")
     faults: FaultConfig = Field(default_factory=lambda: FaultConfig())
+    _ladder: Ladder | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check_mode(self) -> EmulatorConfig:
@@ -104,16 +127,53 @@ class EmulatorConfig(BaseModel):
         if self.mode == "eagle" and self.accept_length is None and mode.accept_length is None:
             raise ValueError("the profile's eagle mode has no accept_length: set accept_length")
         accept = self.accept_length or mode.accept_length
-        if self.mode == "eagle" and accept is not None and accept > self.speculative_num_steps + 1:
+        steps = (mode.speculative_num_steps or 3) if self.speculative_adaptive else self.speculative_num_steps
+        if self.mode == "eagle" and accept is not None and accept > steps + 1:
             raise ValueError(
                 f"accept_length {accept} is more than a verify step can accept with "
-                f"speculative_num_steps={self.speculative_num_steps} (at most "
-                f"{self.speculative_num_steps + 1}): raise speculative_num_steps"
+                f"speculative_num_steps={steps} (at most {steps + 1}): raise speculative_num_steps"
+                + (" in the profile's eagle mode" if self.speculative_adaptive else "")
             )
         for hint, factor in self.hint_factors.items():
             if not factor > 0:
                 raise ValueError(f"hint_factors[{hint!r}] must be > 0, got {factor}")
+        self._ladder = self._adaptive_ladder()
         return self
+
+    def _adaptive_ladder(self) -> Ladder | None:
+        if self.speculative_adaptive_config is not None and not self.speculative_adaptive:
+            raise ValueError("speculative_adaptive_config needs speculative_adaptive")
+        if not self.speculative_adaptive:
+            return None
+        if self.mode != "eagle":
+            raise ValueError("speculative_adaptive needs mode eagle")
+        check_adaptable(self.profile)
+        spec = self.speculative_adaptive_config
+        try:
+            ladder = SGLANG_DEFAULT if spec is None else parse_ladder(spec)
+        except LadderError as e:
+            raise ValueError(f"speculative_adaptive_config: {e}") from None
+        if ladder is None:
+            raise ValueError("speculative_adaptive_config: off is no ladder")
+        if self.speculative_num_steps not in ladder.candidates:
+            raise ValueError(
+                f"speculative_num_steps {self.speculative_num_steps} is not one of the ladder's steps "
+                f"{list(ladder.candidates)}: pass one of those"
+            )
+        return Ladder(ladder.buckets, "sglang", self.speculative_num_steps, origin=ladder.origin)
+
+    @property
+    def ladder(self) -> Ladder | None:
+        """The adaptive ladder (None: a fixed depth)."""
+        return self._ladder
+
+    @property
+    def depth(self) -> DepthModel:
+        """What the profile's eagle points were measured at, with this server's accept length."""
+        eagle = self.profile.mode("eagle")
+        if self.accept_length is not None:
+            eagle = eagle.model_copy(update={"accept_length": self.accept_length})
+        return DepthModel.of(eagle)
 
     @property
     def effective_max_running(self) -> int:

@@ -142,8 +142,7 @@ def _submit(e: Emulator, g: GenRequest, hint: str | None) -> list[Sample]:
 
 
 def _spec(e: Emulator, samples: list[Sample]) -> list[dict[str, Any]]:
-    steps = e.config.speculative_num_steps
-    return [shapes.spec_meta(s.req, steps) if e.config.mode == "eagle" else {} for s in samples]
+    return [shapes.spec_meta(s.req) if e.config.mode == "eagle" else {} for s in samples]
 
 
 async def _read_all(e: Emulator, request: web.Request, samples: list[Sample]) -> None:

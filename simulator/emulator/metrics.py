@@ -53,6 +53,12 @@ class EmulatorMetrics:
         self.spec_accept_rate = gauge(
             "sglang:spec_accept_rate", "The average acceptance rate of speculative decoding."
         )
+        self.spec_num_steps = gauge(
+            "sglang:spec_num_steps", "The number of speculative steps in use (adaptive: it changes)."
+        )
+        self.spec_num_draft_tokens = gauge(
+            "sglang:spec_num_draft_tokens", "The number of speculative draft tokens in use."
+        )
         self._gauges = [
             self.num_used_tokens.labels(**sched),
             self.num_running_reqs.labels(**sched),
@@ -62,6 +68,8 @@ class EmulatorMetrics:
             self.cache_hit_rate.labels(**sched),
             self.spec_accept_length.labels(**sched),
             self.spec_accept_rate.labels(**sched),
+            self.spec_num_steps.labels(**sched),
+            self.spec_num_draft_tokens.labels(**sched),
         ]
         for g in self._gauges:
             g.set(0)
@@ -135,7 +143,7 @@ class EmulatorMetrics:
             self.num_aborted.inc()
 
     def on_stats(self, stats: SchedulerStats) -> None:
-        used, running, queued, tput, usage, hit, acc_len, acc_rate = self._gauges
+        used, running, queued, tput, usage, hit, acc_len, acc_rate, steps, drafts = self._gauges
         used.set(stats.num_used_tokens)
         running.set(stats.num_running_reqs)
         queued.set(stats.num_queue_reqs)
@@ -144,3 +152,5 @@ class EmulatorMetrics:
         hit.set(stats.cache_hit_rate)
         acc_len.set(stats.spec_accept_length)
         acc_rate.set(stats.spec_accept_rate)
+        steps.set(stats.spec_num_steps)
+        drafts.set(stats.spec_num_draft_tokens)

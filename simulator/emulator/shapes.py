@@ -73,7 +73,7 @@ class Update:
 # -- speculative decoding details ---------------------------------------------------------------
 
 
-def spec_meta(req: EngineRequest, num_steps: int) -> dict[str, Any]:
+def spec_meta(req: EngineRequest) -> dict[str, Any]:
     """SGLang's per-request acceptance metrics (meta_info at finish; `sglext` on the OpenAI
     routes); empty before any verify step. accept_length = completion_tokens / verify_ct, as
     `_calculate_spec_decoding_metrics` computes it (the prefill's token included)."""
@@ -81,9 +81,9 @@ def spec_meta(req: EngineRequest, num_steps: int) -> dict[str, Any]:
     if verify == 0:
         return {}
     correct = req.accepted_tokens - verify  # drafts accepted, bonus tokens excluded
-    proposed = verify * num_steps
+    proposed = req.proposed_drafts
     return {
-        "spec_accept_rate": correct / proposed,
+        "spec_accept_rate": correct / proposed if proposed else 0.0,
         "spec_accept_length": req.generated / verify,
         "spec_num_correct_drafts": correct,
         "spec_num_proposed_drafts": proposed,

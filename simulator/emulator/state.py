@@ -12,7 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
+from policies.adaptive import AdaptiveSpeed, adaptive_mode
 from policies.prefix import DEFAULT_CACHE_TOKENS
+from policies.profile import SpeedModel
+from simulator.emulator.adaptive import AdaptiveDrafting
 from simulator.emulator.batching import BatchEngine, EngineRequest, Event
 from simulator.emulator.cache import PrefixCache
 from simulator.emulator.config import EmulatorConfig
@@ -42,8 +45,16 @@ class Emulator:
         c = self.config
         cache_tokens = c.effective_cache_tokens
         self.cache = PrefixCache(c.cache_block_tokens, cache_tokens) if cache_tokens else None
+        speed = c.profile.speed(c.mode)
+        adaptive = None
+        if c.ladder is not None:
+            base, eagle = c.profile.mode("baseline"), c.profile.mode("eagle")
+            # TTFT and prefill of the settled ladder; each step's time from its own depth
+            speed = SpeedModel(adaptive_mode(base, eagle, c.ladder))
+            depths = AdaptiveSpeed(SpeedModel(base), SpeedModel(eagle), c.depth)
+            adaptive = AdaptiveDrafting(c.ladder, depths, random.Random(c.seed + 2))
         self._engine = BatchEngine(
-            c.profile.speed(c.mode),
+            speed,
             max_running_requests=c.effective_max_running,
             time_scale=c.time_scale,
             accept_length=c.effective_accept_length,
@@ -54,6 +65,7 @@ class Emulator:
             # the cache is the KV pool (running requests' tokens live there too, unbounded here)
             max_total_num_tokens=cache_tokens or DEFAULT_CACHE_TOKENS,
             cache=self.cache,
+            adaptive=adaptive,
         )
         self.metrics.max_total_num_tokens.set(self._engine.max_total_num_tokens)
         self._engine.start()

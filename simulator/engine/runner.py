@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from policies.ladder import Ladder
 from policies.profile import Profile
 from policies.registry import PolicyRegistry, default_registry
 from policies.spec import PolicyContext
@@ -33,7 +34,7 @@ from simulator.engine.loop import RequestBatch, simulate
 from simulator.engine.oracle import best_static_split
 from simulator.engine.results import RunResult, samples, summarize
 from simulator.engine.routers import PERFECT_VIEW, RouterGroup, RouterSetup
-from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, ServerKind, ServerModel, build_deployment
+from simulator.engine.servers import DEFAULT_LADDER, ServerKind, ServerModel, build_deployment
 from simulator.engine.workloads import Segment
 
 SINGLE_POOL_POLICY = "least_loaded"
@@ -81,7 +82,7 @@ def run(
     segments: Sequence[Segment],
     *,
     seed: int = 0,
-    buckets: Sequence[tuple[int, float]] = DEFAULT_ADAPTIVE_BUCKETS,
+    ladder: Ladder = DEFAULT_LADDER,
     registry: PolicyRegistry | None = None,
     server_profile: Profile | None = None,
     oracle: bool = False,
@@ -89,7 +90,7 @@ def run(
     cache_tokens: int | None = None,
     routers: RouterSetup = PERFECT_VIEW,
 ) -> RunResult:
-    servers = build_deployment(server_profile or profile, deployment, buckets)
+    servers = build_deployment(server_profile or profile, deployment, ladder)
     believed: list[int | None]
     if cache_tokens is not None:
         servers = tuple(replace(m, cache_tokens=cache_tokens) for m in servers)

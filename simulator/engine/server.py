@@ -7,7 +7,9 @@ Instead of touching every request at every event, a server keeps a virtual clock
 advances at `rate(b)`; a request that starts decoding at `V0` with `w` tokens of work finishes
 when `V` reaches `V0 + w`. Finishing virtual times sit in a per-server heap, so the next
 completion's wall time is `T + (heap top - V) / rate` and an event costs O(log n). EAGLE
-requests carry their own acceptance factor `a` (mean 1): their virtual work is `tokens / a`.
+requests carry their own acceptance factor `a` (mean 1): their virtual work is `tokens / a` (on
+an adaptive server, `a` where it drafts at the batch size the request starts decoding in, else 1:
+the work is fixed then, a simplification of a depth that follows the batch).
 
 - `arrive`: a request dispatched here is admitted at once while fewer than
   `max_running_requests` run, else it waits in a FIFO queue.
@@ -92,6 +94,7 @@ class Server:
         "dirty",
         "done_seq",
         "done_t",
+        "drafting",
         "events",
         "finish",
         "finished",
@@ -153,6 +156,7 @@ class Server:
         (nothing could hit it: admission takes the inlined path)."""
         self.rate_table = model.rate
         self.speculative = model.speculative
+        self.drafting = model.drafting
         self.ttft_table = model.ttft
         self.table_size = table_size
         self.events = events
@@ -240,8 +244,15 @@ class Server:
         out = self.output_tokens[r] - 1
         if out <= 0:
             work = 0.0  # nothing to decode: finishes with its first token (a zero-work entry)
+        elif not self.speculative:
+            work = float(out)
         else:
-            work = out / self.accept[r] if self.speculative else float(out)
+            drafting = self.drafting
+            b = self.running
+            if drafting is None or drafting[b if b < len(drafting) else -1]:
+                work = out / self.accept[r]
+            else:
+                work = float(out)
         dheap = self.dheap
         v = self.v + (t - self.t_last) * self.rate
         self.v = v

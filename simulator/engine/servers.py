@@ -4,20 +4,15 @@ A server kind turns a speed profile into two per-batch-size tables the engine re
 path: the per-request decode rate (tok/s while `b` requests are running) and the TTFT.
 
 - `baseline`, `eagle`: the profile's mode of that name, as is.
-- `adaptive`: one server modelled on SGLang's `--speculative-adaptive`, which picks a
-  speculation depth by batch-size bucket. Depth is a fraction `d` in [0, 1] (1 = the profile's
-  full EAGLE setting, 0 = speculation off), and the server's decode step time at batch `b` is
-  interpolated between the two measured curves:
-
-      step(b) = d(b) * step_eagle(b) + (1 - d(b)) * step_baseline(b)
-
-  (TTFT likewise). Default buckets: d = 1 below batch 8, 2/3 below 32, 1/3 below 64, 0 from
-  64 on. The interpolation is the simplest model that is exact at both ends (full depth is the
-  measured EAGLE server, depth 0 the measured plain one); real intermediate depths may sit a
-  little off the line. An adaptive server is not capped at the EAGLE server's
-  `max_running_requests` (it turns speculation off under load), it takes the baseline cap.
-  For routing it counts as part of the `eagle` pool (it speculates), and its requests carry
-  their acceptance factor like EAGLE requests.
+- `adaptive`: an EAGLE-3 server that picks its draft depth by batch size in-engine (SGLang's
+  `--speculative-adaptive`, vLLM's `num_speculative_tokens_per_batch_size`): its ladder
+  (`policies.ladder`, SGLang's default unless told) and the speed each depth gives
+  (`policies.adaptive`: the plain mode's speed where the ladder says 0 steps, the EAGLE-3 mode's
+  at the depth it was measured at, derived between). It takes the plain server's
+  `max_running_requests` (launched with it, see `simulator.planning.config`: SGLang would cap a
+  speculative server at 48, below the batch sizes where the default ladder stops drafting). For
+  routing it counts as part of the `eagle` pool (it speculates); a request's acceptance factor
+  applies where the server drafts at the batch size the request starts decoding in.
 """
 
 from __future__ import annotations
@@ -27,18 +22,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from policies.adaptive import adaptive_mode
 from policies.base import POOLS, Pool
-from policies.profile import ModeProfile, Profile, ProfilePoint, SpeedModel
+from policies.ladder import SGLANG_DEFAULT, Ladder, LadderError, parse_ladder
+from policies.profile import ModeProfile, Profile, ProfileError, ProfilePoint, SpeedModel
 from policies.together import together_mode
 
 ServerKind = Literal["baseline", "eagle", "adaptive"]
 SERVER_KINDS: tuple[ServerKind, ...] = ("baseline", "eagle", "adaptive")
-DEFAULT_ADAPTIVE_BUCKETS: tuple[tuple[int, float], ...] = ((8, 1.0), (32, 2.0 / 3.0), (64, 1.0 / 3.0))
+DEFAULT_LADDER: Ladder = SGLANG_DEFAULT
 _TABLE = 4097
 
 
 class DeploymentError(ValueError):
-    """A deployment or bucket spec that cannot be used."""
+    """A deployment or ladder spec that cannot be used."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +57,9 @@ class ServerModel:
     together: ServerModel | None = None
     """This server's tables while its co-located partner is busy (`policies.together`,
     `simulator.engine.colocation`); None: it does not slow down when the other server runs."""
+    drafting: tuple[bool, ...] | None = None
+    """An adaptive server: whether it drafts with `b` running, for b in 0.._TABLE-1 (the last
+    entry beyond); None: always, if it is speculative."""
 
     def rate_at(self, b: int) -> float:
         """Per-request decode rate at any batch size (step time linear beyond the table)."""
@@ -73,32 +73,16 @@ class ServerModel:
         return self.ttft[b] if b < len(self.ttft) else self.ttft[-1]
 
 
-def parse_buckets(text: str) -> tuple[tuple[int, float], ...]:
-    """`8:1,32:0.67,64:0.33`: depth fraction below each batch-size limit; 0 beyond the last."""
-    out: list[tuple[int, float]] = []
-    for part in text.split(","):
-        limit_s, sep, depth_s = part.strip().partition(":")
-        try:
-            if not sep:
-                raise ValueError
-            limit, depth = int(limit_s), float(depth_s)
-        except ValueError:
-            raise DeploymentError(
-                f"adaptive bucket {part!r}: expected LIMIT:DEPTH (e.g. 8:1,32:0.67,64:0.33)"
-            ) from None
-        if limit < 1 or not 0.0 <= depth <= 1.0:
-            raise DeploymentError(f"adaptive bucket {part!r}: LIMIT >= 1 and 0 <= DEPTH <= 1")
-        if out and limit <= out[-1][0]:
-            raise DeploymentError(f"adaptive buckets must have increasing limits: {text!r}")
-        out.append((limit, depth))
-    return tuple(out)
-
-
-def adaptive_depth(buckets: Sequence[tuple[int, float]], b: int) -> float:
-    for limit, depth in buckets:
-        if b < limit:
-            return depth
-    return 0.0
+def parse_adaptive(text: str) -> Ladder:
+    """An adaptive server's ladder as `--adaptive-ladder` gives it (`policies.ladder.parse_ladder`:
+    `sglang`, `MIN:STEPS[/STEPS...],...`, a vLLM schedule or a JSON file); `off` is no ladder."""
+    try:
+        ladder = parse_ladder(text)
+    except LadderError as e:
+        raise DeploymentError(f"--adaptive-ladder: {e}") from None
+    if ladder is None:
+        raise DeploymentError("--adaptive-ladder off: an adaptive server needs a ladder (e.g. sglang)")
+    return ladder
 
 
 def _tables(speed: SpeedModel) -> tuple[list[float], list[float]]:
@@ -109,7 +93,7 @@ def build_server(
     profile: Profile,
     kind: ServerKind,
     name: str,
-    buckets: Sequence[tuple[int, float]] = DEFAULT_ADAPTIVE_BUCKETS,
+    ladder: Ladder = DEFAULT_LADDER,
 ) -> ServerModel:
     if kind in ("baseline", "eagle"):
         pool: Pool = "baseline" if kind == "baseline" else "eagle"
@@ -136,26 +120,25 @@ def build_server(
         return replace(model, together=slowed)
     if kind != "adaptive":
         raise DeploymentError(f"unknown server kind {kind!r}; known: {', '.join(SERVER_KINDS)}")
-    base, eagle = profile.speed("baseline"), profile.speed("eagle")
-    b_step, b_ttft = _tables(base)
-    e_step, e_ttft = _tables(eagle)
-    step = []
-    ttft = []
-    for b in range(_TABLE):
-        d = adaptive_depth(buckets, b)
-        step.append(d * e_step[b] + (1.0 - d) * b_step[b])
-        ttft.append(d * e_ttft[b] + (1.0 - d) * b_ttft[b])
+    try:
+        base_mode, eagle_mode = profile.mode("baseline"), profile.mode("eagle")
+    except ProfileError as e:
+        raise DeploymentError(f"an adaptive server needs the baseline and eagle modes: {e}") from None
+    mode = adaptive_mode(base_mode, eagle_mode, ladder, max_running_requests=base_mode.max_running_requests)
+    speed = SpeedModel(mode)
+    step, ttft = _tables(speed)
     return ServerModel(
         name=name,
         kind="adaptive",
         pool="eagle",
         rate=tuple(1.0 / s for s in step),
         ttft=tuple(ttft),
-        max_running_requests=base.max_running_requests,
-        prefill_tok_s=base.prefill_tok_s,
+        max_running_requests=speed.max_running_requests,
+        prefill_tok_s=speed.prefill_tok_s,
         speculative=True,
-        accept_length=eagle.accept_length,
-        cache_tokens=base.mode.cache_tokens,
+        accept_length=speed.accept_length,
+        cache_tokens=mode.cache_tokens,
+        drafting=None if speed.speculating is None else tuple(speed.speculating),
     )
 
 
@@ -267,9 +250,9 @@ def parse_deployment(text: str) -> tuple[tuple[ServerKind, int], ...]:
 def build_deployment(
     profile: Profile,
     deployment: Sequence[tuple[ServerKind, int]],
-    buckets: Sequence[tuple[int, float]] = DEFAULT_ADAPTIVE_BUCKETS,
+    ladder: Ladder = DEFAULT_LADDER,
 ) -> tuple[ServerModel, ...]:
-    """Servers named `<kind>-<i>`, in deployment order."""
+    """Servers named `<kind>-<i>`, in deployment order; adaptive ones follow `ladder`."""
     return tuple(
-        build_server(profile, kind, f"{kind}-{i}", buckets) for kind, n in deployment for i in range(n)
+        build_server(profile, kind, f"{kind}-{i}", ladder) for kind, n in deployment for i in range(n)
     )

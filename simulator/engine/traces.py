@@ -10,8 +10,12 @@ request per line, with `timestamp` (ms from the start), `input_length` and `outp
 prefix exactly as far as their leading ids agree). The ids become the records' `blocks`.
 
 Decision log (written by the proxy): JSONL, one object per finished request, with `ts` (arrival,
-unix seconds), `prompt_tokens`, `max_tokens`, `completion_tokens` and `hint`. Lines are written
-when requests finish, so they are re-sorted by arrival here.
+unix seconds), `prompt_tokens`, `max_tokens`, `completion_tokens`, `hint` and `status`. Only
+requests that completed (`status` "ok", or no `status`: a hand-written trace) are replayed: a
+request the backend refused or that failed never did the work its `max_tokens` asks for (a
+refused `max_tokens` of 1e9 would replay as a billion-token answer), so it is skipped and counted
+by status (`skipped_records`), before the times are made relative to the first arrival. Lines are
+written when requests finish, so they are re-sorted by arrival here.
 
 Times are returned relative to the first arrival. The format is detected from the first
 non-empty line when not given.
@@ -74,15 +78,12 @@ def detect_format(path: Path) -> TraceFormat:
 
 
 _CACHE_SIZE = 4
-_cache: dict[tuple[str, int, int, TraceFormat | None], list[TraceRecord]] = {}
+_cache: dict[tuple[str, int, int, TraceFormat | None], tuple[list[TraceRecord], dict[str, int]]] = {}
 """Parsed traces of this process (a tune or plan simulates the same trace in every task), keyed by
 file, modification time, size and format: a changed file is read again."""
 
 
-def read_trace(
-    path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None
-) -> list[TraceRecord]:
-    """Records sorted by arrival (stable), at most `limit` of them."""
+def _load(path: str | Path, fmt: TraceFormat | None) -> tuple[list[TraceRecord], dict[str, int]]:
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"{p}: no such trace file")
@@ -91,33 +92,61 @@ def read_trace(
     except OSError as e:
         raise TraceError(f"{p}: cannot read trace: {e.strerror or e}") from None
     key = (str(p.resolve()), st.st_mtime_ns, st.st_size, fmt)
-    records = _cache.get(key)
-    if records is None:
-        records = _parse(p, fmt)
+    parsed = _cache.get(key)
+    if parsed is None:
+        parsed = _parse(p, fmt)
         while len(_cache) >= _CACHE_SIZE:
             del _cache[next(iter(_cache))]
-        _cache[key] = records
+        _cache[key] = parsed
+    return parsed
+
+
+def read_trace(
+    path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None
+) -> list[TraceRecord]:
+    """Records sorted by arrival (stable), at most `limit` of them."""
+    records = _load(path, fmt)[0]
     return records[:limit] if limit is not None else list(records)
 
 
-def _parse(p: Path, fmt: TraceFormat | None) -> list[TraceRecord]:
-    """All records, sorted by arrival (stable), times relative to the first."""
+def skipped_records(path: str | Path, fmt: TraceFormat | None = None) -> dict[str, int]:
+    """Decision-log records left out because the request did not complete: count per `status`
+    (empty for other formats and for logs of completed requests only)."""
+    return dict(_load(path, fmt)[1])
+
+
+def describe_skipped(skipped: dict[str, int]) -> str | None:
+    """`N decision-log records skipped (did not complete: error 2, client_error 1)`, or None."""
+    if not skipped:
+        return None
+    total = sum(skipped.values())
+    parts = ", ".join(f"{status} {n}" for status, n in sorted(skipped.items()))
+    return f"{total} decision-log record{'s' * (total != 1)} skipped (did not complete: {parts})"
+
+
+def _parse(p: Path, fmt: TraceFormat | None) -> tuple[list[TraceRecord], dict[str, int]]:
+    """All records, sorted by arrival (stable), times relative to the first; and the decision-log
+    records skipped, per status."""
     guessed = fmt is None
     fmt = fmt or detect_format(p)
+    skipped: dict[str, int] = {}
     if fmt == "azure":
         records = _read_azure(p)
     elif fmt == "mooncake":
         records = _read_mooncake(p)
     else:
-        records = _read_log(p, guessed)
+        records = _read_log(p, guessed, skipped)
+    if not records and skipped:
+        raise TraceError(f"{p}: the trace has no requests that completed ({describe_skipped(skipped)})")
     if not records:
         raise TraceError(f"{p}: the trace has no requests")
     records.sort(key=lambda r: r.t)
     t0 = records[0].t
-    return [
+    shifted = [
         TraceRecord(r.t - t0, r.prompt_tokens, r.output_tokens, r.max_tokens, r.hint, r.blocks)
         for r in records
     ]
+    return shifted, skipped
 
 
 def _read_azure(p: Path) -> list[TraceRecord]:
@@ -161,7 +190,11 @@ def _opt_int(obj: dict[str, Any], key: str, where: str) -> int | None:
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
 
 
-def _read_log(p: Path, guessed: bool = False) -> list[TraceRecord]:
+COMPLETED = "ok"
+"""The decision log's `status` of a request that completed (`policies.values.OutcomeStatus`)."""
+
+
+def _read_log(p: Path, guessed: bool = False, skipped: dict[str, int] | None = None) -> list[TraceRecord]:
     out: list[TraceRecord] = []
     for where, obj in read_jsonl(p, what="trace", error=TraceError):
         if not isinstance(obj, dict):
@@ -171,6 +204,12 @@ def _read_log(p: Path, guessed: bool = False) -> list[TraceRecord]:
             if guessed:
                 raise TraceError(_log_format_guess(where, obj))
             raise TraceError(f"{where}: 'ts' must be a number (arrival unix seconds)")
+        status = obj.get("status", COMPLETED)
+        if status != COMPLETED:
+            if skipped is not None:
+                key = status if isinstance(status, str) else repr(status)
+                skipped[key] = skipped.get(key, 0) + 1
+            continue
         prompt = _opt_int(obj, "prompt_tokens", where) or 0
         completion = _opt_int(obj, "completion_tokens", where)
         max_tokens = _opt_int(obj, "max_tokens", where)

@@ -11,8 +11,12 @@ The comments carry one launch line per server kind, for the engine the profile w
 then `engine: vllm` in the config). Servers get their running-request cap from the profile
 because that cap is what the plan simulated (`--max-running-requests`; SGLang otherwise caps a
 speculative server at 48; vLLM's `--max-num-seqs`); an adaptive server is simulated with the
-plain server's cap, since it stops speculating under load. vLLM has no in-engine adaptive
-speculation: its adaptive line is a speculative server, with a note.
+plain server's cap, since it stops speculating under load. An adaptive server follows the plan's
+ladder: SGLang's `--speculative-adaptive` (with `--speculative-adaptive-config FILE`, its JSON
+written in the comments, unless the ladder is SGLang's default), or vLLM's
+`num_speculative_tokens_per_batch_size` in `--speculative-config`: the depths the ladder settles
+at for the profile's acceptance (`policies.ladder.Ladder.vllm_schedule`), which is what the plan
+simulated.
 """
 
 from __future__ import annotations
@@ -24,11 +28,16 @@ from collections.abc import Sequence
 
 import yaml
 
+from policies.adaptive import DepthModel
+from policies.ladder import SGLANG_DEFAULT, Ladder
 from policies.profile import Profile, ProfileError
 from simulator.engine.runner import SINGLE_POOL_POLICY
+from simulator.engine.servers import DEFAULT_LADDER
 from simulator.planning.plan import Deployment, PlanResult, deployment_label
 
 DEFAULT_PORT = 30000
+ADAPTIVE_CONFIG_FILE = "adaptive.json"
+"""Where the SGLang launch line expects a non-default ladder's `--speculative-adaptive-config`."""
 _KIND_TITLE = {"baseline": "plain", "eagle": "EAGLE-3", "adaptive": "adaptive EAGLE-3"}
 
 
@@ -55,7 +64,19 @@ def profile_engine(profile: Profile) -> str:
     return engine if engine in ("sglang", "vllm") else "sglang"
 
 
-def vllm_launch_line(kind: str, profile: Profile, model_path: str, draft_model_path: str) -> list[str]:
+VLLM_DEFAULT_MAX_NUM_SEQS = 256
+"""vLLM's own default `--max-num-seqs` (GPU), the last batch a schedule covers without a cap."""
+
+
+def vllm_schedule(profile: Profile, ladder: Ladder, max_batch: int | None) -> list[list[int]]:
+    """The vLLM schedule of `ladder` at the profile's acceptance, up to `max_batch`."""
+    alpha = DepthModel.of(profile.mode("eagle")).alpha
+    return ladder.vllm_schedule(alpha, max_batch or VLLM_DEFAULT_MAX_NUM_SEQS)
+
+
+def vllm_launch_line(
+    kind: str, profile: Profile, model_path: str, draft_model_path: str, ladder: Ladder = DEFAULT_LADDER
+) -> list[str]:
     """vLLM's command for one server of `kind`, as shell words."""
     words = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
     words += ["--host", "0.0.0.0", "--port", str(DEFAULT_PORT)]
@@ -63,15 +84,37 @@ def vllm_launch_line(kind: str, profile: Profile, model_path: str, draft_model_p
     if cap is not None:
         words += ["--max-num-seqs", str(cap)]
     if kind != "baseline":
-        config = {"method": "eagle3", "model": draft_model_path, "num_speculative_tokens": 3}
+        config: dict[str, object] = {"method": "eagle3", "model": draft_model_path}
+        config["num_speculative_tokens"] = 3
+        if kind == "adaptive":
+            schedule = vllm_schedule(profile, ladder, cap)
+            config["num_speculative_tokens"] = max(1, max(k for _, _, k in schedule))
+            config["num_speculative_tokens_per_batch_size"] = schedule
         words += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
     return words
 
 
-def launch_line(kind: str, profile: Profile, model_path: str, draft_model_path: str) -> list[str]:
+def sglang_adaptive_config(ladder: Ladder) -> dict[str, object] | None:
+    """The `--speculative-adaptive-config` object of `ladder`; None for SGLang's default ladder
+    (no file needed)."""
+    if ladder.same_depths(SGLANG_DEFAULT):
+        return None
+    return {
+        str(b.min_batch): {
+            "candidate_steps": list(b.steps),
+            "up_hysteresis": b.up_hysteresis,
+            "down_hysteresis": b.down_hysteresis,
+        }
+        for b in ladder.buckets
+    }
+
+
+def launch_line(
+    kind: str, profile: Profile, model_path: str, draft_model_path: str, ladder: Ladder = DEFAULT_LADDER
+) -> list[str]:
     """The command for one server of `kind` on the profile's engine, as shell words."""
     if profile_engine(profile) == "vllm":
-        return vllm_launch_line(kind, profile, model_path, draft_model_path)
+        return vllm_launch_line(kind, profile, model_path, draft_model_path, ladder)
     words = [
         "python",
         "-m",
@@ -86,24 +129,47 @@ def launch_line(kind: str, profile: Profile, model_path: str, draft_model_path: 
     ]
     if kind == "baseline":
         return words
+    # an adaptive server starts its buckets at --speculative-num-steps, which must be a candidate
+    steps = ladder.initial if kind == "adaptive" else 3
     words += [
         "--speculative-algorithm",
         "EAGLE3",
         "--speculative-draft-model-path",
         draft_model_path,
         "--speculative-num-steps",
-        "3",
+        str(steps),
         "--speculative-eagle-topk",
         "1",
         "--speculative-num-draft-tokens",
-        "4",
+        str(steps + 1),
     ]
     cap = _cap(profile, "baseline" if kind == "adaptive" else "eagle")
     if cap is not None:
         words += ["--max-running-requests", str(cap)]
     if kind == "adaptive":
         words.append("--speculative-adaptive")
+        if sglang_adaptive_config(ladder) is not None:
+            words += ["--speculative-adaptive-config", ADAPTIVE_CONFIG_FILE]
     return words
+
+
+def _adaptive_notes(engine: str, ladder: Ladder) -> list[str]:
+    """What the comments say under an adaptive server's launch line."""
+    if engine == "vllm":
+        return [
+            "# (num_speculative_tokens_per_batch_size: the draft depth per batch-size range, as the plan",
+            f"#  simulated it for the ladder {ladder.describe()}. Adaptive servers are in the eagle pool.)",
+        ]
+    lines = []
+    config = sglang_adaptive_config(ladder)
+    if config is not None:
+        lines.append(f"# {ADAPTIVE_CONFIG_FILE} (the plan's ladder):")
+        lines.append("#   " + json.dumps(config, separators=(",", ":")))
+    lines += [
+        "# (--speculative-adaptive needs --speculative-eagle-topk 1; SGLang picks the draft depth by",
+        "#  batch size. Adaptive servers are listed in the eagle pool: they speculate.)",
+    ]
+    return lines
 
 
 def _wrap(words: Sequence[str], indent: str = "#   ") -> list[str]:
@@ -170,19 +236,16 @@ def config_text(
     label = "vLLM" if engine == "vllm" else "SGLang"
     lines += [
         "#",
-        f"# Replace the placeholder URLs with your servers (one {label} server per host, one model).",
+        "# Replace the placeholder URLs (hosts under .invalid: `specroute serve` refuses them) with",
+        f"# your servers' URLs: one {label} server per host, one model.",
         f"# {label} launch lines (replace MODEL_PATH / EAGLE3_DRAFT_MODEL_PATH):",
     ]
+    ladder = spec.ladder
     for kind, n in dep:
         lines.append(f"# {_KIND_TITLE[kind]} server ({n}x):")
-        lines += _wrap(launch_line(kind, profile, model_path, draft_model_path))
-    if engine == "vllm" and any(kind == "adaptive" for kind, _ in dep):
-        lines.append("# (vLLM has no in-engine adaptive speculation: the plan simulated SGLang's.)")
-    elif any(kind == "adaptive" for kind, _ in dep):
-        lines.append(
-            "# (--speculative-adaptive needs --speculative-eagle-topk 1; SGLang picks the draft depth"
-        )
-        lines.append("#  by batch size. Adaptive servers are listed in the eagle pool: they speculate.)")
+        lines += _wrap(launch_line(kind, profile, model_path, draft_model_path, ladder))
+    if any(kind == "adaptive" for kind, _ in dep):
+        lines += _adaptive_notes(engine, ladder)
     settings: dict[str, object] = {
         "baseline": urls["baseline"],
         "eagle": urls["eagle"],

@@ -34,12 +34,13 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from policies.ladder import Ladder
 from policies.profile import Profile, ProfileError
 from policies.registry import PolicyRegistry
 from policies.stats import Interval, Margin, interval, paired_margin
 from simulator.engine.results import Slo
 from simulator.engine.runner import SINGLE_POOL_POLICY, PolicyChoice, is_single_pool, typed_params
-from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, SERVER_KINDS, ServerKind, build_deployment
+from simulator.engine.servers import DEFAULT_LADDER, SERVER_KINDS, ServerKind, build_deployment
 from simulator.engine.workloads import WorkloadSpec
 from simulator.planning.tuner import MAXIMISED, Grid, Objective, Task, evaluate, score_of, valid_points
 
@@ -121,7 +122,8 @@ class PlanSpec:
     slo: Slo = dataclasses.field(default_factory=Slo)
     seeds: tuple[int, ...] = DEFAULT_SEEDS
     loads: tuple[float, ...] = DEFAULT_LOADS
-    buckets: tuple[tuple[int, float], ...] = DEFAULT_ADAPTIVE_BUCKETS
+    ladder: Ladder = DEFAULT_LADDER
+    """The adaptive servers' draft depth by batch size."""
     tie_within: float = DEFAULT_TIE_WITHIN
     """Margins up to this fraction of the better objective value are ties (see policies.stats)."""
 
@@ -236,7 +238,7 @@ class PlanResult:
 def _task(
     profile: Profile, spec: PlanSpec, choice: PolicyChoice, dep: Deployment, wl: WorkloadSpec, seed: int
 ) -> Task:
-    return Task(profile, choice, dep, wl, seed, spec.buckets, spec.slo)
+    return Task(profile, choice, dep, wl, seed, spec.ladder, spec.slo)
 
 
 def _run_all(
@@ -308,7 +310,7 @@ def plan(
     deps = enumerate_deployments(spec.servers, spec.kinds)
     for dep in deps:  # a profile lacking a mode fails here, not in a worker
         try:
-            build_deployment(profile, dep, spec.buckets)
+            build_deployment(profile, dep, spec.ladder)
         except ProfileError as e:
             raise PlanError(f"{e}: cannot simulate {deployment_label(dep)} (choose --kinds it has)") from None
     cands = {dep: candidates(spec, dep, registry) for dep in deps}

@@ -38,9 +38,9 @@ def _num(v: float, fmt: str) -> str:
 def _pm(mean: float, half: float, fmt: str) -> str:
     if math.isnan(mean):
         return "-"
-    if not math.isnan(half) and half <= 1e-9 * abs(mean):
-        half = 0.0  # rounding noise of identical runs
-    return fmt.format(mean) + ("" if math.isnan(half) else f" ±{half:.2g}")
+    if math.isnan(half) or half <= 1e-9 * abs(mean):
+        return fmt.format(mean)  # one seed, or identical runs (to rounding): no interval to show
+    return fmt.format(mean) + f" ±{half:.2g}"
 
 
 def table_rows(lr: LoadResult, objective: str) -> tuple[list[str], list[list[str]]]:
@@ -66,7 +66,8 @@ def table_rows(lr: LoadResult, objective: str) -> tuple[list[str], list[list[str
             margin = ""
         else:
             d = r.margin.diff
-            ci = "" if math.isnan(d.half) else f" [{d.low:.3g}, {d.high:.3g}]"
+            exact = math.isnan(d.half) or d.half <= 1e-9 * abs(d.mean)  # one seed, or identical runs
+            ci = "" if exact else f" [{d.low:.3g}, {d.high:.3g}]"
             margin = f"{_num(d.mean, '{:.3g}')}{ci} {r.margin.verdict}"
         rows.append(
             [

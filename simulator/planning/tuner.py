@@ -1,14 +1,20 @@
 """Grid search over a policy's parameters on a simulated workload.
 
-Every grid point is an independent, seeded simulation of the same workload, so points run in
-parallel over worker processes and the results do not depend on how many there are: the
-ranking is sorted by (objective, grid order). The best point is written as a config file
-that `specroute serve --config FILE` reads (`policy`, `policy_params`, `profile`).
+Every grid point runs on every seed of `seeds`, each an independent, seeded simulation (a seed
+fixes the workload, so the points are compared on the same requests), so the simulations run
+in parallel over worker processes and the results do not depend on how many there are. A
+point's score is its mean objective over the seeds with a 95% t-interval; the ranking is sorted
+by (mean score, mean end-to-end time, grid order), and each point's margin to the next is the
+paired interval over the seeds, judged by the planner's tie rule (`policies.stats.paired_margin`:
+a tie inside the interval or under `tie_within`). The points whose margin to the best is a tie
+are named with it: the simulation cannot tell them apart. The best point is written as a
+config file that `specroute serve --config FILE` reads (`policy`, `policy_params`, `profile`).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -18,13 +24,15 @@ from typing import Any, Literal
 
 import yaml
 
+from policies.ladder import Ladder
 from policies.params import parse_grid_item
 from policies.profile import Profile
 from policies.registry import PolicyRegistry
 from policies.spec import PolicyError
+from policies.stats import Interval, Margin, interval, paired_margin
 from simulator.engine.results import Slo, goodput
 from simulator.engine.runner import PolicyChoice, is_single_pool, run, typed_params
-from simulator.engine.servers import DEFAULT_ADAPTIVE_BUCKETS, ServerKind
+from simulator.engine.servers import DEFAULT_LADDER, ServerKind
 from simulator.engine.workloads import WorkloadSpec, generate
 
 Objective = Literal["throughput_tok_s", "mean_e2e_s", "p99_ttft_s", "p99_e2e_s", "goodput"]
@@ -37,6 +45,10 @@ OBJECTIVE_UNITS: dict[str, str] = {
     "p99_e2e_s": "seconds; lower is better",
     "goodput": "requests/s meeting every SLO given; higher is better",
 }
+
+
+DEFAULT_SEEDS: tuple[int, ...] = (0, 1, 2)
+DEFAULT_TIE_WITHIN = 0.01
 
 
 class TuneError(ValueError):
@@ -109,7 +121,7 @@ class Task:
     deployment: tuple[tuple[ServerKind, int], ...]
     workload: WorkloadSpec
     seed: int
-    buckets: tuple[tuple[int, float], ...]
+    ladder: Ladder
     slo: Slo
     server_profile: Profile | None = None
     spec_details: bool = False
@@ -120,10 +132,77 @@ class Task:
 class PointResult:
     index: int
     params: dict[str, Any]
-    summary: dict[str, Any]
-    goodput_rps: float
-    score: float
-    """The objective's value (NaN when undefined: ranked last)."""
+    summaries: tuple[dict[str, Any], ...]
+    """The run's summary per seed, in `seeds` order."""
+    goodputs: tuple[float, ...]
+    scores: tuple[float, ...]
+    """The objective's value per seed (NaN when undefined: ranked last)."""
+
+    @property
+    def score(self) -> Interval:
+        """The mean objective over the seeds with its 95% interval."""
+        return interval(self.scores)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """The summaries' mean over the seeds (numbers and per-pool shares; other keys the first's)."""
+        return mean_summary(self.summaries)
+
+    @property
+    def identical(self) -> bool:
+        """Every seed gave the same score (to rounding): the workload drew nothing from the seed."""
+        return len(set(self.scores)) <= 1 or (max(self.scores) - min(self.scores)) <= 1e-9 * max(
+            abs(v) for v in self.scores
+        )
+
+
+def mean_summary(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per key: the value when every summary has the same; else the mean over `summaries` of a
+    number (None when any lacks it), of a dict of numbers key by key (`pool_share`), or else the
+    first summary's value."""
+    out: dict[str, Any] = {}
+    for key, first in summaries[0].items():
+        values = [s.get(key) for s in summaries]
+        if all(v == first for v in values):
+            out[key] = first
+        elif isinstance(first, int | float) and not isinstance(first, bool):
+            nums = [v for v in values if isinstance(v, int | float)]
+            out[key] = math.fsum(nums) / len(nums) if len(nums) == len(values) else None
+        elif isinstance(first, dict) and all(_numbers(v, first) for v in values):
+            dicts = [v for v in values if isinstance(v, dict)]
+            out[key] = {k: math.fsum(float(d[k]) for d in dicts) / len(dicts) for k in first}
+        else:
+            out[key] = first
+    return out
+
+
+def _numbers(value: Any, like: Mapping[str, Any]) -> bool:
+    """`value` is a dict with `like`'s keys, every value a number."""
+    return (
+        isinstance(value, dict)
+        and value.keys() == like.keys()
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value.values())
+    )
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    ranking: list[PointResult]
+    """Best first."""
+    margins: list[Margin | None]
+    """Each point's paired margin to the next in the ranking (None for the last)."""
+    tied_with_best: list[PointResult]
+    """The other points whose margin to the best is a tie."""
+    seeds: tuple[int, ...]
+
+    @property
+    def best(self) -> PointResult:
+        return self.ranking[0]
+
+    @property
+    def identical_seeds(self) -> bool:
+        """Every point got the same score on every seed (and there were several seeds)."""
+        return len(self.seeds) > 1 and all(r.identical for r in self.ranking)
 
 
 def evaluate(task: Task) -> tuple[dict[str, Any], float]:
@@ -135,7 +214,7 @@ def evaluate(task: Task) -> tuple[dict[str, Any], float]:
         task.deployment,
         segments,
         seed=task.seed,
-        buckets=task.buckets,
+        ladder=task.ladder,
         server_profile=task.server_profile,
         spec_details=task.spec_details,
         cache_tokens=task.cache_tokens,
@@ -149,18 +228,37 @@ def score_of(objective: Objective, summary: Mapping[str, Any], good: float) -> f
 
 
 def rank(results: Sequence[PointResult], objective: Objective) -> list[PointResult]:
-    """Best first; throughput and goodput are maximised, latencies minimised; NaN last.
+    """Best first by mean score; throughput and goodput are maximised, latencies minimised; NaN last.
 
-    Ties (e.g. every point meets the SLOs) go to the lower mean end-to-end time, then to grid order.
+    Equal means (e.g. every point meets the SLOs) go to the lower mean end-to-end time, then to
+    grid order.
     """
     sign = -1.0 if objective in MAXIMISED else 1.0
 
     def key(r: PointResult) -> tuple[bool, float, float, int]:
+        score = r.score.mean
         mean = r.summary.get("mean_e2e_s")
         tie = float(mean) if isinstance(mean, int | float) else math.inf
-        return (math.isnan(r.score), sign * r.score if not math.isnan(r.score) else 0.0, tie, r.index)
+        return (math.isnan(score), sign * score if not math.isnan(score) else 0.0, tie, r.index)
 
     return sorted(results, key=key)
+
+
+def judge(
+    ranking: Sequence[PointResult], objective: Objective, seeds: Sequence[int], tie_within: float
+) -> TuneResult:
+    """The margins of a ranking (see the module note)."""
+    higher = objective in MAXIMISED
+
+    def margin(better: PointResult, worse: PointResult) -> Margin:
+        return paired_margin(better.scores, worse.scores, higher_is_better=higher, tie_within=tie_within)
+
+    margins: list[Margin | None] = [
+        margin(r, ranking[i + 1]) if i + 1 < len(ranking) else None for i, r in enumerate(ranking)
+    ]
+    best = ranking[0]
+    tied = [r for r in ranking[1:] if margin(best, r).verdict == "tie"]
+    return TuneResult(list(ranking), margins, tied, tuple(seeds))
 
 
 def tune(
@@ -174,21 +272,27 @@ def tune(
     *,
     registry: PolicyRegistry,
     slo: Slo | None = None,
-    seed: int = 0,
+    seeds: Sequence[int] = DEFAULT_SEEDS,
+    tie_within: float = DEFAULT_TIE_WITHIN,
     jobs: int = 1,
-    buckets: Sequence[tuple[int, float]] = DEFAULT_ADAPTIVE_BUCKETS,
+    ladder: Ladder = DEFAULT_LADDER,
     server_profile: Profile | None = None,
     spec_details: bool = False,
     cache_tokens: int | None = None,
     progress: Callable[[int], object] | None = None,
     on_skip: Callable[[dict[str, Any], str], object] | None = None,
-) -> list[PointResult]:
-    """Evaluate every valid grid point; returns the ranking (best first).
+) -> TuneResult:
+    """Evaluate every valid grid point on every seed; returns the ranking (best first) with its
+    margins. `progress` is called once per simulation (points x seeds, and once per skipped point).
 
     Combinations the policy rejects (e.g. threshold's hysteresis >= threshold) are passed to
     `on_skip` and left out; see `valid_points` for when a bad grid is an error instead."""
     if objective not in OBJECTIVES:
         raise TuneError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise TuneError("tune needs one or more distinct seeds")
+    if not 0.0 <= tie_within < 1.0:
+        raise TuneError("the tie tolerance must be between 0 and 100 percent")
     if is_single_pool(deployment):
         raise TuneError("tune needs a deployment with both pools (the policy routes between them)")
     points, typed, skipped = valid_points(registry, policy, base_params, grid)
@@ -204,13 +308,14 @@ def tune(
             tuple(deployment),
             workload,
             seed,
-            tuple(buckets),
+            ladder,
             slo or Slo(),
             server_profile,
             spec_details,
             cache_tokens,
         )
         for p in points
+        for seed in seeds
     ]
     outputs: list[tuple[dict[str, Any], float]] = []
     if jobs <= 1 or len(tasks) == 1:
@@ -224,11 +329,20 @@ def tune(
                 outputs.append(out)
                 if progress:
                     progress(1)
-    results = [
-        PointResult(i, typed[i], summary, good, score_of(objective, summary, good))
-        for i, (summary, good) in enumerate(outputs)
-    ]
-    return rank(results, objective)
+    k = len(seeds)
+    results = []
+    for i in range(len(points)):
+        runs = outputs[i * k : (i + 1) * k]
+        results.append(
+            PointResult(
+                i,
+                typed[i],
+                tuple(summary for summary, _ in runs),
+                tuple(good for _, good in runs),
+                tuple(score_of(objective, summary, good) for summary, good in runs),
+            )
+        )
+    return judge(rank(results, objective), objective, seeds, tie_within)
 
 
 def config_text(
@@ -237,21 +351,29 @@ def config_text(
     profile_ref: str,
     *,
     objective: Objective,
-    best: PointResult,
+    result: TuneResult,
     command: str,
 ) -> str:
     """A `specroute serve --config` file for the best point; backend URLs left to the user."""
+    best = result.best
     body = yaml.safe_dump(
         {"policy": policy, "policy_params": dict(params), "profile": profile_ref},
         sort_keys=False,
         default_flow_style=False,
     )
-    value = best.score
+    score = best.score
+    ci = "" if math.isnan(score.half) or result.identical_seeds else f" ±{score.half:.3g}"
     lines = [
         "# specroute config written by `specroute tune`.",
         f"# command: {command}",
-        f"# objective {objective} = {value:.6g} over {best.summary.get('requests')} simulated requests;",
+        f"# objective {objective} = {score.mean:.6g}{ci} (mean over seeds "
+        f"{', '.join(map(str, result.seeds))}, {best.summary.get('requests')} simulated requests each);",
         f"# pool share: {best.summary.get('pool_share')}",
+    ]
+    if result.tied_with_best:
+        shown = "; ".join(json.dumps(r.params) for r in result.tied_with_best)
+        lines.append(f"# within the noise of: {shown} (a tie, not a win)")
+    lines += [
         "# Fill in your backends (one URL or a list per pool):",
         "# baseline: [http://BASELINE-HOST:30000]",
         "# eagle: [http://EAGLE-HOST:30000]",

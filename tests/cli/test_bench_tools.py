@@ -117,6 +117,30 @@ def test_compare_verdicts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "concurrency 1" not in "".join(ln for ln in lines if ln.startswith("warning"))
 
 
+def test_compare_flags_runs_measured_with_different_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Answers of 64 tokens take longer than answers of 32: such runs are named before the table,
+    and every verdict of the run says it is not like for like; runs that agree get no flag."""
+    rates = [90.0, 92.0, 91.0, 93.0, 89.0, 90.5, 91.5, 92.5, 90.0, 91.0, 92.0, 90.0]
+    paths = []
+    for name, tokens in (("short", 33), ("long", 65), ("long-again", 65)):
+        md = {"label": name, "url": "http://x", "prompt_set": "coding", "max_tokens": tokens - 1}
+        path = tmp_path / f"{name}.json"
+        BenchResult(metadata=md, levels=[_level(c, rates, 0.2, tokens=tokens) for c in (1, 4)]).write(path)
+        paths.append(str(path))
+    assert main(["compare", paths[0], paths[1]]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    warning = "warning: runs differ in max_tokens ([1] 32, [2] 64): not a like-for-like comparison"
+    assert lines.index(warning) < next(i for i, ln in enumerate(lines) if ln.startswith("conc"))
+    verdicts = [ln for ln in lines if "verdict" in ln.split()[:2]]
+    assert len(verdicts) == 2 and all("(not like for like: max_tokens differs)" in v for v in verdicts)
+    assert main(["compare", paths[1], paths[2]]) == 0
+    out = capsys.readouterr().out
+    assert "like for like" not in out and "like-for-like" not in out
+
+
 def test_compare_verdict_weighs_e2e_and_flags_queueing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

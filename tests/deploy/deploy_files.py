@@ -2,24 +2,29 @@
 are, the SGLang flags and metric names they may use, and small readers of the formats deploy/
 holds -- YAML documents, compose interpolation, systemd units and environment files, the
 Dockerfile's instructions, the Grafana dashboard's queries -- plus `check_specroute_command`, which
-runs a deploy file's `specroute` command line through the real CLI parser and its `--help`.
+runs a deploy file's `specroute` command line through the real CLI parser and its `--help`, and
+`registered_metrics`, the metric names a real `specroute serve` exports.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
-from controller.cli import build_parser
+from controller.cli import build_parser, spawn
 from controller.proxy.config import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,42 +58,37 @@ SGLANG_FLAGS = frozenset(
     }
 )
 
-# Public metric names (docs/metrics.md's table) and SGLang's (docs/SGLANG_PROTOCOL.md, "Load signals").
-SPECROUTE_METRICS = frozenset(
-    {
-        "specroute_requests_total",
-        "specroute_in_flight_requests",
-        "specroute_decisions_total",
-        "specroute_ttft_seconds",
-        "specroute_request_duration_seconds",
-        "specroute_output_tokens_total",
-        "specroute_decode_tokens_per_second",
-        "specroute_prediction_ratio",
-        "specroute_backend_healthy",
-        "specroute_backend_running_requests",
-        "specroute_backend_queued_requests",
-        "specroute_proxy_overhead_seconds",
-        "specroute_shadow_decisions_total",
-        "specroute_backend_spec_accept_length",
-        "specroute_prefill_tokens_saved_total",
-        "specroute_prompt_tokens_total",
-        "specroute_prefix_prediction_ratio",
-        "specroute_prefix_false_hits_total",
-        "specroute_accept_factor_ratio",
-        "specroute_acceptance_families",
-    }
-)
-# Further metrics the proxy exports (controller/proxy/metrics.py), shown but not part of the list above.
-SPECROUTE_EXTRA_METRICS = frozenset(
-    {
-        "specroute_rejected_requests_total",
-        "specroute_failovers_total",
-        "specroute_backend_sample_age_seconds",
-        "specroute_exploration_share",
-        "specroute_exploration_budget_spent_ratio",
-        "specroute_exploration_regret_seconds",
-    }
-)
+
+@functools.cache
+def registered_metrics() -> frozenset[str]:
+    """The metric families a real `specroute serve` exports, every optional part on (a config
+    file to reload, a decision log, a state file, an admin token), as the exposition names them
+    (counters with `_total`; prometheus_client's `_created` series are not metrics of their own)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "specroute.yaml"
+        config.write_text(
+            "baseline: [http://127.0.0.1:9]\neagle: [http://127.0.0.1:10]\nprofile: kimi-k25-int4-8gpu\n"
+            f"decision_log: {tmp}/decisions.jsonl\nstate_file: {tmp}/state.json\n"
+        )
+        env = clean_env() | {"SPECROUTE_ADMIN_TOKEN": "t", "SPECROUTE_SHUTDOWN_GRACE_S": "0"}
+        proc, line = spawn.start_sync(
+            [sys.executable, "-m", "controller.cli", "serve", "--config", str(config), "--port", "0"],
+            stderr=subprocess.DEVNULL, env=env, cwd=str(ROOT),
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(spawn.url_of(line) + "/metrics", timeout=30) as r:
+                text = r.read().decode()
+        finally:
+            spawn.stop_sync(proc)
+    names = set()
+    for family in text_string_to_metric_families(text):
+        if family.name.endswith("_created"):
+            continue
+        names.add(family.name + "_total" if family.type == "counter" else family.name)
+    return frozenset(names)
+
+
+# SGLang's metric names (docs/SGLANG_PROTOCOL.md, "Load signals"): the dashboard may query these.
 SGLANG_METRICS = frozenset(
     {
         "sglang:num_running_reqs",
@@ -190,11 +190,19 @@ def example_settings() -> Settings:
     return load_settings(environ={}, config_file=EXAMPLE)
 
 
+def config_map_generator() -> dict[str, Any]:
+    """kustomization.yaml's one configMapGenerator entry (the specroute config)."""
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    (generator,) = kustomization["configMapGenerator"]
+    assert isinstance(generator, dict)
+    return generator
+
+
 def configmap_config(tmp_path: Path) -> Path:
-    (cm,) = yaml_docs(K8S / "configmap.yaml")
-    path = tmp_path / "specroute.yaml"
-    path.write_text(cm["data"]["specroute.yaml"])
-    return path
+    """The config file the ConfigMap is generated from (its one key, specroute.yaml)."""
+    (name,) = config_map_generator()["files"]
+    assert name == "specroute.yaml"
+    return K8S / name
 
 
 def k8s_deployment() -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """deploy/compose*.yaml: the services, mounts and volumes are consistent, the files validate
 against the Compose Specification (check-jsonschema's bundled copy, where installed), the SGLang
-servers use real SGLang flags and GPUs, and every `specroute` command line parses with the real
-CLI parser and uses only flags its `--help` lists."""
+servers use real SGLang flags and GPUs and the image of the SGLang release the emulator speaks,
+the profile specroute runs with has what its policy parameters read, and every `specroute`
+command line parses with the real CLI parser and uses only flags its `--help` lists."""
 
 from __future__ import annotations
 
@@ -118,3 +119,28 @@ def test_compose_specroute_commands_are_accepted(compose_file: str) -> None:
         elif entrypoint is not None and entrypoint[0] == "specroute":
             args = [*entrypoint[1:], *command]
             check_specroute_command(args[0], [compose_value(a) for a in args[1:]], f"{compose_file} {name}")
+
+
+def test_compose_pins_the_sglang_release_the_emulator_speaks() -> None:
+    from simulator.emulator.info import SGLANG_VERSION
+
+    image = compose_value(load_compose("compose.yaml")["x-sglang"]["image"])
+    name, _, tag = image.partition(":")
+    assert name == "lmsysorg/sglang" and tag != "latest"
+    assert tag.split("-")[0] == f"v{SGLANG_VERSION}", f"{image}: the emulator speaks SGLang {SGLANG_VERSION}"
+
+
+def test_compose_profile_has_the_accept_length_its_policy_reads() -> None:
+    """`scraped_accept_length` scales eagle's rate by the reported accept length over the
+    profile's: a profile without one would make it do nothing, silently."""
+    from policies.profile import resolve_profile
+
+    settings = example_settings()
+    if not settings.policy_params.get("scraped_accept_length"):
+        return
+    for name in ("compose.yaml", "compose.emulated.yaml"):
+        env = load_compose(name)["services"]["specroute"]["environment"]
+        profile = resolve_profile(compose_value(str(env["SPECROUTE_PROFILE"])))
+        assert profile.mode("eagle").accept_length, (
+            f"{name}: profile {profile.name} has no eagle accept_length"
+        )

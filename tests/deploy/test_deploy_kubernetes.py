@@ -1,7 +1,9 @@
 """deploy/kubernetes/: the manifests validate against the Kubernetes JSON schemas
-(kubernetes-validate, offline, strict, where installed); the Deployment, Service, ConfigMap and
-ServiceMonitors agree with each other and with the config (ports, probes, grace period, replicas,
-mounts); and the container's `specroute serve` args parse with the real CLI."""
+(kubernetes-validate, offline, strict, where installed); the Deployment, Service, generated
+ConfigMap, NetworkPolicy and ServiceMonitors agree with each other and with the config (ports,
+probes, grace period, replicas, mounts, state file); the config is a kustomize
+configMapGenerator (an edited config rolls the pods); and the container's `specroute serve`
+args parse with the real CLI."""
 
 from __future__ import annotations
 
@@ -11,14 +13,23 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_files import K8S, arg_value, check_specroute_command, configmap_config, k8s_deployment, yaml_docs
+from deploy_files import (
+    K8S,
+    arg_value,
+    check_specroute_command,
+    config_map_generator,
+    configmap_config,
+    k8s_deployment,
+    yaml_docs,
+)
 
 from controller.proxy.config import load_settings
 
 
 def _manifests() -> Iterator[tuple[str, dict[str, Any]]]:
+    generated = set(config_map_generator()["files"])
     for path in sorted(K8S.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
+        if path.name == "kustomization.yaml" or path.name in generated:
             continue
         for doc in yaml_docs(path):
             yield path.name, doc
@@ -35,7 +46,7 @@ def test_kubernetes_manifests_validate_against_schemas() -> None:
         except kv.ValidationError as e:
             pytest.fail(f"{name} {doc['kind']}: {e}")
         checked.append(doc["kind"])
-    assert sorted(checked) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    assert sorted(checked) == ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service"]
 
 
 def test_kubernetes_structure(tmp_path: Path) -> None:
@@ -46,7 +57,14 @@ def test_kubernetes_structure(tmp_path: Path) -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     for resource in kustomization["resources"]:
         assert (K8S / resource).is_file(), resource
-    assert {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"} == set(kustomization["resources"])
+    generator = config_map_generator()
+    shipped = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert shipped == set(kustomization["resources"]) | set(generator["files"])
+    # a generated ConfigMap's name carries its content's hash, which kustomize writes into the
+    # Deployment too: an edited config rolls the pods (unless hashes were turned off)
+    assert "ConfigMap" not in kinds
+    assert not generator.get("options", {}).get("disableNameSuffixHash")
+    assert not kustomization.get("generatorOptions", {}).get("disableNameSuffixHash")
 
     dep = k8s_deployment()
     assert dep["apiVersion"] == "apps/v1"
@@ -73,10 +91,28 @@ def test_kubernetes_structure(tmp_path: Path) -> None:
     assert pod["terminationGracePeriodSeconds"] > pause + grace + 2  # exit takes ~1 s after the drain
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     (config_volume,) = [v for v in pod["volumes"] if "configMap" in v]
-    assert config_volume["configMap"]["name"] == kinds["ConfigMap"][0]["metadata"]["name"]
+    assert config_volume["configMap"]["name"] == generator["name"]
     assert arg_value(container["args"], "--config").startswith(mounts[config_volume["name"]] + "/")
     assert settings.decision_log is not None
     assert Path(settings.decision_log).parent == Path(mounts["logs"])
+    # the state file on a writable volume of its own (the root file system is read-only)
+    assert settings.state_file is not None
+    assert Path(settings.state_file).parent == Path(mounts["state"])
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == "state")
+
+    # the NetworkPolicy covers these pods' port: clients by label, Prometheus, no one else
+    (policy,) = kinds["NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    rules = policy["spec"]["ingress"]
+    assert all(port["port"] in ports for rule in rules for port in rule["ports"])
+    peers = [peer for rule in rules for peer in rule["from"]]
+    assert all(peer.get("podSelector", {}).get("matchLabels") for peer in peers)  # never "anyone"
+    assert any(peer["podSelector"]["matchLabels"].get("specroute.io/client") == "true" for peer in peers)
+    assert any(
+        peer["podSelector"]["matchLabels"].get("app.kubernetes.io/name") == "prometheus" for peer in peers
+    )
 
     (service,) = kinds["Service"]
     assert service["spec"]["selector"].items() <= labels.items()

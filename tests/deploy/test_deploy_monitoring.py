@@ -1,7 +1,9 @@
-"""deploy/prometheus and deploy/grafana: Prometheus scrapes the compose services (and passes
-`promtool check config` where installed); every dashboard query parses as PromQL (`promtool check
-rules`) and names only metrics specroute or SGLang export, and the public metrics all have a
-panel."""
+"""deploy/prometheus and deploy/grafana: Prometheus scrapes the compose services and loads the
+alert rules (and passes `promtool check config` where installed); every dashboard query parses as
+PromQL (`promtool check rules`) and names only metrics specroute or SGLang export; every metric a
+real `specroute serve` registers has a panel; the alert rules pass `promtool check rules` and
+their unit tests (`promtool test rules`), each alert is exercised there, queries only metrics
+that exist and is documented in docs/operations.md."""
 
 from __future__ import annotations
 
@@ -15,13 +17,13 @@ import yaml
 from deploy_files import (
     DEPLOY,
     METRIC_NAME,
+    ROOT,
     SGLANG_METRICS,
-    SPECROUTE_EXTRA_METRICS,
-    SPECROUTE_METRICS,
     dashboard,
     dashboard_queries,
     load_compose,
     metric_base_name,
+    registered_metrics,
 )
 
 
@@ -55,11 +57,14 @@ def test_promtool_checks_prometheus_config() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_dashboard_uses_known_metrics_and_covers_them() -> None:
+def test_dashboard_uses_known_metrics_and_covers_every_registered_one() -> None:
+    """Every metric the code registers (a live serve's /metrics) has a panel; no exclusions."""
+    registered = registered_metrics()
+    assert len(registered) >= 40
     used = {metric_base_name(m) for _, expr in dashboard_queries() for m in METRIC_NAME.findall(expr)}
-    unknown = used - SPECROUTE_METRICS - SPECROUTE_EXTRA_METRICS - SGLANG_METRICS
+    unknown = used - registered - SGLANG_METRICS
     assert not unknown, f"dashboard queries metrics nobody exports: {sorted(unknown)}"
-    missing = SPECROUTE_METRICS - used
+    missing = registered - used
     assert not missing, f"dashboard shows no panel for {sorted(missing)}"
     for sglang in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:spec_accept_length"):
         assert sglang in used
@@ -104,3 +109,67 @@ def test_dashboard_queries_parse_as_promql(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {len(rules)} rules found" in proc.stdout
+
+
+PROMETHEUS = DEPLOY / "prometheus"
+ALERTS = PROMETHEUS / "alerts.yml"
+ALERT_TESTS = PROMETHEUS / "alerts.test.yml"
+
+
+def _alerts() -> dict[str, str]:
+    rules = yaml.safe_load(ALERTS.read_text())
+    return {r["alert"]: r["expr"] for group in rules["groups"] for r in group["rules"]}
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_alert_rules_pass_promtool_check_and_their_unit_tests() -> None:
+    check = subprocess.run(
+        ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"SUCCESS: {len(_alerts())} rules found" in check.stdout
+    test = subprocess.run(
+        ["promtool", "test", "rules", ALERT_TESTS.name],
+        cwd=PROMETHEUS,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert test.returncode == 0, test.stdout + test.stderr
+    assert "SUCCESS" in test.stdout
+
+
+def test_every_alert_is_exercised_firing_and_quiet() -> None:
+    """Each alert has a unit test where it fires and one where it does not (before its `for:`
+    or on the healthy series beside), so no rule ships untested."""
+    fires, quiet = set(), set()
+    for case in yaml.safe_load(ALERT_TESTS.read_text())["tests"]:
+        for check in case["alert_rule_test"]:
+            (fires if check["exp_alerts"] else quiet).add(check["alertname"])
+    assert set(_alerts()) == fires, set(_alerts()) ^ fires
+    assert set(_alerts()) <= quiet, set(_alerts()) - quiet
+
+
+def test_alerts_cover_what_operators_must_know_and_query_real_metrics() -> None:
+    alerts = _alerts()
+    used = {metric_base_name(m) for expr in alerts.values() for m in METRIC_NAME.findall(expr)}
+    assert used <= registered_metrics(), used - registered_metrics()
+    for metric in (
+        "specroute_backend_ejections_total",  # ejections
+        "specroute_config_last_reload_successful",  # reload failures
+        "specroute_admission_rejections_total",  # 429s
+        "specroute_memory_budget_refusals_total",  # memory budget refusals
+        "specroute_profile_mismatches_total",  # profile mismatches
+        "specroute_prediction_ratio",  # prediction error
+    ):
+        assert metric in used, f"no alert on {metric}"
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    undocumented = [name for name in alerts if f"`{name}`" not in operations]
+    assert not undocumented, f"docs/operations.md does not explain {undocumented}"
+
+
+def test_prometheus_loads_the_alert_rules_in_compose() -> None:
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    volumes = load_compose("compose.yaml")["services"]["prometheus"]["volumes"]
+    assert "./prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in volumes

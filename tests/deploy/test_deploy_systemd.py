@@ -108,3 +108,25 @@ def test_systemd_specroute_command_is_accepted() -> None:
     words = exec_start(unit, env)
     assert words[0].endswith("/specroute") and words[1] == "serve", words
     check_specroute_command("serve", words[2:], "specroute.service ExecStart")
+
+
+def _gpus(value: str) -> set[int]:
+    out: set[int] = set()
+    for part in value.split(","):
+        first, _, last = part.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def test_the_two_sglang_servers_never_share_a_gpu() -> None:
+    """specroute.service starts both SGLang units on one host: their GPUs must be disjoint, and
+    each server's tensor parallelism must use exactly the GPUs it is given."""
+    gpus = {}
+    for pool in ("baseline", "eagle"):
+        env = read_env_file(SYSTEMD / f"sglang-{pool}.env")
+        gpus[pool] = _gpus(env["CUDA_VISIBLE_DEVICES"])
+        assert int(env["TP_SIZE"]) == len(gpus[pool]), pool
+    assert not gpus["baseline"] & gpus["eagle"], (
+        f"both servers on GPUs {sorted(gpus['baseline'] & gpus['eagle'])}"
+    )
+    assert max(gpus["baseline"] | gpus["eagle"]) < 8  # one 8-GPU node

@@ -175,7 +175,7 @@ def test_state_round_trips_exactly_through_json() -> None:
         info = RequestInfo(max_tokens=200, features=prompt(kind, rng), client=i % 3)
         teach(policy, info, truth[kind], spec=True)
     saved = json.loads(json.dumps(policy.policy.state()))  # type: ignore[attr-defined]
-    assert set(saved) == {"version", "content", "explore"}
+    assert set(saved) == {"version", "calibration", "content", "explore"}
     fresh = cost_model()
     fresh.policy.load_state(saved)  # type: ignore[attr-defined]
     assert json.loads(json.dumps(fresh.policy.state())) == saved  # type: ignore[attr-defined]
@@ -187,14 +187,14 @@ def test_state_round_trips_exactly_through_json() -> None:
     small = AcceptanceModel(dim=256)
     with pytest.raises(ValueError, match="other dimensions"):
         small.load_state(saved["content"])
-    with pytest.raises(ValueError, match="not layout version"):
+    with pytest.raises(ValueError, match="layout version 1"):
         small.load_state({"version": 1})
-    with pytest.raises(ValueError, match="cost_model state: explore was on"):
+    with pytest.raises(ValueError, match="cost_model: explore was on"):
         cost_model(explore_budget=0).policy.load_state(saved)  # type: ignore[attr-defined]
     broken = json.loads(json.dumps(saved["content"]))
-    broken["tokens"][0][1] = float("nan")
+    broken["client_offsets"] = saved["content"]["client_recent"][:-4]  # one value short
     model = AcceptanceModel()
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(ValueError, match="8-byte values"):
         model.load_state(broken)
     assert model.taught == 0
 

@@ -67,6 +67,23 @@ def test_resolve_by_path_and_unknown_builtin_lists_known() -> None:
         resolve_profile("nope")
 
 
+def test_a_missing_profile_file_named_alone_is_reported_as_a_missing_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--profile my-profile.json` in a folder without it: the file is what is missing, not a
+    built-in profile of that name; a built-in's name with `.json` still finds the built-in."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ProfileError) as info:
+        resolve_profile("my-profile.json")
+    text = str(info.value)
+    assert text.startswith("my-profile.json: no such profile file") and str(tmp_path) in text
+    assert "no built-in profile" not in text and "kimi-k25-int4-8gpu" in text
+    assert resolve_profile("kimi-k25-int4-8gpu.json").name == resolve_profile("kimi-k25-int4-8gpu").name
+    (tmp_path / "my-profile.json").write_text((Path(__file__).resolve().parents[2] / "policies" / "profiles" /
+                                               "kimi-k25-int4-8gpu.json").read_text())  # fmt: skip
+    assert resolve_profile("my-profile.json").name == resolve_profile("kimi-k25-int4-8gpu").name
+
+
 # -- errors name the file and the field ---------------------------------------------------
 
 

@@ -97,6 +97,18 @@ def test_secrets_are_masked_and_never_in_repr():
         ({"baseline": "http://a:1", "eagle": "http://a:1"}, {}, None, "listed twice"),
         ({"baseline": "a:1"}, {}, None, "baseline (from flag --baseline)"),
         ({"eagle": "http://gpu:30000/v1"}, {}, None, "without a path"),
+        (
+            {},
+            {},
+            "baseline: [http://baseline-1.invalid:30000]\n",
+            "'http://baseline-1.invalid:30000' is a placeholder",
+        ),
+        (
+            {"eagle": "e=http://EAGLE-0.Invalid."},
+            {},
+            None,
+            "eagle (from flag --eagle): 'http://EAGLE-0.Invalid.' is a",
+        ),
         ({}, {}, "health_check_path: health\n", "health_check_path"),
         ({}, {"SPECROUTE_SHADOW_POLICIES": "[{"}, None, "not valid JSON"),
         ({}, {"SPECROUTE_SHADOW_POLICIES": '[{"nme": "fixed"}]'}, None, "shadow_policies.0"),

@@ -12,13 +12,11 @@ import errno
 import json
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import aiohttp
-import pytest
 from helpers import WHOLE_BODY as BODY
-from helpers import metric_samples, wait_until
+from helpers import fill_file_system, metric_samples, wait_until
 
 from controller.proxy.decision_log import DecisionLog
 
@@ -129,34 +127,6 @@ async def test_a_removed_or_rotated_file_is_noticed_and_reopened(tmp_path):
 # --- through serve, on a real full file system ------------------------------------------------------
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    """A 256 KiB tmpfs (needs root and the right to mount; skipped elsewhere: the write seam
-    above covers the same code)."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def _fill(path: Path, leave: int) -> None:
-    """Fill the file system of `path` to the last `leave` bytes (rounded to its pages)."""
-    with open(path, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-        f.truncate(max(0, f.tell() - leave))
-
-
 async def test_serve_on_a_full_disk_keeps_serving_counts_drops_and_reopens_on_sighup(
     fake_backend, spawn_serve, tiny_tmpfs
 ):
@@ -188,7 +158,7 @@ async def test_serve_on_a_full_disk_keeps_serving_counts_drops_and_reopens_on_si
     await burst(5)
     assert await wait_until(accounted)
     filler = tiny_tmpfs / "filler"
-    await asyncio.to_thread(_fill, filler, 4096)  # one page left: the next batches tear
+    await asyncio.to_thread(fill_file_system, filler, 4096)  # one page left: the next batches tear
     for _ in range(4):
         await burst(25)
     assert await wait_until(accounted, 20.0)

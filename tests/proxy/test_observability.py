@@ -132,7 +132,18 @@ async def test_metrics_under_traffic_pass_promtool_and_parse(fake_backend, proxy
     for family in found.values():  # bounded labels: never a prompt, an id or free text
         for s in family.samples:
             assert SECRET not in str(s.labels)
-            assert set(s.labels) <= {"pool", "backend", "status", "policy", "reason", "agrees", "code", "le"}
+            assert set(s.labels) <= {
+                "pool",
+                "backend",
+                "status",
+                "policy",
+                "reason",
+                "agrees",
+                "code",
+                "le",
+                "source",
+                "learned",
+            }
 
     def value(name: str, **labels: str) -> float | None:
         return p.metrics.get_sample_value(name, labels)

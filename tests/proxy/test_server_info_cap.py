@@ -168,3 +168,25 @@ async def test_the_emulators_cap_reaches_admission_and_the_policys_view(emulator
     view = p.records[-1].view
     seen = {b.name: b.max_running for b in view.eagle.backends + view.baseline.backends}
     assert seen == {eagle.url: 2, base.url: KIMI.mode("baseline").max_running_requests}  # 256
+
+
+async def test_replicas_share_the_learned_and_the_profiles_bounds(proxy, emulator) -> None:
+    """With `replicas: 2` each replica admits half of what a backend can run (plus the margin): the
+    bound learned from the reported cap and the profile's default alike; a bound set explicitly
+    stays as given (it is per replica already)."""
+    eagle = await emulator("eagle", max_running_requests=10)
+    p = await proxy(
+        eagle=[eagle.url], policy="fixed", policy_params={"pool": "eagle"}, profile="kimi-k25-int4-8gpu",
+        scrape_interval_s=0.05, health_checks=False, replicas=2, admission_margin=0.25,
+    )  # fmt: skip
+    # before the first scrape: the profile's 48, plus 25 %, over two replicas
+    assert p.tracker.get(eagle.url).max_in_flight in (math.ceil(48 * 1.25 / 2), math.ceil(10 * 1.25 / 2))
+    assert await wait_until(lambda: p.tracker.get(eagle.url).max_running == 10)
+    assert await wait_until(lambda: p.tracker.get(eagle.url).max_in_flight == math.ceil(10 * 1.25 / 2))  # 7
+    assert p.sample("specroute_backend_max_in_flight", pool="eagle", backend=eagle.url) == 7.0
+    one = await proxy(
+        eagle=[eagle.url], policy="fixed", policy_params={"pool": "eagle"}, scrape_interval_s=0.05,
+        health_checks=False, replicas=2, eagle_backend_max_in_flight=9,
+    )  # fmt: skip
+    assert await wait_until(lambda: one.tracker.get(eagle.url).max_running == 10)
+    assert one.tracker.get(eagle.url).max_in_flight == 9

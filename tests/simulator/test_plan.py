@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -166,21 +167,23 @@ def test_t_intervals_and_paired_margins() -> None:
 )
 def test_hand_checkable_profiles(eagle_tok_s: tuple[float, float], expected: str) -> None:
     profile = two_mode_profile((80.0, 20.0), eagle_tok_s)
+    # up to 75 clients per server: the adaptive servers' default ladder drafts 3 steps (as deep as
+    # the profile was measured: the EAGLE-3 speed) below batch 32, 1 step below 64, none beyond
     spec = PlanSpec(
         servers=2,
         kinds=("baseline", "eagle", "adaptive"),
-        workload=small_sweep(1, 10, 40),
+        workload=small_sweep(1, 10, 100),
         objective="mean_e2e_s",
         policies=("cost_model", "threshold"),
         seeds=(0, 1, 2),
-        loads=(0.5, 1.0),
+        loads=(1.0, 1.5),
     )
     result = run_plan(profile, spec)
     for lr in result.loads:
         assert lr.best.label == expected
         assert lr.ranking[0].margin is not None and lr.ranking[0].margin.verdict == "win"
         assert lr.tied_with_best == []
-    assert [lr.factor for lr in result.loads] == [0.5, 1.0]
+    assert [lr.factor for lr in result.loads] == [1.0, 1.5]
 
 
 def test_kimi_mixed_beats_all_plain_at_concurrency_1_and_loses_at_250() -> None:
@@ -364,15 +367,28 @@ async def test_plan_writes_a_config_that_checks_and_serves(tmp_path: Path, spawn
     assert (report / "report.md").read_text().count("## Load") == 3
     assert (report / "objective_vs_load.png").read_bytes()[:4] == b"\x89PNG"
 
+    # the placeholder URLs are refused until they are replaced; the rest is a valid serve config
     check = await asyncio.to_thread(_cli, "check-config", str(cfg))
+    assert check.returncode == 2 and "is a placeholder" in check.stderr and ".invalid" in check.stderr
+    assert "replace it with your server's URL" in check.stderr
+    assert "hosts under .invalid: `specroute serve` refuses them" in text
+    filled = tmp_path / "filled.yaml"
+    filled.write_text(_fill_placeholders(text))
+    check = await asyncio.to_thread(_cli, "check-config", str(filled))
     assert check.returncode == 0, check.stderr
     assert "valid" in check.stdout
 
-    served = await spawn_serve("--config", str(cfg), "--host", "127.0.0.1")
+    served = await spawn_serve("--config", str(filled), "--host", "127.0.0.1")
     async with aiohttp.ClientSession() as session, session.get(served.url + "/health") as resp:
         assert resp.status == 200
     served.signal(signal.SIGTERM)
     assert await served.wait() == 0
+
+
+def _fill_placeholders(text: str) -> str:
+    """A plan's config with its placeholder hosts (`kind-i.invalid`) replaced by loopback ports."""
+    ports = iter(range(41000, 41100))
+    return re.sub(r"http://[a-z]+-\d+\.invalid:\d+", lambda _: f"http://127.0.0.1:{next(ports)}", text)
 
 
 def test_single_pool_winner_gets_the_fixed_policy(tmp_path: Path) -> None:
@@ -399,6 +415,9 @@ def test_single_pool_winner_gets_the_fixed_policy(tmp_path: Path) -> None:
     assert settings["policy"] == "fixed" and settings["policy_params"] == {"pool": "baseline"}
     assert len(settings["baseline"]) == 2 and settings["eagle"] == []
     assert settings["profile"] == str(profile.resolve())
+    check = _cli("check-config", str(cfg))
+    assert check.returncode == 2 and "'http://baseline-1.invalid:30000' is a placeholder" in check.stderr
+    cfg.write_text(_fill_placeholders(cfg.read_text()))
     check = _cli("check-config", str(cfg))
     assert check.returncode == 0, check.stderr
 
@@ -471,5 +490,6 @@ def test_a_vllm_profile_gets_vllm_launch_lines(tmp_path: Path) -> None:
     assert settings["engine"] == "vllm"
     if settings["eagle"]:
         assert '"method":"eagle3"' in text
+    cfg.write_text(_fill_placeholders(text))
     check = _cli("check-config", str(cfg))
     assert check.returncode == 0, check.stderr

@@ -271,7 +271,7 @@ def test_tune_takes_the_cache_size() -> None:
     spec = WorkloadSpec(kind="multiturn", rate=2.0, requests=200)
     hit = {}
     for size in (0, 100_000):
-        ranking = tune(
+        result = tune(
             prof,
             "cost_model",
             {},
@@ -282,5 +282,5 @@ def test_tune_takes_the_cache_size() -> None:
             registry=default_registry(entry_points=False),
             cache_tokens=size,
         )
-        hit[size] = ranking[0].summary["cache_hit_ratio"]
+        hit[size] = result.best.summary["cache_hit_ratio"]
     assert hit[0] == 0.0 and hit[100_000] > 0.3

@@ -178,7 +178,7 @@ def test_json_is_byte_identical_across_processes(tmp_path: Path) -> None:
         (["--profile", PROFILE, "--workload", "trace"], "--trace FILE"),
         (["--profile", PROFILE, "--workload", "trace", "--trace", "/nonexistent.csv"], "no such trace"),
         (["--profile", PROFILE, "--workload", "poisson", "--rate", "0"], "rate"),
-        (["--profile", PROFILE, "--adaptive-buckets", "8:2"], "adaptive bucket"),
+        (["--profile", PROFILE, "--adaptive-ladder", "8:x"], "adaptive-ladder"),
         (["--profile", PROFILE, "--policy-param", "oops"], "KEY=VALUE"),
     ],
 )

@@ -23,7 +23,7 @@ from simulator.engine.servers import (
     DeploymentError,
     build_deployment,
     build_server,
-    parse_buckets,
+    parse_adaptive,
     parse_deployment,
 )
 from simulator.engine.workloads import AcceptModel, LengthSpec, WorkloadSpec, generate
@@ -232,33 +232,36 @@ def test_policy_choosing_an_unknown_backend_is_a_clear_error() -> None:
         simulate(servers, Wrong(), _batch([10], [0.0]))  # type: ignore[arg-type]
 
 
-def test_adaptive_server_speculates_only_while_the_batch_is_small() -> None:
+def test_adaptive_server_follows_its_ladder() -> None:
+    """SGLang's default ladder on the kimi profile: the EAGLE-3 speed while it drafts as deep as
+    the profile was measured (3 steps below batch 32), the plain speed from batch 64, 1 step
+    between (derived: neither measured curve)."""
     profile = resolve_profile("kimi-k25-int4-8gpu")
     base, eagle = profile.speed("baseline"), profile.speed("eagle")
     adaptive = build_server(profile, "adaptive", "adaptive-0")
     assert adaptive.pool == "eagle"
     assert adaptive.max_running_requests == base.max_running_requests
-    assert adaptive.rate_at(1) == pytest.approx(eagle.decode_tok_s(1))
-    assert adaptive.rate_at(100) == pytest.approx(base.decode_tok_s(100))
-    # In between, the step time lies between the two measured curves.
-    step = 1 / adaptive.rate_at(20)
-    assert 1 / base.decode_tok_s(20) < step < 1 / eagle.decode_tok_s(20)
-    custom = build_server(profile, "adaptive", "a", parse_buckets("4:1,16:0.5"))
-    assert custom.rate_at(3) == pytest.approx(eagle.decode_tok_s(3))
-    assert custom.rate_at(16) == pytest.approx(base.decode_tok_s(16))
-    assert 1 / custom.rate_at(10) == pytest.approx(
-        (1 / eagle.decode_tok_s(10) + 1 / base.decode_tok_s(10)) / 2
-    )
+    for b in (1, 7, 8, 31):
+        assert adaptive.rate_at(b) == pytest.approx(eagle.decode_tok_s(b))
+    for b in (64, 100, 250, 1000, 5000):
+        assert adaptive.rate_at(b) == pytest.approx(base.decode_tok_s(b))
+    assert eagle.decode_tok_s(40) < adaptive.rate_at(40) != pytest.approx(base.decode_tok_s(40))
+    assert adaptive.drafting is not None and adaptive.drafting[63] and not adaptive.drafting[64]
+    # a vLLM schedule: fixed depths, 0 from batch 17 on
+    custom = build_server(profile, "adaptive", "a", parse_adaptive("[[1,16,3],[17,512,0]]"))
+    assert custom.rate_at(16) == pytest.approx(eagle.decode_tok_s(16))
+    assert custom.rate_at(17) == pytest.approx(base.decode_tok_s(17))
 
 
-def test_deployment_and_bucket_specs() -> None:
+def test_deployment_and_ladder_specs() -> None:
     assert parse_deployment("baseline=2, adaptive=1") == (("baseline", 2), ("adaptive", 1))
     for bad in ("baseline", "baseline=x", "baseline=-1", "eagle=1,eagle=2", "baseline=0", "gpu=1"):
         with pytest.raises(DeploymentError):
             parse_deployment(bad)
-    for bad in ("8", "8:1.5", "32:1,8:0.5", "0:1"):
-        with pytest.raises(DeploymentError):
-            parse_buckets(bad)
+    assert parse_adaptive("1:3,64:0").describe() == "1:3,64:0"
+    for bad in ("8", "8:x", "32:1,8:0", "0:1", "off", "[[2,8,3]]", "1:99", "/nonexistent/ladder.json"):
+        with pytest.raises(DeploymentError, match="--adaptive-ladder"):
+            parse_adaptive(bad)
 
 
 def test_hint_acceptance_factors_reach_eagle_requests() -> None:
