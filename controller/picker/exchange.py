@@ -26,7 +26,7 @@ from controller.picker.outcomes import Seen
 from controller.proxy.config import Settings
 from controller.proxy.errors import PayloadTooLarge, SpecrouteError
 from controller.proxy.sse import Holdback, drop_usage_events
-from controller.proxy.ticket import Ticket, Tickets, requested_sequences
+from controller.proxy.ticket import Ticket, Tickets
 
 log = logging.getLogger("specroute.picker")
 
@@ -214,7 +214,6 @@ class Exchange:
         self.seen = Seen(
             endpoint=endpoint,
             stream=info.stream,
-            sequences=requested_sequences(body, endpoint),
             arrived_at=arrived,
             source="access_log" if source == "access_log" else "stream",
         )

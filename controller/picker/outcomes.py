@@ -49,7 +49,6 @@ class Seen:
 
     endpoint: EndpointKind
     stream: bool
-    sequences: int
     arrived_at: float
     """When the request's body reached the picker (its clock)."""
     source: str = "stream"
@@ -161,7 +160,6 @@ class Seen:
             completion_tokens=tokens,
             cached_tokens=cached,
             prompt_tokens=prompt,
-            sequences=self.sequences,
         )
 
 

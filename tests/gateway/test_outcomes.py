@@ -35,7 +35,7 @@ def _entry(
 
 
 def _seen(stream: bool = True) -> Seen:
-    return Seen(endpoint="chat", stream=stream, sequences=1, arrived_at=50.0, source="access_log")
+    return Seen(endpoint="chat", stream=stream, arrived_at=50.0, source="access_log")
 
 
 def test_a_streamed_answer_from_the_access_log() -> None:
@@ -85,20 +85,15 @@ def test_statuses_as_serve_gives_them() -> None:
 
 
 def test_from_the_ext_proc_messages() -> None:
-    seen = Seen(endpoint="chat", stream=True, sequences=2, arrived_at=10.0)
+    seen = Seen(endpoint="chat", stream=True, arrived_at=10.0)
     seen.response_headers(200)
     seen.response_chunk(TAIL[:100], 10.2, False)
     seen.response_chunk(TAIL[100:], 10.5, True)
     result = seen.result(11.0)
-    assert (result.status, result.first_byte_at, result.completion_tokens, result.sequences) == (
-        "ok",
-        10.2,
-        7,
-        2,
-    )
-    cut = Seen(endpoint="chat", stream=True, sequences=1, arrived_at=10.0)
+    assert (result.status, result.first_byte_at, result.completion_tokens) == ("ok", 10.2, 7)
+    cut = Seen(endpoint="chat", stream=True, arrived_at=10.0)
     cut.response_headers(200)
     cut.response_chunk(TAIL[:100], 10.2, False)
     assert cut.result(11.0).status == "client_closed"  # the gateway ended it before its end
-    silent = Seen(endpoint="chat", stream=True, sequences=1, arrived_at=10.0)
+    silent = Seen(endpoint="chat", stream=True, arrived_at=10.0)
     assert silent.result(11.0).status == "ok" and silent.result(11.0, cut=True).status == "client_closed"
