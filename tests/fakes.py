@@ -131,6 +131,9 @@ class FakeBackend:
         self.stalled = 0
         """Requests this backend is holding in a stall (`stall`, `stall_mid`) right now."""
         self.max_active = 0
+        self.sequences = 0
+        """Sequences of the requests in progress (`n` x prompts, as SGLang runs them)."""
+        self.max_sequences = 0
         self.completed = 0
         self.aborted = 0
         self.url = ""
@@ -209,6 +212,13 @@ class FakeBackend:
         self.request_headers.append(dict(request.headers))
         self.active += 1
         self.max_active = max(self.max_active, self.active)
+        prompt = body.get("prompt")
+        prompts = (
+            len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
+        )
+        sequences = prompts * int(body.get("n") or 1)
+        self.sequences += sequences
+        self.max_sequences = max(self.max_sequences, self.sequences)
         mode = str(body.get("fake_mode", self.mode))
         try:
             if mode in ("error500", "bad_request") or (mode == "queue_full" and not body.get("stream")):
@@ -245,6 +255,7 @@ class FakeBackend:
             raise
         finally:
             self.active -= 1
+            self.sequences -= sequences
 
     async def _stall(self) -> None:
         """Say nothing more (until the proxy gives up and its connection's close cancels this)."""

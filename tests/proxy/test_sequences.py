@@ -7,12 +7,14 @@ is reserved for it."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from helpers import assert_openai_error
+from fakes import ShiftedClock
+from helpers import assert_openai_error, wait_until
 
 from controller.proxy.errors import BadRequest
 from controller.proxy.validate import check_sequences, sequences
@@ -94,3 +96,53 @@ async def test_the_settings_raise_the_bounds(fake_backend, proxy) -> None:
             assert r.status == 400
             assert_openai_error(await r.json(), "invalid_request")
     assert len(fb.requests) == 1
+
+
+# --- the reservation half: a request holds one slot per sequence -------------------------------
+
+
+async def test_n_and_prompt_lists_are_admitted_as_the_sequences_they_run(fake_backend, proxy) -> None:
+    """The probe's attack with the settings raised to allow it (max_n and max_prompts_per_request
+    300) against backends bounded at 8 sequences each: `n: 300` and 300 prompts can never run
+    within a bound, so they get a 400 at once; requests at the largest `n` that fits hold 8
+    slots each, so the backends never run more than their bound however many such requests
+    come, a further one waits in specroute and gets 429 after `admission_wait_s` (on the
+    proxy's clock), and another client's request is served once the attacker is gone."""
+    base = await fake_backend(name="base")
+    spec = await fake_backend(name="spec")
+    clock = ShiftedClock()
+    p = await proxy(
+        baseline=[base.url], eagle=[spec.url], policy="fixed", policy_params={"pool": "baseline"},
+        baseline_backend_max_in_flight=8, eagle_backend_max_in_flight=8, max_n=300,
+        max_prompts_per_request=300, admission_wait_s=5, health_checks=False, clock=clock,
+    )  # fmt: skip
+    client = p.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="m", messages=CHAT, n=300, max_tokens=2)  # type: ignore[arg-type]
+    assert "300 sequences" in e.value.message and "at most 8 at once" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model="m", prompt=[f"p{i}" for i in range(300)], max_tokens=2)
+    assert base.requests == spec.requests == [] and p.tracker.total_in_flight == 0
+
+    async def attack(s: aiohttp.ClientSession) -> int:
+        body = {"model": "m", "messages": CHAT, "n": 8, "max_tokens": 2, "fake_mode": "stall"}
+        async with s.post(p.url + "/v1/chat/completions", json=body) as r:
+            return r.status
+
+    async with aiohttp.ClientSession() as s:
+        held = [asyncio.ensure_future(attack(s)) for _ in range(2)]
+        assert await wait_until(lambda: base.stalled == 1 and spec.stalled == 1, 10)  # baseline full: eagle
+        third = asyncio.ensure_future(attack(s))
+        assert await wait_until(lambda: p.sample("specroute_admission_waiting_requests") == 1.0, 10)
+        assert (base.max_sequences, spec.max_sequences) == (8, 8)
+        assert [b.in_flight for b in p.tracker] == [8, 8]
+        clock.advance(6)
+        assert await asyncio.wait_for(third, 10) == 429
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+    await p.wait_idle()
+    served = await client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+    assert served.headers["x-specroute-pool"] == "baseline"
+    assert (base.max_sequences, spec.max_sequences) == (8, 8) and p.tracker.total_in_flight == 0
+    await client.close()
