@@ -133,6 +133,23 @@ async def test_a_failover_moves_the_ticket_and_its_slot() -> None:
     assert p.sample("specroute_failovers_total", pool="eagle") == 1.0
 
 
+async def test_a_request_knows_its_client_by_a_hash_of_its_key_else_of_its_address() -> None:
+    """`RequestInfo.client` (what a learning policy bounds one client's share by): a stable hash of
+    the Authorization header whatever the address, else of the peer's address, else 0."""
+    tickets = _path().tickets
+
+    async def client(headers: dict[str, str], peer: str | None = None) -> int:
+        return (await tickets.describe(BODY, "chat", headers, peer)).info.client
+
+    key = await client({"Authorization": "Bearer sk-one"}, "10.0.0.1")
+    assert key == await client({"Authorization": "Bearer sk-one"}, "10.0.0.2") != 0
+    assert key != await client({"Authorization": "Bearer sk-two"}, "10.0.0.1")
+    assert "sk-one" not in str(key) and key.bit_length() <= 64
+    peer = await client({}, "10.0.0.1")
+    assert peer not in (0, key) and peer == await client({}, "10.0.0.1") != await client({}, "10.0.0.2")
+    assert await client({}) == 0
+
+
 async def test_a_request_reserves_its_sequences_and_its_decode_rate_is_per_sequence() -> None:
     """`n` x prompts slots held from the decision to the end (a failover moves them all), and
     the completion tokens, the sum over the sequences, divided among them."""
