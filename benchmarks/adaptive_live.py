@@ -44,7 +44,7 @@ from sim_vs_live import Proc
 
 from policies.profile import resolve_profile
 from policies.stats import estimate
-from simulator.engine.servers import server_profile
+from simulator.engine.deployment import server_profile
 
 WITHIN = 0.15
 FLOOR = 64

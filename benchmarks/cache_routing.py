@@ -56,9 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from policies.params import parse_policy_ref
 from policies.profile import Profile, resolve_profile
+from simulator.engine.deployment import ServerKind
 from simulator.engine.loop import RequestBatch
 from simulator.engine.runner import PolicyChoice, run
-from simulator.engine.servers import ServerKind
 from simulator.engine.traces import MOONCAKE_BLOCK_TOKENS, read_trace
 from simulator.engine.workloads import LengthSpec, Segment, WorkloadSpec, generate
 

@@ -52,10 +52,10 @@ from policies.cost_model import CostModelParams, CostModelPolicy
 from policies.features import TRAIT_BITS
 from policies.profile import resolve_profile
 from policies.spec import PolicyContext
+from simulator.engine.deployment import ServerKind, build_deployment
 from simulator.engine.loop import simulate
 from simulator.engine.results import summarize
 from simulator.engine.runner import PolicyChoice, run
-from simulator.engine.servers import ServerKind, build_deployment
 from simulator.engine.workloads import LengthSpec, Segment, WorkloadSpec, generate
 
 PROFILE = "kimi-k25-int4-8gpu"

@@ -44,9 +44,9 @@ from policies.cost_model import CostModelParams, CostModelPolicy
 from policies.profile import resolve_profile
 from policies.spec import PolicyContext
 from policies.stats import percentile
+from simulator.engine.deployment import build_deployment
 from simulator.engine.loop import MEASURED, RequestBatch, simulate
 from simulator.engine.prompts import parse_prompt_line
-from simulator.engine.servers import build_deployment
 
 PROFILE = "kimi-k25-int4-8gpu"
 TYPES = ("code", "math", "prose", "tools", "translate", "summarize")

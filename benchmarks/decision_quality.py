@@ -55,15 +55,15 @@ from policies.base import Decision, LoadView, Outcome, Pool, RequestInfo
 from policies.cost_model import CostModelPolicy
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.registry import PolicyContext, default_registry
+from simulator.engine.deployment import ServerKind, build_deployment, server_profile
 from simulator.engine.loop import simulate
 from simulator.engine.oracle import best_static_split
 from simulator.engine.runner import PolicyChoice, run
-from simulator.engine.servers import build_deployment, server_profile
 from simulator.engine.workloads import AcceptModel, LengthSpec, WorkloadSpec, generate
 
 TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "traces"
 LEVELS = (1, 2, 5, 10, 30, 70, 100, 250)
-DEPLOYMENT = (("baseline", 1), ("eagle", 1))
+DEPLOYMENT: tuple[tuple[ServerKind, int], ...] = (("baseline", 1), ("eagle", 1))
 NEW = "cost_model"
 OLD = "cost_model:scope=request,calibrate=false"
 SELFISH = "cost_model:scope=request"
@@ -276,7 +276,7 @@ def closed_loop(args: argparse.Namespace, rep: Report, names: Sequence[str]) -> 
     print(f"measured requests per level (clients:n): {n}; seeds {list(args.seeds)}")
     section: dict[str, Any] = {}
     for p in names:
-        rows = []
+        rows: list[list[str]] = []
         for pol in policies:
             per = ratios(results.get(profile=p, policy=pol))
             target = (f"closed loop {p}: cost_model >= 0.99 of oracle at every level", 0.99)
@@ -341,7 +341,7 @@ def hint_mix(args: argparse.Namespace, rep: Report, names: Sequence[str]) -> Non
     )
     section: dict[str, Any] = {}
     for p in names:
-        rows = []
+        rows: list[list[str]] = []
         base = {s: results.get(profile=p, policy=told, seed=s)[0] for s in args.seeds}
         for pol in policies:
             per: dict[int, list[float]] = {}

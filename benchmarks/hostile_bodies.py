@@ -69,6 +69,7 @@ import aiohttp
 from aiohttp import web
 
 from controller.cli import spawn
+from policies.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPLETION = {
@@ -285,12 +286,7 @@ def back_below(pid: int, kib: float, within_s: float) -> float | None:
 
 def window_p99(samples: list[tuple[float, ...]], start: float, end: float) -> float:
     """p99 of the latencies probed between `start` and `end` (NaN when none was)."""
-    return pct([s[1] for s in samples if start <= s[0] <= end] or [float("nan")], 0.99)
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return percentile([s[1] for s in samples if start <= s[0] <= end] or [float("nan")], 99)
 
 
 def main() -> int:
@@ -452,7 +448,7 @@ def report(
             per_round[key] = [window_p99(samples[t], a, b) for a, b in windows[key]]
             lat = [s[1] for s in inside]
             peak = max((s[2] for s in inside), default=0)
-            p99s[key] = pct(lat, 0.99)
+            p99s[key] = percentile(lat, 99)
             shown = ", ".join(f"{k}: {v}" for k, v in sorted(statuses[key].items())) or "-"
             p50, p99, worst = statistics.median(lat), p99s[key], max(lat)
             ratio = p99 / p99s[(t, "idle")]
@@ -477,7 +473,7 @@ def report(
         idle = [window_p99(samples["aiohttp minimal"], a, b) for a, b in spans]
         near = [s[1] for s in samples["aiohttp minimal"] if any(a <= s[0] <= b for a, b in spans)]
         rounds = [x / y for x, y in zip(per_round[(t, kind)], idle, strict=True)]
-        near_p99 = pct(near, 0.99)
+        near_p99 = percentile(near, 99)
         return (
             f"{p99s[(t, kind)] / near_p99:.2f} pooled (minimal's p99 beside it {near_p99:.1f} ms, "
             f"n={len(near)}); per round (n={len(rounds)}) median {statistics.median(rounds):.2f}, "

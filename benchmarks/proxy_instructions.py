@@ -94,7 +94,7 @@ def run_once(root: Path, backend: tuple[str, str], args: argparse.Namespace, wor
     total = _totals(out)
     if total <= 0:
         raise SystemExit(f"callgrind recorded nothing for serve from {root}")
-    return total / args.requests
+    return float(total / args.requests)
 
 
 def main() -> int:

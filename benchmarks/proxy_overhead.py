@@ -44,6 +44,7 @@ import aiohttp
 from aiohttp import web
 
 from controller.cli import spawn
+from policies.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 64
@@ -202,11 +203,6 @@ async def drive(
     return ttfts, time.perf_counter() - t0, errors
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def spread(xs: list[float]) -> str:
     if len(xs) < 2:
         return f"{xs[0]:.3f}"
@@ -246,7 +242,7 @@ async def bench(args: argparse.Namespace, targets: dict[str, tuple[str, int | No
         for name in targets:
             lv = results[(name, c)]
             cpu = spread(lv.cpu_ms) if lv.cpu_ms else "-"
-            p50, p99 = f"{pct(lv.ttft_ms, 0.5):.2f}", f"{pct(lv.ttft_ms, 0.99):.2f}"
+            p50, p99 = f"{percentile(lv.ttft_ms, 50):.2f}", f"{percentile(lv.ttft_ms, 99):.2f}"
             line = row.format(c, name, len(lv.ttft_ms), p50, p99, spread(lv.rps), cpu)
             print(line + (f"  errors={lv.errors}" if lv.errors else ""))
         m = results[("minimal", c)].cpu_ms
@@ -341,7 +337,7 @@ def fingerprint_cost(reps: int) -> None:
         f"tokens), n={reps} each:"
     )
     for name, ms in rows:
-        print(f"  {name:<34} {spread(ms)} ms (p50 {pct(ms, 0.5):.3f}, p99 {pct(ms, 0.99):.3f})")
+        print(f"  {name:<34} {spread(ms)} ms (p50 {percentile(ms, 50):.3f}, p99 {percentile(ms, 99):.3f})")
     print()
 
 
@@ -377,7 +373,8 @@ def features_cost(reps: int) -> None:
             out.append((time.perf_counter() - t0) * 1e6)
         return out
 
-    chars = sum(len(m["content"]) for m in small["messages"])  # type: ignore[arg-type]
+    messages: list[dict[str, str]] = small["messages"]  # type: ignore[assignment]
+    chars = sum(len(m["content"]) for m in messages)
     feats = extract_features(small, "chat")
     rows = [
         (f"features, {chars:,}-char chat", timed_us(lambda: extract_features(small, "chat"))),
@@ -386,7 +383,7 @@ def features_cost(reps: int) -> None:
     ]
     print(f"content features (issue 24), n={reps} each:")
     for name, us in rows:
-        med, p99 = statistics.median(us), pct(us, 0.99)
+        med, p99 = statistics.median(us), percentile(us, 99)
         print(f"  {name:<34} median {med:.1f} us, p99 {p99:.1f} us ({spread(us)} us)")
     print()
 

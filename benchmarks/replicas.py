@@ -42,7 +42,7 @@ from decision_quality import TRACES, capacity_rps, profiles
 
 from policies.params import parse_policy_ref
 from simulator.engine.loop import RequestBatch
-from simulator.engine.routers import RouterSetup
+from simulator.engine.replica_views import RouterSetup
 from simulator.engine.runner import PolicyChoice, run
 from simulator.engine.traces import read_trace
 from simulator.engine.workloads import LengthSpec, Segment, WorkloadSpec, generate

@@ -39,9 +39,9 @@ from controller.bench.result import summarize as summarize_live
 from controller.bench.runner import run_sweep
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
+from simulator.engine.deployment import build_deployment, parse_deployment
 from simulator.engine.loop import simulate
-from simulator.engine.routers import RouterGroup, RouterSetup
-from simulator.engine.servers import build_deployment, parse_deployment
+from simulator.engine.replica_views import RouterGroup, RouterSetup
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
 REPLICAS = 3

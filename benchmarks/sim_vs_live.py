@@ -42,9 +42,9 @@ from controller.bench.runner import run_sweep
 from controller.cli import spawn
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
+from simulator.engine.deployment import ServerModel, build_deployment, parse_deployment
 from simulator.engine.loop import NOT_SENT, RawRun, simulate
 from simulator.engine.results import samples, summarize
-from simulator.engine.servers import ServerModel, build_deployment, parse_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
 TARGET = 0.10

@@ -325,7 +325,7 @@ def child(engine: str, args: list[str]) -> int:
     from controller.cli import main as cli_main
 
     digest = hashlib.sha256()
-    inner = runner.simulate
+    inner = runner.simulate  # type: ignore[attr-defined]  # (wrapped where the runner calls it)
 
     def recorded(*a: Any, **k: Any) -> Any:
         raw = inner(*a, **k)
@@ -333,7 +333,7 @@ def child(engine: str, args: list[str]) -> int:
             digest.update(repr(list(column) if column is not None else None).encode())
         return raw
 
-    runner.simulate = recorded  # type: ignore[assignment]
+    runner.simulate = recorded  # type: ignore[attr-defined]
     try:
         rc = cli_main(["simulate", *args, "--json"])
     except SystemExit as e:

@@ -55,8 +55,12 @@ from policies.params import parse_policy_ref
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, PolicyRegistry, default_registry
 from simulator.engine.loop import simulate
-from simulator.engine.servers import build_deployment, parse_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
+
+try:
+    from simulator.engine.deployment import build_deployment, parse_deployment
+except ImportError:  # an --against tree from before the module's rename (it was `servers`)
+    from simulator.engine.servers import build_deployment, parse_deployment  # type: ignore[import-not-found, no-redef]
 
 TARGET = 200_000.0
 
@@ -176,8 +180,8 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         print("no compiled build of this tree (`specroute native build` makes one): timing pure Python only")
         engines = ["python"]
     out = [(f"this/{e}", _tree(), e) for e in engines]
-    if args.against is not None:
-        out.append(("against", str(args.against.resolve()), "python"))
+    if args.against is not None:  # the same engines (a native one needs that tree's own build)
+        out += [(f"against/{e}", str(args.against.resolve()), e) for e in engines]
     return out
 
 
@@ -222,12 +226,13 @@ def _against(args: argparse.Namespace, where: str, variants: list[tuple[str, str
                 f"{max(rates):>10,.0f} {cpu:>10,.0f} {100 * rows[-1][3]:>8.1f} {med / 150_000:>7.2f}x"
             )
     first = labels[0]
-    print(f"\neach variant / {first} (median wall, median cpu):")
+    print(f"\neach variant / {first}, an --against one / this tree's on its engine (median wall, cpu):")
     for name in names:
-        w0, c0 = medians[(first, name)]
         for label in labels[1:]:
-            w1, c1 = medians[(label, name)]
-            print(f"  {name:<16} {label:<12} {w1 / w0:.2f}x wall, {c1 / c0:.2f}x cpu")
+            engine = label.rpartition("/")[2]
+            base = f"this/{engine}" if label.startswith("against/") and f"this/{engine}" in labels else first
+            (w0, c0), (w1, c1) = medians[(base, name)], medians[(label, name)]
+            print(f"  {name:<16} {label:<15} / {base:<12} {w1 / w0:.3f}x wall, {c1 / c0:.3f}x cpu")
     same = all(runs[(label, n)][0][2:] == runs[(first, n)][0][2:] for n in names for label in labels)
     print(f"simulated seconds and eagle share equal in every variant: {same}")
     print(f"\nn = repeats of {args.requests:,} requests each, one fresh process per (repeat, variant).")

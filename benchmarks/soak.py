@@ -73,11 +73,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 from slow_reader import attacker
 
+from controller.bench.server_state import metric_values, sglang_load
 from controller.cli import spawn
 from policies.routing import CLIENT_STALL_SHARE
+from policies.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -460,27 +461,6 @@ async def faults(
 # --- reading the results ------------------------------------------------------------------
 
 
-async def metric_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        text = await r.text()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-async def emulator_busy(url: str) -> int:
-    async with aiohttp.ClientSession() as s, s.get(url + "/v1/loads") as r:
-        load = (await r.json())["loads"][0]
-    return int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def soak(
     args: argparse.Namespace, url: str, base: Backend, eagle: Backend, rogue: Rogue, ops: Ops
 ) -> tuple[Tally, list[Window]]:
@@ -558,7 +538,7 @@ def main() -> int:
         rogue.fault("mode=")
         time.sleep(15)  # faults off, clients gone: everything must drain to zero
         final = asyncio.run(metric_values(url))
-        busy = {b.mode: asyncio.run(emulator_busy(b.url)) for b in (base, eagle)}
+        busy = {b.mode: asyncio.run(sglang_load(b.url)) for b in (base, eagle)}
         rogue_stats = asyncio.run(json_of(rogue.url + "/_rogue/stats"))
         hwm = Path(f"/proc/{serve.pid}/status").read_text()
         hwm_kib = int(next(line.split()[1] for line in hwm.splitlines() if line.startswith("VmHWM:")))
@@ -659,11 +639,11 @@ def report(
         rss = [r[2] / 1024 for r in inside]
         label = f"{m:6d}" if m < minutes else " after"
         print(
-            f"{label}  {len(lat):9d} {statistics.median(lat):8.1f} {pct(lat, 0.99):8.1f} {max(lat):8.1f}"
+            f"{label}  {len(lat):9d} {statistics.median(lat):8.1f} {percentile(lat, 99):8.1f} {max(lat):8.1f}"
             f"   {min(rss):6.0f} / {max(rss):4.0f}"
         )
     during = [r[1] for r in rows if started <= r[0] < started + args.minutes * 60]
-    p50, p99 = statistics.median(during), pct(during, 0.99)
+    p50, p99 = statistics.median(during), percentile(during, 99)
     print(
         f"whole run: /health n={len(during)} p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {max(during):.1f} ms; "
         f"serve VmHWM {hwm_kib / 1024:.0f} MiB"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import statistics
 import sys
@@ -34,7 +35,7 @@ def _backend_load_derived(self: Any) -> None:
         scraped = running + queued if queued else running
         load = scraped if scraped > in_flight else in_flight
     object.__setattr__(self, "load", load)
-    object.__setattr__(self, "admits", self.healthy and not self.full)
+    object.__setattr__(self, "admits", self.usable and not self.full)
 
 
 DERIVED = {"BackendLoad": _backend_load_derived}
@@ -44,7 +45,7 @@ DERIVED = {"BackendLoad": _backend_load_derived}
 def frozen_twin(cls: type) -> Any:
     """`cls` frozen: the same constructor fields and defaults (read from its `__init__`, which
     may be hand-written), derived fields set in `__post_init__`."""
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls).parameters
     fields = []
     for f in dataclasses.fields(cls):
         if not f.init:
@@ -70,7 +71,7 @@ def main() -> int:
     args = ap.parse_args()
     info = RequestInfo()
     decision = Decision("eagle", "e0", "faster_eagle", {}, {}, 3, "cost_model")
-    cases = {
+    cases: dict[str, tuple[type, tuple[Any, ...]]] = {
         "BackendLoad": (BackendLoad, ("e0", "eagle", True, 4, 800, 3, 1, 3.1, 0.0)),
         "Decision": (Decision, ("eagle", "e0", "faster_eagle", {}, {}, 3, "cost_model", None)),
         "Outcome": (Outcome, (info, decision, 1.0, 0.2, 200, 4.0, "ok", None, None)),
@@ -81,7 +82,7 @@ def main() -> int:
     for name, (cls, values) in cases.items():
         rows = []
         for kind in (cls, frozen_twin(cls)):
-            runs = timeit.repeat(lambda k=kind, v=values: k(*v), number=args.n, repeat=args.repeats)
+            runs = timeit.repeat(functools.partial(kind, *values), number=args.n, repeat=args.repeats)
             rows.append([t / args.n * 1e9 for t in runs])
         a, b = (statistics.median(r) for r in rows)
         print(

@@ -9,15 +9,16 @@ the request has ended feed an `Outcome` back through `policy.observe`. Nothing i
 policy objects as the proxy and reproduce a run to the bit.
 
 Values, built once (the constructor-only rule). `BackendLoad`, `PoolLoad`, `LoadView`,
-`Decision` and `Outcome` are slotted dataclasses, not frozen ones: the simulator builds millions
-of them, and a frozen dataclass costs about four times as much to build (1.07 against 0.25 us
-for a `BackendLoad`, 5-8 times as much on a loaded machine: `benchmarks/value_build_cost.py`), which alone
-would take a third off the simulator's speed. They are values all the same: every field is set
-by the constructor and never assigned again; a variant is a new value (`dataclasses.replace`).
-Whoever receives one may keep it (the simulator hands the same `BackendLoad` to several decisions
-while its server is unchanged). `tests/policies/test_values.py` enforces the rule: it makes the
-classes refuse a second assignment to a field and runs the routing core, every policy, the
-simulator and the proxy's view through them.
+`Decision` and `Outcome` are slotted dataclasses, not frozen ones: the simulator builds several
+per simulated request, and a frozen one costs several times as much to build, in pure Python and
+more so compiled (`benchmarks/value_build_cost.py`; `benchmarks/simulator_speed.py --against` a
+tree with them frozen shows the end-to-end cost). They are values all the same: every field is
+set by the constructor and never assigned again; a variant is a new value
+(`dataclasses.replace`). Whoever receives one may keep it (the simulator hands the same
+`BackendLoad` to several decisions while its server is unchanged).
+`tests/policies/test_values.py` enforces the rule: it makes the classes refuse a second
+assignment to a field and runs the routing core, every policy, the simulator and the proxy's
+view through them.
 """
 
 from __future__ import annotations
@@ -25,53 +26,47 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from policies.values import (
-    HINT_HEADER as HINT_HEADER,
+    HINT_HEADER,
+    POOLS,
+    BackendLoad,
+    Decision,
+    EndpointKind,
+    InvalidDecision,
+    LoadView,
+    NoHealthyBackend,
+    Outcome,
+    OutcomeStatus,
+    Pool,
+    PoolLoad,
+    RequestFeatures,
+    RequestInfo,
+    load_of,
+    other_pool,
+    parse_pool,
 )
-from policies.values import (
-    POOLS as POOLS,
-)
-from policies.values import (
-    BackendLoad as BackendLoad,
-)
-from policies.values import (
-    Decision as Decision,
-)
-from policies.values import (
-    EndpointKind as EndpointKind,
-)
-from policies.values import (
-    InvalidDecision as InvalidDecision,
-)
-from policies.values import (
-    LoadView as LoadView,
-)
-from policies.values import (
-    NoHealthyBackend as NoHealthyBackend,
-)
-from policies.values import (
-    Outcome as Outcome,
-)
-from policies.values import (
-    OutcomeStatus as OutcomeStatus,
-)
-from policies.values import (
-    Pool as Pool,
-)
-from policies.values import (
-    PoolLoad as PoolLoad,
-)
-from policies.values import (
-    RequestFeatures as RequestFeatures,
-)
-from policies.values import (
-    RequestInfo as RequestInfo,
-)
-from policies.values import (
-    other_pool as other_pool,
-)
-from policies.values import (
-    parse_pool as parse_pool,
-)
+
+__all__ = [
+    "HINT_HEADER",
+    "POOLS",
+    "BackendLoad",
+    "Decision",
+    "EndpointKind",
+    "InvalidDecision",
+    "LoadView",
+    "NoHealthyBackend",
+    "Outcome",
+    "OutcomeStatus",
+    "Policy",
+    "Pool",
+    "PoolLoad",
+    "RequestFeatures",
+    "RequestInfo",
+    "Resettable",
+    "load_of",
+    "other_pool",
+    "parse_pool",
+    "reads_features",
+]
 
 
 @runtime_checkable
@@ -96,7 +91,7 @@ class Policy(Protocol):
 def reads_features(policy: object) -> bool:
     """Whether `policy` may read `RequestInfo.features`: True unless it has an attribute
     `reads_features` that is False (optional, like `Resettable`). The proxy extracts a request's
-    features (`policies.features`, 6-25 us) only when its policy or a shadow policy may read
+    features (`policies.features`) only when its policy or a shadow policy may read
     them; otherwise `RequestInfo.features` is None, as for a trace without text."""
     return getattr(policy, "reads_features", True) is not False
 

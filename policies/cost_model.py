@@ -74,6 +74,7 @@ from policies.learned import Learner, StateError, check_version, field
 from policies.profile import TABLE_SIZE as _TABLE_SIZE
 from policies.profile import SpeedModel
 from policies.routing import (
+    backend_counts,
     cheapest_backend,
     fallback,
     first_least_loaded,
@@ -162,16 +163,7 @@ class CostModelPolicy:
         self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int, now: float
     ) -> Prediction:
         """(TTFT, end-to-end, marginal cost, would queue, time per output token, load) on `backend`."""
-        # backend_counts inlined (hot path): scraped when fresh, topped up to the in-flight count;
-        # their sum is then the backend's `load`
-        running = backend.running
-        if running is None:
-            running, queued = backend.in_flight, 0
-        else:
-            queued = backend.queued or 0
-            missing = backend.in_flight - running - queued
-            if missing > 0:
-                running += missing
+        running, queued = backend_counts(backend)
         eagle = pool == "eagle"
         model = self._eagle if eagle else self._baseline
         cap = backend.max_running  # the backend's own cap when it reports one, else the profile's
@@ -224,9 +216,9 @@ class CostModelPolicy:
                 # never below zero TTFT, before (occupied) or after this request joins
                 at = occupied if cap is None or occupied < cap else cap
                 prefill_s = -min(cached / self._credit_rate, model.ttft_s(at))
-        # SpeedModel.predict_system_s inlined (the hot path: two calls per decision; a call alone
-        # costs more than this whole prediction, 1.1-1.6 against 0.9-1.0 us): the same operations
-        # in the same order (tests/policies/test_cost_model_inlined.py holds them equal)
+        # SpeedModel.predict_system_s inlined (the hot path: two calls per decision, and the call
+        # alone would cost more than the prediction): the same operations in the same order
+        # (tests/policies/test_cost_model_inlined.py holds them equal)
         m = (n if n > 1 else 1) - 1
         decode_scale = own * speed
         if prefill_s is None:
@@ -274,13 +266,13 @@ class CostModelPolicy:
         if len(backends) == 1:  # the common deployment: nothing to compare
             only = backends[0]
             if self._per_backend[pool]:
-                return (only, self._predict(pool, only, request, n, now)) if only.healthy else None
+                return (only, self._predict(pool, only, request, n, now)) if only.usable else None
             # first_least_loaded of one backend; naming it is what the routing core's pick would do
             if only.admits:
                 return only, self._predict(pool, only, request, n, now)
             return None
         if self._prefix_aware and (
-            self._prefill_rate[pool] is not None or any(b.cached_tokens for b in backends if b.healthy)
+            self._prefill_rate[pool] is not None or any(b.cached_tokens for b in backends if b.usable)
         ):
             predictions: dict[str, Prediction] = {}
 

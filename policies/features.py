@@ -12,8 +12,8 @@ prompt: of the first line of the first message, or of the prompt). Sampling para
 `response_format.type`, the number of tools, `n` and the model name are copied as numbers.
 
 The policy sees only these numbers, never the text. Cost: bounded by the slice, not by the
-prompt: about 20 us per request on this project's machine whatever the prompt's length
-(`benchmarks/proxy_overhead.py`, "features" rows). Pure: no I/O, no clock.
+prompt, whatever the prompt's length (`benchmarks/proxy_overhead.py`, "features" rows). Pure: no
+I/O, no clock.
 """
 
 from __future__ import annotations

@@ -261,10 +261,6 @@ class SpeedModel:
         t = _interp_extrap(b, self._xs, self._ttft)
         return np.maximum(np.where(b > self._xs[-1], np.maximum(t, self._ttft[-1]), t), 0.0)
 
-    def throughput_tok_s_array(self, batch: npt.ArrayLike) -> FloatArray:
-        b = np.maximum(np.asarray(batch, dtype=np.float64), 1.0)
-        return b / self.step_time_array(b)
-
     # -- scalar (table lookups for integer batch sizes) ---------------------------------
 
     def step_time(self, batch: int) -> float:

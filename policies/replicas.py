@@ -6,7 +6,7 @@ requests). Between scrapes the backend changes by what every replica dispatched 
 finish; a replica sees only its own part of that: `in_flight - sample_in_flight`, the requests
 it dispatched (+1) and saw finish (-1) since the sample. `believed_counts` adds that part to
 the sample. The proxy (`controller.proxy.load`) and the simulator's routers
-(`simulator.engine.routers`) both build their `BackendLoad` with `policies.view.backend_load`,
+(`simulator.engine.replica_views`) both build their `BackendLoad` with `policies.view.backend_load`,
 which applies it, so a simulated replica sees exactly what a live one would.
 
 Herding: while a backend looks idle, every replica sends there until its next scrape, each

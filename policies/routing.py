@@ -120,7 +120,8 @@ def cheapest_backend(
 
 
 def backend_counts(backend: BackendLoad) -> tuple[int, int]:
-    """(running, queued) of a backend: scraped when fresh, else local in-flight as running.
+    """(running, queued) of a backend: scraped when fresh, else local in-flight as running; their
+    sum is its `load` (`policies.values.load_of`).
 
     Requests this replica has in flight are never fewer than the backend holds for it, so a
     scraped total below the local count is topped up as running.

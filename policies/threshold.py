@@ -41,7 +41,7 @@ def pool_load(pool: PoolLoad, signal: Signal) -> int:
     """Load of the pool's healthy backends under the chosen signal."""
     total = 0
     for b in pool.backends:
-        if not b.healthy:
+        if not b.usable:
             continue
         if signal == "local":
             total += b.in_flight

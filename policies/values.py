@@ -89,6 +89,15 @@ HINT_HEADER = "x-specroute-hint"
 """The request header that carries `RequestInfo.hint` (read by the proxy and the emulator)."""
 
 
+def load_of(in_flight: int, running: int | None, queued: int | None) -> int:
+    """A backend's load (`BackendLoad.load`): the larger of this replica's in-flight count and
+    the backend-reported running + queued (`running` None: no fresh sample, in flight alone)."""
+    if running is None:
+        return in_flight
+    scraped = running + queued if queued else running
+    return scraped if scraped > in_flight else in_flight
+
+
 @dataclass(slots=True, init=False)
 class BackendLoad:
     """Load of one backend as seen at decision time (built by `policies.view`, for the proxy and
@@ -101,9 +110,10 @@ class BackendLoad:
 
     name: str
     pool: Pool
-    healthy: bool
-    """Health-wise usable: its probes pass and the outlier detector has not ejected it (or the
-    proxy is in panic mode). Whether it takes a request now is `admits`."""
+    usable: bool
+    """May get requests health-wise: its health probes pass and the outlier detector has not
+    ejected it (or the proxy is in panic mode: every backend). Whether it takes a request now
+    is `admits`."""
     in_flight: int
     """Sequences this proxy replica has in flight on the backend (exact; a request counts its
     `RequestInfo.sequences`)."""
@@ -130,14 +140,14 @@ class BackendLoad:
     """The larger of the local in-flight count and the backend-reported load (running + queued,
     when there is a fresh sample)."""
     admits: bool = field(init=False, compare=False)
-    """Whether this backend may take a request now: healthy and not full. The routing core and
+    """Whether this backend may take a request now: usable and not full. The routing core and
     the policies route only to backends that admit."""
 
     def __init__(
         self,
         name: str,
         pool: Pool,
-        healthy: bool = True,
+        usable: bool = True,
         in_flight: int = 0,
         in_flight_tokens: int = 0,
         running: int | None = None,
@@ -150,7 +160,7 @@ class BackendLoad:
     ) -> None:
         self.name = name
         self.pool = pool
-        self.healthy = healthy
+        self.usable = usable
         self.in_flight = in_flight
         self.in_flight_tokens = in_flight_tokens
         self.running = running
@@ -160,12 +170,8 @@ class BackendLoad:
         self.cached_tokens = cached_tokens
         self.full = full
         self.max_running = max_running
-        if running is None:
-            self.load = in_flight
-        else:
-            scraped = running + queued if queued else running
-            self.load = scraped if scraped > in_flight else in_flight
-        self.admits = healthy and not full
+        self.load = load_of(in_flight, running, queued)
+        self.admits = usable and not full
 
     @property
     def scraped(self) -> int | None:
@@ -179,11 +185,6 @@ class BackendLoad:
 class PoolLoad:
     pool: Pool
     backends: tuple[BackendLoad, ...] = ()
-
-    @property
-    def healthy(self) -> tuple[BackendLoad, ...]:
-        """Backends that pass their health checks (full or not)."""
-        return tuple(b for b in self.backends if b.healthy)
 
     @property
     def admitting(self) -> tuple[BackendLoad, ...]:
@@ -208,9 +209,6 @@ class LoadView:
 
     def pool(self, pool: Pool) -> PoolLoad:
         return self.baseline if pool == "baseline" else self.eagle
-
-    def has_healthy(self, pool: Pool) -> bool:
-        return any(b.healthy for b in self.pool(pool).backends)
 
     def admits(self, pool: Pool) -> bool:
         """Whether some backend of `pool` may take a request now."""
@@ -263,7 +261,7 @@ class Decision:
 
 class NoHealthyBackend(Exception):
     """Raised by the routing core (`policies.routing`) when a request has nowhere to go: neither
-    pool has a healthy backend, or the pool the client forced has none."""
+    pool has a usable backend, or the pool the client forced has none."""
 
 
 class InvalidDecision(Exception):

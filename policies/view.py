@@ -1,7 +1,7 @@
 """The view builder: from what is known of each backend to the `LoadView` a policy sees.
 
 One pure builder for the proxy (`controller.proxy.load.LoadTracker.view`) and every simulated
-router (`simulator.engine.routers`, `simulator.engine.core`), so a rule that shapes what a
+router (`simulator.engine.replica_views`, `simulator.engine.dispatch`), so a rule that shapes what a
 policy sees cannot differ between them:
 
 - **Load.** A backend's load is the larger of this replica's in-flight count and the scraped
@@ -10,7 +10,7 @@ policy sees cannot differ between them:
 - **Staleness.** A sample older than `stale_after_s` (default `STALE_AFTER_S`, serve's
   `scrape_stale_after_s`) is ignored: the backend is seen through the in-flight counts alone.
 - **Admission.** A backend at its in-flight bound, or in a pool at its bound, is `full`: it is
-  still healthy, but it does not admit (`BackendLoad.admits`), so policies and the routing core
+  still usable, but it does not admit (`BackendLoad.admits`), so policies and the routing core
   route around it.
 - **Capacity.** The running-request cap a backend reports (`max_running`, None when it reports
   none) goes into the view as it is: policies predict queueing from it, else from the profile.
@@ -41,7 +41,7 @@ def backend_load(
     in_flight_tokens: int,
     *,
     now: float,
-    healthy: bool = True,
+    usable: bool = True,
     full: bool = False,
     running: int | None = None,
     queued: int | None = None,
@@ -59,14 +59,14 @@ def backend_load(
     than `stale_after_s` (or none) leaves `running` None (own in-flight counts only)."""
     if sample_time is None or running is None or now - sample_time > stale_after_s:
         return BackendLoad(
-            name, pool, healthy, in_flight, in_flight_tokens, None, None, None, None, cached_tokens, full,
+            name, pool, usable, in_flight, in_flight_tokens, None, None, None, None, cached_tokens, full,
             max_running,
         )  # fmt: skip
     r, q = believed_counts(running, queued or 0, in_flight, sample_in_flight, replicas)
     return BackendLoad(
         name,
         pool,
-        healthy,
+        usable,
         in_flight,
         in_flight_tokens,
         r,
@@ -89,11 +89,6 @@ def true_load(
     return BackendLoad(
         name, pool, True, running + queued, in_flight_tokens, running, queued, accept_length, 0.0
     )
-
-
-def is_full(in_flight: int, bound: int | None) -> bool:
-    """Whether `in_flight` requests fill a backend (or pool) bounded at `bound` (None: unbounded)."""
-    return bound is not None and in_flight >= bound
 
 
 def believed_cached(

@@ -47,7 +47,7 @@ MODULES: tuple[str, ...] = (
     "policies.cost_model",
     "simulator.engine.events",
     "simulator.engine.server",
-    "simulator.engine.routers",
+    "simulator.engine.replica_views",
     "simulator.engine.dispatch",
     "simulator.engine.clients",
     "simulator.engine.loop",

@@ -22,6 +22,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -195,7 +196,7 @@ async def proxy() -> AsyncIterator[Callable[..., Awaitable[RunningProxy]]]:
             observers=[records.append, *observers],
             health_checks=health_checks,
             shadows=shadows,
-            **({"clock": clock} if clock is not None else {}),
+            clock=clock if clock is not None else time.monotonic,
         )
         runner = make_runner(app, shutdown_timeout=s.drain_timeout_s)
         await runner.setup()

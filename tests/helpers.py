@@ -49,8 +49,9 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
+from openai.types.chat import ChatCompletionMessageParam
 
+from controller.bench.server_state import Labels, metric_values, sglang_load
 from controller.cli import main, spawn
 from controller.proxy.config import parse_backend
 from controller.proxy.load import LoadTracker
@@ -60,12 +61,10 @@ from policies.routing import Router
 
 ROOT = Path(__file__).resolve().parent.parent
 
-Labels = tuple[tuple[str, str], ...]
-
-CHAT: list[dict[str, str]] = [{"role": "user", "content": "hello"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 BODY: dict[str, Any] = {"model": "m", "messages": CHAT, "stream": True}
 WHOLE_BODY: dict[str, Any] = {"model": "m", "messages": CHAT}
-FRANCE: list[dict[str, str]] = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 KIMI = resolve_profile("kimi-k25-int4-8gpu")  # prefill 8000 (baseline) / 7600 (eagle) tok/s
 
 
@@ -102,22 +101,12 @@ async def wait_until(
 
 async def metric_samples(url: str, name: str) -> dict[Labels, float]:
     """Samples of one metric from a `/metrics` endpoint, keyed by their sorted labels."""
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        assert r.status == 200
-        text = await r.text()
-    return {
-        tuple(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
+    return {labels: value for (sample, labels), value in (await metric_values(url)).items() if sample == name}
 
 
 async def emulator_running(url: str) -> int:
     """Requests an emulated SGLang server runs or queues, from its `/v1/loads`."""
-    async with aiohttp.ClientSession() as s, s.get(url + "/v1/loads") as r:
-        load = (await r.json())["loads"][0]
-    return int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])
+    return await sglang_load(url)
 
 
 async def assert_in_flight_zero(url: str, timeout_s: float = 10.0) -> None:

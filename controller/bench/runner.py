@@ -23,7 +23,7 @@ Python API (no side effects at import; the demo uses it)::
     result.write("run.json")                # what `specroute compare` reads
 
 `BenchRunner(config).run()` is the same with the result object kept on the runner, so a
-caller that is interrupted (Ctrl-C cancels the task) still has `runner.result` with the
+caller that is interrupted (Ctrl-C cancels the task) still has `BenchRunner.result` with the
 levels already finished.
 
 How a level runs: `c` workers each send one streaming request after another. Requests that

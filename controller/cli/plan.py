@@ -37,8 +37,8 @@ from policies.params import parse_assignments, split_policy_ref
 from policies.profile import Profile, resolve_profile
 from policies.registry import default_registry
 from simulator import native
+from simulator.engine.deployment import SERVER_KINDS, ServerKind
 from simulator.engine.results import Slo
-from simulator.engine.servers import SERVER_KINDS, ServerKind
 from simulator.engine.workloads import generate
 from simulator.planning.config import config_text
 from simulator.planning.plan import (

@@ -43,11 +43,11 @@ from policies.params import parse_assignments, parse_policy_ref, split_policy_re
 from policies.profile import Profile, resolve_profile
 from policies.registry import default_registry
 from simulator import native
+from simulator.engine.deployment import ServerKind, parse_deployment, parse_speed, server_profile
+from simulator.engine.replica_views import SPLITS, RouterSetup
 from simulator.engine.report import align_columns, format_table, write_report
 from simulator.engine.results import RunResult, Slo
-from simulator.engine.routers import SPLITS, RouterSetup
 from simulator.engine.runner import PolicyChoice, is_single_pool, run
-from simulator.engine.servers import ServerKind, parse_deployment, parse_speed, server_profile
 from simulator.engine.workloads import WorkloadSpec, generate
 from simulator.planning.tuner import (
     DEFAULT_SEEDS,

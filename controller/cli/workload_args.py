@@ -12,9 +12,13 @@ from controller.cli.args import non_negative_float, non_negative_int, positive_f
 from policies.ladder import Ladder
 from policies.profile import Profile, ProfileError
 from policies.spec import PolicyError
+from simulator.engine.deployment import (
+    DEFAULT_LADDER,
+    DeploymentError,
+    parse_adaptive,
+)
 from simulator.engine.loop import SimulationError
 from simulator.engine.report import ReportError
-from simulator.engine.servers import DEFAULT_LADDER, DeploymentError, parse_adaptive
 from simulator.engine.traces import TRACE_FORMATS, TraceError, describe_skipped, skipped_records
 from simulator.engine.workloads import (
     DEFAULT_LEVELS,

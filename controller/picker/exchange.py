@@ -8,8 +8,9 @@ then view + decide + reserve in one step) and answers with the chosen server, or
 serve would give (429 with Retry-After, 503, 400) as an immediate response. The answer's
 messages, if the gateway sends them, and the stream's end (`closed`) are what it saw of the
 answer (`controller.picker.outcomes.Seen`); the ticket finishes then -- or, when the gateway
-reports answers through its access log, once that entry has arrived too (`Picker.logged`),
-within `Picker.outcome_wait_s` of the stream's end.
+reports answers through its access log, once that entry has arrived too
+(`controller.picker.picker.Picker.logged`), within
+`controller.picker.picker.Picker.outcome_wait_s` of the stream's end.
 """
 
 from __future__ import annotations

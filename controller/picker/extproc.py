@@ -1,5 +1,5 @@
 """Envoy's ext_proc messages as the endpoint picker reads and writes them: plain values in,
-protobuf messages out. No gRPC and no I/O here (`controller.picker.server` runs the streams).
+protobuf messages out. No gRPC and no I/O here (`controller.picker.service` runs the streams).
 
 The protocol is the Gateway API Inference Extension's endpoint-picker protocol, version 1.0.0
 (its `docs/proposals/004-endpoint-picker-protocol`):

@@ -24,7 +24,7 @@ from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 
-from controller.proxy.native import generate_completion_tokens
+from controller.proxy.generate import generate_completion_tokens
 from controller.proxy.prefixes import last_count, reported_cached_tokens, reported_prompt_tokens
 from controller.proxy.sse import ends_with_done
 from controller.proxy.ticket import Result

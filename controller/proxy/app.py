@@ -78,16 +78,12 @@ def create_app(
         settings, policy, registry=registry, metrics_registry=metrics_registry, clock=clock, context=ctx,
         observers=observers, shadows=shadows,
     )  # fmt: skip
-    tracker, metrics = core.tracker, core.metrics
     fwd = Forwarder(core)
-    metrics.registry.register(RelayCollector(fwd.relays))
-    app[SETTINGS] = settings
-    if not fwd.identity.show:
-        app[CLIENT_TEXT] = fwd.identity.for_clients
-    app[CORE] = core
-    app[TRACKER] = tracker
-    app[METRICS] = metrics
-    app[FORWARDER] = fwd
+    core.metrics.registry.register(RelayCollector(fwd.relays))
+    app[SETTINGS], app[CORE], app[FORWARDER] = settings, core, fwd
+    app[TRACKER], app[METRICS] = core.tracker, core.metrics
+    if not core.identity.show:
+        app[CLIENT_TEXT] = core.identity.for_clients
     app[ADMIN] = admin = PolicyAdmin(fwd, registry, ctx, adapt=core.ladders.adapt)
     core.rebuild = admin.fresh
     if core.ladders.pool_ladder() is not None:  # backend_adaptive: the policy predicts the ladder's speed
@@ -95,103 +91,139 @@ def create_app(
         log.info("eagle pool: %s", core.ladders.describe())
     app[SHUTDOWN] = Shutdown(clock)
     app.on_response_prepare.append(close_after_answer)
-
-    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        own = session is None
-        # No connection limit here: the admission bounds cap requests per backend, and a limit
-        # in the connector would queue requests out of sight of the accounting and the timeouts.
-        fwd.session = session or aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
-            auto_decompress=False,
-            trust_env=False,
-            headers={"Accept-Encoding": "identity"},
-        )
-        try:
-            async with core.running(fwd.session, health_checks=health_checks, scrape=scrape):
-                assert core.scraper is not None and core.health is not None
-                app[SCRAPER], app[HEALTH] = core.scraper, core.health
-                yield
-        finally:
-            if own:
-                await fwd.session.close()
-
-    app.cleanup_ctx.append(lifecycle)
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await fwd.handle(request, "chat", "/v1/chat/completions")
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await fwd.handle(request, "completions", "/v1/completions")
-
-    def sglang_only(path: str) -> None:
-        """A clear 404 for an SGLang-only route when every backend is known to run another engine."""
-        engines = [app[SCRAPER].engine(b.name) if SCRAPER in app else None for b in tracker]
-        if engines and all(e is not None and not e.native_generate for e in engines):
-            labels = sorted({e.label for e in engines if e is not None})
-            raise NotFound(
-                f"{path} is an SGLang route and every backend here runs {', '.join(labels)}: "
-                "use /v1/chat/completions or /v1/completions"
-            )
-
-    async def generate(request: web.Request) -> web.StreamResponse:
-        sglang_only("/generate")
-        return await fwd.handle(request, "generate", "/generate")
-
-    async def models(request: web.Request) -> web.StreamResponse:
-        return await list_models(fwd, request)
-
-    async def model_info_route(request: web.Request) -> web.StreamResponse:
-        sglang_only(request.path)
-        return await model_info(fwd, request)
-
-    async def server_info_route(request: web.Request) -> web.StreamResponse:
-        sglang_only(request.path)
-        return await server_info(fwd, request)
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def ready(request: web.Request) -> web.Response:
-        if app[SHUTDOWN].started:
-            raise ShuttingDown("specroute is shutting down: send new requests elsewhere")
-        now = clock()
-        healthy = [b for b in tracker if b.healthy and not b.ejected(now)]
-        if not healthy:
-            raise NoBackendAvailable("no healthy backend")
-        body: dict[str, object] = {
-            "status": "ready",
-            "healthy": {pool: sum(b.pool == pool for b in healthy) for pool in POOLS},
-        }
-        names = fwd.identity.names([b.name for b in healthy])
-        if names is not None:  # `backend_header: false`: the counts per pool only
-            body["healthy_backends"] = names
-        return web.json_response(body)
-
-    async def metrics_route(request: web.Request) -> web.Response:
-        body = generate_latest(metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
-        ("POST", "/v1/chat/completions", chat),
-        ("POST", "/v1/completions", completions),
-        ("POST", "/generate", generate),
-        ("PUT", "/generate", generate),  # SGLang accepts both
-        ("GET", "/v1/models", models),
-        ("GET", "/model_info", model_info_route),
-        ("GET", "/get_model_info", model_info_route),
-        ("GET", "/server_info", server_info_route),
-        ("GET", "/get_server_info", server_info_route),
-        ("GET", "/health", health),
-        ("GET", "/ready", ready),
-        ("GET", "/metrics", metrics_route),
-    ]
-    routes += [(r.method, r.path, r.handler) for r in admin_routes(app[ADMIN])]
-    for method, path, handler in routes:
+    app.cleanup_ctx.append(Serving(session, health_checks=health_checks, scrape=scrape))
+    admin_table = [(r.method, r.path, r.handler) for r in admin_routes(admin)]
+    for method, path, handler in (*ROUTES, *admin_table):
         # A bogus `Expect` is answered before any middleware runs: our handler gives OpenAI's shape.
         app.router.add_route(method, path, handler, expect_handler=expect_handler)
         if method == "GET":  # as `add_get` does: HEAD answers like GET, without the body
             app.router.add_route("HEAD", path, handler, expect_handler=expect_handler)
     return app
+
+
+class Serving:
+    """The app's one `cleanup_ctx`: the shared upstream `ClientSession` (unless one was given)
+    and the core's background work (`Core.running`) while the app runs."""
+
+    def __init__(self, session: aiohttp.ClientSession | None, *, health_checks: bool, scrape: bool) -> None:
+        self.session = session
+        self.health_checks = health_checks
+        self.scrape = scrape
+
+    async def __call__(self, app: web.Application) -> AsyncIterator[None]:
+        fwd, core = app[FORWARDER], app[CORE]
+        # No connection limit here: the admission bounds cap requests per backend, and a limit
+        # in the connector would queue requests out of sight of the accounting and the timeouts.
+        session = self.session or aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+            auto_decompress=False,
+            trust_env=False,
+            headers={"Accept-Encoding": "identity"},
+        )
+        fwd.session = session
+        try:
+            async with core.running(session, health_checks=self.health_checks, scrape=self.scrape):
+                assert core.scraper is not None and core.health is not None
+                app[SCRAPER], app[HEALTH] = core.scraper, core.health
+                yield
+        finally:
+            if self.session is None:
+                await session.close()
+
+
+# -- the routes, by family --
+
+# Completions: the request path (`forward.py`).
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await request.app[FORWARDER].handle(request, "chat", "/v1/chat/completions")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[FORWARDER].handle(request, "completions", "/v1/completions")
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    _sglang_only(request.app, "/generate")
+    return await request.app[FORWARDER].handle(request, "generate", "/generate")
+
+
+def _sglang_only(app: web.Application, path: str) -> None:
+    """A clear 404 for an SGLang-only route when every backend is known to run another engine."""
+    engines = [app[SCRAPER].engine(b.name) if SCRAPER in app else None for b in app[TRACKER]]
+    if engines and all(e is not None and not e.native_generate for e in engines):
+        labels = sorted({e.label for e in engines if e is not None})
+        raise NotFound(
+            f"{path} is an SGLang route and every backend here runs {', '.join(labels)}: "
+            "use /v1/chat/completions or /v1/completions"
+        )
+
+
+# What the backends say of themselves, relayed (`info.py`).
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    return await list_models(request.app[FORWARDER], request)
+
+
+async def model_info_route(request: web.Request) -> web.StreamResponse:
+    _sglang_only(request.app, request.path)
+    return await model_info(request.app[FORWARDER], request)
+
+
+async def server_info_route(request: web.Request) -> web.StreamResponse:
+    _sglang_only(request.app, request.path)
+    return await server_info(request.app[FORWARDER], request)
+
+
+# specroute's own: liveness, readiness, metrics.
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """200 while some backend is ready (`LoadTracker.ready`); 503 with none, or once a shutdown
+    began (balancers send new requests elsewhere)."""
+    app = request.app
+    if app[SHUTDOWN].started:
+        raise ShuttingDown("specroute is shutting down: send new requests elsewhere")
+    up = app[TRACKER].ready(app[FORWARDER].clock())
+    if not up:
+        raise NoBackendAvailable("no healthy backend")
+    body: dict[str, object] = {
+        "status": "ready",
+        "healthy": {pool: sum(b.pool == pool for b in up) for pool in POOLS},
+    }
+    names = app[CORE].identity.names([b.name for b in up])
+    if names is not None:  # `backend_header: false`: the counts per pool only
+        body["healthy_backends"] = names
+    return web.json_response(body)
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("POST", "/v1/chat/completions", chat),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/generate", generate),
+    ("PUT", "/generate", generate),  # SGLang accepts both
+    ("GET", "/v1/models", models),
+    ("GET", "/model_info", model_info_route),
+    ("GET", "/get_model_info", model_info_route),
+    ("GET", "/server_info", server_info_route),
+    ("GET", "/get_server_info", server_info_route),
+    ("GET", "/health", health),
+    ("GET", "/ready", ready),
+    ("GET", "/metrics", metrics_route),
+)
+"""Every route but the admin endpoint's (`admin.admin_routes`), with its handler."""
 
 
 def reopen_decision_log(app: web.Application) -> None:

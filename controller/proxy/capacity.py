@@ -11,9 +11,9 @@ Admission: each backend has an in-flight bound (by default its pool's `max_runni
 from the profile, or the cap the backend reports, plus `admission_margin`, split over the
 `replicas` specroute replicas in front of it: `replica_bound`), and so has each pool (by default
 the sum), counted in sequences: a request takes as many slots as the backend runs sequences for
-it (`n` x prompts), and has room only where all of them fit. A full
-backend appears unhealthy in the `LoadView` (`LoadTracker.takers`), so policies route around it
-to backends that still have room, in the same pool or the other. Only when none of the backends a
+it (`n` x prompts), and has room only where all of them fit. A full backend is `full` in the
+`LoadView` (it does not admit: `BackendLoad.admits`), so policies route around it to backends
+that still have room, in the same pool or the other. Only when none of the backends a
 request may use has room (all of them, or those of the pool the client forced) does the request
 wait here, in arrival order, before anything is decided. Each released slot wakes the oldest
 waiter that may use its pool; the waiter then asks the policy with the load as it is at that

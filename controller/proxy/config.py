@@ -630,10 +630,6 @@ def parse_yaml(text: str, path: str | Path) -> dict[str, Any]:
     return {str(k): v for k, v in data.items()}
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    return parse_yaml(read_text(path), path)
-
-
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
     """`SPECROUTE_<FIELD>` variables (unknown SPECROUTE_ names are ignored)."""
     out: dict[str, Any] = {}

@@ -195,6 +195,35 @@ class Core:
             )  # fmt: skip
 
 
+def build_tracker(settings: Settings, profile: Profile | None) -> LoadTracker:
+    """The backends' state: both pools, their admission bounds and (with prefix tracking) their
+    prefix indexes."""
+    tracker = LoadTracker(
+        settings.baseline,
+        settings.eagle,
+        stale_after_s=settings.scrape_stale_after_s,
+        panic=settings.panic_routing,
+        replicas=settings.replicas,
+    )
+    tracker.set_bounds(*in_flight_bounds(settings, profile))
+    if settings.prefix_tracking:
+        tracker.track_prefixes(prefix_capacities(settings, profile, tracker))
+    return tracker
+
+
+def _dropped_records(registry: CollectorRegistry) -> Counter:
+    dropped = Counter(
+        "specroute_decision_log_dropped_records",
+        "Decision-log records not written, by reason (queue_full: the writer fell behind; "
+        "write_error: the disk failed or is full; unencodable).",
+        ["reason"],
+        registry=registry,
+    )
+    for reason in ("queue_full", "write_error", "unencodable"):
+        dropped.labels(reason)
+    return dropped
+
+
 def build_core(
     settings: Settings,
     policy: Policy,
@@ -209,16 +238,7 @@ def build_core(
     """`shadows`: (label, policy) pairs; None builds `settings.shadow_policies` with `registry`
     (PolicyError)."""
     ctx = context if context is not None else policy_context(settings)
-    tracker = LoadTracker(
-        settings.baseline,
-        settings.eagle,
-        stale_after_s=settings.scrape_stale_after_s,
-        panic=settings.panic_routing,
-        replicas=settings.replicas,
-    )
-    tracker.set_bounds(*in_flight_bounds(settings, ctx.profile))
-    if settings.prefix_tracking:
-        tracker.track_prefixes(prefix_capacities(settings, ctx.profile, tracker))
+    tracker = build_tracker(settings, ctx.profile)
     ladders = EagleLadders(settings)
     registry_ = metrics_registry if metrics_registry is not None else CollectorRegistry()
     metrics = Metrics(registry_, tracker, clock=clock)
@@ -251,15 +271,7 @@ def build_core(
     )  # fmt: skip
     tickets.observers.append(AcceptanceMetrics(registry_, lambda: tickets.policy))
     tickets.observers.append(MismatchWatch(metrics))
-    dropped = Counter(
-        "specroute_decision_log_dropped_records",
-        "Decision-log records not written, by reason (queue_full: the writer fell behind; "
-        "write_error: the disk failed or is full; unencodable).",
-        ["reason"],
-        registry=registry_,
-    )
-    for reason in ("queue_full", "write_error", "unencodable"):
-        dropped.labels(reason)
+    dropped = _dropped_records(registry_)
     decision_logs: list[DecisionLogger] = []
     registry_.register(DecisionLogCollector(decision_logs))
     core = Core(

@@ -20,8 +20,9 @@ The rules it keeps:
   way, so the client always gets well-formed bytes.
 - A cancellation while streaming (a shutdown's drain timeout; a client that left cannot read
   it) first tries, briefly, to end the stream with that same error event and `[DONE]`.
-- The backend's response is closed in one place, `run`'s `finally` (`Upstream.close`): given
-  back to the pool when it was read to its end, else closed so the backend aborts the generation.
+- The backend's response is closed in one place (`Upstream.close`, in `run`), before the slot is
+  released: given back to the pool when it was read to its end, else closed so the backend
+  aborts the generation.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from controller.proxy.errors import NoBackendAvailable, SpecrouteError, StreamBroken
+from controller.proxy.generate import generate_completion_tokens
 from controller.proxy.headers import PoolRewrite, client_headers
 from controller.proxy.identity import BackendIdentity
 from controller.proxy.memory import ANSWER_COPIES, Charge, MemoryBudget
-from controller.proxy.native import generate_completion_tokens
 from controller.proxy.phases import STREAMING, RequestState
 from controller.proxy.prefixes import last_count, reported_cached_tokens, reported_prompt_tokens
 from controller.proxy.spec_details import accept_length, ask_for_spec_details, drop_sglext_member
@@ -206,6 +207,8 @@ class RequestLifecycle:
         self.strip_usage = False
         """specroute asked for the usage chunk on the client's behalf: it is not relayed."""
         self.spec: SpecEvents | None = None
+        self.stream_response: web.StreamResponse | None = None
+        """The client's streamed answer, once one is under way."""
         # What the answer reported, for the request's end.
         self.tokens: int | None = None
         self.accept_length: float | None = None
@@ -216,8 +219,6 @@ class RequestLifecycle:
     # -- running --
 
     async def run(self) -> web.StreamResponse:
-        sr: web.StreamResponse | None = None
-        up: Upstream | None = None
         try:
             if self.ticket.info.endpoint != "generate":  # /generate: meta_info has the counts
                 asked = ask_for_usage(self.raw, self.body)
@@ -225,33 +226,42 @@ class RequestLifecycle:
                     self.raw, self.body = asked
                     self.strip_usage = True
             up = await self._connect()
-            # Committed: nothing is sent upstream again, so the body need not live on.
-            self.raw, self.body = b"", {}
-            if self.body_charge is not None:
-                self.body_charge.release()
-            self.relay.reports.progressed(self.ticket.backend)
-            if not up.streaming:
-                return await self._whole(up)
-            self.state.stream(up.resp.status, up.first_byte_at)
-            sr = web.StreamResponse(status=up.resp.status, headers=self._client_headers(up.resp))
-            return await self._relay(up, sr)
+            try:
+                return await self._answer(up)
+            finally:
+                # The one place a backend's answer ends, before the slot is released below (so
+                # the backend has seen a cut answer's disconnect by then).
+                up.close(read_to_end=not up.streaming or self.state.status == "ok")
         except asyncio.CancelledError:
             # The client went away, or a shutdown cut the request: whatever it did not read
             # must not keep its connection (and buffer) alive.
             streaming = self.state.phase == STREAMING
             self.state.client_gone()
             if streaming:
-                await self._cut(sr)
+                await self._cut(self.stream_response)
             abort(self.request)
             raise
         finally:
-            if up is not None:
-                up.close(read_to_end=not up.streaming or self.state.status == "ok")
             self.state.end(
                 self.relay.clock(), completion_tokens=self.tokens, accept_length=self.accept_length,
                 cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens,
                 client_blocked_s=self.blocked_s,
             )  # fmt: skip
+
+    async def _answer(self, up: Upstream) -> web.StreamResponse:
+        """The committed answer to the client: a whole one, or the stream relayed."""
+        # Committed: nothing is sent upstream again, so the body need not live on.
+        self.raw, self.body = b"", {}
+        if self.body_charge is not None:
+            self.body_charge.release()
+        self.relay.reports.progressed(self.ticket.backend)
+        if not up.streaming:
+            return await self._whole(up)
+        self.state.stream(up.resp.status, up.first_byte_at)
+        sr = self.stream_response = web.StreamResponse(
+            status=up.resp.status, headers=self._client_headers(up.resp)
+        )
+        return await self._relay(up, sr)
 
     def _client_headers(self, resp: aiohttp.ClientResponse) -> CIMultiDict[str]:
         return client_headers(
@@ -446,10 +456,7 @@ class RequestLifecycle:
                     if not chunk and not (up.ended or content.at_eof()):
                         chunk = await content.readany()
                 while chunk:
-                    if len(chunk) <= TAIL_BYTES:  # `_keep_tail`, inline: once per chunk of every stream
-                        tail[0], tail[1], tail[2] = tail[1], tail[2], chunk
-                    else:
-                        tail[0], tail[1], tail[2] = b"", b"", chunk[-TAIL_BYTES:]
+                    _keep_tail(tail, chunk)
                     if up.ended or content.at_eof():
                         break  # the last piece goes out with the terminating chunk, in one write
                     if not up.opaque:

@@ -2,7 +2,8 @@
 compression ratio, the memory budget), backend answers of the info routes read within a byte bound.
 
 How it works: what a JSON body costs to parse is set by how many values it holds, not by its
-size -- 30 MB of one string parse in ~40 ms, 30 MB of `[],[],...` take ~1 s and ~0.8 GB. So
+size -- 30 MB of one string parse quickly, 30 MB of `[],[],...` take a long time and many times
+the body's size in memory. So
 before `json.loads` runs, `JsonBudget` counts the body's structure as it arrives, in slices of
 `SLICE` bytes: escaped backslashes and quotes are dropped, string contents cut out (one regex
 pass), and the separators (`,` `:`) and brackets left outside strings are counted. Each slice
@@ -104,8 +105,8 @@ class _Inflater:
     caller checks its limits between steps and a bomb is never inflated past them. gzip (members
     back to back too) and deflate (zlib-wrapped, or raw as some clients send it); the server
     runs with aiohttp's own decompression off (`app.make_runner`): it inflated as bytes arrived,
-    and again for the rest of a refused body while it lingered to read it out, so every refused
-    gzip bomb was inflated whole on the event loop (row L2: /health waited ~2.7 s)."""
+    and again for the rest of a refused body while it lingered to read it out, so a refused gzip
+    bomb would be inflated whole on the event loop."""
 
     def __init__(self, encoding: str) -> None:
         self.encoding = encoding
@@ -246,10 +247,9 @@ async def _room_for_body(charge: Charge, n: int, wait_s: float, clock: Clock) ->
     """Charge `n` bytes for a body before a byte of it is read: at once, or by waiting in the
     budget's queue, first come first served, for up to `wait_s` (reading nothing: TCP's flow
     control holds the sender) when the budget is full now and `n` fits in half of it; else 503.
-    Refused at once, each large body was read out to its end and dropped (aiohttp lingers over an
-    unread body) and its client sent it again: under row L (`benchmarks/hostile_bodies.py`, 40
-    clients posting 30 MB bodies, 3 fit in the default budget) 295 of 302 bodies were read for
-    nothing, ~9 GB in 16 s, the event loop's work that /health waited behind."""
+    Refused at once, each large body would be read out to its end and dropped (aiohttp lingers
+    over an unread body) and its client would send it again: most bodies read for nothing, the
+    event loop's work that /health waits behind (`benchmarks/hostile_bodies.py` measures it)."""
     budget = charge.budget
     if wait_s <= 0 or n > budget.limit // 2:
         if not charge.grow_to(n):
@@ -275,14 +275,13 @@ WINDOW = 1 << 20
 
 def _scanstring(s: str, end: int, strict: bool = True) -> tuple[str, int]:
     """`json.decoder.scanstring` (`end`: just past the opening quote) over windows of `WINDOW`
-    characters, so no C call holds the GIL for the whole of a 30 MB string. A window is cut
+    characters, so no C call holds the GIL for the whole of a huge string. A window is cut
     where the 12 characters before the cut hold no backslash (no escape or surrogate pair is
     split), and decoded on its own with a closing quote added; the string's own closing quote
     inside it ends the scan. A string without escapes (every window decodes to as many
     characters as it has) is returned as one slice of `s`: its windows are checked and let go,
-    not kept and joined (a 30 MB prose prompt held twice more at the join: row L of
-    `benchmarks/hostile_bodies.py`). The result is `scanstring`'s (any error: the caller parses
-    again with `json.loads`, for its message)."""
+    not kept and joined (a long prose prompt would be held twice more at the join). The result
+    is `scanstring`'s (any error: the caller parses again with `json.loads`, for its message)."""
     start = end
     parts: list[str] | None = None
     """The decoded windows, kept from the first one that held an escape (None: none yet)."""
@@ -337,8 +336,8 @@ def _load_windowed(raw: bytes) -> Any:
 
 async def load_large_json(raw: bytes) -> Any:
     """`load_json` for a body of `LARGE_JSON` bytes or more, in a worker thread and in short
-    steps: `json.loads` of a 30 MB prose body held the event loop 50-130 ms
-    (`benchmarks/hostile_bodies.py`, row L). Same result, same errors."""
+    steps: one `json.loads` of a body this large would hold the event loop for the whole parse
+    (`benchmarks/hostile_bodies.py`). Same result, same errors."""
     return await asyncio.to_thread(_load_windowed, raw)
 
 
@@ -373,10 +372,10 @@ class BodyGate:
     (aiohttp's flow control holds their senders), for up to `wait_s`, then 503 with Retry-After.
 
     Why: the event loop serves every connection in turn, so /health waits behind one piece of
-    work per body being read. Under row L2 (`benchmarks/hostile_bodies.py`: 50 clients posting
-    gzip bombs, each inflated to 100x its size and scanned before its 413) 50 bodies in
-    flight made every /health answer wait ~2.7 s; with a few at once it waits behind a few
-    pieces. Ordinary bodies (under 1 MiB, plain, with a Content-Length) never wait here."""
+    work per body being read: with many costly bodies in flight (gzip bombs inflated and scanned
+    before their 413, `benchmarks/hostile_bodies.py`) every /health answer would wait behind all
+    of them; with a few at once it waits behind a few pieces. Ordinary bodies (under 1 MiB,
+    plain, with a Content-Length) never wait here."""
 
     def __init__(self, slots: int, wait_s: float, clock: Clock = time.monotonic) -> None:
         self.slots = slots

@@ -16,7 +16,7 @@ corrected by that difference (the backend's count already includes the other rep
 requests), and drops samples older than `stale_after_s`.
 
 The view is built by `policies.view` (the builder every simulated router uses too); this module
-supplies the facts. Availability: a backend is *usable* (`BackendLoad.healthy`) when its health
+supplies the facts. Availability: a backend is *usable* (`BackendLoad.usable`) when its health
 probes pass (`healthy`) and the outlier detector has not ejected it (`ejected_until`); when no
 backend of either pool is usable and `panic` is on, all of them are (Envoy's panic mode: try
 them rather than refuse). A usable backend takes a request only while it and its pool are below
@@ -149,10 +149,15 @@ class LoadTracker:
             self.backends[name].max_in_flight = bound
         self.pool_max_in_flight = {p: pool.get(p) for p in POOLS}
 
+    def ready(self, now: float) -> list[BackendState]:
+        """Backends in service: their probes pass and the outlier detector has not ejected them
+        (what `/ready` counts)."""
+        return [b for b in self.backends.values() if b.healthy and not b.ejected(now)]
+
     def usable(self, now: float) -> list[BackendState]:
-        """Backends that may get requests health-wise: probes pass and not ejected; in panic (none
-        such, `panic` on) every backend."""
-        up = [b for b in self.backends.values() if b.healthy and not b.ejected(now)]
+        """Backends that may get requests health-wise: the `ready` ones; in panic (none ready,
+        `panic` on) every backend."""
+        up = self.ready(now)
         if not up and self.panic:
             return list(self.backends.values())
         return up
@@ -164,11 +169,6 @@ class LoadTracker:
             return True
         return sum(b.in_flight for b in self.backends.values() if b.pool == pool) + sequences <= bound
 
-    def takers(self, now: float) -> list[BackendState]:
-        """Usable backends with room for one more request (theirs and their pool's)."""
-        room = {p: self.pool_has_room(p) for p in POOLS}
-        return [b for b in self.usable(now) if room[b.pool] and b.has_room(now)]
-
     def track_prefixes(self, capacity_tokens: Mapping[str, int]) -> None:
         """Give each named backend a prefix index holding `capacity_tokens` tokens (in blocks)."""
         for name, tokens in capacity_tokens.items():
@@ -177,9 +177,9 @@ class LoadTracker:
     def view(
         self, now: float, blocks: tuple[int, ...] = (), prompt_tokens: int | None = None, sequences: int = 1
     ) -> LoadView:
-        """Every backend's load (`policies.view`): `healthy` = usable, `full` = no room within its
-        own or its pool's bound for the request's `sequences` (`admits`: may take this request
-        now); `cached_tokens`: the matched prefix
+        """Every backend's load (`policies.view`): `usable` as `usable` says, `full` = no room
+        within its own or its pool's bound for the request's `sequences` (`admits`: may take this
+        request now); `cached_tokens`: the matched prefix
         of the request's prompt `blocks` on each backend, at most `prompt_tokens` (the request's
         estimate: blocks of canonical text also hold the chat roles, which the estimate does
         not count)."""
@@ -190,7 +190,7 @@ class LoadTracker:
             [
                 backend_load(
                     b.name, b.pool, b.in_flight, b.in_flight_tokens,
-                    healthy=b.name in usable, full=not (room[b.pool] and b.has_room(now, sequences)),
+                    usable=b.name in usable, full=not (room[b.pool] and b.has_room(now, sequences)),
                     cached_tokens=believed_cached(b.prefixes, blocks, prompt_tokens),
                     running=b.running, queued=b.queued, sample_time=b.sample_time,
                     sample_in_flight=b.sample_in_flight, accept_length=b.accept_length, now=now,
@@ -260,7 +260,3 @@ class LoadTracker:
     @property
     def total_in_flight(self) -> int:
         return sum(b.in_flight for b in self.backends.values())
-
-    def any_healthy(self) -> bool:
-        """Whether any backend passes its health probes (what `/ready` reports)."""
-        return any(b.healthy for b in self.backends.values())

@@ -33,7 +33,7 @@ from collections.abc import Callable
 BODY_COPIES = 5
 """A request body is held about five times at its peak: the read buffer and its bytes, the parsed
 JSON, the copy that asks for the usage chunk, the prompt's canonical text (measured with
-`benchmarks/hostile_bodies.py`, row L)."""
+`benchmarks/hostile_bodies.py`)."""
 ANSWER_COPIES = 4
 """A first event or whole answer: the read buffer and its bytes, the chunked framing's copy and
 the client transport's buffer."""
@@ -148,7 +148,7 @@ class MemoryBudget:
         self._pending = None
         if self.used == 0 and _trim is not None:
             self._given = 0
-            _trim(0)  # once after a burst (every 16 MiB released cost ~20 ms per trim under row H)
+            _trim(0)  # once after a burst: a trim per release would cost more than it gives back
 
 
 class Charge:

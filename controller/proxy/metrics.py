@@ -23,7 +23,7 @@ from controller.proxy.watchdog import RelayWatchdog
 from policies.base import Outcome
 
 # Buckets that fit LLM serving: TTFT 10 ms..60 s, whole requests up to 10 min, decode rates
-# 1..1000 tok/s per request, and the proxy's own overhead from 50 us up.
+# 1..1000 tok/s per request, and the proxy's own overhead, a fraction of a millisecond, up to 1 s.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0)
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 DECODE_RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0)
@@ -156,7 +156,18 @@ class Metrics:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.registry = registry
-        r = registry
+        self._declare_routing(registry)
+        self._declare_speeds(registry)
+        self._declare_prefixes(registry)
+        registry.register(_TrackerCollector(tracker, clock or time.monotonic))
+        self._requests: dict[tuple[str, str, str], Counter] = {}
+        self._decisions: dict[tuple[str, str, str], Counter] = {}
+        self._shadow: dict[tuple[str, str, bool], Counter] = {}
+        self._ratio: dict[tuple[str, str], Histogram] = {}
+        self._pool: dict[str, tuple[Histogram, Histogram, Counter, Histogram]] = {}
+
+    def _declare_routing(self, r: CollectorRegistry) -> None:
+        """Where requests went and how they ended: counters."""
         self.requests = Counter(
             "specroute_requests",
             "Routed requests by pool, backend and outcome status (ok|error|timeout|client_closed|"
@@ -188,6 +199,26 @@ class Metrics:
             ["pool"],
             registry=r,
         )
+        self.ejections = Counter(
+            "specroute_backend_ejections",
+            "Times the outlier detector ejected a backend after consecutive failures.",
+            ["pool", "backend"],
+            registry=r,
+        )
+        self.client_stalls = Counter(
+            "specroute_client_write_timeouts",
+            "Answers given up because a write to the client stayed blocked for client_write_timeout_s.",
+            registry=r,
+        )
+        self.shadow = Counter(
+            "specroute_shadow_decisions",
+            "Choices of the shadow policies, and whether they agree with the live policy's pool.",
+            ["policy", "pool", "agrees"],
+            registry=r,
+        )
+
+    def _declare_speeds(self, r: CollectorRegistry) -> None:
+        """How fast answers came: latency and rate histograms, tokens."""
         self.ttft = Histogram(
             "specroute_ttft_seconds",
             "Time from the routing decision (request body read) to the first streamed event, per pool "
@@ -230,23 +261,9 @@ class Metrics:
             buckets=OVERHEAD_BUCKETS,
             registry=r,
         )
-        self.ejections = Counter(
-            "specroute_backend_ejections",
-            "Times the outlier detector ejected a backend after consecutive failures.",
-            ["pool", "backend"],
-            registry=r,
-        )
-        self.client_stalls = Counter(
-            "specroute_client_write_timeouts",
-            "Answers given up because a write to the client stayed blocked for client_write_timeout_s.",
-            registry=r,
-        )
-        self.shadow = Counter(
-            "specroute_shadow_decisions",
-            "Choices of the shadow policies, and whether they agree with the live policy's pool.",
-            ["policy", "pool", "agrees"],
-            registry=r,
-        )
+
+    def _declare_prefixes(self, r: CollectorRegistry) -> None:
+        """What the prefix index believed against what the backends reported."""
         self.prefix_ratio = Histogram(
             "specroute_prefix_prediction_ratio",
             "Cached prompt tokens the prefix index predicted / what the backend reported, per pool (ok "
@@ -274,12 +291,6 @@ class Metrics:
             ["pool", "backend"],
             registry=r,
         )
-        registry.register(_TrackerCollector(tracker, clock or time.monotonic))
-        self._requests: dict[tuple[str, str, str], Counter] = {}
-        self._decisions: dict[tuple[str, str, str], Counter] = {}
-        self._shadow: dict[tuple[str, str, bool], Counter] = {}
-        self._ratio: dict[tuple[str, str], Histogram] = {}
-        self._pool: dict[str, tuple[Histogram, Histogram, Counter, Histogram]] = {}
 
     def request_done(self, pool: str, backend: str, status: str) -> None:
         key = (pool, backend, status)

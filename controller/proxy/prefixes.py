@@ -16,9 +16,9 @@ only the request's prompt is picked out: chat `messages`; completions `prompt`; 
 `text`, else `input_ids`; a batch of one prompt counts as that prompt, a batch of several is not
 tracked (no fingerprint).
 
-Cost: one pass of blake2b over the prompt, about 1 ms per 100k tokens on this project's
-machine (`benchmarks/proxy_overhead.py`); prompts longer than `THREAD_FROM_CHARS` are hashed in
-a worker thread (blake2b releases the GIL on whole blocks) so the event loop keeps serving.
+Cost: one pass of blake2b over the prompt (`benchmarks/proxy_overhead.py` measures it); prompts
+longer than `THREAD_FROM_CHARS` are hashed in a worker thread (blake2b releases the GIL on whole
+blocks) so the event loop keeps serving.
 """
 
 from __future__ import annotations
@@ -84,8 +84,7 @@ async def prompt_blocks(
 ) -> tuple[int, ...]:
     """The request's block fingerprint (empty: nothing to match or record). A body of at least
     `THREAD_FROM_CHARS` bytes (`body_bytes`) has its prompt rendered and hashed in a worker
-    thread: rendering 30 MB of messages to one string took ~50-150 ms of the event loop
-    (`benchmarks/hostile_bodies.py`, row L)."""
+    thread: rendering a huge prompt to one string would hold the event loop meanwhile."""
     if body_bytes >= THREAD_FROM_CHARS:
         return await asyncio.to_thread(_blocks, body, endpoint)
     text = prompt_text(body, endpoint)

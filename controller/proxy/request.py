@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from controller.proxy.errors import BadRequest
+from controller.proxy.generate import check_generate_body, generate_prompt_chars
 from controller.proxy.limits import LARGE_JSON, load_json, load_large_json
-from controller.proxy.native import check_generate_body, generate_prompt_chars
 from controller.proxy.validate import check_openai_body
 from policies.base import EndpointKind
 

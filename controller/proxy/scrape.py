@@ -102,9 +102,8 @@ wanted name without one."""
 
 def _lines_starting(data: bytes, mark: bytes) -> Iterator[bytes]:
     """The lines of `data` (whole lines) that start with `mark`, found by `bytes.find` (a `memchr`
-    scan): a large answer of other samples costs no Python step per line (8 MB of them: a Python
-    loop over their 200k lines took ~0.1 s, the whole filtering budget, in a process with a large
-    heap; a MULTILINE regex, ~8 ns a byte)."""
+    scan): a large answer of other samples costs no Python step per line (a Python loop over the
+    lines of a large answer would spend the whole filtering budget, and a MULTILINE regex more)."""
     at = 0 if data.startswith(mark) else -1
     if at < 0 and (found := data.find(b"\n" + mark)) >= 0:
         at = found + 1
@@ -257,8 +256,11 @@ class BackendScraper:
         headers: Mapping[str, str] | None = None,
         recheck_every: int = 60,
         engine: EngineSetting = "auto",
+        budget_s: float = SCRAPE_BUDGET_S,
     ) -> None:
         self.url = url.rstrip("/")
+        self.budget_s = budget_s
+        """CPU seconds one `/metrics` answer may take to filter (`read_metric_lines`)."""
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = dict(headers or {})
         self.recheck_every = recheck_every
@@ -294,7 +296,7 @@ class BackendScraper:
             if resp.status != 200:
                 return None
             try:
-                text, prefixes = await read_metric_lines(resp)
+                text, prefixes = await read_metric_lines(resp, budget_s=self.budget_s)
             except (ResponseTooLarge, ScrapeBudgetExceeded) as e:
                 log.debug("metrics of %s not read: %s", self.url, e)
                 return None

@@ -18,11 +18,11 @@ front half
    choices, in one synchronous step (no other request can see a stale count), as a `Ticket`.
 
 back half
-4. The transport sends the request to `ticket.backend` (its `url`). An attempt that fails before
-   anything reached the client may move the ticket once: `ticket.failover_target(tried)`, then
-   `ticket.move(backend)`. Each attempt's fate goes to `AttemptReports` as it is known (the
-   outlier detector, the queue-full back-off).
-5. `ticket.finish(Result(...))`, once, on every path: the slot and the memory the ticket holds
+4. The transport sends the request to the ticket's backend (`Ticket.backend`, its `url`). An
+   attempt that fails before anything reached the client may move the ticket once:
+   `Ticket.failover_target`, then `Ticket.move`. Each attempt's fate goes to `AttemptReports`
+   as it is known (the outlier detector, the queue-full back-off).
+5. `Ticket.finish` with a `Result`, once, on every path: the slot and the memory the ticket holds
    are released, the `Outcome` is built, and it goes to `policy.observe`, the shadow policies,
    the metrics and the observers (the decision log: a `RequestRecord`). A second call returns
    the first `Outcome`.
@@ -41,11 +41,11 @@ from typing import Any
 
 from controller.proxy.capacity import Capacity
 from controller.proxy.errors import BadRequest, NoBackendAvailable, SpecrouteError
+from controller.proxy.generate import generate_max_tokens
 from controller.proxy.headers import HINT_HEADER, MODE_HEADER
 from controller.proxy.load import BackendState, LoadTracker, Reservation
 from controller.proxy.memory import Charge
 from controller.proxy.metrics import Metrics
-from controller.proxy.native import generate_max_tokens
 from controller.proxy.outlier import OutlierDetector
 from controller.proxy.prefixes import prompt_blocks
 from controller.proxy.request import estimate_prompt_tokens, parse_body, parse_small_body

@@ -193,8 +193,7 @@ PIECE = 1 << 20
 """A first event larger than this is kept as the reads it came in and relayed `TURN` bytes per
 turn of the event loop; a request body larger than this is sent `TURN` bytes per turn."""
 TURN = 1 << 20
-"""Bytes written per turn of the event loop when a large event or body goes out (256 KiB was
-measured too: no better under row H, 5.5x against 3.4x, within the noise)."""
+"""Bytes written per turn of the event loop when a large event or body goes out."""
 
 
 @dataclass(slots=True)
@@ -249,10 +248,9 @@ async def _room_for_large_event(
     backend waits on TCP's flow control). So only as many large first events as the budget
     holds are read at a time, each to its end, and the others wait having read ~1 MiB (charged:
     with half the budget left to the waiters' few MiB each, the head of the queue gets its
-    share as soon as a holder is done). Charged as they grew, doubling ahead, they were all read
-    for several MiB and most then refused, their clients coming back at once: under row H
-    (`benchmarks/hostile_bodies.py`) specroute read ~8 MB per refused stream, 4.8 GB in 8 s
-    for 2 streams relayed. A first event that half the budget cannot hold is refused."""
+    share as soon as a holder is done). Charged as they grew, doubling ahead, they would all be
+    read for several MiB and most then refused, their clients coming back at once
+    (`benchmarks/hostile_bodies.py`). A first event that half the budget cannot hold is refused."""
     budget = charge.budget
     share = budget.limit // 2
     if ANSWER_COPIES * size > share:
@@ -281,9 +279,8 @@ async def _read_first_event(
     costs two `memchr`s), and the charge follows the bytes up to `RESERVE_FROM`, then is taken
     whole for the largest event allowed (`_room_for_large_event`). The reads are kept as they
     came, not joined: a first event over `PIECE` bytes goes to the client as those reads, so no
-    step copies or scans more than one read and the event loop keeps serving while a 50 MB
-    first event passes (`benchmarks/hostile_bodies.py`, row H; a whole-event join, scan and
-    write took ~0.5 s of the loop per such stream)."""
+    step copies or scans more than one read and the event loop keeps serving while a huge first
+    event passes (a whole-event join, scan and write would hold the loop for all of it)."""
     limit = attempt.limit
     reads: list[bytes] = []
     size = 0
@@ -347,8 +344,8 @@ class _OverBudget(Exception):
 
 class SlicedBody(aiohttp.BytesPayload):
     """A large request body sent `PIECE` bytes per turn of the event loop: the same bytes and
-    Content-Length as the plain bytes, but no single write of 30 MB holding the loop while the
-    kernel copies it to the backend (`benchmarks/hostile_bodies.py`, row L)."""
+    Content-Length as the plain bytes, but no single write of the whole body holding the loop
+    while the kernel copies it to the backend."""
 
     async def write(self, writer: AbstractStreamWriter) -> None:
         await self.write_with_length(writer, None)
@@ -362,7 +359,7 @@ class SlicedBody(aiohttp.BytesPayload):
             await asyncio.sleep(0)  # a write the socket took whole did not give the loop a turn
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a call per field
+@dataclass(frozen=True, slots=True)
 class Attempt:
     """What `open_upstream` needs besides the session: where, what, and the bounds."""
 

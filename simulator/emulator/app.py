@@ -49,7 +49,7 @@ def create_emulator_app(config: EmulatorConfig) -> web.Application:
 
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(on_shutdown)
-    add_routes(app, EMULATOR_KEY)
+    add_routes(app)
     return app
 
 

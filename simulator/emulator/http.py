@@ -23,7 +23,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -43,9 +43,7 @@ from simulator.emulator.requests import (
     parse_openai,
 )
 from simulator.emulator.shapes import Sample, Update
-
-if TYPE_CHECKING:
-    from simulator.emulator.state import Emulator
+from simulator.emulator.state import EMULATOR_KEY, Emulator
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -179,266 +177,328 @@ async def _stream(
     return resp
 
 
-# -- handlers ------------------------------------------------------------------------------
+# -- the generation routes ---------------------------------------------------------------
 
 
-def add_routes(app: web.Application, key: web.AppKey[Emulator]) -> None:
-    def emu(request: web.Request) -> Emulator:
-        return request.app[key]
+def _emulator(request: web.Request) -> Emulator:
+    return request.app[EMULATOR_KEY]
 
-    @web.middleware
-    async def gate(request: web.Request, handler: Handler) -> web.StreamResponse:
-        e = emu(request)
-        if e.faults.refuse_connections:
-            _drop_connection(request)
-            raise web.HTTPServiceUnavailable()  # never reaches the client: the socket is gone
-        key_ = e.config.api_key
-        if key_ is not None and not request.path.startswith(_UNAUTHENTICATED):
-            if request.headers.get("Authorization", "") != f"Bearer {key_}":
-                return web.json_response({"error": "Unauthorized"}, status=401)
-        gauge = e.metrics.http_requests_active
-        gauge.inc()
-        try:
-            return await handler(request)
-        finally:
-            gauge.dec()
 
+Answer = Callable[[], Awaitable[web.StreamResponse]]
+
+
+async def _faults(e: Emulator, g: GenRequest) -> web.Response | None:
+    """The knobs that act before generation; an answer when one fires."""
+    if e.faults.stall_s > 0:
+        await asyncio.sleep(e.faults.stall_s)
+    if e.faults.error_rate > 0 and e.rng.random() < e.faults.error_rate:
+        return error_response(500, "Internal server error (emulated fault).", "InternalServerError")
+    if g.rid is not None and any(e.engine.is_active(r) for r in _sample_rids(g)):
+        return error_response(400, f"duplicate request id {g.rid!r}")
+    return None
+
+
+async def _admit(
+    request: web.Request, e: Emulator, g: GenRequest, queue_full: Answer
+) -> list[Sample] | web.StreamResponse:
+    """The fault knobs, then one engine request per sample; an answer instead when a fault
+    fires or the waiting queue is full (`queue_full` builds that answer)."""
+    refused = await _faults(e, g)
+    if refused is not None:
+        return refused
+    try:
+        return _submit(e, g, request.headers.get(HINT_HEADER))
+    except QueueFull:
+        return await queue_full()
+
+
+async def _run(e: Emulator, samples: list[Sample], answer: Answer) -> web.StreamResponse:
+    try:
+        return await answer()
+    except (ConnectionResetError, _Dropped):
+        return web.Response(status=499)  # the client is gone; nothing is sent
+    finally:
+        for s in samples:
+            if not s.req.done:
+                e.engine.abort(s.req.rid)  # client gone or connection dropped: free the slot now
+
+
+class _Answer:
+    """The answer to one generation request: admitted (or refused), then streamed or whole."""
+
+    def __init__(self, request: web.Request, e: Emulator, g: GenRequest) -> None:
+        self.request, self.e, self.g = request, e, g
+        self.samples: list[Sample] = []
+
+    async def respond(self) -> web.StreamResponse:
+        samples = await _admit(self.request, self.e, self.g, self.queue_full)
+        if not isinstance(samples, list):
+            return samples
+        self.samples = samples
+        return await _run(self.e, samples, self.streamed if self.g.stream else self.whole)
+
+    async def queue_full(self) -> web.StreamResponse:
+        raise NotImplementedError
+
+    async def streamed(self) -> web.StreamResponse:
+        raise NotImplementedError
+
+    async def whole(self) -> web.StreamResponse:
+        raise NotImplementedError
+
+
+class _OpenAIAnswer(_Answer):
+    """The answer of an OpenAI route."""
+
+    def __init__(self, request: web.Request, e: Emulator, g: GenRequest) -> None:
+        super().__init__(request, e, g)
+        self.details = g.spec_details and e.config.mode == "eagle"
+
+    async def queue_full(self) -> web.StreamResponse:
+        if not self.g.stream:
+            return error_response(503, "The request queue is full.", "SERVICE_UNAVAILABLE")
+        return await _event_stream(self.request, shapes.queue_full_event(), shapes.DONE)
+
+    async def streamed(self) -> web.StreamResponse:
+        e, samples = self.e, self.samples
+        c = e.config
+        events = shapes.OpenAIEvents(
+            self.g,
+            c.eos_token_id,
+            cache_report=c.enable_cache_report,
+            reasoning_tokens=c.reasoning_tokens,
+            empty_chunk_every=c.empty_chunk_every,
+        )
+        finished: list[Sample] = []
+
+        def write(updates: list[Update]) -> bytes:
+            finished.extend(u.sample for u in updates if u.finish is not None)
+            return b"".join(events.update(u) for u in updates)
+
+        resp = await _stream(self.request, e, samples, write)
+        await resp.write(events.tail(finished, samples, _spec(e, samples) if self.details else None))
+        await resp.write_eof()
+        return resp
+
+    async def whole(self) -> web.StreamResponse:
+        e, samples = self.e, self.samples
+        await _read_all(e, self.request, samples)
+        spec = _spec(e, samples) if self.details else None
+        c = e.config
+        body = shapes.openai_response(
+            self.g, samples, c.eos_token_id, spec, cache_report=c.enable_cache_report
+        )
+        return web.Response(text=shapes.dumps(body), content_type="application/json")
+
+
+async def _openai(request: web.Request, kind: Kind) -> web.StreamResponse:
+    e = _emulator(request)
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(400, "the request body is not valid JSON")
+    try:
+        g = parse_openai(body, kind, e.config.model)
+    except BadRequest as err:
+        return error_response(400, str(err))
+    too_long = context_error(g, e.config.max_model_len)
+    if too_long is not None:
+        return error_response(400, too_long)
+    return await _OpenAIAnswer(request, e, g).respond()
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, "completions")
+
+
+class _NativeAnswer(_Answer):
+    """The answer of `/generate`."""
+
+    def __init__(self, request: web.Request, e: Emulator, g: GenRequest) -> None:
+        super().__init__(request, e, g)
+        self.loop = asyncio.get_running_loop()
+
+    async def queue_full(self) -> web.StreamResponse:
+        g = self.g
+        if not g.stream:
+            return error_response(503, "The request queue is full.", "503")
+        event = shapes.native_queue_full_event(g.rid or uuid.uuid4().hex, g.prompt_of(0))
+        return await _event_stream(self.request, event, shapes.DONE)
+
+    def output(self, s: Sample) -> dict[str, Any]:
+        spec = _spec(self.e, [s])[0] if s.finish is not None else None
+        return shapes.native_output(self.g, s, self.e.config.eos_token_id, spec, self.loop.time())
+
+    async def streamed(self) -> web.StreamResponse:
+        def write(updates: list[Update]) -> bytes:
+            return b"".join(shapes.event(self.output(u.sample)) for u in updates)
+
+        resp = await _stream(self.request, self.e, self.samples, write)
+        await resp.write(shapes.DONE)
+        await resp.write_eof()
+        return resp
+
+    async def whole(self) -> web.StreamResponse:
+        await _read_all(self.e, self.request, self.samples)
+        outputs = [self.output(s) for s in self.samples]
+        body = outputs if self.g.batch else outputs[0]
+        return web.Response(text=shapes.dumps(body), content_type="application/json")
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """SGLang's native `/generate` (GenerateReqInput)."""
+    e = _emulator(request)
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(400, "the request body is not valid JSON", "Bad Request")
+    stream = isinstance(body, dict) and body.get("stream") is True
+
+    async def refuse(message: str) -> web.StreamResponse:
+        # SGLang raises ValueError inside the generator: an error event once streaming
+        if stream:
+            return await _event_stream(request, shapes.native_error_event(message), shapes.DONE)
+        return _nested_error(400, {"message": message})
+
+    try:
+        g = parse_generate(body)
+    except ContractError as err:
+        return _nested_error(400, str(err))
+    except GenerateError as err:
+        return await refuse(str(err))
+    too_long = context_error(g, e.config.max_model_len)
+    if too_long is not None:
+        return await refuse(too_long)
+    return await _NativeAnswer(request, e, g).respond()
+
+
+# -- what the server says of itself ---------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    e = _emulator(request)
+    c = e.config
+    card = {
+        "id": c.model,
+        "object": "model",
+        "created": int(e.started_at),
+        "owned_by": "sglang",
+        "root": c.model,
+        "parent": None,
+        "max_model_len": c.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=503 if _emulator(request).faults.unhealthy else 200)
+
+
+async def server_info(request: web.Request) -> web.Response:
+    return web.json_response(server_info_body(_emulator(request), request))
+
+
+async def model_info(request: web.Request) -> web.Response:
+    c = _emulator(request).config
+    info = {
+        "model_path": c.model,
+        "tokenizer_path": c.model,
+        "served_model_name": c.model,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+    }
+    return web.json_response(info)
+
+
+async def loads(request: web.Request) -> web.Response:
+    return web.json_response(loads_body(_emulator(request)))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    data = generate_latest(_emulator(request).metrics.registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# -- control ------------------------------------------------------------------------------
+
+
+async def abort(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(400, "the request body is not valid JSON")
+    if not isinstance(body, dict):
+        return error_response(400, "the request body must be a JSON object")
+    engine = _emulator(request).engine
+    if body.get("abort_all"):
+        engine.abort_all()
+    rid = body.get("rid")
+    for r in rid if isinstance(rid, list) else [rid]:
+        if isinstance(r, str):
+            engine.abort(r)
+    return web.Response(status=200)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang's answer, word for word; 400 (nothing flushed) while requests run or wait."""
+    e = _emulator(request)
+    engine = e.engine
+    idle = engine.num_running == 0 and engine.num_queued == 0
+    ok = idle and (e.cache is None or e.cache.flush())
+    return web.Response(status=200 if ok else 400, text=shapes.FLUSH_CACHE_ANSWER)
+
+
+@web.middleware
+async def gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The connection-refusal fault, the API key (but on the probes and /metrics), and the
+    `http_requests_active` gauge."""
+    e = _emulator(request)
+    if e.faults.refuse_connections:
+        _drop_connection(request)
+        raise web.HTTPServiceUnavailable()  # never reaches the client: the socket is gone
+    key = e.config.api_key
+    if key is not None and not request.path.startswith(_UNAUTHENTICATED):
+        if request.headers.get("Authorization", "") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+    gauge = e.metrics.http_requests_active
+    gauge.inc()
+    try:
+        return await handler(request)
+    finally:
+        gauge.dec()
+
+
+ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("POST", "/v1/chat/completions", chat),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/generate", generate),
+    ("PUT", "/generate", generate),
+    ("GET", "/v1/models", models),
+    *(("GET", path, health) for path in ("/health", "/health_generate", "/ready")),
+    *(("GET", path, server_info) for path in ("/server_info", "/get_server_info")),
+    *(("GET", path, model_info) for path in ("/model_info", "/get_model_info")),
+    ("GET", "/v1/loads", loads),
+    ("POST", "/abort_request", abort),
+    ("GET", "/metrics", metrics),
+    ("GET", "/flush_cache", flush_cache),
+    ("POST", "/flush_cache", flush_cache),
+)
+"""SGLang's routes the emulator answers, with their handlers (GET answers HEAD too)."""
+
+
+def add_routes(app: web.Application) -> None:
+    """The emulator's routes and its `gate` middleware on `app` (which holds the `Emulator`
+    under `EMULATOR_KEY`)."""
     app.middlewares.append(gate)
-
-    async def faults(e: Emulator, g: GenRequest) -> web.Response | None:
-        """The knobs that act before generation; an answer when one fires."""
-        if e.faults.stall_s > 0:
-            await asyncio.sleep(e.faults.stall_s)
-        if e.faults.error_rate > 0 and e.rng.random() < e.faults.error_rate:
-            return error_response(500, "Internal server error (emulated fault).", "InternalServerError")
-        if g.rid is not None and any(e.engine.is_active(r) for r in _sample_rids(g)):
-            return error_response(400, f"duplicate request id {g.rid!r}")
-        return None
-
-    async def admit(
-        request: web.Request,
-        e: Emulator,
-        g: GenRequest,
-        queue_full: Callable[[], Awaitable[web.StreamResponse]],
-    ) -> list[Sample] | web.StreamResponse:
-        """The fault knobs, then one engine request per sample; an answer instead when a fault
-        fires or the waiting queue is full (`queue_full` builds that answer)."""
-        refused = await faults(e, g)
-        if refused is not None:
-            return refused
-        try:
-            return _submit(e, g, request.headers.get(HINT_HEADER))
-        except QueueFull:
-            return await queue_full()
-
-    async def run(
-        request: web.Request,
-        e: Emulator,
-        samples: list[Sample],
-        answer: Callable[[], Awaitable[web.StreamResponse]],
-    ) -> web.StreamResponse:
-        try:
-            return await answer()
-        except (ConnectionResetError, _Dropped):
-            return web.Response(status=499)  # the client is gone; nothing is sent
-        finally:
-            for s in samples:
-                if not s.req.done:
-                    e.engine.abort(s.req.rid)  # client gone or connection dropped: free the slot now
-
-    async def openai_route(request: web.Request, kind: Kind) -> web.StreamResponse:
-        e = emu(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "the request body is not valid JSON")
-        try:
-            g = parse_openai(body, kind, e.config.model)
-        except BadRequest as err:
-            return error_response(400, str(err))
-        too_long = context_error(g, e.config.max_model_len)
-        if too_long is not None:
-            return error_response(400, too_long)
-
-        async def queue_full() -> web.StreamResponse:
-            if not g.stream:
-                return error_response(503, "The request queue is full.", "SERVICE_UNAVAILABLE")
-            return await _event_stream(request, shapes.queue_full_event(), shapes.DONE)
-
-        samples = await admit(request, e, g, queue_full)
-        if not isinstance(samples, list):
-            return samples
-        eos = e.config.eos_token_id
-        details = g.spec_details and e.config.mode == "eagle"
-
-        async def streamed() -> web.StreamResponse:
-            events = shapes.OpenAIEvents(
-                g,
-                eos,
-                cache_report=e.config.enable_cache_report,
-                reasoning_tokens=e.config.reasoning_tokens,
-                empty_chunk_every=e.config.empty_chunk_every,
-            )
-            finished: list[Sample] = []
-
-            def write(updates: list[Update]) -> bytes:
-                finished.extend(u.sample for u in updates if u.finish is not None)
-                return b"".join(events.update(u) for u in updates)
-
-            resp = await _stream(request, e, samples, write)
-            await resp.write(events.tail(finished, samples, _spec(e, samples) if details else None))
-            await resp.write_eof()
-            return resp
-
-        async def whole() -> web.StreamResponse:
-            await _read_all(e, request, samples)
-            spec = _spec(e, samples) if details else None
-            body = shapes.openai_response(g, samples, eos, spec, cache_report=e.config.enable_cache_report)
-            return web.Response(text=shapes.dumps(body), content_type="application/json")
-
-        return await run(request, e, samples, streamed if g.stream else whole)
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await openai_route(request, "chat")
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await openai_route(request, "completions")
-
-    async def generate(request: web.Request) -> web.StreamResponse:
-        """SGLang's native `/generate` (GenerateReqInput)."""
-        e = emu(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "the request body is not valid JSON", "Bad Request")
-        stream = isinstance(body, dict) and body.get("stream") is True
-
-        async def refuse(message: str) -> web.StreamResponse:
-            # SGLang raises ValueError inside the generator: an error event once streaming
-            if stream:
-                return await _event_stream(request, shapes.native_error_event(message), shapes.DONE)
-            return _nested_error(400, {"message": message})
-
-        try:
-            g = parse_generate(body)
-        except ContractError as err:
-            return _nested_error(400, str(err))
-        except GenerateError as err:
-            return await refuse(str(err))
-        too_long = context_error(g, e.config.max_model_len)
-        if too_long is not None:
-            return await refuse(too_long)
-
-        async def queue_full() -> web.StreamResponse:
-            if not g.stream:
-                return error_response(503, "The request queue is full.", "503")
-            event = shapes.native_queue_full_event(g.rid or uuid.uuid4().hex, g.prompt_of(0))
-            return await _event_stream(request, event, shapes.DONE)
-
-        samples = await admit(request, e, g, queue_full)
-        if not isinstance(samples, list):
-            return samples
-        eos = e.config.eos_token_id
-        loop = asyncio.get_running_loop()
-
-        def output(s: Sample) -> dict[str, Any]:
-            spec = _spec(e, [s])[0] if s.finish is not None else None
-            return shapes.native_output(g, s, eos, spec, loop.time())
-
-        async def streamed() -> web.StreamResponse:
-            def write(updates: list[Update]) -> bytes:
-                return b"".join(shapes.event(output(u.sample)) for u in updates)
-
-            resp = await _stream(request, e, samples, write)
-            await resp.write(shapes.DONE)
-            await resp.write_eof()
-            return resp
-
-        async def whole() -> web.StreamResponse:
-            await _read_all(e, request, samples)
-            outputs = [output(s) for s in samples]
-            body = outputs if g.batch else outputs[0]
-            return web.Response(text=shapes.dumps(body), content_type="application/json")
-
-        return await run(request, e, samples, streamed if g.stream else whole)
-
-    async def models(request: web.Request) -> web.Response:
-        c = emu(request).config
-        card = {
-            "id": c.model,
-            "object": "model",
-            "created": int(emu(request).started_at),
-            "owned_by": "sglang",
-            "root": c.model,
-            "parent": None,
-            "max_model_len": c.max_model_len,
-        }
-        return web.json_response({"object": "list", "data": [card]})
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(status=503 if emu(request).faults.unhealthy else 200)
-
-    async def server_info(request: web.Request) -> web.Response:
-        return web.json_response(server_info_body(emu(request), request))
-
-    async def model_info(request: web.Request) -> web.Response:
-        c = emu(request).config
-        info = {
-            "model_path": c.model,
-            "tokenizer_path": c.model,
-            "served_model_name": c.model,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": "default",
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-        }
-        return web.json_response(info)
-
-    async def loads(request: web.Request) -> web.Response:
-        return web.json_response(loads_body(emu(request)))
-
-    async def abort(request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "the request body is not valid JSON")
-        if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object")
-        engine = emu(request).engine
-        if body.get("abort_all"):
-            engine.abort_all()
-        rid = body.get("rid")
-        for r in rid if isinstance(rid, list) else [rid]:
-            if isinstance(r, str):
-                engine.abort(r)
-        return web.Response(status=200)
-
-    async def flush_cache(request: web.Request) -> web.Response:
-        """SGLang's answer, word for word; 400 (nothing flushed) while requests run or wait."""
-        e = emu(request)
-        engine = e.engine
-        idle = engine.num_running == 0 and engine.num_queued == 0
-        ok = idle and (e.cache is None or e.cache.flush())
-        return web.Response(status=200 if ok else 400, text=shapes.FLUSH_CACHE_ANSWER)
-
-    async def metrics(request: web.Request) -> web.Response:
-        data = generate_latest(emu(request).metrics.registry)
-        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/generate", generate)
-    app.router.add_put("/generate", generate)
-    app.router.add_get("/v1/models", models)
-    for path in ("/health", "/health_generate", "/ready"):
-        app.router.add_get(path, health)
-    for path in ("/server_info", "/get_server_info"):
-        app.router.add_get(path, server_info)
-    for path in ("/model_info", "/get_model_info"):
-        app.router.add_get(path, model_info)
-    app.router.add_get("/v1/loads", loads)
-    app.router.add_post("/abort_request", abort)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_route("GET", "/flush_cache", flush_cache)
-    app.router.add_route("POST", "/flush_cache", flush_cache)
+    for method, path, handler in ROUTES:
+        if method == "GET":
+            app.router.add_get(path, handler)
+        else:
+            app.router.add_route(method, path, handler)

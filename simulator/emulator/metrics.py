@@ -28,6 +28,7 @@ class EmulatorMetrics:
     """Implements `EngineObserver`; `registry` is what `/metrics` renders."""
 
     def __init__(self, model_name: str, *, speculative: bool, registry: CollectorRegistry | None = None):
+        # Long, and flat: one declaration per SGLang metric the emulator serves, nothing between.
         self.registry = registry if registry is not None else CollectorRegistry()
         self.speculative = speculative
         sched = {"model_name": model_name, "engine_type": "unified"}

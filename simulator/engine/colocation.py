@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from simulator.engine.deployment import ServerModel
 from simulator.engine.events import EventQueue
 from simulator.engine.server import Prompts, Server
-from simulator.engine.servers import ServerModel
 
 
 def pairs(models: Sequence[ServerModel]) -> list[tuple[int, int]]:

@@ -8,7 +8,7 @@ Every router here builds the policy's `LoadView` with `policies.view` and decide
 - `OneRouter`: one router with the perfect view (the true running and queued counts at every
   decision), its policy, and a prefix index per server when the workload has prompt blocks.
 - `Replicas`: several routers, each with its own scraped view, policy and prefix indexes
-  (`simulator.engine.routers.Routers`).
+  (`simulator.engine.replica_views.Routers`).
 
 The interface the engine drives: `route(a, t)` (the server index for request `a`, arriving at
 `t`; the request is recorded as dispatched there), `finished(done, s, t)` (requests `done`
@@ -35,7 +35,7 @@ from policies.prefix import PrefixIndex
 from policies.routing import Router, least_loaded_index
 from policies.view import backend_load, believed_cached, dispatched, load_view, true_load
 from simulator.engine.errors import SimulationError
-from simulator.engine.routers import Routers
+from simulator.engine.replica_views import Routers
 from simulator.engine.server import Server
 
 _INFO_CACHE_MAX = 1 << 16
@@ -273,7 +273,7 @@ def _believed_by(
 
 
 class Replicas:
-    """Several routers (`simulator.engine.routers.Routers`), each with its own prefix indexes."""
+    """Several routers (`simulator.engine.replica_views.Routers`), each with its own prefix indexes."""
 
     def __init__(
         self,

@@ -7,7 +7,7 @@
   `simulator.engine.cache`), continuous-batching decode and completions;
 - `simulator.engine.dispatch`: the routers (view, decide, dispatch, observe): the least-loaded
   rule without a policy, one router with the perfect view, or several replicas with scraped
-  views (`simulator.engine.routers`); each builds its `LoadView` with `policies.view` and decides
+  views (`simulator.engine.replica_views`); each builds its `LoadView` with `policies.view` and decides
   with `policies.routing.Router`, the code the proxy runs, and keeps its own
   `policies.prefix.PrefixIndex` per server when the batch carries prompt blocks;
 - `simulator.engine.clients`: where requests come from, an open loop of arrival times or a
@@ -29,12 +29,12 @@ from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.routing import reset
 from simulator.engine.clients import FILLER, MEASURED, NOT_SENT, WARMUP, ClosedLoop, OpenLoop
 from simulator.engine.colocation import link, server_types
+from simulator.engine.deployment import ServerModel
 from simulator.engine.dispatch import Dispatcher, LeastLoaded, OneRouter, Replicas, Requests
 from simulator.engine.errors import SimulationError
 from simulator.engine.events import EventQueue
-from simulator.engine.routers import RouterGroup, Routers
+from simulator.engine.replica_views import RouterGroup, Routers
 from simulator.engine.server import Prompts, Server
-from simulator.engine.servers import ServerModel
 
 __all__ = [
     "FILLER",
@@ -202,7 +202,7 @@ def simulate(
     With `batch.blocks`, each server with a `cache_tokens` capacity keeps a prefix cache, and
     the router a prefix index per server sized by `index_cache_tokens` (what it believes each
     server holds; default: the servers' own capacities).
-    With `routers` (several replicas, or one with a scraped view: `simulator.engine.routers`),
+    With `routers` (several replicas, or one with a scraped view: `simulator.engine.replica_views`),
     each arrival goes through one of the group's routers and its policy (`policy` is not used);
     a group whose setup is the perfect view runs as one router with its policy.
     """

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator.engine.colocation import pairs
+from simulator.engine.deployment import ServerModel
 from simulator.engine.loop import RequestBatch
-from simulator.engine.servers import ServerModel
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from policies.stats import percentile
 from simulator.engine.loop import MEASURED, NOT_SENT, RawRun
 
 FloatArray = npt.NDArray[np.float64]
@@ -104,14 +105,9 @@ def samples(run: RawRun) -> Samples:
     )
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return math.nan
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    frac = pos - lo
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac
+def _percentile(values: Sequence[float], q: float) -> float:
+    """`policies.stats.percentile`, NaN for no values (a run that measured none)."""
+    return percentile(values, q) if values else math.nan
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -141,11 +137,11 @@ def summarize(parts: Sequence[Samples]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "requests": requests,
         "mean_ttft_s": _mean(ttft),
-        "p50_ttft_s": percentile(ttft, 50),
-        "p99_ttft_s": percentile(ttft, 99),
+        "p50_ttft_s": _percentile(ttft, 50),
+        "p99_ttft_s": _percentile(ttft, 99),
         "mean_e2e_s": _mean(e2e),
-        "p50_e2e_s": percentile(e2e, 50),
-        "p99_e2e_s": percentile(e2e, 99),
+        "p50_e2e_s": _percentile(e2e, 50),
+        "p99_e2e_s": _percentile(e2e, 99),
         "mean_decode_tok_s": _mean(decode),
         "throughput_tok_s": tokens / makespan if makespan > 0 else math.nan,
         "pool_share": share,
@@ -203,7 +199,7 @@ class RunResult:
     levels: list[dict[str, Any]] | None
     samples: list[Samples]
     views: dict[str, Any] | None = None
-    """Several routers or a scraped view (`simulator.engine.routers`): the setup and how often
+    """Several routers or a scraped view (`simulator.engine.replica_views`): the setup and how often
     the routers' views disagreed; None for one router with the perfect view."""
 
     def to_json(self) -> dict[str, Any]:

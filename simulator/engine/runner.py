@@ -14,7 +14,7 @@ each closed-loop level also gets the best static split's throughput on those ser
 Prefix caches: each simulated server's capacity is its mode's `cache_tokens` in the server
 profile, the router's prefix index believes the policy profile's; `cache_tokens` overrides both.
 
-With `routers` (`simulator.engine.routers.RouterSetup`), the arrivals go through that many
+With `routers` (`simulator.engine.replica_views.RouterSetup`), the arrivals go through that many
 routers, each with its own policy instance (built the same way, same seed) and its own scraped
 view; the run's result then carries the setup and how often the routers' views disagreed. The
 default is one router with the perfect view.
@@ -30,11 +30,16 @@ from policies.ladder import Ladder
 from policies.profile import Profile
 from policies.registry import PolicyRegistry, default_registry
 from policies.spec import PolicyContext
+from simulator.engine.deployment import (
+    DEFAULT_LADDER,
+    ServerKind,
+    ServerModel,
+    build_deployment,
+)
 from simulator.engine.loop import RequestBatch, simulate
 from simulator.engine.oracle import best_static_split
+from simulator.engine.replica_views import PERFECT_VIEW, RouterGroup, RouterSetup
 from simulator.engine.results import RunResult, samples, summarize
-from simulator.engine.routers import PERFECT_VIEW, RouterGroup, RouterSetup
-from simulator.engine.servers import DEFAULT_LADDER, ServerKind, ServerModel, build_deployment
 from simulator.engine.workloads import Segment
 
 SINGLE_POOL_POLICY = "least_loaded"

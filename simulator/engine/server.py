@@ -33,8 +33,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from simulator.engine.cache import BlockCache, cached_prompt_tokens
+from simulator.engine.deployment import ServerModel
 from simulator.engine.events import EventQueue
-from simulator.engine.servers import ServerModel
 
 
 class Prompts:

@@ -31,8 +31,8 @@ import yaml
 from policies.adaptive import DepthModel
 from policies.ladder import SGLANG_DEFAULT, Ladder
 from policies.profile import Profile, ProfileError
+from simulator.engine.deployment import DEFAULT_LADDER
 from simulator.engine.runner import SINGLE_POOL_POLICY
-from simulator.engine.servers import DEFAULT_LADDER
 from simulator.planning.plan import Deployment, PlanResult, deployment_label
 
 DEFAULT_PORT = 30000

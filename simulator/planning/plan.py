@@ -38,9 +38,14 @@ from policies.ladder import Ladder
 from policies.profile import Profile, ProfileError
 from policies.registry import PolicyRegistry
 from policies.stats import Interval, Margin, interval, paired_margin
+from simulator.engine.deployment import (
+    DEFAULT_LADDER,
+    SERVER_KINDS,
+    ServerKind,
+    build_deployment,
+)
 from simulator.engine.results import Slo
 from simulator.engine.runner import SINGLE_POOL_POLICY, PolicyChoice, is_single_pool, typed_params
-from simulator.engine.servers import DEFAULT_LADDER, SERVER_KINDS, ServerKind, build_deployment
 from simulator.engine.workloads import WorkloadSpec
 from simulator.planning.tuner import MAXIMISED, Grid, Objective, Task, evaluate, score_of, valid_points
 

@@ -30,9 +30,9 @@ from policies.profile import Profile
 from policies.registry import PolicyRegistry
 from policies.spec import PolicyError
 from policies.stats import Interval, Margin, interval, paired_margin
+from simulator.engine.deployment import DEFAULT_LADDER, ServerKind
 from simulator.engine.results import Slo, goodput
 from simulator.engine.runner import PolicyChoice, is_single_pool, run, typed_params
-from simulator.engine.servers import DEFAULT_LADDER, ServerKind
 from simulator.engine.workloads import WorkloadSpec, generate
 
 Objective = Literal["throughput_tok_s", "mean_e2e_s", "p99_ttft_s", "p99_e2e_s", "goodput"]

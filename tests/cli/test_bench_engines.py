@@ -14,6 +14,7 @@ from helpers import run_specroute, serve_app
 
 from controller.bench.prefill import fit_lengths
 from controller.bench.runner import run_sweep
+from policies.base import POOLS
 from policies.profile import load_profile, parse_profile
 
 pytestmark = pytest.mark.timeout(180)
@@ -216,7 +217,7 @@ async def test_bench_together_in_rounds_interleaves_alone_and_together(emulator:
     factors = [float(f) for f in re.findall(r"x(\d+\.\d+) \(n=2, rounds", line)]
     assert len(factors) == 2 and factors == pytest.approx([1.0, 1.0], rel=0.15), line
     profile = load_profile(str(prof))
-    alone = {mode: profile.mode(mode).points[0] for mode in ("baseline", "eagle")}
+    alone = {mode: profile.mode(mode).points[0] for mode in POOLS}
     assert alone["eagle"].decode_tok_s / alone["baseline"].decode_tok_s == pytest.approx(2.0, rel=0.15)
     for mode, point in alone.items():
         together = profile.mode(mode).together

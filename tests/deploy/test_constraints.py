@@ -49,7 +49,9 @@ def _project_requirements() -> list[Requirement]:
 
 def _applies(req: Requirement) -> bool:
     """The requirement holds here (its marker, with no extra requested)."""
-    return req.marker is None or req.marker.evaluate({**default_environment(), "extra": ""})
+    environment: dict[str, str] = {key: str(value) for key, value in default_environment().items()}
+    environment["extra"] = ""
+    return req.marker is None or req.marker.evaluate(environment)
 
 
 def test_every_dependency_of_pyproject_is_pinned_within_its_bounds() -> None:

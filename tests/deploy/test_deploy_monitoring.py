@@ -142,7 +142,8 @@ def test_alert_rules_pass_promtool_check_and_their_unit_tests() -> None:
 def test_every_alert_is_exercised_firing_and_quiet() -> None:
     """Each alert has a unit test where it fires and one where it does not (before its `for:`
     or on the healthy series beside), so no rule ships untested."""
-    fires, quiet = set(), set()
+    fires: set[str] = set()
+    quiet: set[str] = set()
     for case in yaml.safe_load(ALERT_TESTS.read_text())["tests"]:
         for check in case["alert_rule_test"]:
             (fires if check["exp_alerts"] else quiet).add(check["alertname"])

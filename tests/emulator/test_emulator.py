@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 from helpers import KIMI, run_specroute, start_module, wait_until
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from simulator.emulator import synthetic
@@ -62,7 +63,8 @@ async def get_json(url: str) -> Any:
         return await r.json()
 
 
-CHAT = {"model": "kimi", "messages": [{"role": "user", "content": "Write a haiku about routers."}]}
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write a haiku about routers."}]
+CHAT = {"model": "kimi", "messages": MESSAGES}
 
 
 # -- answers and shapes ------------------------------------------------------------------
@@ -73,7 +75,7 @@ async def test_openai_client_non_streaming_exact_usage(emulator: MakeEmu, mode: 
     server = await emulator(mode)
     c = client(server)
     r = await c.chat.completions.create(
-        model="kimi", messages=CHAT["messages"], max_tokens=17, extra_body={"ignore_eos": True}
+        model="kimi", messages=MESSAGES, max_tokens=17, extra_body={"ignore_eos": True}
     )
     assert r.model == "kimi"
     assert r.choices[0].finish_reason == "length"
@@ -129,7 +131,7 @@ async def test_eagle_chunks_carry_several_tokens_and_usage_is_exact(emulator: Ma
     c = client(server)
     stream = await c.chat.completions.create(
         model="kimi",
-        messages=CHAT["messages"],
+        messages=MESSAGES,
         max_tokens=120,
         stream=True,
         stream_options={"include_usage": True},
@@ -173,7 +175,7 @@ async def test_without_max_tokens_length_is_drawn_and_stops_at_eos(emulator: Mak
     assert data["choices"][0]["matched_stop"] == server.emulator.config.eos_token_id
     assert data["metadata"] == {"weight_version": "default"}
     # max_tokens below the natural length truncates with "length"
-    r2 = await client(server).chat.completions.create(model="x", messages=CHAT["messages"], max_tokens=4)
+    r2 = await client(server).chat.completions.create(model="x", messages=MESSAGES, max_tokens=4)
     assert (
         r2.choices[0].finish_reason == "length" and r2.usage is not None and r2.usage.completion_tokens == 4
     )
@@ -184,7 +186,7 @@ async def test_info_endpoints(emulator: MakeEmu) -> None:
     models = await get_json(server.url + "/v1/models")
     assert models["data"][0]["id"] == "kimi-k2.5" and models["data"][0]["owned_by"] == "sglang"
     await client(server).chat.completions.create(
-        model="kimi-k2.5", messages=CHAT["messages"], max_tokens=40, extra_body={"ignore_eos": True}
+        model="kimi-k2.5", messages=MESSAGES, max_tokens=40, extra_body={"ignore_eos": True}
     )
     for path in ("/server_info", "/get_server_info"):
         info = await get_json(server.url + path)
@@ -205,7 +207,7 @@ async def test_info_endpoints(emulator: MakeEmu) -> None:
 async def test_metrics_names_and_labels(emulator: MakeEmu) -> None:
     server = await emulator("eagle", stats_interval_steps=2)
     await client(server).chat.completions.create(
-        model="x", messages=CHAT["messages"], max_tokens=30, extra_body={"ignore_eos": True}
+        model="x", messages=MESSAGES, max_tokens=30, extra_body={"ignore_eos": True}
     )
     async with aiohttp.ClientSession() as s, s.get(server.url + "/metrics") as r:
         text = await r.text()
@@ -230,7 +232,7 @@ async def _decode_rate(c: openai.AsyncOpenAI, tokens: int) -> float:
     """Per-request decode tok/s seen by a streaming client (after the first token)."""
     loop = asyncio.get_running_loop()
     stream = await c.chat.completions.create(
-        model="x", messages=CHAT["messages"], max_tokens=tokens, stream=True, extra_body={"ignore_eos": True}
+        model="x", messages=MESSAGES, max_tokens=tokens, stream=True, extra_body={"ignore_eos": True}
     )
     first = last = None
     async for chunk in stream:
@@ -308,9 +310,9 @@ async def test_error_rate_answers_sglang_flat_500(emulator: MakeEmu) -> None:
         body = await r.json()
     assert body["object"] == "error" and body["code"] == 500 and "message" in body
     with pytest.raises(openai.InternalServerError):
-        await client(server).chat.completions.create(model="x", messages=CHAT["messages"], max_tokens=2)
+        await client(server).chat.completions.create(model="x", messages=MESSAGES, max_tokens=2)
     server.faults.error_rate = 0.0  # live knob
-    r2 = await client(server).chat.completions.create(model="x", messages=CHAT["messages"], max_tokens=2)
+    r2 = await client(server).chat.completions.create(model="x", messages=MESSAGES, max_tokens=2)
     assert r2.usage is not None and r2.usage.completion_tokens == 2
 
 
@@ -339,7 +341,7 @@ async def test_stall_delays_the_first_byte(emulator: MakeEmu) -> None:
     server = await emulator("baseline", time_scale=0.05, faults=FaultConfig(stall_s=0.6))
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    r = await client(server).chat.completions.create(model="x", messages=CHAT["messages"], max_tokens=2)
+    r = await client(server).chat.completions.create(model="x", messages=MESSAGES, max_tokens=2)
     assert loop.time() - t0 >= 0.6
     assert r.usage is not None and r.usage.completion_tokens == 2
 
@@ -356,13 +358,13 @@ async def test_die_mid_stream_breaks_the_client_and_frees_the_slot(emulator: Mak
     assert b"data: [DONE]\n" not in got and any(b'"content":" The"' in g for g in got)
     with pytest.raises(openai.APIError):
         stream = await client(server).chat.completions.create(
-            model="x", messages=CHAT["messages"], max_tokens=50, stream=True
+            model="x", messages=MESSAGES, max_tokens=50, stream=True
         )
         async for _ in stream:
             pass
     assert await wait_until(lambda: server.engine.num_running == 0)
     with pytest.raises(openai.APIConnectionError):  # non-streaming: the connection drops unanswered
-        await client(server).chat.completions.create(model="x", messages=CHAT["messages"], max_tokens=50)
+        await client(server).chat.completions.create(model="x", messages=MESSAGES, max_tokens=50)
 
 
 async def test_refusing_connections(emulator: MakeEmu) -> None:
@@ -425,9 +427,9 @@ async def test_bad_input_gets_a_clear_400(emulator: MakeEmu) -> None:
 async def test_api_key(emulator: MakeEmu) -> None:
     server = await emulator("baseline", api_key="sekret")
     with pytest.raises(openai.AuthenticationError):
-        await client(server).chat.completions.create(model="x", messages=CHAT["messages"], max_tokens=2)
+        await client(server).chat.completions.create(model="x", messages=MESSAGES, max_tokens=2)
     ok = client(server, api_key="sekret")
-    r = await ok.chat.completions.create(model="x", messages=CHAT["messages"], max_tokens=2)
+    r = await ok.chat.completions.create(model="x", messages=MESSAGES, max_tokens=2)
     assert r.usage is not None and r.usage.completion_tokens == 2
     async with aiohttp.ClientSession() as s, s.get(server.url + "/metrics") as resp:
         assert resp.status == 200

@@ -20,6 +20,7 @@ import aiohttp
 import openai
 import pytest
 from helpers import ROOT, start_module
+from openai.types.chat import ChatCompletionMessageParam
 from sglang_bench import chat_body, completions_body, generate_body, read_generate_stream
 
 from simulator.emulator import synthetic
@@ -110,7 +111,10 @@ async def test_generate_stops_at_eos_without_ignore_eos(emulator: MakeEmu) -> No
 
 async def test_generate_batch_and_parallel_samples(emulator: MakeEmu) -> None:
     server = await emulator("baseline")
-    body = {"text": ["one", "two two two two"], "sampling_params": {"max_new_tokens": 5, "n": 2}}
+    body: dict[str, Any] = {
+        "text": ["one", "two two two two"],
+        "sampling_params": {"max_new_tokens": 5, "n": 2},
+    }
     status, outs = await post_json(server.url + "/generate", body)
     assert status == 200 and isinstance(outs, list) and len(outs) == 4
     assert [o["meta_info"]["prompt_tokens"] for o in outs] == [1, 1, 4, 4]  # prompt by prompt
@@ -168,7 +172,7 @@ async def test_generate_errors_have_sglang_shapes(emulator: MakeEmu) -> None:
         status, out = await post_json(url, body)
         assert status == 400 and isinstance(out["error"], str) and out["error"], body
     # SGLang's ValueErrors: 400 {"error": {"message": ...}}, or an error event when streaming
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided."),
         ({"input_ids": []}, "input_ids cannot be empty."),
         (
@@ -261,7 +265,7 @@ async def test_logprobs_shapes_through_the_openai_client(emulator: MakeEmu) -> N
     server = await emulator("eagle")
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     async with client:
-        hi = [{"role": "user", "content": "hi"}]
+        hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
         chat = await client.chat.completions.create(
             model="m",
             messages=hi,
@@ -347,7 +351,7 @@ async def test_streams_survive_sigstop_of_the_emulator(mode: str) -> None:
     async with emulate_process(mode) as (proc, url):
         assert proc.stderr is not None
         async with aiohttp.ClientSession() as s:
-            streams = [
+            streams: list[asyncio.Task[Any]] = [
                 asyncio.create_task(
                     _openai_stream(s, url + "/v1/completions", completions_body("m", "hi", 200))
                 ),

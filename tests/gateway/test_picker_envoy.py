@@ -22,6 +22,7 @@ import openai
 import pytest
 from gateway_setup import Envoy, envoy_binary, envoy_config, start_envoy
 from helpers import assert_in_flight_zero, emulator_running, start_module, wait_until
+from openai.types.chat import ChatCompletionMessageParam
 
 from controller.picker.service import RunningPicker, running_picker
 from controller.proxy.app import TRACKER
@@ -29,7 +30,7 @@ from controller.proxy.config import Settings
 from controller.proxy.core import policy_context
 from policies.registry import default_registry
 
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 TOOLS = [
     {
         "type": "function",

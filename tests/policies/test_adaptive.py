@@ -41,7 +41,10 @@ def test_what_is_assumed_is_named() -> None:
     assert kimi.steps == 3 and kimi.assumed == ("speculative_num_steps 3",)
     assert chain_accept_length(kimi.alpha, 3) == pytest.approx(2.4)  # the profile's accept length
     llama = DepthModel.of(LLAMA.mode("eagle"))
-    assert llama.alpha == 0.7 and llama.assumed == ("speculative_num_steps 3", "accept_length 2.53")
+    assert llama.assumed == ("speculative_num_steps 3",)
+    assert chain_accept_length(llama.alpha, 3) == pytest.approx(2.77)  # the profile's accept length
+    silent = DepthModel.of(KIMI.mode("eagle").model_copy(update={"accept_length": None}))
+    assert silent.alpha == 0.7 and silent.assumed == ("speculative_num_steps 3", "accept_length 2.53")
     told = DepthModel.of(KIMI.mode("eagle").model_copy(update={"speculative_num_steps": 5}))
     assert told.steps == 5 and told.assumed == ()
 
@@ -67,6 +70,7 @@ def test_an_adaptive_server_is_never_predicted_slower_at_high_batch_than_its_pla
     every request whatever its predicted acceptance, and cost_model predicts the pair's EAGLE-3
     server exactly as the plain one (given the same load and no prompt to prefill)."""
     ladder = LADDERS[name]
+    assert ladder is not None
     off = ladder.off_from()
     assert off is not None
     adapted = adaptive_profile(profile, ladder, max_running_requests=256)

@@ -11,7 +11,7 @@ import pytest
 from helpers import KIMI
 
 from controller.cli import main
-from policies.base import Decision, Outcome, RequestInfo
+from policies.base import Decision, Outcome, OutcomeStatus, RequestInfo
 from policies.calibration import HintSlots, ShrunkMean, SpeedCalibration
 from policies.cost_model import CostModelPolicy
 from policies.registry import PolicyContext, default_registry
@@ -109,7 +109,7 @@ def test_only_outcomes_of_the_policy_s_own_decisions_teach_it() -> None:
     assert isinstance(policy, CostModelPolicy) and policy.calibration is not None
     slow = 0.5 * KIMI.speed("eagle").decode_tok_s(1)
 
-    def outcome(reason: str, forced: bool = False, status: str = "ok") -> Outcome:
+    def outcome(reason: str, forced: bool = False, status: OutcomeStatus = "ok") -> Outcome:
         req = RequestInfo(max_tokens=101, forced_pool="eagle" if forced else None)
         failed_over = reason == "failover"
         return Outcome(

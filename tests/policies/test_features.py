@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from controller.proxy.request import estimate_prompt_tokens
+from policies.base import EndpointKind
 from policies.features import (
     HEAD_CHARS,
     MAX_GRAMS,
@@ -122,7 +123,7 @@ def test_generate_reads_sampling_params_and_text() -> None:
 
 def test_prompt_chars_match_the_proxy_estimate() -> None:
     """The simulator sizes prompts as the proxy estimates them (characters / 4)."""
-    bodies = [
+    bodies: list[tuple[dict[str, Any], EndpointKind]] = [
         (chat(("system", "s" * 101), ("user", [{"type": "text", "text": "t" * 57}])), "chat"),
         ({"prompt": "p" * 999}, "completions"),
     ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from helpers import Routed
 
-from policies.base import BackendLoad, Decision, LoadView, Outcome, Policy, PoolLoad, RequestInfo
+from policies.base import POOLS, BackendLoad, Decision, LoadView, Outcome, Policy, PoolLoad, RequestInfo
 from policies.registry import PolicyContext, default_registry
 
 VIEW = LoadView(
@@ -86,7 +86,7 @@ def test_one_huge_prompt_does_not_trap_the_pool_it_landed_on() -> None:
             share(after, pool),
         )
     first = after[0]
-    for pool in ("baseline", "eagle"):
+    for pool in POOLS:
         assert first.predicted_ttft_s[pool] < 2 * last_short.predicted_ttft_s[pool] + 0.05
     learned = policy.state()["prefill_tok_s"][d.pool]  # type: ignore[attr-defined]
     assert 4000 <= learned <= 16000  # what the huge prompt taught: its pool's prefill rate

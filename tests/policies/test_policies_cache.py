@@ -19,9 +19,9 @@ def policy(name: str = "cost_model", seed: int = 0, **params: object) -> Policy:
     return Routed(default_registry(entry_points=False).create(name, params, PolicyContext(KIMI, seed)), seed)
 
 
-def b(name: str, running: int = 0, cached: int = 0, healthy: bool = True) -> BackendLoad:
+def b(name: str, running: int = 0, cached: int = 0, usable: bool = True) -> BackendLoad:
     pool = "eagle" if name.startswith("e") else "baseline"
-    return BackendLoad(name, pool, healthy, running=running, queued=0, cached_tokens=cached)  # type: ignore[arg-type]
+    return BackendLoad(name, pool, usable, running=running, queued=0, cached_tokens=cached)  # type: ignore[arg-type]
 
 
 def view(baseline: list[BackendLoad], eagle: list[BackendLoad]) -> LoadView:
@@ -111,13 +111,13 @@ def test_cached_tokens_are_credited_when_the_profile_has_no_prefill_rate() -> No
 
 def test_round_robin_cycles_through_healthy_backends() -> None:
     p = policy("round_robin")
-    v = view([b("b0"), b("b1", healthy=False)], [b("e0"), b("e1")])
+    v = view([b("b0"), b("b1", usable=False)], [b("e0"), b("e1")])
     picks = [p.choose(LONG, v, 0.0) for _ in range(6)]
     assert [d.backend for d in picks] == ["b0", "e0", "e1"] * 2
     assert [d.pool for d in picks[:3]] == ["baseline", "eagle", "eagle"]
     assert {d.reason for d in picks} == {"round_robin"}
     with pytest.raises(NoHealthyBackend):
-        p.choose(LONG, view([b("b0", healthy=False)], [b("e0", healthy=False)]), 0.0)
+        p.choose(LONG, view([b("b0", usable=False)], [b("e0", usable=False)]), 0.0)
 
 
 def test_cache_only_takes_the_longest_prefix_then_the_least_loaded() -> None:
@@ -128,14 +128,14 @@ def test_cache_only_takes_the_longest_prefix_then_the_least_loaded() -> None:
     assert (d.backend, d.reason) == ("b1", "prefix_match")  # load ignored when a longer prefix exists
     d = p.choose(LONG, view([b("b0", 5, cached=512), b("b1", 3, cached=512)], [b("e0", 0)]), 0.0)
     assert d.backend == "b1"
-    d = p.choose(LONG, view([b("b0", 5)], [b("e0", 2), b("e1", 2, healthy=False)]), 0.0)
+    d = p.choose(LONG, view([b("b0", 5)], [b("e0", 2), b("e1", 2, usable=False)]), 0.0)
     assert (d.backend, d.reason) == ("e0", "least_loaded")
     ties = {
         policy("cache_only", seed=s).choose(LONG, view([b("b0")], [b("e0")]), 0.0).backend for s in range(20)
     }
     assert ties == {"b0", "e0"}  # exact ties broken by the seeded RNG
     with pytest.raises(NoHealthyBackend):
-        p.choose(LONG, view([], [b("e0", healthy=False)]), 0.0)
+        p.choose(LONG, view([], [b("e0", usable=False)]), 0.0)
 
 
 def test_a_segment_start_drops_the_booked_prefill() -> None:

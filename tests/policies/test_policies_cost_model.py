@@ -196,7 +196,7 @@ def test_ttft_objective() -> None:
 def test_least_loaded_backend_and_local_counts_without_a_sample() -> None:
     v = view(
         (backend("b0", "baseline", in_flight=9), backend("b1", "baseline", in_flight=4)),
-        (backend("e0", "eagle", in_flight=2, healthy=False), backend("e1", "eagle", in_flight=9)),
+        (backend("e0", "eagle", in_flight=2, usable=False), backend("e1", "eagle", in_flight=9)),
     )
     d = cost_model().choose(RequestInfo(max_tokens=2), v, 0.0)
     assert (d.pool, d.backend, d.backend_load) == ("baseline", "b1", 4)
@@ -239,11 +239,11 @@ def test_scraped_accept_length_scales_eagle() -> None:
 
 
 def test_unavailable_pools() -> None:
-    down = view((backend("b0", "baseline", 0, 0),), (backend("e0", "eagle", 0, 0, healthy=False),))
+    down = view((backend("b0", "baseline", 0, 0),), (backend("e0", "eagle", 0, 0, usable=False),))
     d = cost_model().choose(RequestInfo(max_tokens=256), down, 0.0)
     assert (d.pool, d.reason) == ("baseline", "eagle_unavailable")
     assert set(d.predicted_e2e_s) == {"baseline"}
-    down = view((backend("b0", "baseline", healthy=False),), (backend("e0", "eagle", 99, 99),))
+    down = view((backend("b0", "baseline", usable=False),), (backend("e0", "eagle", 99, 99),))
     assert cost_model().choose(RequestInfo(), down, 0.0).reason == "baseline_unavailable"
     with pytest.raises(NoHealthyBackend):
         cost_model().choose(RequestInfo(), view((), ()), 0.0)
@@ -259,7 +259,7 @@ def _random_view(rng: random.Random) -> LoadView:
     def one(name: str, pool: Pool, max_running: int) -> BackendLoad:
         running = rng.choice([None, rng.randint(0, max_running)])
         return backend(
-            name, pool, running, rng.randint(0, 50), in_flight=rng.randint(0, 50), healthy=rng.random() > 0.2
+            name, pool, running, rng.randint(0, 50), in_flight=rng.randint(0, 50), usable=rng.random() > 0.2
         )
 
     return view(
@@ -312,7 +312,7 @@ def test_the_reason_agrees_with_the_predictions_logged(params: dict[str, object]
     decided: `faster_X` only where X's own predicted time is the smaller; `cheaper_X` where system
     scope's marginal cost chose the slower pool; `eagle_margin` where the margin kept EAGLE out."""
     rng = random.Random(11)
-    policy = cost_model(seed=3, **params)
+    policy = cost_model(KIMI, 3, **params)
     seen: set[str] = set()
     for _ in range(800):
         req = RequestInfo(max_tokens=rng.choice([None, 16, 2048]))

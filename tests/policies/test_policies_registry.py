@@ -36,12 +36,12 @@ def test_builtins_are_registered_and_described(reg: PolicyRegistry) -> None:
         for key, typ, default, help_ in rows:
             assert key and typ and default and help_, (spec.name, key)
             assert "typing" not in typ and "Annotated" not in typ
-    rows = {(s.name, r[0]): r for s in reg.specs() for r in s.describe_params()}
-    assert rows[("fixed", "pool")][1:3] == ("baseline|eagle", "baseline")
-    assert rows[("threshold", "signal")][1:3] == ("local|scraped|max", "max")
-    assert rows[("cost_model", "hint_speedup")][1:3] == ("dict[str, float]", "{}")
-    assert rows[("cost_model", "mean_output_tokens")][1:3] == ("float | None", "null")
-    assert rows[("online", "buckets")][1] == "list[int]"
+    by_key = {(s.name, r[0]): r for s in reg.specs() for r in s.describe_params()}
+    assert by_key[("fixed", "pool")][1:3] == ("baseline|eagle", "baseline")
+    assert by_key[("threshold", "signal")][1:3] == ("local|scraped|max", "max")
+    assert by_key[("cost_model", "hint_speedup")][1:3] == ("dict[str, float]", "{}")
+    assert by_key[("cost_model", "mean_output_tokens")][1:3] == ("float | None", "null")
+    assert by_key[("online", "buckets")][1] == "list[int]"
     assert reg.get("cost_model").needs_profile and not reg.get("online").needs_profile
 
 

@@ -16,18 +16,18 @@ def view(
     *,
     running: int | None = None,
     queued: int | None = None,
-    eagle_healthy: bool = True,
-    baseline_healthy: bool = True,
+    eagle_usable: bool = True,
+    baseline_usable: bool = True,
 ) -> LoadView:
     return LoadView(
-        baseline=PoolLoad("baseline", (BackendLoad("b0", "baseline", healthy=baseline_healthy),)),
+        baseline=PoolLoad("baseline", (BackendLoad("b0", "baseline", usable=baseline_usable),)),
         eagle=PoolLoad(
             "eagle",
             (
                 BackendLoad(
                     "e0",
                     "eagle",
-                    healthy=eagle_healthy,
+                    usable=eagle_usable,
                     in_flight=eagle_in_flight,
                     running=running,
                     queued=queued,
@@ -56,10 +56,10 @@ def test_fixed_sends_everything_to_its_pool() -> None:
 
 def test_fixed_falls_back_when_its_pool_is_down() -> None:
     policy = fixed("eagle")
-    d = policy.choose(REQ, view(eagle_healthy=False), 0.0)
+    d = policy.choose(REQ, view(eagle_usable=False), 0.0)
     assert (d.pool, d.reason) == ("baseline", "eagle_unavailable")
     with pytest.raises(NoHealthyBackend):
-        policy.choose(REQ, view(eagle_healthy=False, baseline_healthy=False), 0.0)
+        policy.choose(REQ, view(eagle_usable=False, baseline_usable=False), 0.0)
 
 
 def test_threshold_switches_exactly_at_its_bound() -> None:
@@ -106,7 +106,7 @@ def test_threshold_counts_only_healthy_eagle_backends() -> None:
         baseline=PoolLoad("baseline", (BackendLoad("b0", "baseline"),)),
         eagle=PoolLoad(
             "eagle",
-            (BackendLoad("e0", "eagle", in_flight=9, healthy=False), BackendLoad("e1", "eagle", in_flight=1)),
+            (BackendLoad("e0", "eagle", in_flight=9, usable=False), BackendLoad("e1", "eagle", in_flight=1)),
         ),
     )
     d = threshold(threshold=4).choose(REQ, v, 0.0)
@@ -114,7 +114,7 @@ def test_threshold_counts_only_healthy_eagle_backends() -> None:
 
 
 def test_threshold_eagle_down_goes_to_baseline() -> None:
-    d = threshold().choose(REQ, view(eagle_healthy=False), 0.0)
+    d = threshold().choose(REQ, view(eagle_usable=False), 0.0)
     assert (d.pool, d.reason) == ("baseline", "eagle_unavailable")
 
 
@@ -148,7 +148,7 @@ def _pool_view(*backends: tuple[str, int, bool], running: dict[str, int] | None 
         BackendLoad(
             name,
             "baseline",
-            healthy=ok,
+            usable=ok,
             in_flight=n,
             running=scraped.get(name),
             queued=0 if name in scraped else None,

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from policies.base import Pool
 from policies.profile import ProfileError, load_profile, parse_profile, resolve_profile
 
 
@@ -42,7 +43,11 @@ def test_kimi_profile_matches_its_headline_figures() -> None:
     assert e.throughput_tok_s(48) == pytest.approx(354, rel=1e-3)
     assert [pt.concurrency for pt in p.mode("baseline").points] == [1, 2, 5, 10, 30, 70, 100, 250]
     # every point lies on the fitted line t(b) = a + c*b
-    for mode, a, c in (("baseline", 0.009532, 0.0012555), ("eagle", 0.007742, 0.0026636)):
+    fits: tuple[tuple[Pool, float, float], ...] = (
+        ("baseline", 0.009532, 0.0012555),
+        ("eagle", 0.007742, 0.0026636),
+    )
+    for mode, a, c in fits:
         for pt in p.mode(mode).points:
             assert 1 / pt.decode_tok_s == pytest.approx(a + c * pt.concurrency, rel=1e-3)
 

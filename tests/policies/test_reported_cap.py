@@ -14,7 +14,7 @@ from policies.registry import default_registry
 from policies.spec import PolicyContext
 
 REQUEST = RequestInfo(endpoint="chat", stream=True, prompt_tokens=100, max_tokens=200)
-PROFILE_CAP = KIMI.mode("eagle").max_running_requests  # 48
+PROFILE_CAP = KIMI.mode("eagle").max_running_requests or 0  # 48
 
 
 def policy(**params: object) -> object:

@@ -4,6 +4,7 @@ the same decisions for the same inputs."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import aiohttp
 import pytest
@@ -26,8 +27,8 @@ from policies.base import (
 )
 from policies.registry import PolicyContext, default_registry
 from policies.routing import CLIENT_STALL_SHARE, Router, least_loaded_index, pick_backend, teaches
+from simulator.engine.deployment import build_deployment
 from simulator.engine.loop import simulate
-from simulator.engine.servers import build_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
 
@@ -61,7 +62,7 @@ def view(baseline: list[tuple[str, int, bool]], eagle: list[tuple[str, int, bool
     """Backends as (name, in-flight, healthy) per pool."""
 
     def pool(name: Pool, backends: list[tuple[str, int, bool]]) -> PoolLoad:
-        return PoolLoad(name, tuple(BackendLoad(n, name, healthy=ok, in_flight=k) for n, k, ok in backends))
+        return PoolLoad(name, tuple(BackendLoad(n, name, usable=ok, in_flight=k) for n, k, ok in backends))
 
     return LoadView(pool("baseline", baseline), pool("eagle", eagle))
 
@@ -108,7 +109,7 @@ def test_backend_within_a_pool_least_load_with_a_seeded_tie_break() -> None:
             (
                 BackendLoad("b0", "baseline", in_flight=0, running=6, queued=1),
                 BackendLoad("b1", "baseline", in_flight=2),
-                BackendLoad("b2", "baseline", in_flight=0, healthy=False),
+                BackendLoad("b2", "baseline", in_flight=0, usable=False),
             ),
         ),
         PoolLoad("eagle", ()),
@@ -154,7 +155,9 @@ def test_failover_same_pool_first_then_the_other_unless_forced() -> None:
 def _tickets(policy: object, seed: int) -> Tickets:
     """The proxy's request path; its `decide` decides on the `LoadView` it is given (the backends'
     names come from the view, so any view can be replayed)."""
-    settings = Settings(baseline=["http://b0:1"], eagle=["http://e0:1"], policy="fixed", seed=seed)
+    settings = Settings.model_validate(
+        {"baseline": ["http://b0:1"], "eagle": ["http://e0:1"], "policy": "fixed", "seed": seed}
+    )
     return build_core(settings, policy, clock=lambda: 0.0, shadows=()).tickets  # type: ignore[arg-type]
 
 
@@ -167,12 +170,12 @@ def test_the_proxy_decides_exactly_as_the_core_including_its_errors() -> None:
     fwd, core = _tickets(proxy_policy, 9), Router(9)
     outcomes = 0
     for i in range(400):
+        pool_names: tuple[Pool, Pool] = ("baseline", "eagle")
         pools = [
             PoolLoad(
-                p,
-                tuple(BackendLoad(u, p, healthy=rng.random() > 0.2, in_flight=rng.randrange(4)) for u in us),
-            )  # type: ignore[arg-type]
-            for p, us in zip(("baseline", "eagle"), names, strict=True)
+                p, tuple(BackendLoad(u, p, usable=rng.random() > 0.2, in_flight=rng.randrange(4)) for u in us)
+            )
+            for p, us in zip(pool_names, names, strict=True)
         ]
         v = LoadView(pools[0], pools[1])
         forced: Pool | None = rng.choice([None, None, None, "baseline", "eagle"])  # type: ignore[assignment]
@@ -214,7 +217,7 @@ class Recording:
     def __init__(self, inner: object) -> None:
         self.inner = inner
         self.name = inner.name  # type: ignore[attr-defined]
-        self.calls: list[tuple[str, object]] = []
+        self.calls: list[tuple[str, Any]] = []
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         d = self.inner.choose(request, view, now)  # type: ignore[attr-defined]
@@ -228,7 +231,7 @@ class Recording:
 
 @pytest.mark.parametrize("policy", ["online", "cost_model", "threshold"])
 def test_the_simulator_and_the_proxy_route_the_same_inputs_identically(policy: str) -> None:
-    """A simulated run's inputs replayed through the proxy's Forwarder give its decisions."""
+    """A simulated run's inputs replayed through the proxy's request path give its decisions."""
     registry = default_registry(entry_points=False)
     params = {"epsilon": 0.2} if policy == "online" else {}
     recorder = Recording(registry.create(policy, params, PolicyContext(KIMI, 7)))
@@ -241,10 +244,10 @@ def test_the_simulator_and_the_proxy_route_the_same_inputs_identically(policy: s
     replayed: list[str] = []
     for kind, call in recorder.calls:
         if kind == "choose":
-            request, v, now = call  # type: ignore[misc]
+            request, v, now = call
             replayed.append(fwd.decide(fwd.policy, request, v, now).backend)
         else:
-            fwd.policy.observe(call)  # type: ignore[arg-type]
+            fwd.policy.observe(call)
     assert replayed == simulated  # the same backend for every request, tie-breaks included
     assert len(set(simulated)) == 4
 

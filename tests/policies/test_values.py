@@ -20,7 +20,7 @@ from policies.base import BackendLoad, Decision, LoadView, Outcome, PoolLoad, Re
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
 from policies.routing import Router
-from simulator.engine.routers import PERFECT_VIEW, RouterSetup
+from simulator.engine.replica_views import PERFECT_VIEW, RouterSetup
 from simulator.engine.runner import PolicyChoice, run
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 

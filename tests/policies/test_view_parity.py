@@ -18,7 +18,7 @@ from controller.proxy.load import Reservation
 from policies.base import BackendLoad, Decision, LoadView, Outcome, RequestInfo
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
 from policies.view import STALE_AFTER_S, backend_load, believed_cached, dispatched, true_load
-from simulator.engine.routers import RouterGroup, Routers, RouterSetup
+from simulator.engine.replica_views import RouterGroup, Routers, RouterSetup
 
 SERVERS = [("b0", "baseline", None), ("b1", "baseline", None), ("e0", "eagle", 3.2)]
 CAPACITY = 8 * DEFAULT_BLOCK_TOKENS
@@ -149,10 +149,10 @@ def test_a_full_backend_is_healthy_but_does_not_admit() -> None:
     tracker.set_bounds({"b0": 1, "e0": None}, {"baseline": None, "eagle": None})
     tracker.reserve("b0")
     b0 = tracker.view(0.0).baseline.backends[0]
-    assert (b0.healthy, b0.full, b0.admits) == (True, True, False)
+    assert (b0.usable, b0.full, b0.admits) == (True, True, False)
     assert b0 == backend_load("b0", "baseline", 1, 0, now=0.0, full=True)
     tracker.set_healthy("e0", False)
     tracker.set_healthy("b0", False)
     e0 = tracker.view(0.0).eagle.backends[0]
-    assert (e0.healthy, e0.full, e0.admits) == (True, False, True)  # panic: every backend usable
+    assert (e0.usable, e0.full, e0.admits) == (True, False, True)  # panic: every backend usable
     assert isinstance(e0, BackendLoad)

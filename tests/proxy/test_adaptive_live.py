@@ -24,9 +24,10 @@ from helpers import KIMI, wait_until
 
 from controller.proxy.app import ADMIN, FORWARDER, SCRAPER
 from controller.proxy.ticket import RequestRecord
+from policies.base import Pool
 from policies.profile import SpeedModel, load_profile
 from simulator.emulator.app import EmulatorServer
-from simulator.engine.servers import server_profile
+from simulator.engine.deployment import server_profile
 
 TIME_SCALE = 0.25
 KIMI_NAME = "kimi-k25-int4-8gpu"
@@ -70,7 +71,7 @@ async def closed_loop(client: openai.AsyncOpenAI, clients: int, rounds: int, see
     await asyncio.gather(*(worker(m) for m in lengths))
 
 
-def ratios(records: list[RequestRecord], pool: str, low: int, high: int) -> list[tuple[float, float]]:
+def ratios(records: list[RequestRecord], pool: Pool, low: int, high: int) -> list[tuple[float, float]]:
     """(measured, predicted) end-to-end seconds of the requests decided with `low <= batch <= high`
     (the batch they joined: the backend's load at the decision plus themselves)."""
     out = []
@@ -180,7 +181,7 @@ def test_backend_adaptive_setting_errors_name_the_backend() -> None:
 
     from controller.proxy.config import Settings, load_settings
 
-    ok = Settings(eagle=["e1=http://127.0.0.1:9"], backend_adaptive={"e1": "sglang"})
+    ok = Settings.model_validate({"eagle": ["e1=http://127.0.0.1:9"], "backend_adaptive": {"e1": "sglang"}})
     assert ok.backend_adaptive == {"e1": "sglang"}
     environ = {"SPECROUTE_EAGLE": "e1=http://127.0.0.1:9", "SPECROUTE_BACKEND_ADAPTIVE": '{"e1": [[1,8,2]]}'}
     env = load_settings({}, environ)
@@ -191,6 +192,10 @@ def test_backend_adaptive_setting_errors_name_the_backend() -> None:
         ({"e1": [[2, 8, 1]]}, "start at batch 1"),
     ):
         with pytest.raises(ValidationError, match=re.escape(why)):
-            Settings(
-                baseline=["b1=http://127.0.0.1:8"], eagle=["e1=http://127.0.0.1:9"], backend_adaptive=bad
+            Settings.model_validate(
+                {
+                    "baseline": ["b1=http://127.0.0.1:8"],
+                    "eagle": ["e1=http://127.0.0.1:9"],
+                    "backend_adaptive": bad,
+                }
             )

@@ -75,12 +75,14 @@ def served() -> Iterator[Served]:
             await web.TCPSite(brunner, "127.0.0.1", 0).start()
             runners.append(brunner)
             urls.append(f"http://127.0.0.1:{brunner.addresses[0][1]}")
-        s = Settings(
-            baseline=urls[:1],
-            eagle=urls[1:],
-            policy="threshold",
-            body_limit_bytes=64 * 1024,
-            health_check_interval_s=3600,
+        s = Settings.model_validate(
+            {
+                "baseline": urls[:1],
+                "eagle": urls[1:],
+                "policy": "threshold",
+                "body_limit_bytes": 64 * 1024,
+                "health_check_interval_s": 3600,
+            }
         )
         registry = default_registry(entry_points=False)
         policy = registry.create(s.policy, s.policy_params, PolicyContext(seed=0))

@@ -9,7 +9,6 @@ import asyncio
 import json
 import socket
 import sys
-import time
 
 import aiohttp
 import openai
@@ -20,13 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-async def _health_ms(url: str) -> float:
-    async with aiohttp.ClientSession() as s:
-        t0 = time.perf_counter()
-        async with s.get(url + "/health") as r:
-            await r.read()
-            assert r.status == 200
-        return (time.perf_counter() - t0) * 1000
+async def _health(url: str) -> int:
+    async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
+        await r.read()
+        return r.status
 
 
 # --- bodies -------------------------------------------------------------------------------
@@ -59,16 +55,16 @@ async def test_a_body_of_many_tiny_values_gets_413_before_it_is_parsed(fake_back
             return r.status, await r.json()
 
     posts = [asyncio.create_task(post()) for _ in range(3)]
-    health = []
+    health = []  # /health answered while the bodies arrived (how fast: benchmarks/hostile_bodies.py)
     while not all(t.done() for t in posts):
-        health.append(await _health_ms(p.url))
+        health.append(await _health(p.url))
         await asyncio.sleep(0.01)
     for status, body in await asyncio.gather(*posts):
         assert status == 413
         assert_openai_error(body, "payload_too_large")
         assert needle in body["error"]["message"]
     assert fb.requests == []
-    assert max(health) < 2000, health  # generous: benchmarks/hostile_bodies.py has the figures
+    assert health and set(health) == {200}
     assert p.sample("specroute_rejected_requests_total", code="413") == 3.0
 
 

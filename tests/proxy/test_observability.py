@@ -65,7 +65,7 @@ LOG_FIELDS = {
 def sglang_metrics(running: int, queued: int = 0, accept: float | None = None) -> str:
     """SGLang-shaped scheduler gauges (two tensor-parallel ranks reporting the same state)."""
     lines = []
-    gauges = [("num_running_reqs", running), ("num_queue_reqs", queued)]
+    gauges: list[tuple[str, float]] = [("num_running_reqs", running), ("num_queue_reqs", queued)]
     if accept is not None:
         gauges.append(("spec_accept_length", accept))
     for name, value in gauges:

@@ -62,14 +62,14 @@ def test_panic_routes_to_every_backend_when_none_is_usable():
     for name in ("b0", "b1", "e0"):
         d.failure(tracker.get(name), 0.0, "x")
     view = tracker.view(1.0)
-    assert all(b.healthy for b in (*view.baseline.backends, *view.eagle.backends))  # panic: all usable
+    assert all(b.usable for b in (*view.baseline.backends, *view.eagle.backends))  # panic: all usable
     tracker.panic = False
     view = tracker.view(1.0)
-    assert not any(b.healthy for b in (*view.baseline.backends, *view.eagle.backends))
+    assert not any(b.usable for b in (*view.baseline.backends, *view.eagle.backends))
     tracker.panic = True
     tracker.get("e0").ejected_until = None  # one is back: no panic, the ejected stay out
     view = tracker.view(1.0)
-    assert [b.healthy for b in view.baseline.backends] == [False, False] and view.eagle.backends[0].healthy
+    assert [b.usable for b in view.baseline.backends] == [False, False] and view.eagle.backends[0].usable
 
 
 async def test_panic_mode_serves_when_every_backend_looks_down(fake_backend, proxy):
@@ -79,7 +79,7 @@ async def test_panic_mode_serves_when_every_backend_looks_down(fake_backend, pro
     eagle = await fake_backend(chunks=2)
     base.health_status = eagle.health_status = 503
     p = await proxy(baseline=[base.url], eagle=[eagle.url], policy="threshold", health_check_interval_s=0.05)
-    assert await wait_until(lambda: not p.tracker.any_healthy(), 5)
+    assert await wait_until(lambda: not any(b.healthy for b in p.tracker), 5)
     c = openai.AsyncOpenAI(base_url=p.base_url, api_key="k", max_retries=0)
     out = await c.chat.completions.create(model="m", messages=BODY["messages"])
     assert out.choices[0].message.content == "tok0 tok1 "

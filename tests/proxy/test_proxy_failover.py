@@ -180,7 +180,7 @@ async def test_no_healthy_backend_answers_503_quickly(fake_backend, proxy):
         health_check_interval_s=60,
         panic_routing=False,  # else requests are tried on the backends anyway (see test_panic_*)
     )
-    await wait_until(lambda: not p.tracker.any_healthy(), 2.0)
+    await wait_until(lambda: not any(b.healthy for b in p.tracker), 2.0)
     async with aiohttp.ClientSession() as s:
         async with s.post(p.url + "/v1/chat/completions", json=BODY) as r:
             err = await r.json()

@@ -56,7 +56,7 @@ def test_view_reports_load_health_and_fresh_samples_only():
     b.running, b.queued, b.accept_length, b.sample_time = 7, 2, 2.5, 100.0
     view = t.view(104.0)
     assert [x.in_flight for x in view.baseline.backends] == [1, 0]
-    assert [x.healthy for x in view.baseline.backends] == [True, False]
+    assert [x.usable for x in view.baseline.backends] == [True, False]
     e = view.eagle.backends[0]
     assert (e.in_flight, e.in_flight_tokens, e.running, e.queued, e.accept_length) == (1, 3, 7, 2, 2.5)
     assert e.sample_age_s == 4.0 and e.load == 9

@@ -75,6 +75,7 @@ def test_the_cap_is_the_schedulers_effective_cap_summed_over_dp_ranks_else_the_l
     assert server_info_cap(launch_args(None, [40])) == 40  # unset: derived from memory
     assert server_info_cap(launch_args(30, None)) == 30  # a release without the effective cap
     assert server_info_cap(launch_args(None, None)) is None
+    junk: object
     for junk in (
         [],
         "x",

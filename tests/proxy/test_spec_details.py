@@ -4,13 +4,15 @@ would have got without asking -- streaming or not, with or without the usage chu
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from helpers import FRANCE, post_bytes
 
 from controller.proxy.spec_details import SpecEvents, accept_length, drop_sglext_member
 
 CHAT = FRANCE
-CASES = [
+CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"model": "m", "messages": CHAT}),
     ("/v1/completions", {"model": "m", "prompt": "The capital of France is"}),
 ]

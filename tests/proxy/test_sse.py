@@ -9,7 +9,7 @@ import itertools
 import json
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Literal
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,8 +30,9 @@ from controller.proxy.sse import (
 )
 
 ENDS = [b"\n", b"\r\n", b"\r"]
+SURROGATES: tuple[Literal["Cs"]] = ("Cs",)
 texts = st.text(
-    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=30
+    alphabet=st.characters(blacklist_categories=SURROGATES, blacklist_characters="\r\n"), max_size=30
 )
 
 
@@ -108,7 +109,7 @@ def test_the_usage_filter_removes_exactly_the_usage_event(
 
 def test_the_spec_filter_keeps_the_details_and_removes_the_event_in_any_framing() -> None:
     details = {"spec_verify_ct": 4, "spec_accept_length": 2.5}
-    event = {"choices": [], "usage": None, "sglext": {"spec_tokens_details": details}}
+    event: dict[str, Any] = {"choices": [], "usage": None, "sglext": {"spec_tokens_details": details}}
     for end in ENDS:
         data = frame([payload("a"), json.dumps(event).encode(), b"[DONE]"], end)
         spec = SpecEvents(strip=True)

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, run_command, run_specroute
 
 from simulator import native
-from tests.helpers import ROOT, run_command, run_specroute
 
 TRACES = Path("/work/shared/data/traces")
 

@@ -20,9 +20,9 @@ from policies.profile import Profile, parse_profile
 from policies.registry import PolicyContext, default_registry
 from policies.routing import pool_decision
 from simulator.engine.cache import BlockCache
+from simulator.engine.deployment import build_deployment, parse_deployment
 from simulator.engine.loop import RequestBatch, simulate
 from simulator.engine.results import samples, summarize
-from simulator.engine.servers import build_deployment, parse_deployment
 from simulator.engine.traces import TraceError, detect_format, read_trace
 from simulator.engine.workloads import LengthSpec, WorkloadError, WorkloadSpec, generate
 
@@ -225,8 +225,12 @@ def test_multiturn_conversations_grow_and_share_the_system_prompt() -> None:
         WorkloadSpec(kind="multiturn", think_time_s=-1.0)
 
 
-def test_simulate_cli_mooncake_and_multiturn(capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["simulate", "--profile", "kimi-k25-int4-8gpu", "--json", "--deployment", "baseline=2,eagle=2"]
+SIMULATE = ["simulate", "--profile", "kimi-k25-int4-8gpu", "--json", "--deployment", "baseline=2,eagle=2"]
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason=f"the Mooncake trace is not at {MOONCAKE} (shared data)")
+def test_simulate_cli_mooncake(capsys: pytest.CaptureFixture[str]) -> None:
+    base = SIMULATE
     policies = [
         "--policy",
         "cost_model",
@@ -248,7 +252,10 @@ def test_simulate_cli_mooncake_and_multiturn(capsys: pytest.CaptureFixture[str])
     assert main([*args, "--cache-tokens", "0", "--policy", "cost_model"]) == 0
     off = json.loads(capsys.readouterr().out)["runs"][0]["summary"]
     assert off["cache_hit_ratio"] == 0.0
-    mt = [*base, "--workload", "multiturn", "--rate", "2", "--requests", "300", "--policy", "round_robin"]
+
+
+def test_simulate_cli_multiturn(capsys: pytest.CaptureFixture[str]) -> None:
+    mt = [*SIMULATE, "--workload", "multiturn", "--rate", "2", "--requests", "300", "--policy", "round_robin"]
     assert main(mt) == 0
     s = json.loads(capsys.readouterr().out)["runs"][0]["summary"]
     assert s["requests"] == 300 and s["cache_hit_ratio"] > 0.3

@@ -13,10 +13,10 @@ from controller.cli import main
 from policies.profile import ProfileError, load_profile, parse_profile
 from policies.together import describe, slowdowns, together_mode
 from simulator.engine.colocation import ColocatedServer, pairs, server_types
+from simulator.engine.deployment import build_deployment, parse_deployment, server_profile
 from simulator.engine.loop import RequestBatch, simulate
 from simulator.engine.oracle import best_static_split
 from simulator.engine.server import Server
-from simulator.engine.servers import build_deployment, parse_deployment, server_profile
 
 
 def mode(
@@ -114,8 +114,8 @@ def test_server_speed_scales_the_together_points_alike() -> None:
     belief = parse_profile(pair_profile())
     truth = server_profile(belief, speed={"baseline": 0.5})
     assert slowdowns(truth.mode("baseline")) == slowdowns(belief.mode("baseline"))
-    assert truth.mode("baseline").together is not None
-    assert truth.mode("baseline").together.points[0].decode_tok_s == pytest.approx(25.0)
+    together = truth.mode("baseline").together
+    assert together is not None and together.points[0].decode_tok_s == pytest.approx(25.0)
 
 
 def test_profile_validation_checks_the_together_points() -> None:
@@ -182,7 +182,8 @@ def test_profile_merge_together_and_simulate_say_so(
             "--requests-per-level", "10", "--warmup-requests", "2",
             "--output-tokens", "const:101"]  # fmt: skip
     assert main(args) == 0
-    assert describe(merged) in capsys.readouterr().out
+    described = describe(merged)
+    assert described is not None and described in capsys.readouterr().out
     assert main([*args, "--json"]) == 0
     printed = capsys.readouterr()
     doc = json.loads(printed.out)

@@ -17,15 +17,15 @@ import pytest
 
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.registry import PolicyContext, default_registry
-from simulator.engine.loop import FILLER, MEASURED, NOT_SENT, WARMUP, RequestBatch, SimulationError, simulate
-from simulator.engine.runner import PolicyChoice, run
-from simulator.engine.servers import (
+from simulator.engine.deployment import (
     DeploymentError,
     build_deployment,
     build_server,
     parse_adaptive,
     parse_deployment,
 )
+from simulator.engine.loop import FILLER, MEASURED, NOT_SENT, WARMUP, RequestBatch, SimulationError, simulate
+from simulator.engine.runner import PolicyChoice, run
 from simulator.engine.workloads import AcceptModel, LengthSpec, WorkloadSpec, generate
 
 

@@ -48,7 +48,7 @@ def test_batch_columns_follow_the_file(tmp_path: Path) -> None:
     i = list(b.features).index(code)
     assert b.accept[i] == 1.5 and b.prompt_tokens[i] == len(f"{CODE} # 0") // 4
     assert b.output_tokens[i] == 200  # the default length draw
-    prose = [k for k, f in enumerate(b.features) if f.temperature == 0.7]
+    prose = [k for k, f in enumerate(b.features) if f is not None and f.temperature == 0.7]
     assert prose and all(b.accept[k] == 0.8 and b.output_tokens[k] == 50 for k in prose)
     hinted = [k for k, h in enumerate(b.hints) if h is not None]
     assert len(hinted) == 3 and all(b.accept[k] == 1.0 for k in hinted)  # default accept 1

@@ -15,10 +15,10 @@ from policies.profile import resolve_profile
 from policies.replicas import believed_counts
 from policies.routing import pool_decision
 from policies.view import backend_load
+from simulator.engine.deployment import build_deployment, parse_deployment
 from simulator.engine.loop import RequestBatch, simulate
-from simulator.engine.routers import RouterGroup, RouterSetup
+from simulator.engine.replica_views import RouterGroup, RouterSetup
 from simulator.engine.runner import PolicyChoice, run
-from simulator.engine.servers import build_deployment, parse_deployment
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
 PROFILE = "kimi-k25-int4-8gpu"

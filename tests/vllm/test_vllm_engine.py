@@ -123,7 +123,7 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPair]:
             cmd = swap(raw.removesuffix("&").strip())
             words = shlex.split(cmd)
             if words[0] == "export":
-                env.update(w.split("=", 1) for w in words[1:])
+                env.update(w.partition("=")[::2] for w in words[1:])
                 continue
             local = dict(env)
             while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
@@ -148,7 +148,7 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPair]:
             _wait_healthy(url, proc, log)
         print(f"\nvLLM pair ready in {time.monotonic() - started:.0f} s (model build included)")
         plain, ngram = procs[0][1], procs[1][1]
-        assert "--speculative-config" in " ".join(str(a) for a in procs[1][0].args)
+        assert "--speculative-config" in str(procs[1][0].args)
         yield VllmPair(plain, ngram, model_dir, serve)
     finally:
         for proc, _, _ in procs:

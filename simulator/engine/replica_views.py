@@ -30,7 +30,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from policies.base import BackendLoad, Decision, LoadView, Outcome, Policy, Pool, PoolLoad, RequestInfo
+from policies.base import (
+    BackendLoad,
+    Decision,
+    LoadView,
+    Outcome,
+    Policy,
+    Pool,
+    PoolLoad,
+    RequestInfo,
+    load_of,
+)
 from policies.replicas import believed_counts
 from policies.routing import Router
 from policies.view import STALE_AFTER_S, backend_load
@@ -176,8 +186,7 @@ class Routers:
         running, queued = believed_counts(
             self.s_running[r][i], self.s_queued[r][i], own, self.s_in_flight[r][i], self.setup.replicas
         )
-        total = running + queued
-        return total if total > own else own
+        return load_of(own, running, queued)
 
     def view(self, r: int, t: float, cached: Sequence[int] | None = None) -> LoadView:
         """Router `r`'s `LoadView` at `t`; `cached`: per server, the tokens of this request's
