@@ -29,9 +29,10 @@ state, request, `LoadView` and seed, both get the same `Decision`. The rules:
    failed over (`Outcome.failed_over`; its load at decision time was another backend's), and
    whose client took the answer as it came: an outcome whose relay was blocked writing to its
    client (`Outcome.client_blocked_s`) for more than `CLIENT_STALL_SHARE` of its duration does
-   not teach. The backend goes on generating while the relay waits on a slow client, so how
-   much of that time was the backend's is not known: its decode rate could be anything from
-   the relay's view, and one client reading slowly would teach everyone's routing.
+   not teach. The backend goes on generating while the relay waits on a slow client, so when it
+   finished is not known: its decode time lies anywhere between the relay's time without the
+   waits and with them, and a client that reads slowly would teach everyone's routing that the
+   backend is slow.
 7. **Segment start** (`reset`): the simulator calls it on every policy when a segment (a run
    from an empty deployment, clock at 0) begins, so state tied to the clock (queued prefill
    estimates) is dropped; what was learned is kept.

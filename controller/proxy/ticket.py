@@ -7,9 +7,10 @@ Envoy ext_proc endpoint picker, say) take a request through the same steps of on
 front half
 1. `await tickets.describe(raw, endpoint, headers, peer)`: the body bytes parsed as JSON and
    checked for the endpoint (400 otherwise), the `RequestInfo` a policy sees (with the sequences
-   the backend will run, `validate.check_sequences`, and who sent it, `client_of`), and the
-   prompt's block fingerprint (the prefix index's), as a `Described` (`headers`: any mapping of
-   header names, case-insensitive, to values; `peer`: the client's address, if known).
+   the backend will run, `controller.proxy.validate.check_sequences`, and who sent it,
+   `client_of`), and the prompt's block fingerprint (the prefix index's), as a `Described`
+   (`headers`: any mapping of header names, case-insensitive, to values; `peer`: the client's
+   address, if known).
 2. `await tickets.admit(info)`: returns at once unless every backend the request may use is
    full (for its sequences); then it waits, bounded, or raises `Overloaded` (429). A request
    that runs more sequences than any of those backends takes at once gets a 400.
