@@ -391,7 +391,8 @@ def uniform_accept_note(spec: WorkloadSpec, segments: Sequence[Any]) -> str | No
         f"every request of {spec.prompts} has the same EAGLE speed factor ({next(iter(factors), 1.0):g}: no "
         "line has an `accept` field, and no --accept-sigma or --hint-accept spreads it), so EAGLE-3 is as "
         "fast for every prompt and content-aware routing has nothing to tell apart: policies that differ "
-        "only in content awareness give equal rows. Give the lines `accept` factors (your drafter's "
+        "only in content awareness give equal rows, but for what content-aware cost_model spends on "
+        "exploring (explore_budget; 0 turns it off). Give the lines `accept` factors (your drafter's "
         "measured acceptance per task, over its mean) to compare them."
     )
 

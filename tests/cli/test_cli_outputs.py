@@ -213,13 +213,14 @@ def test_a_prompts_workload_without_accept_factors_explains_its_equal_rows(
     lines = [("def f(x):\n    return x", 1.4), ("Write a poem about the sea.", 0.6)] * 10
     plain.write_text("".join(json.dumps({"prompt": text}) + "\n" for text, _ in lines))
     told.write_text("".join(json.dumps({"prompt": t, "accept": a}) + "\n" for t, a in lines))
+    # exploration off: what content awareness adds beside it is what the rows compare
     base = ["simulate", *KIMI, "--workload", "prompts", "--rate", "1", "--requests", "300",
-            "--policy", "cost_model", "--policy", "cost_model:content_aware=false"]  # fmt: skip
+            "--policy", "cost_model:explore_budget=0", "--policy", "cost_model:content_aware=false"]  # fmt: skip
     assert main([*base, "--prompts", str(plain)]) == 0
     out, err = capsys.readouterr()
     rows = [ln.split("]", 1)[1].split() for ln in out.splitlines() if ln.startswith("cost_model")]
     assert len(rows) == 2 and rows[0] == rows[1]
     assert f"note: every request of {plain} has the same EAGLE speed factor" in err
-    assert "give equal rows" in err and "`accept` factors" in err
+    assert "give equal rows" in err and "`accept` factors" in err and "explore_budget" in err
     assert main([*base, "--prompts", str(told)]) == 0
     assert "same EAGLE speed factor" not in capsys.readouterr().err
