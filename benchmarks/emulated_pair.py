@@ -1,6 +1,7 @@
 """A live deployment for benchmarks: an emulated plain and an emulated EAGLE-3 server (`specroute
 emulate`, the Kimi profile with EAGLE-3's decode `eagle_speedup` times faster) behind `specroute
-serve` from a given source tree, given the same speeds in wall time, each a process of its own.
+serve` from a given source tree, given the same speeds in wall time, each a process of its own;
+and the rounds of a benchmark that compares arms on this tree and another one (`--against`).
 
     async with deployment(tree, time_scale=0.05, serve_args=["--policy", "cost_model"]) as url:
         ...
@@ -8,12 +9,14 @@ serve` from a given source tree, given the same speeds in wall time, each a proc
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
+import random
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -24,11 +27,9 @@ from policies.profile import resolve_profile
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def profiles(folder: Path, scale: float, eagle_speedup: float) -> tuple[Path, Path]:
-    """(the emulators' profile, the proxy's: the same speeds in wall time at `scale`)."""
-    doc = resolve_profile("kimi-k25-int4-8gpu").model_dump(mode="json", exclude_none=True)
-    for point in doc["modes"]["eagle"]["points"]:
-        point["decode_tok_s"] *= eagle_speedup
+def in_wall_time(doc: dict[str, Any], scale: float) -> dict[str, Any]:
+    """A copy of the profile `doc` (a profile's JSON) with its speeds in wall time for emulators
+    that run it at `scale` wall seconds per profile second: serve predicts what it sees."""
     wall: dict[str, Any] = json.loads(json.dumps(doc))
     for mode in wall["modes"].values():
         for point in mode["points"]:
@@ -36,9 +37,17 @@ def profiles(folder: Path, scale: float, eagle_speedup: float) -> tuple[Path, Pa
             point["ttft_s"] = point.get("ttft_s", 0.0) * scale
         if "prefill_tok_s" in mode:
             mode["prefill_tok_s"] /= scale
+    return wall
+
+
+def profiles(folder: Path, scale: float, eagle_speedup: float) -> tuple[Path, Path]:
+    """(the emulators' profile, the proxy's: the same speeds in wall time at `scale`)."""
+    doc = resolve_profile("kimi-k25-int4-8gpu").model_dump(mode="json", exclude_none=True)
+    for point in doc["modes"]["eagle"]["points"]:
+        point["decode_tok_s"] *= eagle_speedup
     emulated, proxied = folder / "emulated.json", folder / "wall.json"
     emulated.write_text(json.dumps(doc))
-    proxied.write_text(json.dumps(wall))
+    proxied.write_text(json.dumps(in_wall_time(doc, scale)))
     return emulated, proxied
 
 
@@ -73,3 +82,28 @@ async def deployment(
             for proc in procs:
                 proc.kill()
                 await proc.wait()
+
+
+def arguments(doc: str, arms: Sequence[str]) -> argparse.ArgumentParser:
+    """The arguments every such benchmark takes: `--rounds`, `--time-scale`, `--arms`,
+    `--against`."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--time-scale", type=float, default=0.05, help="Wall seconds per profile second.")
+    ap.add_argument("--arms", nargs="+", default=list(arms), choices=arms)
+    ap.add_argument("--against", help="Also run serve from this source tree.")
+    return ap
+
+
+def rounds(args: argparse.Namespace, reference: str) -> Iterator[tuple[int, str, Path, str]]:
+    """(round, tree label, tree, arm) of every run: `args.rounds` rounds of every arm on this tree
+    and `args.against`'s, in a new order each round (a machine that slows down over the benchmark
+    then weighs on every arm alike). Exits with a usage error when `reference` is not an arm."""
+    if reference not in args.arms:
+        sys.exit(f"--arms needs {reference} (the reference)")
+    trees = {"this tree": ROOT} | ({args.against: Path(args.against).resolve()} if args.against else {})
+    for r in range(args.rounds):
+        order = [(label, arm) for label in trees for arm in args.arms]
+        random.Random(r).shuffle(order)
+        for label, arm in order:
+            yield r, label, trees[label], arm

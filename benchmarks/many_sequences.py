@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulated_pair import ROOT, deployment
+from emulated_pair import arguments, deployment, rounds
 from slow_reader import ratio, show
 
 from policies.stats import estimate
@@ -132,9 +132,7 @@ async def run_arm(arm: str, tree: Path, args: argparse.Namespace, seed: int) -> 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--time-scale", type=float, default=0.05, help="Wall seconds per profile second.")
+    ap = arguments(__doc__ or "", ARMS)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--attack-tokens", type=int, default=128)
@@ -142,28 +140,20 @@ def main() -> int:
     ap.add_argument("--maxn-attackers", type=int, default=32)
     ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--window-s", type=float, default=20.0)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    ap.add_argument("--against", help="Also run serve from this source tree.")
     args = ap.parse_args()
-    if "none" not in args.arms:
-        ap.error("--arms needs none (the reference)")
-    trees = {"this tree": ROOT} | ({args.against: Path(args.against).resolve()} if args.against else {})
-    results = {label: {arm: Arm() for arm in args.arms} for label in trees}
     print(
         f"{args.rounds} round(s); victims: {args.clients} clients x {args.tokens} tokens; time scale "
         f"{args.time_scale}; attacker: {args.attackers} at a time ({args.maxn_attackers} for maxn), "
         f"{args.attack_tokens} tokens per sequence"
     )
-    for r in range(args.rounds):
-        order = [(label, arm) for label in trees for arm in args.arms]
-        random.Random(r).shuffle(order)
-        for label, arm in order:
-            got = asyncio.run(run_arm(arm, trees[label], args, seed=r))
-            into = results[label][arm]
-            into.victims += got.victims
-            into.victim_status += got.victim_status
-            into.attack_status += got.attack_status
-            print(f"round {r + 1}: {label} {arm}: {len(got.victims)} victim requests", flush=True)
+    results: dict[str, dict[str, Arm]] = {}
+    for r, label, tree, arm in rounds(args, "none"):
+        got = asyncio.run(run_arm(arm, tree, args, seed=r))
+        into = results.setdefault(label, {a: Arm() for a in args.arms})[arm]
+        into.victims += got.victims
+        into.victim_status += got.victim_status
+        into.attack_status += got.attack_status
+        print(f"round {r + 1}: {label} {arm}: {len(got.victims)} victim requests", flush=True)
     for label, arms in results.items():
         print(f"\n{label}")
         print(f"{'arm':11} {'victims mean e2e s':26} {'x none':18} {'victims':18} attacker")

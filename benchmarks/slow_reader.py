@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulated_pair import ROOT, deployment
+from emulated_pair import arguments, deployment, rounds
 
 from policies.stats import Estimate, estimate, welch_difference
 
@@ -193,33 +193,24 @@ def report(label: str, arms: dict[str, Arm], after_s: float) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--time-scale", type=float, default=0.05, help="Wall seconds per profile second.")
+    ap = arguments(__doc__ or "", ARMS)
     ap.add_argument("--eagle-speedup", type=float, default=2.0)
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--warmup-s", type=float, default=10.0)
     ap.add_argument("--after-s", type=float, default=20.0)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    ap.add_argument("--against", help="Also run serve from this source tree.")
     args = ap.parse_args()
-    if "none" not in args.arms:
-        ap.error("--arms needs none (the reference)")
-    trees = {"this tree": ROOT} | ({args.against: Path(args.against).resolve()} if args.against else {})
-    results = {label: {arm: Arm() for arm in args.arms} for label in trees}
     print(
         f"{args.rounds} round(s); victims: {args.clients} clients x {args.tokens} tokens; time scale "
         f"{args.time_scale}; attacker: {ATTACK_REQUESTS} x {ATTACK_TOKENS} tokens, top_logprobs 20"
     )
-    for r in range(args.rounds):
-        order = [(label, arm) for label in trees for arm in args.arms]
-        random.Random(r).shuffle(order)
-        for label, arm in order:
-            got = asyncio.run(run_arm(arm, trees[label], args, seed=r))
-            results[label][arm].victims += got.victims
-            results[label][arm].attack += got.attack
-            print(f"round {r + 1}: {label} {arm}: {len(got.victims)} victim requests", flush=True)
+    results: dict[str, dict[str, Arm]] = {}
+    for r, label, tree, arm in rounds(args, "none"):
+        got = asyncio.run(run_arm(arm, tree, args, seed=r))
+        into = results.setdefault(label, {a: Arm() for a in args.arms})[arm]
+        into.victims += got.victims
+        into.attack += got.attack
+        print(f"round {r + 1}: {label} {arm}: {len(got.victims)} victim requests", flush=True)
     for label, arms in results.items():
         report(label, arms, args.after_s)
     return 0
