@@ -62,6 +62,24 @@ def test_the_first_byte_never_lands_after_what_envoys_own_interval_to_the_end_al
     assert result.first_byte_at is not None and abs(result.first_byte_at - 50.005) < 1e-9
 
 
+def test_the_time_the_gateway_waited_on_the_client_is_the_clients() -> None:
+    """Issue 37, finding 1 behind a gateway: Envoy's last byte to the client came 2.5 s after the
+    backend's last byte (a client reading slowly): that time is `client_blocked_s`, which the
+    decode rate leaves out and which keeps the outcome from teaching (`policies.routing.teaches`)."""
+    seen = _seen()
+    entry = _entry(200)
+    entry.common_properties.time_to_last_upstream_rx_byte.seconds = 1
+    entry.common_properties.time_to_last_downstream_tx_byte.seconds = 3
+    entry.common_properties.time_to_last_downstream_tx_byte.nanos = 500_000_000
+    seen.access_log(entry, {"tail": TAIL.decode()})
+    assert seen.result(ended_at=54.0).client_blocked_s == 2.5
+    prompt = _seen()  # a client that took the answer as it came
+    entry.common_properties.time_to_last_downstream_tx_byte.seconds = 1
+    entry.common_properties.time_to_last_downstream_tx_byte.nanos = 1_000_000
+    prompt.access_log(entry, {"tail": TAIL.decode()})
+    assert prompt.result(ended_at=52.0).client_blocked_s == 0.001
+
+
 def test_statuses_as_serve_gives_them() -> None:
     cases = [
         (_entry(200, flags=("downstream_connection_termination",)), "client_closed"),
