@@ -20,6 +20,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fakes import ShiftedClock
 from helpers import KIMI, port_of, raw_post, wait_until
 
@@ -102,18 +103,25 @@ async def _read(p: Any, clock: ShiftedClock, body: dict[str, Any], slow: bool) -
     return pool, advanced
 
 
-async def _victims(p: Any, n: int) -> list[str]:
+async def _victims(p: Any, n: int) -> list[tuple[str, dict[str, float]]]:
     """`n` other clients' requests with the same system prompt, through the official client: the
-    pool each was served by (`x-specroute-pool`)."""
+    pool each was served by (`x-specroute-pool`) and the end-to-end seconds the policy predicted
+    for it on each pool (what its routing, and so its e2e, follows from)."""
     client = p.client()
-    pools = []
+    seen = []
     for i in range(n):
         raw = await client.chat.completions.with_raw_response.create(
             model="m", messages=_body(64, f"question {i}", False)["messages"], max_tokens=64
         )
-        pools.append(raw.headers["x-specroute-pool"])
+        assert raw.parse().choices[0].message.content
+        await p.wait_idle()
+        seen.append((raw.headers["x-specroute-pool"], dict(p.records[-1].chosen.predicted_e2e_s)))
     await client.close()
-    return pools
+    return seen
+
+
+def _pools(seen: list[tuple[str, dict[str, float]]]) -> list[str]:
+    return [pool for pool, _ in seen]
 
 
 def _taught(policy: CostModelPolicy) -> tuple[int, int]:
@@ -137,8 +145,7 @@ async def test_a_slow_reader_teaches_nothing_and_the_others_stay_on_eagle(
     )  # fmt: skip
     policy = p.forwarder.policy
     assert isinstance(policy, CostModelPolicy)
-    before = await _victims(p, 4)
-    assert before == ["eagle"] * 4
+    assert _pools(await _victims(p, 4)) == ["eagle"] * 4
 
     # the reference: streams read as they come teach (paced as a backend's are: the reader keeps up)
     taught = _taught(policy)
@@ -148,6 +155,8 @@ async def test_a_slow_reader_teaches_nothing_and_the_others_stay_on_eagle(
     await p.wait_idle()
     assert all(teaches(r.outcome) for r in p.records[-2:])
     assert _taught(policy)[0] == taught[0] + 2
+    before = await _victims(p, 4)
+    assert _pools(before) == ["eagle"] * 4
 
     # the attack: six answers read at 32 KB per second of the proxy's clock
     _small_buffers(p)
@@ -164,4 +173,8 @@ async def test_a_slow_reader_teaches_nothing_and_the_others_stay_on_eagle(
         assert outcome.duration_s - outcome.client_blocked_s < advanced / 2
         assert not teaches(outcome)
     assert _taught(policy) == taught  # nothing learned from them
-    assert await _victims(p, 4) == ["eagle"] * 4
+    after = await _victims(p, 4)
+    assert _pools(after) == ["eagle"] * 4
+    # the same questions are predicted as before the attack on both pools
+    for (_, was), (_, now) in zip(before, after, strict=True):
+        assert set(now) == {"baseline", "eagle"} and now == pytest.approx(was, rel=1e-9)
