@@ -1,7 +1,8 @@
 """A live deployment for benchmarks: an emulated plain and an emulated EAGLE-3 server (`specroute
 emulate`, the Kimi profile with EAGLE-3's decode `eagle_speedup` times faster) behind `specroute
 serve` from a given source tree, given the same speeds in wall time, each a process of its own;
-and the rounds of a benchmark that compares arms on this tree and another one (`--against`).
+and the rounds of a benchmark that compares arms on this tree and another one (`--against`),
+gathered per arm (`collect`).
 
     async with deployment(tree, time_scale=0.05, serve_args=["--policy", "cost_model"]) as url:
         ...
@@ -16,10 +17,10 @@ import os
 import random
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence, Sized
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, Self, TypeVar
 
 from controller.cli import spawn
 from policies.profile import resolve_profile
@@ -107,3 +108,31 @@ def rounds(args: argparse.Namespace, reference: str) -> Iterator[tuple[int, str,
         random.Random(r).shuffle(order)
         for label, arm in order:
             yield r, label, trees[label], arm
+
+
+class Gathered(Protocol):
+    """What the runs of one arm gathered: the victims' requests, and `add` for another run's."""
+
+    @property
+    def victims(self) -> Sized: ...
+
+    def add(self, other: Self) -> None: ...
+
+
+G = TypeVar("G", bound=Gathered)
+
+
+def collect(
+    args: argparse.Namespace,
+    reference: str,
+    run_arm: Callable[[str, Path, argparse.Namespace, int], Coroutine[Any, Any, G]],
+    empty: Callable[[], G],
+) -> dict[str, dict[str, G]]:
+    """Every run of `rounds` (`run_arm(arm, tree, args, round)`, a fresh event loop each), the
+    runs of each arm gathered per tree label; a line per run as it ends."""
+    results: dict[str, dict[str, G]] = {}
+    for r, label, tree, arm in rounds(args, reference):
+        got = asyncio.run(run_arm(arm, tree, args, r))
+        results.setdefault(label, {a: empty() for a in args.arms})[arm].add(got)
+        print(f"round {r + 1}: {label} {arm}: {len(got.victims)} victim requests", flush=True)
+    return results

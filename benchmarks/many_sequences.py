@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulated_pair import arguments, deployment, rounds
+from emulated_pair import arguments, collect, deployment
 from slow_reader import ratio, show
 
 from policies.stats import estimate
@@ -55,6 +55,11 @@ class Arm:
     """End-to-end seconds of the victims' requests answered 200 in the window."""
     victim_status: Counter[str] = field(default_factory=Counter)
     attack_status: Counter[str] = field(default_factory=Counter)
+
+    def add(self, other: Arm) -> None:
+        self.victims += other.victims
+        self.victim_status += other.victim_status
+        self.attack_status += other.attack_status
 
 
 def attack_request(arm: str, tokens: int, i: int) -> tuple[str, dict[str, Any]]:
@@ -146,15 +151,7 @@ def main() -> int:
         f"{args.time_scale}; attacker: {args.attackers} at a time ({args.maxn_attackers} for maxn), "
         f"{args.attack_tokens} tokens per sequence"
     )
-    results: dict[str, dict[str, Arm]] = {}
-    for r, label, tree, arm in rounds(args, "none"):
-        got = asyncio.run(run_arm(arm, tree, args, seed=r))
-        into = results.setdefault(label, {a: Arm() for a in args.arms})[arm]
-        into.victims += got.victims
-        into.victim_status += got.victim_status
-        into.attack_status += got.attack_status
-        print(f"round {r + 1}: {label} {arm}: {len(got.victims)} victim requests", flush=True)
-    for label, arms in results.items():
+    for label, arms in collect(args, "none", run_arm, Arm).items():
         print(f"\n{label}")
         print(f"{'arm':11} {'victims mean e2e s':26} {'x none':18} {'victims':18} attacker")
         ref = estimate(arms["none"].victims)

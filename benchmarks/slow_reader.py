@@ -17,10 +17,12 @@ question of its own, `--tokens` tokens each. After `--warmup-s` seconds the wind
 The attacker: 16 concurrent streaming requests of 4,000 tokens with `top_logprobs: 20` (~4.5 MB
 each) with the same system prompt, sent when the window opens. Printed per arm, over `--rounds`
 rounds (the arms in a new order each round): the victims' EAGLE-3 share and mean end-to-end
-seconds (n, 95% CI) in the 25 s window and in the `--after-s` seconds after it, and the ratio of
-each figure to `none`'s. `fast` shows what the attacker's load alone does; issue 37's target:
-`slow` within 10% of `none` (share and mean e2e). `--against DIR` runs DIR's serve as well (e.g.
-`git archive main | tar -x -C DIR`), side by side.
+seconds (n, 95% CI) in the 25 s window ("attack"), in its last 15 s ("late": the attacker's
+requests have left the engines, their answers are still being read slowly, so what differs from
+`none` there is what specroute learned or holds, not the attacker's own load), and in the
+`--after-s` seconds after it, and the ratio of each figure to `none`'s. `fast` shows what the
+attacker's load alone does; issue 37's target: `slow` within 10% of `none` (share and mean e2e).
+`--against DIR` runs DIR's serve as well (e.g. `git archive main | tar -x -C DIR`), side by side.
 
 Wall-clock figures: final runs need a quiet machine.
 
@@ -43,13 +45,15 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulated_pair import arguments, deployment, rounds
+from emulated_pair import arguments, collect, deployment
 
 from policies.stats import Estimate, estimate, welch_difference
 
 SYSTEM = "You are a helpful assistant."
 ATTACK_REQUESTS, ATTACK_TOKENS, READ_BPS, READ_FOR_S = 16, 4000, 32 * 1024, 25.0
 WINDOW_S = 25.0
+LATE_S = 10.0
+"""The "late" part of the window starts this long after it opens."""
 ARMS = ("none", "fast", "slow")
 
 
@@ -66,6 +70,10 @@ class Arm:
     victims: list[Victim] = field(default_factory=list)
     attack: list[str] = field(default_factory=list)
     """Per attacker request: its pool and how it ended."""
+
+    def add(self, other: Arm) -> None:
+        self.victims += other.victims
+        self.attack += other.attack
 
 
 def chat(text: str, tokens: int, **extra: Any) -> dict[str, Any]:
@@ -173,7 +181,8 @@ def report(label: str, arms: dict[str, Arm], after_s: float) -> None:
         f"{'arm':5} {'window':7} {'EAGLE-3 share':22} {'x none':18} {'x fast':18} {'mean e2e s':24} "
         f"{'x none':18} {'x fast':18}"
     )
-    for name, (lo, hi) in (("attack", (0.0, WINDOW_S)), ("after", (WINDOW_S, WINDOW_S + after_s))):
+    windows = {"attack": (0.0, WINDOW_S), "late": (LATE_S, WINDOW_S), "after": (WINDOW_S, WINDOW_S + after_s)}
+    for name, (lo, hi) in windows.items():
         figures = {}
         for arm, got in arms.items():
             vs = [v for v in got.victims if lo <= v.at < hi]
@@ -204,14 +213,7 @@ def main() -> int:
         f"{args.rounds} round(s); victims: {args.clients} clients x {args.tokens} tokens; time scale "
         f"{args.time_scale}; attacker: {ATTACK_REQUESTS} x {ATTACK_TOKENS} tokens, top_logprobs 20"
     )
-    results: dict[str, dict[str, Arm]] = {}
-    for r, label, tree, arm in rounds(args, "none"):
-        got = asyncio.run(run_arm(arm, tree, args, seed=r))
-        into = results.setdefault(label, {a: Arm() for a in args.arms})[arm]
-        into.victims += got.victims
-        into.attack += got.attack
-        print(f"round {r + 1}: {label} {arm}: {len(got.victims)} victim requests", flush=True)
-    for label, arms in results.items():
+    for label, arms in collect(args, "none", run_arm, Arm).items():
         report(label, arms, args.after_s)
     return 0
 
