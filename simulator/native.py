@@ -1,17 +1,18 @@
 """A compiled build of the simulator's hot path, used by `specroute simulate` when one is present.
 
 How it works. The modules in `MODULES` (the values, the view builder, the routing core,
-calibration and cost_model's decision code; the engine's event queue, servers, routers and
-dispatch) are ordinary typed Python, and the Python is the source of truth. `build()` compiles
-them with mypyc (it ships with mypy: `pip install 'specroute[native]'`) into a directory OUTSIDE
-the source tree, named by a digest of every module of `policies/` and `simulator/engine/` (what
-the compiled code can see), the Python version and mypyc's version. `activate()`, called by the
-command line before `simulate` imports anything of the simulator, puts that directory first on
-`policies.__path__` and `simulator.engine.__path__`, only when its digest is that of the
-sources on disk: an edited source is never shadowed by an old build (its digest changes, the
-pure Python runs until `specroute native build` is run again), and a half-written build is never
-used (it is renamed into place with its manifest, whole). Nothing else loads it: `serve` and
-every other command run the pure Python, and so do the tests, except the ones that compare the
+calibration and cost_model's decision code; the engine's event queue, servers, co-located
+servers, routers and dispatch) are ordinary typed Python, and the Python is the source of truth.
+`build()` compiles them with mypyc (it ships with mypy: `pip install 'specroute[native]'`) into
+a directory OUTSIDE the source tree, named by a digest of every module of `policies/` and
+`simulator/engine/` (what the compiled code can see), the Python version and mypyc's version.
+`activate()`, called by the command line before `simulate` imports anything of the simulator,
+puts that directory first on `policies.__path__` and `simulator.engine.__path__`, only when its
+digest is that of the sources on disk: an edited source is never shadowed by an old build (its
+digest changes, the pure Python runs until `specroute native build` is run again), and a
+half-written build is never used (it is renamed into place with its manifest, whole). Nothing
+else loads it: `serve` and every other command run the pure Python, and so do the tests (their
+conftest points `SPECROUTE_NATIVE_DIR` at an empty directory), except the ones that compare the
 two (`tests/simulator/test_native.py`: the reference runs, bit for bit).
 
 Same code, same numbers: compiled and pure runs give the same output to the bit (floats are the
@@ -47,6 +48,7 @@ MODULES: tuple[str, ...] = (
     "policies.cost_model",
     "simulator.engine.events",
     "simulator.engine.server",
+    "simulator.engine.colocation",
     "simulator.engine.replica_views",
     "simulator.engine.dispatch",
     "simulator.engine.clients",

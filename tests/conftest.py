@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
@@ -49,6 +51,16 @@ from policies.base import Policy
 from policies.profile import Profile
 from policies.registry import default_registry
 from simulator.emulator.app import EmulatorConfig, EmulatorServer, run_emulator
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """No test runs a compiled simulator it did not build: a build of these very sources in the
+    user's cache (`specroute native build`) would make `simulate` in a test process note that its
+    modules are already loaded, and make runs depend on what the machine happens to hold. The
+    tests of the build (tests/simulator/test_native.py) point this at builds of their own."""
+    builds = tempfile.mkdtemp(prefix="specroute-test-native-")
+    os.environ["SPECROUTE_NATIVE_DIR"] = builds
+    config.add_cleanup(lambda: shutil.rmtree(builds, ignore_errors=True))
 
 
 @dataclass

@@ -215,7 +215,8 @@ def test_a_prompts_workload_without_accept_factors_explains_its_equal_rows(
     told.write_text("".join(json.dumps({"prompt": t, "accept": a}) + "\n" for t, a in lines))
     # exploration off: what content awareness adds beside it is what the rows compare
     base = ["simulate", *KIMI, "--workload", "prompts", "--rate", "1", "--requests", "300",
-            "--policy", "cost_model:explore_budget=0", "--policy", "cost_model:content_aware=false"]  # fmt: skip
+            "--policy", "cost_model:explore_budget=0",
+            "--policy", "cost_model:content_aware=false"]  # fmt: skip
     assert main([*base, "--prompts", str(plain)]) == 0
     out, err = capsys.readouterr()
     rows = [ln.split("]", 1)[1].split() for ln in out.splitlines() if ln.startswith("cost_model")]

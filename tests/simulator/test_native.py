@@ -5,6 +5,7 @@ compiler gets a clear error, a broken build a note and the pure Python."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -92,6 +93,28 @@ async def test_a_trace_matches_too(builds: Path) -> None:
     rc, pure, err = await run_specroute(*args, env=_env(builds, SPECROUTE_NATIVE="0"))
     assert rc == 0, err
     rc, compiled, err = await run_specroute(*args, env=_env(builds))
+    assert rc == 0, err
+    assert compiled == pure
+
+
+async def test_co_located_servers_match_too(builds: Path, tmp_path: Path) -> None:
+    """A profile with together points runs `ColocatedServer`, a subclass of the compiled
+    `Server`: it must be compiled with it (an interpreted subclass of a compiled class fails)."""
+    points = [{"concurrency": c, "decode_tok_s": 100.0 / c**0.5, "ttft_s": 0.05} for c in (1, 4, 16)]
+    slowed = [{**p, "decode_tok_s": p["decode_tok_s"] * 0.6} for p in points]
+    mode = {"max_running_requests": 16, "points": points, "together": {"points": slowed}}
+    profile = {"format": "specroute.profile/v1", "name": "pair",
+               "modes": {"baseline": mode, "eagle": {**mode, "accept_length": 2.0}}}  # fmt: skip
+    path = tmp_path / "pair.json"
+    path.write_text(json.dumps(profile), encoding="utf-8")
+    args = ["simulate", "--profile", str(path), "--workload", "poisson", "--rate", "1.5",
+            "--requests", "1500", "--policy", "cost_model", "--seed", "5"]  # fmt: skip
+    rc, table, err = await run_specroute(*args, env=_env(builds))
+    assert rc == 0, err
+    assert "co-located pairs" in table and "simulator: compiled build" in table
+    rc, pure, err = await run_specroute(*args, "--json", env=_env(builds, SPECROUTE_NATIVE="0"))
+    assert rc == 0, err
+    rc, compiled, err = await run_specroute(*args, "--json", env=_env(builds))
     assert rc == 0, err
     assert compiled == pure
 
