@@ -149,10 +149,10 @@ async def test_n_and_prompt_lists_are_admitted_as_the_sequences_they_run(fake_ba
         assert [b.in_flight for b in p.tracker] == [8, 8]
         clock.advance(6)
         assert await asyncio.wait_for(third, 10) == 429
-        with pytest.raises(openai.RateLimitError) as e:
+        with pytest.raises(openai.RateLimitError) as limited:
             await asyncio.wait_for(other, 10)
-        assert_openai_error({"error": e.value.body}, "rate_limit_exceeded")
-        assert "waited 5 s for a slot" in e.value.message
+        assert_openai_error({"error": limited.value.body}, "rate_limit_exceeded")
+        assert "waited 5 s for a slot" in limited.value.message
         for task in held:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
