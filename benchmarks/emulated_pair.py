@@ -85,15 +85,28 @@ async def deployment(
                 await proc.wait()
 
 
-def arguments(doc: str, arms: Sequence[str]) -> argparse.ArgumentParser:
+def arguments(
+    doc: str, arms: Sequence[str], *, clients: int, tokens: int, warmup_s: float
+) -> argparse.ArgumentParser:
     """The arguments every such benchmark takes: `--rounds`, `--time-scale`, `--arms`,
-    `--against`."""
+    `--against`, and the victims' `--clients`, `--tokens`, `--warmup-s` (these defaults)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--time-scale", type=float, default=0.05, help="Wall seconds per profile second.")
     ap.add_argument("--arms", nargs="+", default=list(arms), choices=arms)
     ap.add_argument("--against", help="Also run serve from this source tree.")
+    ap.add_argument("--clients", type=int, default=clients)
+    ap.add_argument("--tokens", type=int, default=tokens)
+    ap.add_argument("--warmup-s", type=float, default=warmup_s)
     return ap
+
+
+def headline(args: argparse.Namespace) -> str:
+    """The first words of a benchmark's output: rounds, victims, time scale."""
+    return (
+        f"{args.rounds} round(s); victims: {args.clients} clients x {args.tokens} tokens; "
+        f"time scale {args.time_scale}"
+    )
 
 
 def rounds(args: argparse.Namespace, reference: str) -> Iterator[tuple[int, str, Path, str]]:

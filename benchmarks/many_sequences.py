@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulated_pair import arguments, collect, deployment
+from emulated_pair import arguments, collect, deployment, headline
 from slow_reader import ratio, show
 
 from policies.stats import estimate
@@ -137,18 +137,14 @@ async def run_arm(arm: str, tree: Path, args: argparse.Namespace, seed: int) -> 
 
 
 def main() -> int:
-    ap = arguments(__doc__ or "", ARMS)
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=128)
+    ap = arguments(__doc__ or "", ARMS, clients=4, tokens=128, warmup_s=5.0)
     ap.add_argument("--attack-tokens", type=int, default=128)
     ap.add_argument("--attackers", type=int, default=2)
     ap.add_argument("--maxn-attackers", type=int, default=32)
-    ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--window-s", type=float, default=20.0)
     args = ap.parse_args()
     print(
-        f"{args.rounds} round(s); victims: {args.clients} clients x {args.tokens} tokens; time scale "
-        f"{args.time_scale}; attacker: {args.attackers} at a time ({args.maxn_attackers} for maxn), "
+        f"{headline(args)}; attacker: {args.attackers} at a time ({args.maxn_attackers} for maxn), "
         f"{args.attack_tokens} tokens per sequence"
     )
     for label, arms in collect(args, "none", run_arm, Arm).items():

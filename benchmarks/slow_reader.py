@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulated_pair import arguments, collect, deployment
+from emulated_pair import arguments, collect, deployment, headline
 
 from policies.stats import Estimate, estimate, welch_difference
 
@@ -202,17 +202,11 @@ def report(label: str, arms: dict[str, Arm], after_s: float) -> None:
 
 
 def main() -> int:
-    ap = arguments(__doc__ or "", ARMS)
+    ap = arguments(__doc__ or "", ARMS, clients=2, tokens=256, warmup_s=10.0)
     ap.add_argument("--eagle-speedup", type=float, default=2.0)
-    ap.add_argument("--clients", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--warmup-s", type=float, default=10.0)
     ap.add_argument("--after-s", type=float, default=20.0)
     args = ap.parse_args()
-    print(
-        f"{args.rounds} round(s); victims: {args.clients} clients x {args.tokens} tokens; time scale "
-        f"{args.time_scale}; attacker: {ATTACK_REQUESTS} x {ATTACK_TOKENS} tokens, top_logprobs 20"
-    )
+    print(f"{headline(args)}; attacker: {ATTACK_REQUESTS} x {ATTACK_TOKENS} tokens, top_logprobs 20")
     for label, arms in collect(args, "none", run_arm, Arm).items():
         report(label, arms, args.after_s)
     return 0
