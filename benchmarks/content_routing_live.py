@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import openai
 from aiohttp import web
+from emulated_pair import in_wall_time
 from prometheus_client import CollectorRegistry
 from prompt_workloads import TASKS, task_requests
 
@@ -97,15 +98,8 @@ def prompts(n: int, seed: int) -> list[dict[str, Any]]:
 def wall_profile(scale: float, folder: Path) -> tuple[Profile, Path]:
     """(the emulators' profile, the proxy's profile file: the same speeds in wall time)."""
     doc = resolve_profile(PROFILE).model_dump(mode="json", exclude_none=True)
-    wall: dict[str, Any] = json.loads(json.dumps(doc))
-    for mode in wall["modes"].values():
-        for point in mode["points"]:
-            point["decode_tok_s"] /= scale
-            point["ttft_s"] = point.get("ttft_s", 0.0) * scale
-        if "prefill_tok_s" in mode:
-            mode["prefill_tok_s"] /= scale
     path = folder / "wall.json"
-    path.write_text(json.dumps(wall))
+    path.write_text(json.dumps(in_wall_time(doc, scale)))
     return Profile.model_validate(doc), path
 
 

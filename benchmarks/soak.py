@@ -17,6 +17,9 @@ the clients:
                 finding 2: 400) and one with n 2 (served)
   info          every second, 4 GETs at once of each of /server_info, /model_info and /v1/models
                 (issue 37's finding 4: 502 info_answer_too_large while the rogue answers 40 MB)
+  slow readers  streams of 4,000 tokens with top_logprobs 20 and the shared system prompt, each
+                answer the eagle pool served read at 32 KB/s for 25 s, then at once (issue 37's
+                finding 1, `slow_reader.py`'s attacker: its outcomes must teach no policy)
 
 The baseline pool has a second backend, `rogue` (`rogue_backend.py`, listed first, so the info
 routes ask it first), which relays to the baseline emulator and misbehaves on cue as issue 25's
@@ -70,9 +73,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from slow_reader import attacker
 
 from controller.bench.server_state import metric_values, sglang_load
 from controller.cli import spawn
+from policies.routing import CLIENT_STALL_SHARE
 from policies.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -308,6 +313,20 @@ async def hostile(url: str, end: float, tally: Tally) -> None:
             await asyncio.sleep(2.0)
 
 
+async def slow_readers(n: int, url: str, end: float, tally: Tally) -> None:
+    """Issue 37's finding 1: `slow_reader.py`'s attacker, in closed loop."""
+
+    async def worker(i: int) -> None:
+        while time.monotonic() < end:
+            try:
+                tally.add("slow readers", await attacker(url, True, i))
+            except (OSError, asyncio.IncompleteReadError) as e:
+                tally.add("slow readers", f"client {type(e).__name__}")
+            i += n
+
+    await asyncio.gather(*(worker(i) for i in range(n)))
+
+
 async def infos(url: str, end: float, tally: Tally) -> None:
     """Every second, 4 GETs at once of each info route (issue 37's finding 4)."""
 
@@ -453,6 +472,7 @@ async def soak(
         loop_clients("slow", 3, url, end, tally, stream=True, max_tokens=400, pace=0.05, chunk=512),
         loop_clients("disconnectors", 3, url, end, tally),
         stoppers(2, url, end, tally),
+        slow_readers(2, url, end, tally),
         hostile(url, end, tally),
         infos(url, end, tally),
         faults(base, eagle, rogue, ops, end, log),
@@ -563,18 +583,21 @@ def report_rows(
         for what, n in sorted(attribute(timed, log).items(), key=lambda kv: -kv[1]):
             print(f"  {n:6d}  {what}")
     print("\nthe rogue backend did:", dict(sorted(rogue_stats.items())))
-    lines = whole = 0
+    lines = whole = stalled = 0
     files = sorted(work.glob("decisions.jsonl*"))
     for f in files:
         for line in f.read_bytes().splitlines():
             lines += 1
             try:
-                json.loads(line)
+                record = json.loads(line)
                 whole += 1
             except ValueError:
-                pass
+                continue
+            blocked = record.get("client_blocked_s") or 0.0
+            stalled += record["status"] == "ok" and blocked > CLIENT_STALL_SHARE * record["duration_s"]
     print(
-        f"decision log (row F): {len(files)} files, {lines} lines, {lines - whole} not whole JSON (must be 0)"
+        f"decision log (row F): {len(files)} files, {lines} lines, {lines - whole} not whole JSON "
+        f"(must be 0); {stalled} ok answers whose client held the relay up (issue 37: they taught nothing)"
     )
     stderr = (work / "serve.stderr").read_text(errors="replace")
     print(

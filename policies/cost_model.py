@@ -423,7 +423,7 @@ class CostModelPolicy:
         rate = outcome.decode_tok_s
         pool = decision.pool
         model = self._baseline if pool == "baseline" else self._eagle
-        batch = decision.backend_load + 1
+        batch = decision.backend_load + outcome.request.sequences  # this request ran in the batch too
         cap = self._reported_caps.get(decision.backend) if self._reported_caps else None
         if cap is None:
             cap = model.max_running_requests

@@ -460,7 +460,7 @@ class OnlinePolicy:
         heard = self._heard.get(pool)
         if heard is None or outcome.started_at >= heard[0]:
             self._heard[pool] = (outcome.started_at, self._decisions)
-        batch = decision.backend_load + 1
+        batch = decision.backend_load + outcome.request.sequences  # this request ran in the batch too
         bucket = self._bucket(pool, batch)
         window = self._window
         trust = self._min_samples

@@ -26,7 +26,13 @@ state, request, `LoadView` and seed, both get the same `Decision`. The rules:
    forced -- in the other pool.
 6. **Which outcomes teach** (`teaches`): a policy learns speeds only from requests it routed
    that ended "ok" on the backend it chose: not forced by the client (`Outcome.forced`), not
-   failed over (`Outcome.failed_over`; its load at decision time was another backend's).
+   failed over (`Outcome.failed_over`; its load at decision time was another backend's), and
+   whose client took the answer as it came: an outcome whose relay was blocked writing to its
+   client (`Outcome.client_blocked_s`) for more than `CLIENT_STALL_SHARE` of its duration does
+   not teach. The backend goes on generating while the relay waits on a slow client, so when it
+   finished is not known: its decode time lies anywhere between the relay's time without the
+   waits and with them, and a client that reads slowly would teach everyone's routing that the
+   backend is slow.
 7. **Segment start** (`reset`): the simulator calls it on every policy when a segment (a run
    from an empty deployment, clock at 0) begins, so state tied to the clock (queued prefill
    estimates) is dropped; what was learned is kept.
@@ -159,10 +165,22 @@ def fallback(on: Mapping[Pool, object | None]) -> tuple[Pool, str]:
     raise NoHealthyBackend("no healthy backend in either pool")
 
 
+CLIENT_STALL_SHARE = 0.05
+"""Rule 6: the share of an outcome's duration its relay may have spent blocked on the client
+(a write the client did not take at once) and still teach. Below it `Outcome.decode_tok_s`
+leaves that time out, so the rate it teaches is off by at most about this share."""
+
+
 def teaches(outcome: Outcome) -> bool:
     """Rule 6: whether a policy should learn from `outcome`: it ended "ok" on the backend the
-    policy chose for it, the policy chose it (not forced) and it was not failed over."""
-    return outcome.status == "ok" and not outcome.failed_over and outcome.request.forced_pool is None
+    policy chose for it, the policy chose it (not forced), it was not failed over and its client
+    did not hold the relay up for more than `CLIENT_STALL_SHARE` of its duration."""
+    return (
+        outcome.status == "ok"
+        and not outcome.failed_over
+        and outcome.request.forced_pool is None
+        and outcome.client_blocked_s <= CLIENT_STALL_SHARE * outcome.duration_s
+    )
 
 
 def reset(policy: object) -> None:

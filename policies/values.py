@@ -80,6 +80,9 @@ class RequestInfo:
     client: int = 0
     """A stable hash of who sent the request (its API key or address, as the proxy knows it); 0
     when unknown. A learning policy bounds the share of what one client teaches."""
+    sequences: int = 1
+    """Sequences the backend runs for it (`n` x prompts): the slots it holds, and how many its
+    `completion_tokens` are the sum of."""
 
 
 HINT_HEADER = "x-specroute-hint"
@@ -112,9 +115,10 @@ class BackendLoad:
     ejected it (or the proxy is in panic mode: every backend). Whether it takes a request now
     is `admits`."""
     in_flight: int
-    """Requests this proxy replica has in flight on the backend (exact)."""
+    """Sequences this proxy replica has in flight on the backend (exact; a request counts its
+    `RequestInfo.sequences`)."""
     in_flight_tokens: int
-    """Output-token budget (max_tokens) of those requests."""
+    """Output-token budget of those requests (max_tokens times each one's sequences)."""
     running: int | None
     """Backend-reported running requests, already combined with the requests this replica
     dispatched/finished since the sample; None when there is no fresh sample."""
@@ -293,8 +297,6 @@ class Outcome:
     client_blocked_s: float = 0.0
     """Seconds the proxy's relay was blocked writing to a client slower than the stream: part of
     `duration_s` that is the client's, not the backend's."""
-    sequences: int = 1
-    """Sequences the request asked for (`n`): `completion_tokens` counts them together."""
 
     def __init__(
         self,
@@ -309,7 +311,6 @@ class Outcome:
         cached_tokens: int | None = None,
         failed_over: bool = False,
         client_blocked_s: float = 0.0,
-        sequences: int = 1,
     ) -> None:
         # written out: mypyc compiles this one (the dataclass's generated __init__ it does not)
         self.request = request
@@ -323,7 +324,6 @@ class Outcome:
         self.cached_tokens = cached_tokens
         self.failed_over = failed_over
         self.client_blocked_s = client_blocked_s
-        self.sequences = sequences
 
     @property
     def forced(self) -> bool:
@@ -336,7 +336,8 @@ class Outcome:
         relay was blocked on the client (`client_blocked_s`) is not the backend's."""
         if self.status != "ok" or self.ttft_s is None or self.completion_tokens is None:
             return None
-        tokens = self.completion_tokens / self.sequences if self.sequences > 1 else self.completion_tokens
+        sequences = self.request.sequences
+        tokens = self.completion_tokens / sequences if sequences > 1 else self.completion_tokens
         if tokens < 2:
             return None
         decode_time = self.duration_s - self.ttft_s - self.client_blocked_s

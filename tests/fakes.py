@@ -19,8 +19,11 @@ which the proxy passes through like any unknown field):
   stall       headers (streaming) but never a first event / never a body
   die_mid     stream `fail_after` content chunks, then drop the connection
   stall_mid   stream `fail_after` content chunks, then go silent
+  pause_mid   stream `fail_after` content chunks, then wait for `resume` (set by the test)
   drop        read the request, then drop the connection without answering
-A stopped backend (`await fake.stop()`) refuses connections.
+A stopped backend (`await fake.stop()`) refuses connections. A request of `n` samples (x its
+prompts, on /v1/completions) runs that many sequences, as SGLang does: one choice each (streamed
+interleaved, `index` 0..) and `completion_tokens` their sum.
 
 `RawBackend(answer)` answers with raw bytes instead, for misbehaviour no HTTP server framework
 lets you produce (101, close-delimited streams torn mid-event, `Connection`-named headers).
@@ -79,20 +82,35 @@ def stream_event(
 
 
 def stream_chunk(
-    rid: str, model: Any, chat: bool, text: str | None, finish: str | None = None, role: bool = False
+    rid: str,
+    model: Any,
+    chat: bool,
+    text: str | None,
+    finish: str | None = None,
+    role: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A one-choice streamed chunk: the role chunk (chat, `role=True`), a content chunk, or the
-    finish chunk (`text=None`, `finish` set). Completions chunks carry `usage: null`."""
+    """A one-choice streamed chunk (of choice `index`): the role chunk (chat, `role=True`), a
+    content chunk, or the finish chunk (`text=None`, `finish` set). Completions chunks carry
+    `usage: null`."""
     if chat:
         delta: dict[str, Any] = {"reasoning_content": None}
         if role:
             delta.update(role="assistant", content="")
         elif text is not None:
             delta["content"] = text
-        c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}
+        c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}
         return stream_event(rid, model, chat, [c])
-    c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish, "matched_stop": None}
+    c = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish, "matched_stop": None}
     return stream_event(rid, model, chat, [c], usage=None)
+
+
+def _sequences(body: dict[str, Any]) -> int:
+    """The sequences a request runs: `n` x its prompts (a list of strings or of token-id lists
+    is one prompt each)."""
+    prompt = body.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
+    return prompts * int(body.get("n") or 1)
 
 
 def closed_port_url() -> str:
@@ -136,6 +154,12 @@ class FakeBackend:
         self.stalled = 0
         """Requests this backend is holding in a stall (`stall`, `stall_mid`) right now."""
         self.max_active = 0
+        self.sequences = 0
+        """Sequences of the requests in progress (`n` x prompts, as SGLang runs them)."""
+        self.max_sequences = 0
+        self.paused = 0
+        """Requests waiting in `pause_mid` for `resume`."""
+        self.resume = asyncio.Event()
         self.completed = 0
         self.aborted = 0
         self.url = ""
@@ -214,6 +238,9 @@ class FakeBackend:
         self.request_headers.append(dict(request.headers))
         self.active += 1
         self.max_active = max(self.max_active, self.active)
+        sequences = _sequences(body)
+        self.sequences += sequences
+        self.max_sequences = max(self.max_sequences, self.sequences)
         mode = str(body.get("fake_mode", self.mode))
         try:
             if mode in ("error500", "bad_request") or (mode == "queue_full" and not body.get("stream")):
@@ -250,6 +277,7 @@ class FakeBackend:
             raise
         finally:
             self.active -= 1
+            self.sequences -= sequences
 
     async def _stall(self) -> None:
         """Say nothing more (until the proxy gives up and its connection's close cancels this)."""
@@ -260,7 +288,9 @@ class FakeBackend:
             self.stalled -= 1
 
     def _usage(self, body: dict[str, Any], n: int) -> dict[str, Any]:
+        """`n`: the tokens of each sequence."""
         prompt = len(json.dumps(body.get("messages", body.get("prompt", "")))) // 4
+        n *= _sequences(body)
         return {
             "prompt_tokens": prompt,
             "total_tokens": prompt + n,
@@ -325,7 +355,7 @@ class FakeBackend:
             "object": "chat.completion" if chat else "text_completion",
             "created": CREATED,
             "model": model,
-            "choices": [choice],
+            "choices": [choice | {"index": k} for k in range(_sequences(body))],
             "usage": self._usage(body, len(tokens)),
             "metadata": {"weight_version": "default"},
         }
@@ -353,21 +383,30 @@ class FakeBackend:
         if mode == "queue_full":
             await resp.write(sse_error(QUEUE_FULL) + SSE_DONE)
             return resp
+        delay_s = float(body.get("fake_delay_s", self.delay_s))  # a request may pace its own stream
+
+        choices = range(_sequences(body))
 
         def piece(text: str | None, finish: str | None, role: bool = False) -> bytes:
-            return sse(stream_chunk(rid, model, chat, text, finish, role))
+            return b"".join(sse(stream_chunk(rid, model, chat, text, finish, role, k)) for k in choices)
 
         if chat:
             await resp.write(piece(None, None, role=True))
         for i, tok in enumerate(tokens):
+            if mode == "pause_mid" and i == self.fail_after:
+                self.paused += 1
+                try:
+                    await self.resume.wait()
+                finally:
+                    self.paused -= 1
             if mode in ("die_mid", "stall_mid") and i == self.fail_after:
                 if mode == "stall_mid":
                     await self._stall()
                 assert request.transport is not None
                 request.transport.abort()
                 return resp
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
+            if delay_s:
+                await asyncio.sleep(delay_s)
             await resp.write(piece(tok, None))
         await resp.write(piece(None, "length"))
         details = self.spec_details(body, len(tokens))

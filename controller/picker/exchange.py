@@ -215,7 +215,6 @@ class Exchange:
         self.seen = Seen(
             endpoint=endpoint,
             stream=info.stream,
-            sequences=described.sequences,
             arrived_at=arrived,
             source="access_log" if source == "access_log" else "stream",
         )

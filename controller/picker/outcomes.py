@@ -49,7 +49,6 @@ class Seen:
 
     endpoint: EndpointKind
     stream: bool
-    sequences: int
     arrived_at: float
     """When the request's body reached the picker (its clock)."""
     source: str = "stream"
@@ -65,6 +64,9 @@ class Seen:
     """The access log says the backend failed (connection, reset, protocol)."""
     first_to_end_s: float | None = None
     """From the first body bytes to the answer's last byte, on Envoy's clock (access log)."""
+    client_blocked_s: float = 0.0
+    """From the backend's last byte to the client's (access log): the time the gateway waited on
+    a client slower than the answer, which is the client's, not the backend's."""
     informed: bool = False
     """Anything of the answer reached the picker (a response message, an access-log entry)."""
     flags: tuple[str, ...] = field(default_factory=tuple)
@@ -96,6 +98,11 @@ class Seen:
         if isinstance(tail, str):
             self.tail = tail.encode()
             self.body_ended = not any(getattr(flags, name) for name in (*_TIMED_OUT, *_FAILED, *_CLIENT_GONE))
+        if common.HasField("time_to_last_downstream_tx_byte") and common.HasField(
+            "time_to_last_upstream_rx_byte"
+        ):
+            waited = _us(common.time_to_last_downstream_tx_byte) - _us(common.time_to_last_upstream_rx_byte)
+            self.client_blocked_s = max(0, waited) / 1e6
         first = tap.get("first_us")
         if isinstance(first, str) and first.isdigit() and self.stream:
             start_us = common.start_time.seconds * 1_000_000 + common.start_time.nanos // 1000
@@ -161,7 +168,7 @@ class Seen:
             completion_tokens=tokens,
             cached_tokens=cached,
             prompt_tokens=prompt,
-            sequences=self.sequences,
+            client_blocked_s=self.client_blocked_s,
         )
 
 

@@ -10,14 +10,18 @@ The counts themselves live on `BackendState` (`controller.proxy.load`), which th
 Admission: each backend has an in-flight bound (by default its pool's `max_running_requests`
 from the profile, or the cap the backend reports, plus `admission_margin`, split over the
 `replicas` specroute replicas in front of it: `replica_bound`), and so has each pool (by default
-the sum). A full backend is `full` in the `LoadView` (it does not admit: `BackendLoad.admits`),
-so policies route around it to backends that still have room, in the same pool or the other.
-Only when none of the backends a
+the sum), counted in sequences: a request takes as many slots as the backend runs sequences for
+it (`n` x prompts), and has room only where all of them fit. A full backend is `full` in the
+`LoadView` (it does not admit: `BackendLoad.admits`), so policies route around it to backends
+that still have room, in the same pool or the other. Only when none of the backends a
 request may use has room (all of them, or those of the pool the client forced) does the request
 wait here, in arrival order, before anything is decided. Each released slot wakes the oldest
 waiter that may use its pool; the waiter then asks the policy with the load as it is at that
-moment (and waits on if another request took the slot first). Past `wait_s` -- or at once when
-`max_waiting` requests wait already -- it gets 429 with `Retry-After` in OpenAI's error shape.
+moment (and waits on if another request took the slot first); a waiter of several sequences is
+woken only once they fit, so it does not hold up the smaller ones behind it. Past `wait_s` -- or
+at once when `max_waiting` requests wait already -- it gets 429 with `Retry-After` in OpenAI's
+error shape. A request of more sequences than any backend it may use takes at once (or than its
+pool's bound) could never be admitted: it gets 400 at once instead of waiting.
 Nothing waits on a backend that is down: a request whose backends are all unusable goes on to
 the routing decision (panic mode or 503), not into this queue.
 """
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controller.proxy.config import Settings
-from controller.proxy.errors import Overloaded
+from controller.proxy.errors import BadRequest, Overloaded
 from controller.proxy.load import BackendState, LoadTracker, Reservation
 from controller.proxy.watchdog import poll_s
 from policies.base import POOLS, Pool
@@ -47,6 +51,8 @@ RETRY_AFTER_S = 1
 
 @dataclass(eq=False, slots=True)
 class _Waiter:
+    forced: Pool | None
+    sequences: int
     pools: frozenset[Pool]
     wake: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -99,26 +105,48 @@ class Capacity:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def blocked(self, forced: Pool | None, now: float) -> bool:
-        """Whether a request (forced to a pool, or not) must wait: some backend it may use is
-        usable, and every such backend is full."""
+    def blocked(self, forced: Pool | None, now: float, sequences: int = 1) -> bool:
+        """Whether a request (forced to a pool, or not) of `sequences` must wait: some backend it
+        may use is usable, and none of them has room for all its sequences."""
         tracker = self.tracker
         usable = tracker.usable(now)
         if forced is not None:
             usable = [b for b in usable if b.pool == forced]
         if not usable:
             return False
-        room = {p: tracker.pool_has_room(p) for p in POOLS}
+        room = {p: tracker.pool_has_room(p, sequences) for p in POOLS}
         for b in usable:  # (a loop, not any() over a generator: on every request's path)
-            if room[b.pool] and b.has_room(now):
+            if room[b.pool] and b.has_room(now, sequences):
                 return False
         return True
 
-    async def admit(self, forced: Pool | None, now: float) -> float:
+    def check_fits(self, forced: Pool | None, sequences: int) -> None:
+        """BadRequest when no backend the request may use could ever take its `sequences` at
+        once: each is bounded below them, or its pool is."""
+        most = 0
+        tracker = self.tracker
+        for b in tracker:
+            if forced is not None and b.pool != forced:
+                continue
+            bounds = [x for x in (b.max_in_flight, tracker.pool_max_in_flight[b.pool]) if x is not None]
+            fits = min(bounds, default=sequences)
+            if fits >= sequences:
+                return
+            most = max(most, fits)
+        raise BadRequest(
+            f"this request runs {sequences} sequences (n x prompts) and the backends it may use run at "
+            f"most {most} at once for specroute (their in-flight bound): send fewer per request",
+            param="n",
+        )
+
+    async def admit(self, forced: Pool | None, now: float, sequences: int = 1) -> float:
         """Return once the request may be routed (at once in the usual case, without suspending);
-        the seconds it waited. Raises `Overloaded` when it may not."""
-        if not self.blocked(forced, now):
+        the seconds it waited. Raises `Overloaded` when it may not, `BadRequest` when it never
+        could (`check_fits`)."""
+        if not self.blocked(forced, now, sequences):
             return 0.0
+        if sequences > 1:
+            self.check_fits(forced, sequences)
         if len(self._waiters) >= self.max_waiting or self.wait_s <= 0:
             self.metrics.rejections.inc()
             raise Overloaded(
@@ -129,7 +157,7 @@ class Capacity:
         started = self.clock()
         deadline = started + self.wait_s
         poll = poll_s(self.clock)  # a clock whose time may jump (a test's) is read this often
-        waiter = _Waiter(frozenset(POOLS if forced is None else (forced,)))
+        waiter = _Waiter(forced, sequences, frozenset(POOLS if forced is None else (forced,)))
         self._waiters.append(waiter)
         self.metrics.waits.inc()
         self.metrics.waiting.inc()
@@ -149,7 +177,7 @@ class Capacity:
                         await waiter.wake
                 except TimeoutError:
                     pass
-                if not self.blocked(forced, self.clock()):
+                if not self.blocked(forced, self.clock(), sequences):
                     outcome = "admitted"
                     return self.clock() - started
                 if waiter.wake.done():
@@ -159,9 +187,12 @@ class Capacity:
             self.metrics.waiting.dec()
             self.metrics.wait_seconds.labels(outcome).observe(max(0.0, self.clock() - started))
 
-    def reserve(self, name: str, tokens: int = 0, blocks: tuple[int, ...] = ()) -> Reservation:
-        """A slot on backend `name` (call in the step that decided it: no await in between)."""
-        return self.tracker.reserve(name, tokens, blocks)
+    def reserve(
+        self, name: str, tokens: int = 0, blocks: tuple[int, ...] = (), sequences: int = 1
+    ) -> Reservation:
+        """`sequences` slots on backend `name` (call in the step that decided it: no await in
+        between)."""
+        return self.tracker.reserve(name, tokens, blocks, sequences)
 
     def release(self, reservation: Reservation) -> None:
         """Free the slot (at most once) and let a request waiting for one have it."""
@@ -182,9 +213,15 @@ class Capacity:
             backend.backoff_until = now + self.backoff_s
 
     def released(self, pool: Pool) -> None:
-        """A slot of `pool` freed: wake the oldest waiter that may use it."""
+        """A slot of `pool` freed: wake the oldest waiter that may use it and, if it runs several
+        sequences, now has room for them."""
+        now: float | None = None
         for waiter in self._waiters:
             if pool in waiter.pools and not waiter.wake.done():
+                if waiter.sequences > 1:
+                    now = self.clock() if now is None else now
+                    if self.blocked(waiter.forced, now, waiter.sequences):
+                        continue
                 waiter.wake.set_result(None)
                 return
 

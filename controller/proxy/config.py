@@ -343,8 +343,9 @@ class Settings(BaseModel):
     baseline_backend_max_in_flight: int | None = Field(
         default=None,
         ge=0,
-        description="Requests this proxy sends to one baseline backend at once (null: the profile's "
-        "max_running_requests plus admission_margin; unbounded without a profile; 0: unbounded).",
+        description="Requests this proxy sends to one baseline backend at once, counted in sequences (a "
+        "request with n: 4 counts 4; null: the profile's max_running_requests plus admission_margin; "
+        "unbounded without a profile; 0: unbounded).",
     )
     eagle_backend_max_in_flight: int | None = Field(
         default=None, ge=0, description="The same for one eagle backend."
@@ -352,8 +353,8 @@ class Settings(BaseModel):
     baseline_max_in_flight: int | None = Field(
         default=None,
         ge=0,
-        description="Requests this proxy sends to the baseline pool at once (null: the sum over its "
-        "backends; 0: unbounded).",
+        description="Requests this proxy sends to the baseline pool at once, in sequences (null: the sum "
+        "over its backends; 0: unbounded).",
     )
     eagle_max_in_flight: int | None = Field(default=None, ge=0, description="The same for the eagle pool.")
     admission_margin: float = Field(

@@ -27,6 +27,9 @@ Fields (stable; `simulator/traces.py` replays `ts`, `prompt_tokens`, `max_tokens
                        backend that served (0: none, or prefix tracking off)
     cached_tokens      the prompt tokens the backend reported cached (null when it did not say)
     duration_s, status, http_status
+    sequences          the sequences the backend ran for it (n x prompts)
+    client_blocked_s   seconds the relay waited on a client slower than the answer (over 5% of
+                       duration_s: the outcome taught no policy, `policies.routing.teaches`)
     shadow             [{policy, pool, backend, reason, predicted_ttft_s, predicted_e2e_s}]
     accept_factor_predicted   the eagle speed factor the policy used for this request (its
                        content prediction, 1 = the profile's speed; null when it made none)
@@ -128,6 +131,8 @@ def decision_record(item: tuple[RequestRecord, float]) -> dict[str, Any]:
         "duration_s": _num(out.duration_s),
         "status": out.status,
         "http_status": r.http_status,
+        "sequences": info.sequences,
+        "client_blocked_s": _num(out.client_blocked_s),
         "shadow": [_shadow(s.label, s.decision) for s in r.shadow],
         "accept_factor_predicted": _factor(r.chosen.accept_factor),
         "accept_factor_reported": _factor(reported_factor(r.policy, out)),

@@ -146,7 +146,7 @@ class Forwarder:
         except SpecrouteError as e:
             self.metrics.reject(e.status)
             raise
-        request_ = await tickets.describe(raw, endpoint, request.headers)
+        request_ = await tickets.describe(raw, endpoint, request.headers, request.remote)
         try:
             headers = upstream_headers(request.headers)
         except SpecrouteError as e:
@@ -157,7 +157,5 @@ class Forwarder:
         info = request_.info
         await tickets.admit(info)
         ticket = tickets.issue(info, request_.blocks, arrived)
-        lifecycle = RequestLifecycle(
-            self.relay, ticket, request, request_.body, raw, path, headers, charge, request_.sequences
-        )
+        lifecycle = RequestLifecycle(self.relay, ticket, request, request_.body, raw, path, headers, charge)
         return await lifecycle.run()

@@ -192,11 +192,8 @@ class RequestLifecycle:
         path: str,
         headers: CIMultiDict[str],
         body_charge: Charge | None = None,
-        sequences: int = 1,
     ) -> None:
         self.relay = relay
-        self.sequences = sequences
-        """The sequences the backend runs for the request (`Described.sequences`)."""
         self.ticket = ticket
         self.state = RequestState(ticket)
         self.request = request
@@ -248,7 +245,7 @@ class RequestLifecycle:
             self.state.end(
                 self.relay.clock(), completion_tokens=self.tokens, accept_length=self.accept_length,
                 cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens,
-                client_blocked_s=self.blocked_s, sequences=self.sequences,
+                client_blocked_s=self.blocked_s,
             )  # fmt: skip
 
     async def _answer(self, up: Upstream) -> web.StreamResponse:
@@ -560,7 +557,10 @@ class RequestLifecycle:
         last = self._filter(last, strip_usage)
         if self.spec is not None:
             self.accept_length = reported_accept_length(self.spec.details, as_count(self.tokens), tail)
-        await sr.write_eof(last)
+        began = self.relay.clock()
+        await sr.write_eof(last)  # (it waits for the client to take what is buffered)
+        now = self.relay.clock()
+        dog.reading(now, now - began)  # that wait is the client's too (`client_blocked_s`)
         self.state.judge("ok")
 
     async def _broken(self, sr: web.StreamResponse, why: str) -> None:

@@ -1,6 +1,8 @@
 """Per-backend load state and exact in-flight accounting.
 
-How it works: every request holds exactly one `Reservation` at a time. `reserve` is called in
+How it works: every request holds exactly one `Reservation` at a time, of as many slots as the
+backend runs sequences for it (`n` x prompts: SGLang and vLLM run each as a request of their
+own), so in-flight counts are in sequences, as the backends count theirs. `reserve` is called in
 the same synchronous step as `policy.choose` (no `await` in between, so no other request can
 observe a stale count), and `release` is called from a `finally` on every path. A reservation
 releases at most once, so a double release cannot drive a count negative; `move` re-targets a
@@ -55,12 +57,13 @@ class BackendState:
     ejected_until: float | None = None
     """Set by the outlier detector: no requests until then (the proxy's clock)."""
     max_in_flight: int | None = None
-    """Admission bound of this backend; None: unbounded."""
+    """Admission bound of this backend, in sequences; None: unbounded."""
     max_running: int | None = None
     """The running-request cap the backend reports (None: not reported); in the view for policies."""
     backoff_until: float | None = None
     """Set by `controller.proxy.capacity` after a "queue full": takes no requests until then."""
     in_flight: int = 0
+    """Sequences in flight (a request counts its `RequestInfo.sequences`)."""
     in_flight_tokens: int = 0
     running: int | None = None
     """Backend-reported running requests of the latest sample (as reported, uncorrected)."""
@@ -78,12 +81,13 @@ class BackendState:
         until = self.ejected_until
         return until is not None and now < until
 
-    def has_room(self, now: float | None = None) -> bool:
-        """Below its bound (and, given `now`, not backing off a "queue full")."""
+    def has_room(self, now: float | None = None, sequences: int = 1) -> bool:
+        """Room for `sequences` more within its bound (and, given `now`, not backing off a
+        "queue full")."""
         if now is not None and self.backoff_until is not None and now < self.backoff_until:
             return False
         bound = self.max_in_flight
-        return bound is None or self.in_flight < bound
+        return bound is None or self.in_flight + sequences <= bound
 
 
 @dataclass(slots=True)
@@ -93,6 +97,8 @@ class Reservation:
     released: bool = False
     blocks: tuple[int, ...] = ()
     """The request's prompt fingerprint (recorded on the backend that holds the reservation)."""
+    sequences: int = 1
+    """Slots held: the sequences the backend runs for the request."""
 
 
 class LoadTracker:
@@ -156,29 +162,35 @@ class LoadTracker:
             return list(self.backends.values())
         return up
 
-    def pool_has_room(self, pool: Pool) -> bool:
+    def pool_has_room(self, pool: Pool, sequences: int = 1) -> bool:
+        """Room for `sequences` more within `pool`'s bound."""
         bound = self.pool_max_in_flight[pool]
-        return bound is None or sum(b.in_flight for b in self.backends.values() if b.pool == pool) < bound
+        if bound is None:
+            return True
+        return sum(b.in_flight for b in self.backends.values() if b.pool == pool) + sequences <= bound
 
     def track_prefixes(self, capacity_tokens: Mapping[str, int]) -> None:
         """Give each named backend a prefix index holding `capacity_tokens` tokens (in blocks)."""
         for name, tokens in capacity_tokens.items():
             self.backends[name].prefixes = PrefixIndex(tokens // DEFAULT_BLOCK_TOKENS)
 
-    def view(self, now: float, blocks: tuple[int, ...] = (), prompt_tokens: int | None = None) -> LoadView:
-        """Every backend's load (`policies.view`): `usable` as `usable` says, `full` = at its own or its
-        pool's bound (`admits`: may take this request now); `cached_tokens`: the matched prefix
+    def view(
+        self, now: float, blocks: tuple[int, ...] = (), prompt_tokens: int | None = None, sequences: int = 1
+    ) -> LoadView:
+        """Every backend's load (`policies.view`): `usable` as `usable` says, `full` = no room
+        within its own or its pool's bound for the request's `sequences` (`admits`: may take this
+        request now); `cached_tokens`: the matched prefix
         of the request's prompt `blocks` on each backend, at most `prompt_tokens` (the request's
         estimate: blocks of canonical text also hold the chat roles, which the estimate does
         not count)."""
         stale, replicas = self.stale_after_s, self.replicas
         usable = {b.name for b in self.usable(now)}
-        room = {p: self.pool_has_room(p) for p in POOLS}
+        room = {p: self.pool_has_room(p, sequences) for p in POOLS}
         return load_view(
             [
                 backend_load(
                     b.name, b.pool, b.in_flight, b.in_flight_tokens,
-                    usable=b.name in usable, full=not (room[b.pool] and b.has_room(now)),
+                    usable=b.name in usable, full=not (room[b.pool] and b.has_room(now, sequences)),
                     cached_tokens=believed_cached(b.prefixes, blocks, prompt_tokens),
                     running=b.running, queued=b.queued, sample_time=b.sample_time,
                     sample_in_flight=b.sample_in_flight, accept_length=b.accept_length, now=now,
@@ -188,26 +200,29 @@ class LoadTracker:
             ]
         )  # fmt: skip
 
-    def reserve(self, name: str, tokens: int = 0, blocks: tuple[int, ...] = ()) -> Reservation:
-        """Take a slot on `name` for a request whose prompt fingerprint is `blocks` (recorded in
-        the backend's prefix index: from now on it is believed cached there)."""
+    def reserve(
+        self, name: str, tokens: int = 0, blocks: tuple[int, ...] = (), sequences: int = 1
+    ) -> Reservation:
+        """Take `sequences` slots on `name` for a request of at most `tokens` output tokens (all
+        its sequences together) whose prompt fingerprint is `blocks` (recorded in the backend's
+        prefix index: from now on it is believed cached there)."""
         b = self.backends[name]
-        b.in_flight += 1
+        b.in_flight += sequences
         b.in_flight_tokens += tokens
         dispatched(b.prefixes, blocks)
-        return Reservation(b, tokens, blocks=blocks)
+        return Reservation(b, tokens, blocks=blocks, sequences=sequences)
 
     def release(self, r: Reservation) -> None:
         if r.released:
             return
         r.released = True
-        r.backend.in_flight -= 1
+        r.backend.in_flight -= r.sequences
         r.backend.in_flight_tokens -= r.tokens
 
     def move(self, r: Reservation, name: str) -> Reservation:
         """Release `r` and reserve `name` for the same request, in one synchronous step."""
         self.release(r)
-        return self.reserve(name, r.tokens, r.blocks)
+        return self.reserve(name, r.tokens, r.blocks, r.sequences)
 
     def record_sample(
         self,

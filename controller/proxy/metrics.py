@@ -40,7 +40,10 @@ class _TrackerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         labels = ["pool", "backend"]
         in_flight = GaugeMetricFamily(
-            "specroute_in_flight_requests", "Requests this proxy has in flight, per backend.", labels=labels
+            "specroute_in_flight_requests",
+            "Requests this proxy has in flight, per backend, counted in sequences as the backend runs "
+            "them (a request with n: 4 counts 4).",
+            labels=labels,
         )
         healthy = GaugeMetricFamily(
             "specroute_backend_healthy", "1 when the backend is healthy, else 0.", labels=labels
@@ -72,7 +75,8 @@ class _TrackerCollector(Collector):
         )
         bound = GaugeMetricFamily(
             "specroute_backend_max_in_flight",
-            "Admission bound: requests this proxy sends to the backend at once (absent: unbounded).",
+            "Admission bound: requests this proxy sends to the backend at once, in sequences (absent: "
+            "unbounded).",
             labels=labels,
         )
         now = self._clock()

@@ -118,7 +118,6 @@ class RequestState:
         cached_tokens: int | None = None,
         prompt_tokens: int | None = None,
         client_blocked_s: float = 0.0,
-        sequences: int = 1,
     ) -> Outcome:
         """The request's end (once; later calls return its `Outcome`): the ticket finishes with
         the verdict and what the transport counted."""
@@ -136,7 +135,6 @@ class RequestState:
             cached_tokens=cached_tokens,
             prompt_tokens=prompt_tokens,
             client_blocked_s=client_blocked_s,
-            sequences=sequences,
         )
         self.outcome = self.ticket.finish(result)
         return self.outcome

@@ -5,15 +5,18 @@ How it works: `serve`'s HTTP handler (`controller.proxy.forward`) and any other 
 Envoy ext_proc endpoint picker, say) take a request through the same steps of one `Tickets`:
 
 front half
-1. `await tickets.describe(raw, endpoint, headers)`: the body bytes parsed as JSON and checked
-   for the endpoint (400 otherwise), the `RequestInfo` a policy sees, and the prompt's block
-   fingerprint (the prefix index's), as a `Described` (`headers`: any mapping of header names,
-   case-insensitive, to values).
+1. `await tickets.describe(raw, endpoint, headers, peer)`: the body bytes parsed as JSON and
+   checked for the endpoint (400 otherwise), the `RequestInfo` a policy sees (with the sequences
+   the backend will run, `controller.proxy.validate.check_sequences`, and who sent it,
+   `client_of`), and the prompt's block fingerprint (the prefix index's), as a `Described`
+   (`headers`: any mapping of header names, case-insensitive, to values; `peer`: the client's
+   address, if known).
 2. `await tickets.admit(info)`: returns at once unless every backend the request may use is
-   full; then it waits, bounded, or raises `Overloaded` (429).
+   full (for its sequences); then it waits, bounded, or raises `Overloaded` (429). A request
+   that runs more sequences than any of those backends takes at once gets a 400.
 3. `tickets.issue(info, blocks, arrived_at)`: the view, the decision (`policies.routing.Router`),
-   the reservation of the chosen backend and the shadow policies' choices, in one synchronous
-   step (no other request can see a stale count), as a `Ticket`.
+   the reservation of the chosen backend (one slot per sequence) and the shadow policies'
+   choices, in one synchronous step (no other request can see a stale count), as a `Ticket`.
 
 back half
 4. The transport sends the request to the ticket's backend (`Ticket.backend`, its `url`). An
@@ -64,7 +67,7 @@ from policies.base import (
     parse_pool,
     reads_features,
 )
-from policies.features import extract_features
+from policies.features import extract_features, stable_hash
 from policies.routing import Router
 
 log = logging.getLogger("specroute.forward")
@@ -78,9 +81,12 @@ def request_info(
     headers: Mapping[str, str],
     allow_override: bool,
     features: bool = True,
+    *,
+    sequences: int = 1,
+    client: int = 0,
 ) -> RequestInfo:
     """What the policy may know of a request; its content `features` only when asked (only a
-    content-aware policy reads them)."""
+    content-aware policy reads them). `sequences` and `client`: see `RequestInfo`."""
     if endpoint == "generate":
         max_tokens = generate_max_tokens(body)
     else:
@@ -105,7 +111,19 @@ def request_info(
         hint=hint,
         forced_pool=forced,
         features=extract_features(body, endpoint) if features else None,
+        client=client,
+        sequences=sequences,
     )
+
+
+def client_of(headers: Mapping[str, str], peer: str | None) -> int:
+    """Who sent a request, as `RequestInfo.client`: a stable hash of its `Authorization` header
+    when it has one (its API key), else of `peer` (the address it came from), else 0 (unknown).
+    A hash, never the key: it goes into the policy's learned state."""
+    key = headers.get("Authorization")
+    if key:
+        return stable_hash("key\0" + key)
+    return stable_hash("peer\0" + peer) if peer else 0
 
 
 def believed_cached_on(view: LoadView, decision: Decision) -> int:
@@ -125,8 +143,6 @@ class Described:
     info: RequestInfo
     blocks: tuple[int, ...]
     """The prompt's block fingerprint (`policies.prefix.fingerprint`; empty: none to track)."""
-    sequences: int = 1
-    """The sequences the backend runs for it (`validate.sequences`: `n` x prompts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +166,8 @@ class Result:
     prompt_tokens: int | None = None
     """The prompt tokens the backend reported (None: its answer carried no usage)."""
     client_blocked_s: float = 0.0
-    """Seconds the relay spent blocked writing to a client slower than the stream."""
-    sequences: int = 1
-    """Sequences the request asked for (`n`): its completion tokens are theirs together."""
+    """Seconds the relay spent blocked writing to a client slower than the stream (every write
+    it waited on, the last one included)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,29 +282,36 @@ class Tickets:
             return True
         return self.shadows is not None and any(reads_features(p) for _, p in self.shadows.policies)
 
-    async def describe(self, raw: bytes, endpoint: EndpointKind, headers: Mapping[str, str]) -> Described:
+    async def describe(
+        self, raw: bytes, endpoint: EndpointKind, headers: Mapping[str, str], peer: str | None = None
+    ) -> Described:
         """The body parsed and checked for `endpoint` (`controller.proxy.request`; 400
         otherwise), the `RequestInfo` a policy sees, and the prompt's block fingerprint (empty
-        with prefix tracking off; a large prompt is hashed off the event loop)."""
+        with prefix tracking off; a large prompt is hashed off the event loop). `peer`: the
+        address the request came from, when the transport knows it (`client_of`)."""
         try:
             body = parse_small_body(raw, endpoint)  # without a coroutine
             if body is None:
                 body = await parse_body(raw, endpoint)
             sequences = check_sequences(body, endpoint, self.max_n, self.max_prompts_per_request)
-            info = request_info(body, endpoint, headers, self.allow_client_override, self.features_wanted())
+            info = request_info(
+                body, endpoint, headers, self.allow_client_override, self.features_wanted(),
+                sequences=sequences, client=client_of(headers, peer),
+            )  # fmt: skip
         except SpecrouteError as e:
             self._rejected(e)
             raise
         blocks = await prompt_blocks(body, endpoint, len(raw)) if self.prefix_tracking else ()
-        return Described(body, info, blocks, sequences)
+        return Described(body, info, blocks)
 
     async def admit(self, info: RequestInfo) -> None:
         """Return once the request may be routed (at once unless every backend it may use is
-        full); `Overloaded` (429) when it may not."""
+        full for its sequences); `Overloaded` (429) when it may not, `BadRequest` (400) when it
+        never could (more sequences than any of those backends takes at once)."""
         capacity = self.capacity
-        if capacity.blocked(info.forced_pool, now := self.clock()):
+        if capacity.blocked(info.forced_pool, now := self.clock(), info.sequences):
             try:
-                await capacity.admit(info.forced_pool, now)
+                await capacity.admit(info.forced_pool, now, info.sequences)
             except SpecrouteError as e:
                 self._rejected(e)
                 raise
@@ -310,13 +332,14 @@ class Tickets:
         """View, decide and reserve in one synchronous step (see the module's note)."""
         policy = self.policy
         now = self.clock()
-        view = self.tracker.view(now, blocks, info.prompt_tokens)
+        view = self.tracker.view(now, blocks, info.prompt_tokens, info.sequences)
         try:
             chosen = self.decide(policy, info, view, now)
         except SpecrouteError as e:
             self._rejected(e)
             raise
-        reservation = self.capacity.reserve(chosen.backend, info.max_tokens or 0, blocks)
+        n = info.sequences
+        reservation = self.capacity.reserve(chosen.backend, (info.max_tokens or 0) * n, blocks, n)
         self.metrics.decision(policy.name, chosen.pool, chosen.reason)
         shadow = () if self.shadows is None else self.shadows.decide(info, view, now, chosen)
         return Ticket(self, info, view, policy, chosen, reservation, shadow, arrived_at, now)
@@ -463,7 +486,6 @@ class Ticket:
             cached_tokens=tickets._cache_report(self.backend.name, result),
             failed_over=self.decision.backend != self.chosen.backend,
             client_blocked_s=result.client_blocked_s,
-            sequences=result.sequences,
         )
         try:
             tickets._observe(self, result, outcome)

@@ -35,7 +35,7 @@ def _entry(
 
 
 def _seen(stream: bool = True) -> Seen:
-    return Seen(endpoint="chat", stream=stream, sequences=1, arrived_at=50.0, source="access_log")
+    return Seen(endpoint="chat", stream=stream, arrived_at=50.0, source="access_log")
 
 
 def test_a_streamed_answer_from_the_access_log() -> None:
@@ -62,6 +62,24 @@ def test_the_first_byte_never_lands_after_what_envoys_own_interval_to_the_end_al
     assert result.first_byte_at is not None and abs(result.first_byte_at - 50.005) < 1e-9
 
 
+def test_the_time_the_gateway_waited_on_the_client_is_the_clients() -> None:
+    """Issue 37, finding 1 behind a gateway: Envoy's last byte to the client came 2.5 s after the
+    backend's last byte (a client reading slowly): that time is `client_blocked_s`, which the
+    decode rate leaves out and which keeps the outcome from teaching (`policies.routing.teaches`)."""
+    seen = _seen()
+    entry = _entry(200)
+    entry.common_properties.time_to_last_upstream_rx_byte.seconds = 1
+    entry.common_properties.time_to_last_downstream_tx_byte.seconds = 3
+    entry.common_properties.time_to_last_downstream_tx_byte.nanos = 500_000_000
+    seen.access_log(entry, {"tail": TAIL.decode()})
+    assert seen.result(ended_at=54.0).client_blocked_s == 2.5
+    prompt = _seen()  # a client that took the answer as it came
+    entry.common_properties.time_to_last_downstream_tx_byte.seconds = 1
+    entry.common_properties.time_to_last_downstream_tx_byte.nanos = 1_000_000
+    prompt.access_log(entry, {"tail": TAIL.decode()})
+    assert prompt.result(ended_at=52.0).client_blocked_s == 0.001
+
+
 def test_statuses_as_serve_gives_them() -> None:
     cases = [
         (_entry(200, flags=("downstream_connection_termination",)), "client_closed"),
@@ -85,20 +103,15 @@ def test_statuses_as_serve_gives_them() -> None:
 
 
 def test_from_the_ext_proc_messages() -> None:
-    seen = Seen(endpoint="chat", stream=True, sequences=2, arrived_at=10.0)
+    seen = Seen(endpoint="chat", stream=True, arrived_at=10.0)
     seen.response_headers(200)
     seen.response_chunk(TAIL[:100], 10.2, False)
     seen.response_chunk(TAIL[100:], 10.5, True)
     result = seen.result(11.0)
-    assert (result.status, result.first_byte_at, result.completion_tokens, result.sequences) == (
-        "ok",
-        10.2,
-        7,
-        2,
-    )
-    cut = Seen(endpoint="chat", stream=True, sequences=1, arrived_at=10.0)
+    assert (result.status, result.first_byte_at, result.completion_tokens) == ("ok", 10.2, 7)
+    cut = Seen(endpoint="chat", stream=True, arrived_at=10.0)
     cut.response_headers(200)
     cut.response_chunk(TAIL[:100], 10.2, False)
     assert cut.result(11.0).status == "client_closed"  # the gateway ended it before its end
-    silent = Seen(endpoint="chat", stream=True, sequences=1, arrived_at=10.0)
+    silent = Seen(endpoint="chat", stream=True, arrived_at=10.0)
     assert silent.result(11.0).status == "ok" and silent.result(11.0, cut=True).status == "client_closed"

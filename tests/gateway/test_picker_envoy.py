@@ -29,6 +29,7 @@ from controller.proxy.app import TRACKER
 from controller.proxy.config import Settings
 from controller.proxy.core import policy_context
 from policies.registry import default_registry
+from policies.routing import teaches
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 TOOLS = [
@@ -188,6 +189,9 @@ async def test_openai_sdk_answers_through_envoy_match_direct(gateway: Any, proxy
     # learnt from the access log: first-token time and the usage counts, for every stream
     assert [o.completion_tokens for o in streams] == [8, 6, 4]
     assert all(o.ttft_s is not None and 0 <= o.ttft_s <= o.duration_s for o in streams)
+    # Envoy says when the server's last byte came and when the client's went (issue 37: the time
+    # between is the client's): a client that reads as the answer comes holds nothing up
+    assert any(r.outcome.client_blocked_s > 0 for r in ok) and all(teaches(r.outcome) for r in ok)
     assert [r.outcome.status for r in gw.records if r.outcome.status != "ok"] == ["client_error"]
     # what specroute refuses itself, the picker refuses as serve does (OpenAI-shaped)
     served = await proxy(eagle=[gw.urls["eagle"]], policy="fixed", policy_params={"pool": "eagle"})

@@ -69,3 +69,18 @@ def test_an_outcome_teaches_at_the_batch_its_decision_assumed() -> None:
     cal_k, cal_b = knows.calibration, blind.calibration  # type: ignore[attr-defined]
     assert cal_k.speed("eagle", 4) < 0.75  # learned at batch 4: about half the profile's speed
     assert cal_b.speed("eagle", 4) > cal_k.speed("eagle", 4)  # the blind one taught batch 31 instead
+
+
+def test_an_outcome_of_n_sequences_teaches_the_batch_they_ran_at() -> None:
+    """A request of 16 sequences (`n: 16`) decided at load 0 ran in a batch of 16: its decode rate,
+    per sequence, teaches that batch, not batch 1, so an outcome at the profile's speed leaves
+    the calibration where it was (issue 37, finding 2)."""
+    p = policy()
+    request = replace(REQUEST, sequences=16)
+    decision = Decision("eagle", "e", "faster_eagle", {}, {}, 0, "cost_model")
+    rate = KIMI.speed("eagle").decode_tok_s(16)  # per sequence, at batch 16
+    for _ in range(40):
+        p.observe(Outcome(request, decision, 0.0, 0.1, 16 * 201, 0.1 + 200 / rate, "ok"))  # type: ignore[attr-defined]
+    cal = p.calibration  # type: ignore[attr-defined]
+    assert cal.pool["eagle"].n == 40
+    assert abs(cal.speed("eagle", 16) - 1.0) < 0.05 and abs(cal.speed("eagle", 1) - 1.0) < 0.05

@@ -26,7 +26,7 @@ from policies.base import (
     RequestInfo,
 )
 from policies.registry import PolicyContext, default_registry
-from policies.routing import Router, least_loaded_index, pick_backend
+from policies.routing import CLIENT_STALL_SHARE, Router, least_loaded_index, pick_backend, teaches
 from simulator.engine.deployment import build_deployment
 from simulator.engine.loop import simulate
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
@@ -317,3 +317,20 @@ def test_a_decision_named_with_its_backends_load_is_returned_as_it_is() -> None:
     full = LoadView(v.baseline, PoolLoad("eagle", (e0, BackendLoad("e1", "eagle", in_flight=5, full=True))))
     d = Router(0).decide(Names(5), RequestInfo(), full, 0.0)  # named but full: rule 3 picks e0
     assert (d.backend, d.backend_load) == ("e0", 1)
+
+
+def test_an_outcome_whose_client_held_the_relay_up_teaches_nothing() -> None:
+    """Rule 6 (issue 37, finding 1): the backend goes on generating while the relay waits on a slow
+    client, so an outcome whose relay waited on its client for more than CLIENT_STALL_SHARE of
+    its duration says nothing of the backend's speed; below it, the decode rate leaves that
+    time out."""
+
+    def outcome(blocked: float) -> Outcome:
+        return Outcome(RequestInfo(), Decision("eagle", "e0", "faster_eagle"), 0.0, 0.5, 101, 10.5, "ok",
+                       client_blocked_s=blocked)  # fmt: skip
+
+    assert teaches(outcome(0.0)) and outcome(0.0).decode_tok_s == pytest.approx(10.0)
+    within = outcome(CLIENT_STALL_SHARE * 10.5)
+    assert teaches(within) and within.decode_tok_s == pytest.approx(100 / (10.0 - CLIENT_STALL_SHARE * 10.5))
+    assert not teaches(outcome(CLIENT_STALL_SHARE * 10.5 + 0.01))
+    assert not teaches(outcome(9.0))  # the probe's: most of its time waiting on the client

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from helpers import make_tracker
 from prometheus_client import CollectorRegistry
 
 from controller.proxy.capacity import AdmissionMetrics, Capacity
+from controller.proxy.errors import BadRequest
 from controller.proxy.load import LoadTracker
 from controller.proxy.memory import Charge, MemoryBudget
 from controller.proxy.outlier import OutlierDetector
@@ -104,3 +106,59 @@ async def test_waiting_charges_get_the_budget_in_arrival_order_and_a_cancelled_o
     for c in (holder, first, third):
         c.release()
     assert budget.used == 0
+
+
+# --- issue 37, finding 2: a request holds as many slots as it runs sequences -------------------
+
+
+async def test_a_request_of_several_sequences_waits_until_they_all_fit():
+    now = [0.0]
+    tracker, cap = _capacity(now)
+    tracker.set_bounds({"b0": 4, "b1": 4, "e0": 4}, {"baseline": None, "eagle": None})
+    held = [cap.reserve(n, 0, (), 3) for n in ("b0", "b1", "e0")]  # one slot left on each
+    assert not cap.blocked(None, now[0]) and cap.blocked(None, now[0], 2)
+    assert all(b.full for p in ("baseline", "eagle") for b in tracker.view(0.0, sequences=2).pool(p).backends)
+    waiter = asyncio.create_task(cap.admit(None, now[0], 2))
+    await asyncio.sleep(0)
+    assert cap.waiting == 1
+    cap.release(held[1])  # b1 frees 3: the 2 sequences fit there
+    assert await waiter == 0.0
+    (b1,) = (b for b in tracker.view(0.0, sequences=2).baseline.backends if b.name == "b1")
+    assert b1.admits and b1.in_flight == 0
+    for r in held:
+        cap.release(r)
+    assert tracker.total_in_flight == 0
+
+
+async def test_a_freed_slot_goes_to_the_oldest_waiter_that_fits_not_to_a_larger_one_ahead():
+    now = [0.0]
+    tracker, cap = _capacity(now)
+    tracker.set_bounds({"b0": 2, "b1": 2, "e0": 2}, {"baseline": None, "eagle": None})
+    held = [cap.reserve(n) for n in ("b0", "b1", "e0") for _ in range(2)]
+    large = asyncio.create_task(cap.admit(None, now[0], 2))
+    await asyncio.sleep(0)
+    small = asyncio.create_task(cap.admit(None, now[0], 1))
+    await asyncio.sleep(0)
+    assert cap.waiting == 2
+    cap.release(held[0])  # one slot on b0: the 2-sequence request ahead does not fit in it
+    await asyncio.sleep(0)
+    assert small.done() and small.result() == 0.0  # woken by the release (no timer: no time passed)
+    assert not large.done() and cap.waiting == 1
+    cap.release(held[1])  # now b0 has two
+    assert await large == 0.0
+    for r in held:
+        cap.release(r)
+
+
+async def test_a_request_of_more_sequences_than_any_bound_is_refused_at_once():
+    """It could never be admitted: a 400 naming `n` instead of a wait that can only end in 429."""
+    now = [0.0]
+    tracker, cap = _capacity(now)
+    tracker.set_bounds({"b0": 4, "b1": 4, "e0": 6}, {"baseline": None, "eagle": 5})
+    with pytest.raises(BadRequest) as e:
+        await cap.admit(None, now[0], 6)  # eagle's backend takes 6, but its pool only 5
+    assert e.value.param == "n" and "at most 5 at once" in e.value.message
+    assert cap.waiting == 0
+    assert await cap.admit("eagle", now[0], 5) == 0.0  # fits: not even blocked
+    with pytest.raises(BadRequest):
+        await cap.admit("baseline", now[0], 5)

@@ -58,6 +58,7 @@ LOG_FIELDS = {
     "pool", "backend", "reason", "chosen_pool", "chosen_backend", "predicted_ttft_s", "predicted_e2e_s",
     "ttft_s", "completion_tokens", "duration_s", "status", "http_status", "shadow",
     "believed_cached_tokens", "cached_tokens", "accept_factor_predicted", "accept_factor_reported",
+    "sequences", "client_blocked_s",
 }  # fmt: skip
 
 

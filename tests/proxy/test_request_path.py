@@ -100,7 +100,7 @@ async def test_the_back_half_ends_a_ticket_once_from_a_plain_result() -> None:
     ticket = tickets.issue(info, (), arrived_at=99.5)
     result = Result(
         status="ok", ended_at=102.0, http_status=200, sent_at=100.001, first_byte_at=100.5,
-        completion_tokens=9, prompt_tokens=30, cached_tokens=None, client_blocked_s=0.25, sequences=1,
+        completion_tokens=9, prompt_tokens=30, cached_tokens=None, client_blocked_s=0.25,
     )  # fmt: skip
     outcome = ticket.finish(result)
     assert tracker.get("e0").in_flight == 0
@@ -133,11 +133,39 @@ async def test_a_failover_moves_the_ticket_and_its_slot() -> None:
     assert p.sample("specroute_failovers_total", pool="eagle") == 1.0
 
 
-async def test_n_sequences_share_the_completion_tokens_in_the_decode_rate() -> None:
+async def test_a_request_knows_its_client_by_a_hash_of_its_key_else_of_its_address() -> None:
+    """`RequestInfo.client` (what a learning policy bounds one client's share by): a stable hash of
+    the Authorization header whatever the address, else of the peer's address, else 0."""
     tickets = _path().tickets
-    ticket = tickets.issue((await tickets.describe(BODY, "chat", {})).info, (), 0.0)
-    result = Result("ok", ended_at=101.0, first_byte_at=100.0, completion_tokens=42, sequences=2)
+
+    async def client(headers: dict[str, str], peer: str | None = None) -> int:
+        return (await tickets.describe(BODY, "chat", headers, peer)).info.client
+
+    key = await client({"Authorization": "Bearer sk-one"}, "10.0.0.1")
+    assert key == await client({"Authorization": "Bearer sk-one"}, "10.0.0.2") != 0
+    assert key != await client({"Authorization": "Bearer sk-two"}, "10.0.0.1")
+    assert "sk-one" not in str(key) and key.bit_length() <= 64
+    peer = await client({}, "10.0.0.1")
+    assert peer not in (0, key) and peer == await client({}, "10.0.0.1") != await client({}, "10.0.0.2")
+    assert await client({}) == 0
+
+
+async def test_a_request_reserves_its_sequences_and_its_decode_rate_is_per_sequence() -> None:
+    """`n` x prompts slots held from the decision to the end (a failover moves them all), and
+    the completion tokens, the sum over the sequences, divided among them."""
+    p = _path()
+    tickets, tracker = p.tickets, p.tracker
+    body = b'{"prompt": ["a", "b"], "n": 3, "max_tokens": 8, "stream": true}'
+    info = (await tickets.describe(body, "completions", {})).info
+    assert info.sequences == 6
+    ticket = tickets.issue(info, (), 0.0)
+    assert (tracker.get("e0").in_flight, tracker.get("e0").in_flight_tokens) == (6, 48)
+    ticket.move(tracker.get("b0"))
+    e0, b0 = tracker.get("e0"), tracker.get("b0")
+    assert (e0.in_flight, b0.in_flight, b0.in_flight_tokens) == (0, 6, 48)
+    result = Result("ok", ended_at=101.0, first_byte_at=100.0, completion_tokens=126)
     assert ticket.finish(result).decode_tok_s == pytest.approx(20.0)  # per sequence: (21 - 1) / 1 s
+    assert tracker.total_in_flight == 0 and tracker.get("b0").in_flight_tokens == 0
 
 
 # -- the state machine --
