@@ -23,8 +23,9 @@ the same cores:
 Traffic: 50/50 (alternating), code only and prose only, closed loop at each concurrency,
 streamed chat, 64 tokens (greedy); per cell `--requests` measured requests (code or prose only:
 `--single-requests`) after max(2, c) warm-up ones, with fillers keeping the loop full until the
-last measured one ends. Every configuration gets the same prompts, never seen before by its
-`serve`; the configurations take turns cell by cell (a shared machine drifts). Per cell: mean
+last measured one ends, in `--blocks` blocks of prompts of their own. Every configuration gets
+the same prompts, never seen before by its `serve`; the configurations take turns block by block
+(a shared machine drifts: others' work moves every speed by more than a cell's interval). Per cell: mean
 end-to-end seconds with its 95% t-interval and the ratio to the better of 2x plain and 2x
 EAGLE-3; on 50/50 traffic, each pair's paired (by prompt) 95% interval of its difference to that
 better one, and its EAGLE-3 share by domain. Before the cells, each aware pair's `serve` learns
@@ -232,12 +233,40 @@ def enough(warmup: int, measured: int, concurrency: int) -> int:
     return warmup + measured + 16 * concurrency + 16
 
 
-def cell_prompts(traffic: str, concurrency: int, n: int) -> list[tuple[str, str]]:
-    stream = f"bench-{traffic}-{concurrency}"
+def cell_prompts(traffic: str, concurrency: int, n: int, block: int = 0) -> list[tuple[str, str]]:
+    stream = f"bench-{traffic}-{concurrency}" + (f"-{block}" if block else "")
     if traffic == "mixed":
         return [(d, p) for d, p in domains.mixed(stream, n)]
     domain: domains.Domain = "code" if traffic == "code" else "prose"
     return [(domain, p) for p in domains.prompts(domain, stream, n)]
+
+
+def run_cell(
+    urls: dict[str, str], configs: Sequence[Config], traffic: str, level: int, n: int, blocks: int
+) -> list[Cell]:
+    """One cell of each configuration: `n` measured requests in `blocks` blocks, the
+    configurations taking turns block by block (each block's first turn rotating), so the
+    machine's drift over the cell falls on every configuration alike. A block is a closed loop of
+    its own: max(2, c) warm-up requests, its share of the measured ones, fillers; its prompts
+    (the same for every configuration) are a stream of their own, never seen before."""
+    warmup = max(2, level)
+    cells = {c.key: Cell(c.key, traffic, level, measured=range(n)) for c in configs}
+    sizes = [n // blocks + (b < n % blocks) for b in range(blocks)]
+    first = 0
+    for b, size in enumerate(sizes):
+        prompts = cell_prompts(traffic, level, enough(warmup, size, level), block=b)
+        for config in [*configs[b % len(configs) :], *configs[: b % len(configs)]]:
+            results = asyncio.run(
+                closed_loop(urls[config.key], prompts, level, warmup, size, config.key == "oracle")
+            )
+            for r in results:  # measured ones by their place in the cell; the rest by none
+                r.index = first + r.index - warmup if warmup <= r.index < warmup + size else -1
+            cells[config.key].results += results
+            errors = [r.error for r in results if r.error]
+            if errors:
+                print(f"{config.label} {traffic} c={level}: {len(errors)} errors, e.g. {errors[0]}")
+        first += size
+    return list(cells.values())
 
 
 # -- specroute's own commands --
@@ -357,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--single-requests", type=int, default=None, help="measured requests per code-only or prose-only cell"
     )
+    ap.add_argument("--blocks", type=int, default=4, help="blocks per cell, the configurations taking turns")
     ap.add_argument(
         "--warmup", type=int, default=WARMUP, help="never-seen prompts each aware pair learns from"
     )
@@ -441,20 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         cells: list[Cell] = []
         for traffic in args.traffic:
             for level in args.concurrency:
-                warmup = max(2, level)
                 n = args.requests if traffic == "mixed" else args.single_requests
-                prompts = cell_prompts(traffic, level, enough(warmup, n, level))
-                for config in configs:
-                    if config.mixed_only and traffic != "mixed":
-                        continue
-                    cell = Cell(config.key, traffic, level, measured=range(warmup, warmup + n))
-                    cell.results = asyncio.run(closed_loop(
-                        urls[config.key], prompts, level, warmup, n, config.key == "oracle"
-                    ))  # fmt: skip
-                    cells.append(cell)
-                    errors = [r.error for r in cell.results if r.error]
-                    if errors:
-                        print(f"{config.label} {traffic} c={level}: {len(errors)} errors, e.g. {errors[0]}")
+                here = [c for c in configs if not c.mixed_only or traffic == "mixed"]
+                cells += run_cell(urls, here, traffic, level, n, args.blocks)
                 print(f"{traffic} c={level} done ({time.monotonic() - started:.0f} s since the start)")
         prompt_tokens = median_prompt_tokens(up["plain0"].url)
         predictions = {}
