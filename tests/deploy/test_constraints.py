@@ -91,8 +91,9 @@ def test_the_pinned_set_is_closed_and_is_what_the_tests_run_with() -> None:
     )
 
 
-_PROJECT_ARG = re.compile(r"""^['"]?(\.|\.\[[\w,]+\]|\S*\.whl)['"]?$""")
-"""A pip argument that installs specroute itself: `.`, `.[extra]` (quoted or not), a wheel."""
+_PROJECT_ARG = re.compile(r"""^['"]?(\.|\.\[[\w,]+\]|\S*\.whl|specroute\[[\w,]+\])['"]?$""")
+"""A pip argument that installs specroute itself: `.`, `.[extra]` (quoted or not), a wheel, or
+`specroute[extra]` (the image installs it from its own wheels, `--no-index`)."""
 
 
 def _project_installs(text: str) -> list[str]:

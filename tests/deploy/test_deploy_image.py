@@ -52,6 +52,25 @@ def test_dockerfile_structure() -> None:
     assert not ignored & needed, f"Dockerfile.dockerignore hides {ignored & needed}"
 
 
+def test_the_image_installs_the_extras_of_every_command_run_from_it() -> None:
+    """deploy/gateway's picker Deployment runs `specroute picker` from this image: the image's
+    install (from the build stage's wheels, `--no-index`) names the `picker` extra, and the build
+    stage made wheels for it, else the picker would fail at import in the cluster."""
+    instructions = dockerfile_instructions()
+    final = final_stage(instructions)
+    installs = [rest for ins, rest in final if ins == "RUN" and "pip install" in rest]
+    (install,) = installs
+    assert "--no-index" in install and "--find-links /tmp/wheels" in install
+    extras = {e for group in re.findall(r"specroute\[([\w,]+)\]", install) for e in group.split(",")}
+    wheels = [rest for ins, rest in instructions[: len(instructions) - len(final)] if ins == "RUN"]
+    built = {e for rest in wheels for group in re.findall(r"\.\[([\w,]+)\]", rest) for e in group.split(",")}
+    picker = (DEPLOY / "gateway" / "kubernetes" / "picker-deployment.yaml").read_text()
+    assert "image: specroute" in picker and '["specroute", "picker"]' in picker
+    assert "picker" in extras and "picker" in built
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r"^picker = \[", pyproject, flags=re.M), "pyproject.toml has no picker extra"
+
+
 def test_dockerfile_runs_specroute_serve_with_accepted_flags() -> None:
     final = final_stage(dockerfile_instructions())
     (entrypoint,) = [json.loads(rest) for ins, rest in final if ins == "ENTRYPOINT"]
