@@ -42,9 +42,10 @@ traffic at each concurrency, its ranking beside the measured one.
         --requests 80 --single-requests 60 --out real-engine.json
     ... real_engine.py --quick        # 50/50 at c=1 and 2, 12 requests per cell
 
-The full run takes about 20 minutes on a quiet 2-core machine, the quick one about 5 (10 on a
-busy one; the build, when not cached, a few more). Every figure is a wall-clock speed: run it on
-a quiet machine.
+On a quiet 2-core machine the run above (50/50 80, code and prose only 60 per cell) takes
+about 26 minutes, `--traffic mixed` about 16, `--quick` about 5 (10 on a busy machine; the
+build, when not cached, a few more). Every figure is a wall-clock speed: run it on a quiet
+machine. `--markdown FILE` prints the tables of a report `--out` wrote.
 """
 
 from __future__ import annotations
