@@ -10,7 +10,7 @@ usage event, per whole response an `sglext` member. The accept length goes into 
 other byte unchanged. Off by default: older SGLang versions may reject the field.
 
 vLLM started with `--per-request-spec-decode-metrics summary` (or `detailed`) reports its own:
-`metrics.speculative_decoding` (`num_spec_steps`, `num_accepted_draft_tokens`,
+the `speculative_decoding` member of `metrics` (`num_spec_steps`, `num_accepted_draft_tokens`,
 `mean_acceptance_length`, ...) beside the usage of a whole answer, and on a stream's usage event,
 which specroute asks for anyway (`lifecycle.ask_for_usage`, dropped again when the client did not
 ask for it). vLLM accepts SGLang's field and ignores it (its request models allow extra fields),
