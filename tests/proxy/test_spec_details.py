@@ -173,6 +173,7 @@ def test_vllm_accept_length_from_its_counts_else_its_mean() -> None:
     # no verify step (a one-token answer): vLLM says 1.0, which is no measurement
     assert vllm_accept_length(vllm_stats(num_spec_steps=0, num_accepted_draft_tokens=0)) is None
     # what no engine reports: None, never a number the policy would learn from
+    bad: Any
     for bad in (
         vllm_stats(num_spec_steps=True),
         vllm_stats(num_spec_steps="4", mean_acceptance_length=None),

@@ -26,18 +26,19 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 from real_engine import ROOT, VLLM_PYTHON, build_pair, skip_without_vllm
 
 from controller.proxy.engines import VLLM_ACCEPTED, VLLM_DRAFTS, aggregate, read_samples
 
 skip_without_vllm()
 
-import domains  # noqa: E402  (benchmarks/vllm, put on the path by real_engine)
-import servers  # noqa: E402
+import domains  # type: ignore[import-not-found]  # noqa: E402  (benchmarks/vllm, put on the path by real_engine)
+import servers  # type: ignore[import-not-found]  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
@@ -111,7 +112,7 @@ def client(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
-def message(prompt: str) -> list[dict[str, str]]:
+def message(prompt: str) -> list[ChatCompletionMessageParam]:
     return [{"role": "user", "content": prompt}]
 
 
@@ -128,11 +129,11 @@ async def ask(
     )  # fmt: skip
     pool = raw.headers.get("x-specroute-pool")
     if not stream:
-        answer = raw.parse()
+        answer = cast(ChatCompletion, raw.parse())
         stats = (answer.model_extra or {}).get("metrics") or {}
         return answer.choices[0].message.content or "", pool, stats.get("speculative_decoding")
     text, spec = [], None
-    async for chunk in raw.parse():
+    async for chunk in cast(openai.AsyncStream[ChatCompletionChunk], raw.parse()):
         if chunk.choices:
             text.append(chunk.choices[0].delta.content or "")
         metrics = (chunk.model_extra or {}).get("metrics")
