@@ -4,9 +4,11 @@ It answers `/v1/chat/completions` and `/v1/completions` (streaming and not) with
 SGLang's shapes (docs/SGLANG_PROTOCOL.md, "Streaming answers"): role chunk, content chunks, a
 finish chunk, the speculative details chunk (`choices: []`, `sglext.spec_tokens_details`) when
 `return_spec_tokens_details` and the backend is `speculative`, the usage chunk (`choices: []`)
-when `stream_options.include_usage`, then `data: [DONE]`. Answers are deterministic (the id is
-a hash of the request body, `created` is fixed) so a response fetched directly and one fetched
-through the proxy can be compared byte for byte.
+when `stream_options.include_usage`, then `data: [DONE]`. With `vllm_metrics` it answers as vLLM
+started with `--per-request-spec-decode-metrics summary` instead: `metrics.speculative_decoding`
+beside the usage of a whole answer and on a stream's usage event (SGLang's field ignored).
+Answers are deterministic (the id is a hash of the request body, `created` is fixed) so a
+response fetched directly and one fetched through the proxy can be compared byte for byte.
 
 Behaviour is switched at run time through `mode` (or per request by a body field `fake_mode`,
 which the proxy passes through like any unknown field):
@@ -127,12 +129,15 @@ class FakeBackend:
         first_byte_delay_s: float = 0.0,
         ready_route: bool = True,
         speculative: bool = False,
+        vllm_metrics: bool = False,
     ) -> None:
         self.name = name
         self.ready_route = ready_route
         """Serve GET /ready (SGLang releases before it had only /health)."""
         self.speculative = speculative
         """Answer `return_spec_tokens_details` (2 tokens per verify step after the first)."""
+        self.vllm_metrics = vllm_metrics
+        """Report vLLM's per-request `metrics.speculative_decoding` (`vllm_speculation`)."""
         self.probes: list[str] = []
         """Paths of the health probes received."""
         self.model = model
@@ -308,6 +313,22 @@ class FakeBackend:
             "spec_num_proposed_drafts": verify,
         }
 
+    def vllm_speculation(self, n: int) -> dict[str, Any] | None:
+        """vLLM's `speculative_decoding` statistics for `n` tokens (k=2, one draft of two accepted
+        per verify step after the first token: 1.5 per step), or None when not `vllm_metrics`."""
+        if not self.vllm_metrics:
+            return None
+        steps = (n - 1) // 2
+        return {
+            "mean_acceptance_length": 2.0 if steps else 1.0,
+            "draft_acceptance_rate": 0.5 if steps else 0.0,
+            "acceptance_histogram": [0, steps, 0],
+            "num_spec_steps": steps,
+            "num_accepted_draft_tokens": steps,
+            "num_draft_tokens": 2 * steps,
+            "num_spec_tokens": 2,
+        }
+
     def _whole(
         self, body: dict[str, Any], rid: str, model: str, tokens: list[str], chat: bool
     ) -> web.Response:
@@ -341,6 +362,8 @@ class FakeBackend:
         details = self.spec_details(body, len(tokens))
         if details is not None:
             out["sglext"] = {"spec_tokens_details": details}
+        if (stats := self.vllm_speculation(len(tokens))) is not None:
+            out["metrics"] = {"speculative_decoding": stats}
         return web.json_response(out)
 
     async def _stream(
@@ -391,7 +414,10 @@ class FakeBackend:
             await resp.write(sse(stream_event(rid, model, chat, [], sglext={"spec_tokens_details": details})))
         options = body.get("stream_options") or {}
         if options.get("include_usage"):
-            await resp.write(sse(stream_event(rid, model, chat, [], usage=self._usage(body, len(tokens)))))
+            event = stream_event(rid, model, chat, [], usage=self._usage(body, len(tokens)))
+            if (stats := self.vllm_speculation(len(tokens))) is not None:
+                event["metrics"] = {"speculative_decoding": stats}
+            await resp.write(sse(event))
         await resp.write(SSE_DONE)
         await resp.write_eof()
         return resp

@@ -22,6 +22,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_SETS = ROOT / "controller" / "bench" / "prompt_sets"
@@ -68,50 +69,73 @@ def corpus(seed: int = SEED, words: int = 120_000) -> list[str]:
     return lines
 
 
-def build(out: Path, seed: int = SEED) -> None:
-    import torch
+def train_tokenizer(lines: list[str], vocab_size: int = VOCAB_SIZE) -> Any:
+    """A byte-level BPE trained on `lines`, with the specials and the chat template (a
+    `transformers.PreTrainedTokenizerFast`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    out.mkdir(parents=True, exist_ok=True)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(corpus(seed), trainer=trainer)
+    bpe.train_from_iterator(lines, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, bos_token=SPECIALS[0], eos_token=SPECIALS[1], pad_token=SPECIALS[2]
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.model_max_length = MAX_POSITIONS
-    tokenizer.save_pretrained(out)
+    return tokenizer
 
-    vocab = len(tokenizer)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+
+def llama_config(tokenizer: Any, **overrides: Any) -> Any:
+    """The tiny Llama's `transformers.LlamaConfig` for `tokenizer` (hidden 256, 4 layers unless
+    `overrides` say otherwise)."""
+    from transformers import LlamaConfig
+
+    fields: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "max_position_embeddings": MAX_POSITIONS,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    return LlamaConfig(**{**fields, **overrides})
+
+
+def never_ends(model: Any, tokenizer: Any) -> None:
+    """Zero the end-of-sequence row of the output layer: its logit is then exactly 0 while some
+    other token's is positive, so greedy decoding gives the `max_tokens` asked for."""
+    import torch
+
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id].zero_()
+
+
+def build(out: Path, seed: int = SEED) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(corpus(seed))
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(tokenizer))
+    never_ends(model, tokenizer)
     model.save_pretrained(out, safe_serialization=True)
-    print(f"tiny llama: vocab {vocab}, hidden {HIDDEN}, {LAYERS} layers, seed {seed} -> {out}")
+    print(f"tiny llama: vocab {len(tokenizer)}, hidden {HIDDEN}, {LAYERS} layers, seed {seed} -> {out}")
 
 
 def main(argv: list[str] | None = None) -> int:

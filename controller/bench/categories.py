@@ -3,8 +3,9 @@
 
 Per category, over the measured successful requests of every level: the accept length (tokens
 per verify step, from each request's `spec_tokens_details`, which bench asks for when the
-prompts have categories; a server that sends none but counts accepted and drafted tokens, as
-vLLM does on `/metrics`, gets a probe after the sweep instead: `CATEGORY_PROBE` requests per
+prompts have categories, or from vLLM's `metrics.speculative_decoding` when it runs with
+`--per-request-spec-decode-metrics`; a server that sends neither but counts accepted and drafted
+tokens, as vLLM does on `/metrics`, gets a probe after the sweep instead: `CATEGORY_PROBE` requests per
 category one at a time, each's accept length from the counters' deltas around it) and the
 per-request decode rate, each as a mean with its 95% t-interval (`policies.stats.estimate`). A
 category's speed factor is its mean accept length over the reference accept length (the

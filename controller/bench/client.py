@@ -28,7 +28,7 @@ from controller.bench.sglang_import import parse_server_info
 from controller.proxy.engines import VLLM, VLLM_ACCEPTED, VLLM_DRAFTS, VLLM_RUNNING, aggregate, read_samples
 from controller.proxy.limits import ResponseTooLarge, read_bounded
 from controller.proxy.scrape import SCRAPE_LIMIT_BYTES
-from controller.proxy.spec_details import accept_length
+from controller.proxy.spec_details import accept_length, vllm_accept_length
 
 
 def base_url(url: str) -> str:
@@ -146,6 +146,7 @@ async def one_request(
     start = time.perf_counter()
     r = RequestResult(phase=phase, start_s=start - t0)
     spec: Any = None
+    vllm_spec: Any = None
     done = False
     events = 0
     try:
@@ -191,6 +192,9 @@ async def one_request(
                 ext = obj.get("sglext")
                 if isinstance(ext, dict) and "spec_tokens_details" in ext:
                     spec = ext["spec_tokens_details"]
+                metrics = obj.get("metrics")  # vLLM's --per-request-spec-decode-metrics
+                if isinstance(metrics, dict) and "speculative_decoding" in metrics:
+                    vllm_spec = metrics["speculative_decoding"]
                 usage = obj.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                     r.completion_tokens = usage["completion_tokens"]
@@ -209,6 +213,8 @@ async def one_request(
         r.end_s = time.perf_counter() - t0
     if spec is not None:
         r.accept_length = accept_length(spec, r.completion_tokens)
+    elif vllm_spec is not None:
+        r.accept_length = vllm_accept_length(vllm_spec)
     if r.error is None:
         if events == 0:
             r.error = "no SSE events in the response (does the server stream?)"

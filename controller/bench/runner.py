@@ -181,7 +181,7 @@ class BenchRunner:
         }
         if c.ignore_eos:
             body["ignore_eos"] = True
-        if self.prompts.categorized:  # per-category acceptance: SGLang's per-request details
+        if self.prompts.categorized:  # per-category acceptance: SGLang's details (vLLM ignores it)
             body["return_spec_tokens_details"] = True
         body.update(self.prompts.pick(self._next_prompt).body(c.endpoint))
         self._next_prompt += 1

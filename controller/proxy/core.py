@@ -188,9 +188,10 @@ class Core:
     def _engine_found(self, name: str, engine: Engine) -> None:
         """Warn about settings the backend's engine does not honour."""
         if self.settings.spec_details and not engine.spec_details and self.tracker.get(name).pool == "eagle":
-            log.warning(
-                "spec_details is on but eagle backend %s runs %s, which has no per-request speculative "
-                "details (it ignores the field): its accept length comes from /metrics instead",
+            log.info(
+                "spec_details: eagle backend %s runs %s, which ignores return_spec_tokens_details; each "
+                "request's accept length is read from its answer's metrics.speculative_decoding, which "
+                "vLLM adds when started with --per-request-spec-decode-metrics summary",
                 name, engine.label,
             )  # fmt: skip
 

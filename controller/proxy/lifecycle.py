@@ -45,7 +45,7 @@ from controller.proxy.identity import BackendIdentity
 from controller.proxy.memory import ANSWER_COPIES, Charge, MemoryBudget
 from controller.proxy.phases import STREAMING, RequestState
 from controller.proxy.prefixes import last_count, reported_cached_tokens, reported_prompt_tokens
-from controller.proxy.spec_details import accept_length, ask_for_spec_details, drop_sglext_member
+from controller.proxy.spec_details import ask_for_spec_details, drop_sglext_member, reported_accept_length
 from controller.proxy.sse import (
     Holdback,
     SpecEvents,
@@ -375,7 +375,7 @@ class RequestLifecycle:
             self._read_usage(body)
             if self.spec is not None:
                 stripped, details = drop_sglext_member(body)
-                self.accept_length = accept_length(details, as_count(self.tokens))
+                self.accept_length = reported_accept_length(details, as_count(self.tokens), body)
                 if self.spec.strip_event:
                     body = stripped
         headers = self._client_headers(resp)
@@ -556,7 +556,7 @@ class RequestLifecycle:
             self._read_usage(tail)
         last = self._filter(last, strip_usage)
         if self.spec is not None:
-            self.accept_length = accept_length(self.spec.details, as_count(self.tokens))
+            self.accept_length = reported_accept_length(self.spec.details, as_count(self.tokens), tail)
         began = self.relay.clock()
         await sr.write_eof(last)  # (it waits for the client to take what is buffered)
         now = self.relay.clock()

@@ -74,9 +74,10 @@ async def test_bench_reports_categories_and_writes_priors(tmp_path: Path) -> Non
     assert prose_e2e > 1.5 * code_e2e
 
 
-async def test_a_server_without_details_gets_accept_lengths_from_its_counters(tmp_path: Path) -> None:
-    """A vLLM-like server: no per-request acceptance in its answers, but its /metrics counts
-    accepted and drafted tokens (10 drafts a request, accept length 4 for code, 2 for prose)."""
+def vllm_like(per_request: bool) -> web.Application:
+    """A vLLM-like server: its /metrics counts accepted and drafted tokens (10 drafts a request,
+    accept length 4 for code, 2 for prose); with `per_request` (vLLM's
+    --per-request-spec-decode-metrics) its usage chunk carries each request's figures too."""
     counters = {"accepted": 0.0, "drafts": 0.0}
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -88,10 +89,16 @@ async def test_a_server_without_details_gets_accept_lengths_from_its_counters(tm
         for i in range(n):
             chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": n, "total_tokens": n + 9}}
+        accepted = 10 * (3 if "def " in text else 1)
+        usage: dict[str, object] = {
+            "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": n, "total_tokens": n + 9}
+        }  # fmt: skip
+        if per_request:
+            stats = {"num_spec_steps": 10, "num_accepted_draft_tokens": accepted, "num_spec_tokens": 4}
+            usage["metrics"] = {"speculative_decoding": stats}
         await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         counters["drafts"] += 10
-        counters["accepted"] += 10 * (3 if "def " in text else 1)
+        counters["accepted"] += accepted
         return resp
 
     async def metrics(request: web.Request) -> web.Response:
@@ -108,18 +115,29 @@ async def test_a_server_without_details_gets_accept_lengths_from_its_counters(tm
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    return app
+
+
+@pytest.mark.parametrize("per_request", [False, True])
+async def test_a_vllm_server_gets_accept_lengths_per_request_or_from_its_counters(
+    tmp_path: Path, per_request: bool
+) -> None:
     out, prof = tmp_path / "r.json", tmp_path / "eagle.json"
-    async with serve_app(app) as url:
+    async with serve_app(vllm_like(per_request)) as url:
         code, stdout, stderr = await run_specroute(
             "bench", url, "--prompts", str(prompt_file(tmp_path / "p.jsonl")), "--concurrency", "2",
             "--requests-per-level", "12", "--warmup-requests", "0", "--max-tokens", "16", "--out", str(out),
             "--profile-out", str(prof), "--mode", "eagle", "--no-progress",
         )  # fmt: skip
     assert code == 0, stderr
-    assert "counters around each of the probe's requests" in stdout
     meta = json.loads(out.read_text())["metadata"]
-    assert {c: len(v) for c, v in meta["category_probe"].items()} == {"code": 8, "prose": 8}
     cats = {c["category"]: c for c in meta["categories"]}
+    if per_request:  # each request's own figure: no probe after the sweep
+        assert "category_probe" not in meta and "probe" not in stdout
+        assert cats["code"]["accept_length"]["n"] == cats["prose"]["accept_length"]["n"] == 6
+    else:
+        assert "counters around each of the probe's requests" in stdout
+        assert {c: len(v) for c, v in meta["category_probe"].items()} == {"code": 8, "prose": 8}
     assert cats["code"]["accept_length"]["mean"] == pytest.approx(4.0)
     assert cats["prose"]["accept_length"]["mean"] == pytest.approx(2.0)
     # relative to the sweep's own accept length (about half code, half prose with the filler: ~3),

@@ -261,7 +261,8 @@ async def test_proxy_in_front_of_vllm_backends(
                 assert "SGLang route" in message and "vLLM" in message and "/v1/chat/completions" in message
     logs = caplog.text
     assert "backend spec runs vLLM (detected from /metrics)" in logs
-    assert "spec_details is on but eagle backend spec runs vLLM" in logs
+    assert "eagle backend spec runs vLLM, which ignores return_spec_tokens_details" in logs
+    assert "--per-request-spec-decode-metrics" in logs
     assert "start SGLang" not in logs
 
 

