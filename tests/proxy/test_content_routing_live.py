@@ -175,9 +175,10 @@ async def test_serve_explores_and_learns_never_seen_task_types(
     """Issue 33's live setting: serve (cost_model, the kimi profile, spec_details) in front of a plain
     and an EAGLE-3 emulator whose acceptance follows rules by task type (code 1.5, prose 0.7, the
     rest 1.0); 300 never-seen prompts of six task types, 3 clients at a time. In the second half
-    EAGLE-3 serves at least 30 requests, code at least twice as often as prose, and the factor the
-    policy predicted is within 12% (median) of what the backend reported. (How its mean e2e compares
-    with content-blind routing is measured in benchmarks/content_routing_live.py.)"""
+    EAGLE-3 serves at least 30 requests, code is predicted faster there and prose slower, code goes
+    there far more often than prose, and the factor the policy predicted is within 12% (median) of
+    what the backend reported. (How its mean e2e compares with content-blind routing is measured in
+    benchmarks/content_routing_live.py.)"""
     scale = 0.05
     profile_path = tmp_path / "kimi-wall.json"
     wall_kimi(profile_path, scale)
@@ -219,11 +220,18 @@ async def test_serve_explores_and_learns_never_seen_task_types(
         mine = [x for k, x in late if k == kind]
         return sum(x["pool"] == "eagle" for x in mine) / len(mine)
 
-    # code (1.5x) goes to EAGLE-3 far more often than prose (0.7x). Not 3x: system scope sends prose
-    # to an idle EAGLE-3 while the plain server runs two requests (its marginal cost is lower), so
-    # even told every request's true factor, cost_model's prose share is 0.30 to code's 0.96 in the
-    # simulated twin (benchmarks/content_routing_explore.py); measured here 0.21-0.37 against 0.79-1.0
-    assert share("code") >= 2 * share("prose") and share("code") >= 0.6, (share("code"), share("prose"))
+    def predicted(kind: str) -> float:
+        return statistics.median(x["accept_factor_predicted"] for k, x in late if k == kind)
+
+    # what was learned, for task types never seen before the run: code (1.5x) predicted well above
+    # 1 and prose (0.7x) below it (measured 1.45-1.47 and 0.80-0.88 over four runs)
+    assert predicted("code") >= 1.3 and predicted("prose") <= 0.95, (predicted("code"), predicted("prose"))
+    # and used: code goes to EAGLE-3 far more often than prose. Not 3x: system scope sends prose to
+    # an idle EAGLE-3 while the plain server runs two requests (its marginal cost is lower), and the
+    # exploration's spread does not shrink with a family's evidence, so prose's share varies from
+    # run to run (0.16-0.47 against code's 0.79-1.0, n=19 each); a content-blind router gives both
+    # the same share
+    assert share("code") >= 0.6 and share("code") - share("prose") >= 0.3, (share("code"), share("prose"))
     served = [x for _, x in lines if x["pool"] == "eagle" and x["accept_factor_reported"] is not None]
     errors = [abs(x["accept_factor_reported"] / x["accept_factor_predicted"] - 1) for x in served]
     assert len(errors) >= 30 and statistics.median(errors) <= 0.12
