@@ -11,12 +11,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 
 from controller.cli.args import CommandError, run_async
-from controller.cli.serve import _grace_period, check_observability, cli_settings, configure_serve, start_up
-from controller.proxy.config import ConfigError, Settings, load_settings
+from controller.cli.serve import (
+    _grace_period,
+    check_observability,
+    configure_serve,
+    sighup_reloader,
+    start_up,
+)
+from controller.proxy.config import ConfigError, Settings
 from controller.proxy.redact import Redactor
 from policies.base import Policy
 from policies.profile import ProfileError
@@ -68,9 +73,8 @@ async def _pick(
     policy: Policy,
     redactor: Redactor,
 ) -> None:
-    from controller.cli.reload import ConfigReloader, ReloadMetrics
     from controller.picker.service import running_picker
-    from controller.proxy.app import ADMIN, METRICS, TRACKER, reopen_decision_log
+    from controller.proxy.app import TRACKER
 
     async with running_picker(
         settings, policy, registry=registry, context=context, metrics_port=args.metrics_port
@@ -91,15 +95,7 @@ async def _pick(
             "policy %s, baseline %s, eagle %s",
             settings.policy, [b.name for b in settings.baseline], [b.name for b in settings.eagle],
         )  # fmt: skip
-        reloader = ConfigReloader(
-            args.config,
-            lambda text: load_settings(cli_settings(args), os.environ, args.config, config_text=text),
-            app[ADMIN].reload,
-            ReloadMetrics(app[METRICS].registry),
-            settle_s=settings.reload_settle_s,
-            redactor=redactor,
-            hooks=[lambda: reopen_decision_log(app)],
-        )
+        reloader = sighup_reloader(args, settings, app, redactor)
         loop.add_signal_handler(signal.SIGHUP, reloader.request)
         await stop.wait()
         reloader.cancel()
