@@ -40,13 +40,17 @@ its requests look slow) moves a shared weight by at most `rate x step_bound`. Wi
 client whose recent share of the family's outcomes is above an equal share teaches the shared
 weights in proportion less (`_Family.share_weight`).
 
-Uncertainty (`predict_spread`): the prediction's standard deviation in log space, from how much
-evidence stands behind it: the model's out-of-sample squared error (`res2`) weighted by the
-confidence in it, the spread of requests around the pool average (`pop2`) for the rest, and the
-pool average's own error (its samples given by the caller). A family's evidence halves every
-`stale_after` predictions without an outcome of that family, so a family that stopped being
-sampled (say, one predicted slow) grows uncertain again and gets re-tried by the exploration of
-`policies.explore`.
+Uncertainty (`predict_spread`): the standard deviation, in log space, of the request's expected
+factor -- what exploring could still find out, not how much one request's outcome scatters. One
+request's error would be the model's out-of-sample squared error (`res2`) weighted by the
+confidence in it plus the spread of requests around the pool average (`pop2`) for the rest; the
+expected factor of requests like this one is known that much better as outcomes stand behind it:
+divided by `1 + n`, `n` being the outcomes behind its tokens (their mean count, each at most
+`EVIDENCE_CAP`) or its family's outcomes if more; plus the pool average's own error (its samples
+given by the caller). A kind whose outcomes keep coming is soon certain and no longer explored;
+a family's evidence halves every `stale_after` predictions without an outcome of that family, so
+a family that stopped being sampled (say, one predicted slow) grows uncertain again and gets
+re-tried by the exploration of `policies.explore`.
 
 Deterministic (no randomness, insertion-ordered tables) and bounded: `dim` weights and counts,
 `param_dim` parameter weights, `max_families` families of at most `FAMILY_CLIENTS` clients.
@@ -82,6 +86,9 @@ QUIET = 0.05
 """A client whose recent outcomes (decayed) fall below this leaves its family."""
 CLIENT_WEIGHT = 8
 """Outcomes at most that one client's offset weighs in its family's mean."""
+EVIDENCE_CAP = 64
+"""Outcomes at most that one token counts for in the evidence behind a prediction (a word every
+kind of request shares must not make a never-tried kind look known)."""
 PRIOR_VAR = 0.3**2
 """Spread (log space, squared) of requests' factors around the pool average before any outcome:
 published per-task acceptance ranges from about 0.6x to 1.5x of the average."""
@@ -281,12 +288,18 @@ class AcceptanceModel:
         base = pop2 / (1.0 + fallback_n)
         if not self.taught:
             return fallback, math.sqrt(pop2 + base)
-        yhat, _, seen, fam = self._estimate(self._indices(features, hint), features.family)
+        idx = self._indices(features, hint)
+        yhat, _, seen, fam = self._estimate(idx, features.family)
         trust = self.confidence(seen)
         mean = _clip(fallback + trust * (yhat - fallback))
+        count = self._count
+        evidence = sum([min(count[i], EVIDENCE_CAP) for i in idx[0]]) / len(idx[0])
         if fam is not None and fam.n:
-            trust *= 0.5 ** ((self.asked - fam.taught_at) / self._stale_after)
-        return mean, math.sqrt(trust * self.res2.value + (1.0 - trust) * pop2 + base)
+            fresh = 0.5 ** ((self.asked - fam.taught_at) / self._stale_after)
+            trust *= fresh
+            evidence = max(evidence * fresh, fam.n * fresh)
+        spread2 = trust * self.res2.value + (1.0 - trust) * pop2
+        return mean, math.sqrt(spread2 / (1.0 + evidence) + base)
 
     def confidence(self, seen: float) -> float:
         """How far to trust the model over the fallback: the regression coefficient of the

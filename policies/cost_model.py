@@ -350,8 +350,8 @@ class CostModelPolicy:
                 if met != pool:
                     pool, reason = met, "slo_eagle" if met == "eagle" else "slo_baseline"
         explorer = self.explorer
-        if explorer is not None:
-            if pool == "baseline" and own is not None and reason != "slo_baseline":
+        if explorer is not None and own is not None:  # a request without content has nothing to explore
+            if pool == "baseline" and reason != "slo_baseline":
                 regret = xe - xb if xe > xb else 0.0
                 shift = explorer.draw(own[2]) if explorer.affords(regret) else 0.0
                 if shift > 0.0 and self._tried(shift, own, view, request, n, now, on_b[1]):

@@ -15,15 +15,17 @@ pool is chosen, the explorer draws how much faster on EAGLE the request might pl
 
 Both find what pays where the pool average hides it (tests/policies/test_explore.py). Where
 nothing is to be found they differ: in the simulated twin of issue 33's live setting with
-acceptance that does not depend on content, Thompson sampling explored 1.4% of decisions and
-spent 41% of its budget for nothing, the optimistic bound 0.07% and 1.5%, with the same mean and
-p99 end-to-end time elsewhere (`benchmarks/content_routing_explore.py`).
+acceptance that does not depend on content, Thompson sampling explored 0.28% of decisions and
+spent 8% of its budget for nothing, the optimistic bound none; with the live setting's rules
+(code 1.5x, prose 0.7x) 1.8% and 38% against 1.2% and 18%, the same mean end-to-end time and a
+lower p99 for the bound (`benchmarks/content_routing_explore.py`, 10 seeds).
 
 If EAGLE is cheaper at that factor (the policy's own comparison, re-run with it), the request goes
 to EAGLE with reason `explore`, provided the budget covers the predicted regret: the cost by
 which EAGLE was predicted worse (the policy's compared quantity: marginal cost in system scope).
-The budget accrues `budget` x the chosen pool's predicted e2e per decision, so in steady state
-the regret spent is at most that share of the predicted end-to-end time; it holds at most
+The budget accrues `budget` x the chosen pool's predicted e2e per decision on a request with
+content (one without has nothing to explore), so in steady state the regret spent is at most that
+share of those requests' predicted end-to-end time; it holds at most
 `CREDIT_DECISIONS` decisions' worth, so no exploration costs more than that many decisions'
 allowance and a quiet period does not save up for a burst. Exploring is cheap at low load (the
 pools' costs are close), likely where the uncertainty is large, and worth it where a gain is

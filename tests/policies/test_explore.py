@@ -137,3 +137,49 @@ def test_explorer_state_round_trips() -> None:
     with pytest.raises(ValueError, match="negative"):
         fresh.load_state({**saved, "credit": -1.0})
     assert fresh.state() == saved
+
+
+def test_a_kind_known_slow_is_not_explored_next_to_a_busy_plain_server() -> None:
+    """What exploring draws from is the uncertainty of the kind's expected factor, which shrinks as
+    its outcomes accumulate, not one request's scatter: once prose is learned slow on EAGLE it is
+    no longer tried there, even where a try is cheap (an idle EAGLE server beside a plain one
+    running two). Drawing from one request's scatter, a third of those prose requests explored."""
+    policy = cost_model()
+    serve(policy, kinds(600, 7))
+    tilted = LoadView(
+        PoolLoad("baseline", (BackendLoad("b0", "baseline", running=2, queued=0),)),
+        PoolLoad("eagle", (BackendLoad("e0", "eagle", running=0, queued=0),)),
+    )
+    reasons = []
+    for i in range(10_000, 10_300):
+        info = request("prose", i)
+        d = policy.choose(info, tilted, float(i))
+        reasons.append(d.reason)
+        accept = ACCEPT * TRUTH["prose"] if d.pool == "eagle" else None
+        policy.observe(Outcome(info, d, float(i), 0.2, 200, 40.0, "ok", accept))
+    assert policy.policy._content_own[1] == pytest.approx(0.7, abs=0.02)  # type: ignore[attr-defined]
+    assert reasons[:100].count("explore") >= 1  # it was tried while unknown
+    assert reasons[100:].count("explore") <= 3, reasons[100:].count("explore")
+
+
+def test_a_kinds_uncertainty_shrinks_with_its_outcomes_and_grows_when_stale() -> None:
+    """The spread behind a prediction falls as outcomes of the request's kind accumulate; a family
+    that stops being taught grows uncertain again (and so is re-tried)."""
+    from policies.acceptance import AcceptanceModel
+
+    model = AcceptanceModel(stale_after=100)
+    body = {
+        "messages": [{"role": "system", "content": "You are a poet."}, {"role": "user", "content": "A poem."}]
+    }
+    features = extract_features(body, "chat")
+    other = extract_features({"messages": [{"role": "user", "content": "def f(x):\n    return x"}]}, "chat")
+    spreads = []
+    for _ in range(40):
+        spreads.append(model.predict_spread(features, None, 0.0, 1000.0)[1])
+        model.learn(features, None, -0.35, 0.0)
+        model.learn(other, None, 0.4, 0.0)
+    assert spreads[-1] < spreads[5] / 2, spreads
+    fresh = model.predict_spread(features, None, 0.0, 1000.0)[1]
+    for _ in range(400):  # predictions of other requests: the family's evidence ages
+        model.predict_spread(other, None, 0.0, 1000.0)
+    assert model.predict_spread(features, None, 0.0, 1000.0)[1] > 2 * fresh
