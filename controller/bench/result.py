@@ -281,6 +281,10 @@ class BenchResult:
         accept = accept_length_between(info, self.metadata.get("server_info_end"))
         if accept is None:
             accept = info.get("avg_spec_accept_length")
+        if accept is None:  # no counters (e.g. measured through specroute): the requests' own figures
+            own = [r.accept_length for lv in self.levels for r in lv.requests
+                   if r.phase == "measured" and r.accept_length is not None]  # fmt: skip
+            accept = sum(own) / len(own) if own else None
         if mode == "eagle" and isinstance(accept, int | float) and accept > 0:
             mode_data["accept_length"] = round(float(accept), 4)
         categories = self.metadata.get("category_factors")
