@@ -297,25 +297,27 @@ def build(vllm_python: str, cache: Path | None) -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-def profile(up: dict[str, servers.Server], work: Path, levels: Sequence[int], requests: int) -> Path:
-    """The co-located profile with per-domain factors: bench of plain0 and eagle1 alone and
-    together on the 50/50 prompts, merged."""
+def profile(urls: dict[str, str], work: Path, levels: Sequence[int], requests: int) -> Path:
+    """The co-located profile with per-domain factors: `bench --together --rounds 1` of plain0
+    and eagle1 on the 50/50 prompts, each reached through a `serve` pinned to its pool
+    (`PROFILED`), alone and together in turn. Through serve, while both serves
+    scrape them: the profile pays what the measured configurations pay (the proxy hop, the load
+    generator and the serves on the same two cores)."""
     prompts = work / "profile-prompts.jsonl"
     prompts.write_text(domains.prompt_lines(domains.mixed("bench-profile", 400)))
-    common = ("--prompts", str(prompts), "--concurrency", *map(str, levels),
-              "--requests-per-level", str(requests), "--warmup-requests", "2",
-              "--max-tokens", str(MAX_TOKENS), "--no-progress")  # fmt: skip
-    out = {}
-    for name, mode in (("plain0", "baseline"), ("eagle1", "eagle")):
-        out[mode] = work / f"bench-{mode}.json"
-        print(specroute("bench", up[name].url, "--mode", mode, "--profile-out", str(out[mode]), *common))
-    together = work / "bench-together.json"
-    print(specroute("bench", up["plain0"].url, "--mode", "baseline", "--together", up["eagle1"].url,
-                    "--profile-out", str(together), *common))  # fmt: skip
     merged = work / "pair-colocated.json"
-    print(specroute("profile", "merge", str(out["baseline"]), str(out["eagle"]), "--together", str(together),
-                    "--out", str(merged)))  # fmt: skip
+    print(specroute(
+        "bench", urls["profile-baseline"], "--mode", "baseline", "--together", urls["profile-eagle"],
+        "--rounds", "1", "--profile-out", str(merged), "--prompts", str(prompts),
+        "--concurrency", *map(str, levels), "--requests-per-level", str(requests), "--warmup-requests", "2",
+        "--max-tokens", str(MAX_TOKENS), "--no-progress",
+    ))  # fmt: skip
     return merged
+
+
+PROFILED = {f"profile-{pool}": PINNED[pool] for pool in ("baseline", "eagle")}
+"""The serves `profile` measures through: in front of the pair's two servers (plain0, eagle1),
+every request sent to one pool."""
 
 
 # -- predictions --
@@ -441,22 +443,29 @@ def main(argv: list[str] | None = None) -> int:
                 report["adaptive_refused"] = str(e)[-2000:]
                 configs.remove(CONFIGS[2])
         print(f"{len(up)} vLLM servers ready ({time.monotonic() - started:.0f} s since the start)")
-        merged = profile(up, work, args.concurrency, args.profile_requests)
+        urls: dict[str, str] = {}
+
+        def start_serve(key: str, serve_args: Sequence[str], prof: Path | None) -> None:
+            cmd = [sys.executable, "-m", "controller.cli", "serve", "--port", "0", *serve_args]
+            cmd += ["--profile", str(prof)] if prof else []
+            proc, line = spawn.start_sync(cmd, stderr=subprocess.DEVNULL, timeout_s=60)
+            stack.callback(spawn.stop_sync, proc)
+            urls[key] = spawn.url_of(line)
+
+        for key, serve_args in PROFILED.items():  # fixed pools: no profile needed
+            start_serve(key, ["--baseline", up["plain0"].url, "--eagle", up["eagle1"].url, *serve_args], None)
+        merged = profile(urls, work, args.concurrency, args.profile_requests)
         doc = json.loads(merged.read_text())
         report["profile"] = doc
         print(f"profile: eagle accept length {doc['modes']['eagle'].get('accept_length')}, "
               f"per domain {doc['modes']['eagle'].get('categories')}")  # fmt: skip
-        urls = {}
         for config in configs:
-            cmd = [sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--profile", str(merged),
-                   *config.serve]  # fmt: skip
+            pools = [*config.serve]
             if config.baseline:
-                cmd += ["--baseline", ",".join(up[n].url for n in config.baseline)]
+                pools += ["--baseline", ",".join(up[n].url for n in config.baseline)]
             if config.eagle:
-                cmd += ["--eagle", ",".join(up[n].url for n in config.eagle)]
-            proc, line = spawn.start_sync(cmd, stderr=subprocess.DEVNULL, timeout_s=60)
-            stack.callback(spawn.stop_sync, proc)
-            urls[config.key] = spawn.url_of(line)
+                pools += ["--eagle", ",".join(up[n].url for n in config.eagle)]
+            start_serve(config.key, pools, merged)
         # the serve share: `--warmup` never-seen prompts, then as many more, at concurrency 2
         report["serve_share"], w = {}, args.warmup
         for key in AWARE:
@@ -597,13 +606,47 @@ def summary(
                 "aware": "baseline=1,eagle=1",
             }
             for level, ranking in rankings.items():
-                measured_order = sorted(
-                    (k for k in names if (k, "mixed", level) in by),
-                    key=lambda k: statistics.mean(by[(k, "mixed", level)].e2e().values()),
-                )
-                print(f"c={level}: plan {ranking}; measured {[names[k] for k in measured_order]}")
-                out["plan"][level] = {"plan": ranking, "measured": [names[k] for k in measured_order]}
+                here = {names[k]: by[(k, "mixed", level)].e2e() for k in names if (k, "mixed", level) in by}
+                judged = plan_verdict([row.split(" ")[0] for row in ranking], here)
+                print(f"c={level}: plan {ranking}; measured {judged['measured']}: {judged['says']}")
+                out["plan"][level] = {"plan": ranking, **judged}
+        within = [
+            c["predicted_e2e"] / c["e2e"]["mean"] for c in out["cells"]
+            if c["predicted_e2e"] and c["e2e"] and c["concurrency"] <= 4
+        ]  # fmt: skip
+        if within:
+            hits = sum(abs(r - 1) <= 0.15 for r in within)
+            print(f"\nsimulate within 15% of measured at c<=4: {hits} of {len(within)} cells "
+                  f"(predicted / measured {min(within):.2f}-{max(within):.2f})")  # fmt: skip
     return out
+
+
+def plan_verdict(plan: Sequence[str], measured: dict[str, dict[int, float]]) -> dict[str, Any]:
+    """Whether `plan`'s order (deployment names, best first) ranks the configurations as measured.
+
+    Two configurations are ordered when the 95% interval of their difference, paired by prompt
+    (every configuration answered the same prompts), excludes zero; otherwise they are tied, and
+    either order agrees with the measurement. The plan agrees when it puts no configuration
+    above one measured faster. `measured` gives each configuration's e2e by prompt index."""
+    means = {k: statistics.mean(v.values()) for k, v in measured.items() if v}
+    order = sorted(means, key=means.__getitem__)
+    ordered, inverted = [], []
+    for i, fast in enumerate(order):
+        for slow in order[i + 1 :]:
+            common = sorted(set(measured[fast]) & set(measured[slow]))
+            if len(common) < 2:
+                continue
+            diff = interval([measured[slow][p] - measured[fast][p] for p in common])
+            if diff.low > 0:
+                ordered.append((fast, slow))
+                if fast in plan and slow in plan and plan.index(slow) < plan.index(fast):
+                    inverted.append((fast, slow))
+    shown = " ".join(
+        f"{k}" + ("" if j + 1 == len(order) else " < " if (k, order[j + 1]) in ordered else " ~ ")
+        for j, k in enumerate(order)
+    )
+    says = "agrees" if not inverted else "disagrees: " + ", ".join(f"{s} above {f}" for f, s in inverted)
+    return {"measured": shown, "ordered": ordered, "inverted": inverted, "agrees": not inverted, "says": says}
 
 
 def markdown(report: dict[str, Any], traffic: str = "mixed", predicted: bool = True) -> str:
