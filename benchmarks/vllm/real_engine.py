@@ -32,18 +32,24 @@ better one, and its EAGLE-3 share by domain. Before the cells, each aware pair's
 from WARMUP never-seen 50/50 prompts at concurrency 2, and the next WARMUP give its EAGLE-3 share
 by domain.
 
-Predicted beside measured: `specroute bench --prompts` (the prompts' domains as categories) of a
-plain and an EAGLE-3 server, alone and `--together`, merged into one co-located profile with
-per-domain factors; `specroute simulate` of every configuration (the aware pairs as told each
-request's domain: content learned perfectly) and `specroute plan` of two servers on the 50/50
-traffic at each concurrency, its ranking beside the measured one.
+Predicted beside measured: `specroute bench --prompts` (the prompts' domains as categories)
+`--together --rounds 1` of a plain and an EAGLE-3 server (plain0, eagle1), each reached through
+a `serve` pinned to its pool, alone and together in turn: one co-located profile with per-domain
+factors that pays what the configurations pay (the proxy hop, the load generator, the serves on
+the same two cores). It is measured twice: before the configurations' serves start (the profile
+they run with) and again with all of them up, just before the cells (the one simulate and plan
+predict from). `specroute simulate` of every configuration (the aware pairs as told each
+request's domain: content learned perfectly; two servers of one kind share the cores as the
+pair does) and `specroute plan` of two servers on the 50/50 traffic at each concurrency, its
+ranking beside the measured one (`plan_verdict`: configurations whose paired interval of
+difference holds zero are tied; the plan agrees when it puts none above one measured faster).
 
     SPECROUTE_VLLM_PYTHON=/path/to/vllm/bin/python python benchmarks/vllm/real_engine.py \
         --requests 80 --single-requests 60 --out real-engine.json
     ... real_engine.py --quick        # 50/50 at c=1 and 2, 12 requests per cell
 
 On a quiet 2-core machine the run above (50/50 80, code and prose only 60 per cell) takes
-about 26 minutes, `--traffic mixed` about 16, `--quick` about 5 (10 on a busy machine; the
+about 31 minutes, `--traffic mixed` about 21, `--quick` about 7 (10 on a busy machine; the
 build, when not cached, a few more). Every figure is a wall-clock speed: run it on a quiet
 machine. `--markdown FILE` prints the tables of a report `--out` wrote.
 """
@@ -297,22 +303,20 @@ def build(vllm_python: str, cache: Path | None) -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-def profile(urls: dict[str, str], work: Path, levels: Sequence[int], requests: int) -> Path:
+def profile(urls: dict[str, str], out: Path, levels: Sequence[int], requests: int) -> Path:
     """The co-located profile with per-domain factors: `bench --together --rounds 1` of plain0
     and eagle1 on the 50/50 prompts, each reached through a `serve` pinned to its pool
-    (`PROFILED`), alone and together in turn. Through serve, while both serves
-    scrape them: the profile pays what the measured configurations pay (the proxy hop, the load
-    generator and the serves on the same two cores)."""
-    prompts = work / "profile-prompts.jsonl"
+    (`PROFILED`), alone and together in turn, so the profile pays what the measured
+    configurations pay (the proxy hop, the load generator and the serves on the same two cores)."""
+    prompts = out.parent / "profile-prompts.jsonl"
     prompts.write_text(domains.prompt_lines(domains.mixed("bench-profile", 400)))
-    merged = work / "pair-colocated.json"
     print(specroute(
         "bench", urls["profile-baseline"], "--mode", "baseline", "--together", urls["profile-eagle"],
-        "--rounds", "1", "--profile-out", str(merged), "--prompts", str(prompts),
+        "--rounds", "1", "--profile-out", str(out), "--prompts", str(prompts),
         "--concurrency", *map(str, levels), "--requests-per-level", str(requests), "--warmup-requests", "2",
         "--max-tokens", str(MAX_TOKENS), "--no-progress",
     ))  # fmt: skip
-    return merged
+    return out
 
 
 PROFILED = {f"profile-{pool}": PINNED[pool] for pool in ("baseline", "eagle")}
@@ -454,18 +458,14 @@ def main(argv: list[str] | None = None) -> int:
 
         for key, serve_args in PROFILED.items():  # fixed pools: no profile needed
             start_serve(key, ["--baseline", up["plain0"].url, "--eagle", up["eagle1"].url, *serve_args], None)
-        merged = profile(urls, work, args.concurrency, args.profile_requests)
-        doc = json.loads(merged.read_text())
-        report["profile"] = doc
-        print(f"profile: eagle accept length {doc['modes']['eagle'].get('accept_length')}, "
-              f"per domain {doc['modes']['eagle'].get('categories')}")  # fmt: skip
+        belief = profile(urls, work / "belief.json", args.concurrency, args.profile_requests)
         for config in configs:
             pools = [*config.serve]
             if config.baseline:
                 pools += ["--baseline", ",".join(up[n].url for n in config.baseline)]
             if config.eagle:
                 pools += ["--eagle", ",".join(up[n].url for n in config.eagle)]
-            start_serve(config.key, pools, merged)
+            start_serve(config.key, pools, belief)
         # the serve share: `--warmup` never-seen prompts, then as many more, at concurrency 2
         report["serve_share"], w = {}, args.warmup
         for key in AWARE:
@@ -478,6 +478,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: EAGLE-3 share by domain {during} during {w} never-seen warm-up prompts "
                   f"(concurrency 2), {then} of the next {w} (n by domain {counts})")  # fmt: skip
 
+        # the profile simulate and plan predict from: measured again with every serve up, as the
+        # cells run (the serves' scrapes and the machine's drift since the first one included)
+        merged = profile(urls, work / "pair-colocated.json", args.concurrency, args.profile_requests)
+        doc = json.loads(merged.read_text())
+        report["profile"] = doc
+        print(f"profile: eagle accept length {doc['modes']['eagle'].get('accept_length')}, "
+              f"per domain {doc['modes']['eagle'].get('categories')}")  # fmt: skip
         cells: list[Cell] = []
         for traffic in args.traffic:
             for level in args.concurrency:
@@ -641,8 +648,8 @@ def plan_verdict(plan: Sequence[str], measured: dict[str, dict[int, float]]) -> 
                 ordered.append((fast, slow))
                 if fast in plan and slow in plan and plan.index(slow) < plan.index(fast):
                     inverted.append((fast, slow))
-    shown = " ".join(
-        f"{k}" + ("" if j + 1 == len(order) else " < " if (k, order[j + 1]) in ordered else " ~ ")
+    shown = "".join(
+        k + ("" if j + 1 == len(order) else " < " if (k, order[j + 1]) in ordered else " ~ ")
         for j, k in enumerate(order)
     )
     says = "agrees" if not inverted else "disagrees: " + ", ".join(f"{s} above {f}" for f, s in inverted)
