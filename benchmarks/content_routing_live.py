@@ -47,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import openai
 from aiohttp import web
-from emulated_pair import in_wall_time
 from prometheus_client import CollectorRegistry
 from prompt_workloads import TASKS, task_requests
 
@@ -61,6 +60,7 @@ from policies.registry import default_registry
 from policies.stats import percentile
 from simulator.emulator.accept_rules import parse_accept_rules
 from simulator.emulator.app import EmulatorConfig, run_emulator
+from simulator.engine.deployment import server_profile
 
 PROFILE = "kimi-k25-int4-8gpu"
 TYPES = ("code", "math", "prose", "tools", "translate", "summarize")
@@ -97,10 +97,10 @@ def prompts(n: int, seed: int) -> list[dict[str, Any]]:
 
 def wall_profile(scale: float, folder: Path) -> tuple[Profile, Path]:
     """(the emulators' profile, the proxy's profile file: the same speeds in wall time)."""
-    doc = resolve_profile(PROFILE).model_dump(mode="json", exclude_none=True)
+    profile = resolve_profile(PROFILE)
     path = folder / "wall.json"
-    path.write_text(json.dumps(in_wall_time(doc, scale)))
-    return Profile.model_validate(doc), path
+    path.write_text(server_profile(profile, speed={"baseline": 1 / scale, "eagle": 1 / scale}).to_json())
+    return profile, path
 
 
 async def run(params: dict[str, Any], lines: list[dict[str, Any]], scale: float) -> dict[str, Any]:

@@ -23,22 +23,10 @@ from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
 
 from controller.cli import spawn
-from policies.profile import resolve_profile
+from policies.profile import Profile, resolve_profile
+from simulator.engine.deployment import server_profile
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def in_wall_time(doc: dict[str, Any], scale: float) -> dict[str, Any]:
-    """A copy of the profile `doc` (a profile's JSON) with its speeds in wall time for emulators
-    that run it at `scale` wall seconds per profile second: serve predicts what it sees."""
-    wall: dict[str, Any] = json.loads(json.dumps(doc))
-    for mode in wall["modes"].values():
-        for point in mode["points"]:
-            point["decode_tok_s"] /= scale
-            point["ttft_s"] = point.get("ttft_s", 0.0) * scale
-        if "prefill_tok_s" in mode:
-            mode["prefill_tok_s"] /= scale
-    return wall
 
 
 def profiles(folder: Path, scale: float, eagle_speedup: float) -> tuple[Path, Path]:
@@ -48,7 +36,8 @@ def profiles(folder: Path, scale: float, eagle_speedup: float) -> tuple[Path, Pa
         point["decode_tok_s"] *= eagle_speedup
     emulated, proxied = folder / "emulated.json", folder / "wall.json"
     emulated.write_text(json.dumps(doc))
-    proxied.write_text(json.dumps(in_wall_time(doc, scale)))
+    wall = server_profile(Profile.model_validate(doc), speed={"baseline": 1 / scale, "eagle": 1 / scale})
+    proxied.write_text(wall.to_json())
     return emulated, proxied
 
 

@@ -86,7 +86,7 @@ def _command_name(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = _command_name(argv)
-    if name == "serve":
+    if name in ("serve", "picker"):
         from controller.cli.sighup import EarlyReload
 
         EarlyReload.install()

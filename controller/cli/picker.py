@@ -11,12 +11,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 
 from controller.cli.args import CommandError, run_async
-from controller.cli.serve import _grace_period, check_observability, cli_settings, configure_serve, start_up
-from controller.proxy.config import ConfigError, Settings, load_settings
+from controller.cli.serve import (
+    _grace_period,
+    _reopen_logs,
+    check_observability,
+    configure_serve,
+    sighup_reloader,
+    start_up,
+)
+from controller.cli.sighup import EarlyReload
+from controller.proxy.config import ConfigError, Settings
 from controller.proxy.redact import Redactor
 from policies.base import Policy
 from policies.profile import ProfileError
@@ -48,13 +55,14 @@ def run_picker(args: argparse.Namespace) -> int:
             f"specroute picker needs the 'picker' extra ({e.name} is missing): "
             "pip install 'specroute[picker]'"
         ) from None
+    early_reload = EarlyReload.install()  # `main` installed it already when it ran `picker`
     settings, registry, context, policy, redactor = start_up(args)
     try:
         check_observability(settings, registry, context)
     except (ConfigError, PolicyError, ProfileError) as e:
         raise CommandError(e) from None
     try:
-        run_async(_pick(args, settings, registry, context, policy, redactor))
+        run_async(_pick(args, settings, registry, context, policy, redactor, early_reload))
     except OSError as e:
         raise CommandError(f"cannot listen on {settings.host}: {e.strerror or e}") from None
     return 0
@@ -67,10 +75,10 @@ async def _pick(
     context: PolicyContext,
     policy: Policy,
     redactor: Redactor,
+    early_reload: EarlyReload,
 ) -> None:
-    from controller.cli.reload import ConfigReloader, ReloadMetrics
     from controller.picker.service import running_picker
-    from controller.proxy.app import ADMIN, METRICS, TRACKER, reopen_decision_log
+    from controller.proxy.app import TRACKER
 
     async with running_picker(
         settings, policy, registry=registry, context=context, metrics_port=args.metrics_port
@@ -80,8 +88,11 @@ async def _pick(
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        reloader = sighup_reloader(args, settings, app, redactor)
+        loop.add_signal_handler(signal.SIGHUP, reloader.request)
+        loop.add_signal_handler(signal.SIGUSR1, lambda: _reopen_logs(app))
         host = settings.host if ":" not in settings.host else f"[{settings.host}]"
-        # Only now say so: a supervisor may send SIGTERM as soon as it reads this line.
+        # Only now say so: a supervisor may send SIGTERM or SIGHUP as soon as it reads this line.
         print(
             f"specroute picker listening on {host}:{running.port} (ext_proc gRPC); "
             f"metrics on {running.metrics_url}",
@@ -91,16 +102,9 @@ async def _pick(
             "policy %s, baseline %s, eagle %s",
             settings.policy, [b.name for b in settings.baseline], [b.name for b in settings.eagle],
         )  # fmt: skip
-        reloader = ConfigReloader(
-            args.config,
-            lambda text: load_settings(cli_settings(args), os.environ, args.config, config_text=text),
-            app[ADMIN].reload,
-            ReloadMetrics(app[METRICS].registry),
-            settle_s=settings.reload_settle_s,
-            redactor=redactor,
-            hooks=[lambda: reopen_decision_log(app)],
-        )
-        loop.add_signal_handler(signal.SIGHUP, reloader.request)
+        if early_reload.pending:
+            log.warning("SIGHUP during start-up: re-reading the config now")
+            reloader.request()
         await stop.wait()
         reloader.cancel()
         # /ready and gRPC readiness fail from here: the gateway stops opening streams; the open

@@ -29,6 +29,8 @@ from policies.spec import PolicyContext, PolicyError
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from controller.cli.reload import ConfigReloader
+
 log = logging.getLogger("specroute")
 
 # Settings without a generated flag: secrets (environment or file only), the backend lists and
@@ -249,16 +251,7 @@ async def _serve(
 ) -> None:
     from aiohttp import web
 
-    from controller.cli.reload import ConfigReloader, ReloadMetrics
-    from controller.proxy.app import (
-        ADMIN,
-        METRICS,
-        TRACKER,
-        create_app,
-        drain,
-        make_runner,
-        reopen_decision_log,
-    )
+    from controller.proxy.app import ADMIN, METRICS, TRACKER, create_app, drain, make_runner
     from controller.proxy.learned_state import keeper_for
 
     app = create_app(settings, policy, registry=registry, context=context, clock=clock)
@@ -303,16 +296,7 @@ async def _serve(
                 unnamed,
             )
 
-        reloader = ConfigReloader(
-            args.config,
-            lambda text: load_settings(cli_settings(args), os.environ, args.config, config_text=text),
-            app[ADMIN].reload,
-            ReloadMetrics(app[METRICS].registry),
-            settle_s=settings.reload_settle_s,
-            redactor=redactor,
-            hooks=[lambda: reopen_decision_log(app)],
-            sleep=sleep,
-        )
+        reloader = sighup_reloader(args, settings, app, redactor, sleep)
         loop.add_signal_handler(signal.SIGHUP, reloader.request)
         loop.add_signal_handler(signal.SIGUSR1, lambda: _reopen_logs(app))
         if keeper is not None:
@@ -334,6 +318,31 @@ async def _serve(
     finally:
         await runner.cleanup()
     log.warning("stopped")
+
+
+def sighup_reloader(
+    args: argparse.Namespace,
+    settings: Settings,
+    app: Any,
+    redactor: Redactor,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> ConfigReloader:
+    """The SIGHUP handler's reloader (serve's and the picker's): it re-reads `--config` merged
+    with the same flags and environment, applies it to `app`'s admin, and reopens the decision
+    log first (a log rotator sends SIGHUP after moving it)."""
+    from controller.cli.reload import ConfigReloader, ReloadMetrics
+    from controller.proxy.app import ADMIN, METRICS, reopen_decision_log
+
+    return ConfigReloader(
+        args.config,
+        lambda text: load_settings(cli_settings(args), os.environ, args.config, config_text=text),
+        app[ADMIN].reload,
+        ReloadMetrics(app[METRICS].registry),
+        settle_s=settings.reload_settle_s,
+        redactor=redactor,
+        hooks=[lambda: reopen_decision_log(app)],
+        sleep=sleep,
+    )
 
 
 def _reopen_logs(app: Any) -> None:

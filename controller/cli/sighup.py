@@ -1,8 +1,8 @@
-"""SIGHUP and SIGUSR1 during `serve`'s start-up.
+"""SIGHUP and SIGUSR1 during the start-up of `serve` and `picker`.
 
 SIGHUP asks `serve` to re-read its config and SIGUSR1 to reopen its decision log, but the default
 action of both ends the process, and the event loop's handlers exist only once serve listens
-(about a second after exec). `main` installs `EarlyReload` first thing for `serve` (this module
+(about a second after exec). `main` installs `EarlyReload` first thing for `serve` and `picker` (this module
 imports nothing heavy, so that is within tens of milliseconds of exec): a SIGHUP until the
 loop's handler takes over is remembered, and serve re-reads the config once it can; a SIGUSR1
 is ignored (the log is opened afresh at start anyway).

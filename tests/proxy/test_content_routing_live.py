@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.cli import spawn
 from policies.profile import Profile, resolve_profile
 from simulator.emulator.accept_rules import parse_accept_rules
+from simulator.engine.deployment import server_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,18 +157,6 @@ def six_task_prompts(per_type: int) -> list[tuple[str, str]]:
     return out
 
 
-def wall_kimi(path: Path, scale: float) -> None:
-    """The kimi profile in wall time for emulators running it at `scale`: serve predicts what it sees."""
-    doc = KIMI.model_dump(mode="json", exclude_none=True)
-    for mode in doc["modes"].values():
-        for point in mode["points"]:
-            point["decode_tok_s"] /= scale
-            point["ttft_s"] = point.get("ttft_s", 0.0) * scale
-        if "prefill_tok_s" in mode:
-            mode["prefill_tok_s"] /= scale
-    path.write_text(json.dumps(doc))
-
-
 @pytest.mark.skipif(SHARED is None, reason="the shared prompt sets (HumanEval, GSM8K) are not here")
 async def test_serve_explores_and_learns_never_seen_task_types(
     emulator: Any, spawn_serve: Any, tmp_path: Path
@@ -181,7 +170,7 @@ async def test_serve_explores_and_learns_never_seen_task_types(
     benchmarks/content_routing_live.py.)"""
     scale = 0.05
     profile_path = tmp_path / "kimi-wall.json"
-    wall_kimi(profile_path, scale)
+    profile_path.write_text(server_profile(KIMI, speed={"baseline": 1 / scale, "eagle": 1 / scale}).to_json())
     base = await emulator("baseline", time_scale=scale)
     eagle = await emulator("eagle", time_scale=scale, accept_rules=parse_accept_rules(SIX_RULES))
     log = tmp_path / "decisions.jsonl"
