@@ -212,6 +212,7 @@ async def test_the_eagle_profile_speed_is_what_the_category_factors_scale(tmp_pa
     eagle = load_profile(prof).mode("eagle")
     # no counters on its /metrics (as through specroute): the requests' own accept lengths
     assert eagle.accept_length == pytest.approx((16 * 4 + 8 * 2) / 24, rel=1e-3)
+    assert eagle.accept_length is not None and eagle.categories is not None
     assert eagle.categories == pytest.approx(
         {"code": 4 / eagle.accept_length, "prose": 2 / eagle.accept_length}, rel=1e-3
     )
