@@ -84,7 +84,8 @@ def describe(profile: Profile) -> str | None:
     if not parts:
         return None
     return (
-        "co-located pairs (the profile's together points: baseline-i and eagle-i share cores), decode "
+        "co-located pairs (the profile's together points: baseline-i and eagle-i share cores, then "
+        "the other servers two by two), decode "
         "speed while the other is busy: " + "; ".join(parts)
     )
 

@@ -32,18 +32,24 @@ better one, and its EAGLE-3 share by domain. Before the cells, each aware pair's
 from WARMUP never-seen 50/50 prompts at concurrency 2, and the next WARMUP give its EAGLE-3 share
 by domain.
 
-Predicted beside measured: `specroute bench --prompts` (the prompts' domains as categories) of a
-plain and an EAGLE-3 server, alone and `--together`, merged into one co-located profile with
-per-domain factors; `specroute simulate` of every configuration (the aware pairs as told each
-request's domain: content learned perfectly) and `specroute plan` of two servers on the 50/50
-traffic at each concurrency, its ranking beside the measured one.
+Predicted beside measured: `specroute bench --prompts` (the prompts' domains as categories)
+`--together --rounds 1` of a plain and an EAGLE-3 server (plain0, eagle1), each reached through
+a `serve` pinned to its pool, alone and together in turn: one co-located profile with per-domain
+factors that pays what the configurations pay (the proxy hop, the load generator, the serves on
+the same two cores). It is measured twice: before the configurations' serves start (the profile
+they run with) and again with all of them up, just before the cells (the one simulate and plan
+predict from). `specroute simulate` of every configuration (the aware pairs as told each
+request's domain: content learned perfectly; two servers of one kind share the cores as the
+pair does) and `specroute plan` of two servers on the 50/50 traffic at each concurrency, its
+ranking beside the measured one (`plan_verdict`: configurations whose paired interval of
+difference holds zero are tied; the plan agrees when it puts none above one measured faster).
 
     SPECROUTE_VLLM_PYTHON=/path/to/vllm/bin/python python benchmarks/vllm/real_engine.py \
         --requests 80 --single-requests 60 --out real-engine.json
     ... real_engine.py --quick        # 50/50 at c=1 and 2, 12 requests per cell
 
 On a quiet 2-core machine the run above (50/50 80, code and prose only 60 per cell) takes
-about 26 minutes, `--traffic mixed` about 16, `--quick` about 5 (10 on a busy machine; the
+about 31 minutes, `--traffic mixed` about 21, `--quick` about 7 (10 on a busy machine; the
 build, when not cached, a few more). Every figure is a wall-clock speed: run it on a quiet
 machine. `--markdown FILE` prints the tables of a report `--out` wrote.
 """
@@ -297,25 +303,25 @@ def build(vllm_python: str, cache: Path | None) -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-def profile(up: dict[str, servers.Server], work: Path, levels: Sequence[int], requests: int) -> Path:
-    """The co-located profile with per-domain factors: bench of plain0 and eagle1 alone and
-    together on the 50/50 prompts, merged."""
-    prompts = work / "profile-prompts.jsonl"
+def profile(urls: dict[str, str], out: Path, levels: Sequence[int], requests: int) -> Path:
+    """The co-located profile with per-domain factors: `bench --together --rounds 1` of plain0
+    and eagle1 on the 50/50 prompts, each reached through a `serve` pinned to its pool
+    (`PROFILED`), alone and together in turn, so the profile pays what the measured
+    configurations pay (the proxy hop, the load generator and the serves on the same two cores)."""
+    prompts = out.parent / "profile-prompts.jsonl"
     prompts.write_text(domains.prompt_lines(domains.mixed("bench-profile", 400)))
-    common = ("--prompts", str(prompts), "--concurrency", *map(str, levels),
-              "--requests-per-level", str(requests), "--warmup-requests", "2",
-              "--max-tokens", str(MAX_TOKENS), "--no-progress")  # fmt: skip
-    out = {}
-    for name, mode in (("plain0", "baseline"), ("eagle1", "eagle")):
-        out[mode] = work / f"bench-{mode}.json"
-        print(specroute("bench", up[name].url, "--mode", mode, "--profile-out", str(out[mode]), *common))
-    together = work / "bench-together.json"
-    print(specroute("bench", up["plain0"].url, "--mode", "baseline", "--together", up["eagle1"].url,
-                    "--profile-out", str(together), *common))  # fmt: skip
-    merged = work / "pair-colocated.json"
-    print(specroute("profile", "merge", str(out["baseline"]), str(out["eagle"]), "--together", str(together),
-                    "--out", str(merged)))  # fmt: skip
-    return merged
+    print(specroute(
+        "bench", urls["profile-baseline"], "--mode", "baseline", "--together", urls["profile-eagle"],
+        "--rounds", "1", "--profile-out", str(out), "--prompts", str(prompts),
+        "--concurrency", *map(str, levels), "--requests-per-level", str(requests), "--warmup-requests", "2",
+        "--max-tokens", str(MAX_TOKENS), "--no-progress",
+    ))  # fmt: skip
+    return out
+
+
+PROFILED = {f"profile-{pool}": PINNED[pool] for pool in ("baseline", "eagle")}
+"""The serves `profile` measures through: in front of the pair's two servers (plain0, eagle1),
+every request sent to one pool."""
 
 
 # -- predictions --
@@ -441,22 +447,25 @@ def main(argv: list[str] | None = None) -> int:
                 report["adaptive_refused"] = str(e)[-2000:]
                 configs.remove(CONFIGS[2])
         print(f"{len(up)} vLLM servers ready ({time.monotonic() - started:.0f} s since the start)")
-        merged = profile(up, work, args.concurrency, args.profile_requests)
-        doc = json.loads(merged.read_text())
-        report["profile"] = doc
-        print(f"profile: eagle accept length {doc['modes']['eagle'].get('accept_length')}, "
-              f"per domain {doc['modes']['eagle'].get('categories')}")  # fmt: skip
-        urls = {}
-        for config in configs:
-            cmd = [sys.executable, "-m", "controller.cli", "serve", "--port", "0", "--profile", str(merged),
-                   *config.serve]  # fmt: skip
-            if config.baseline:
-                cmd += ["--baseline", ",".join(up[n].url for n in config.baseline)]
-            if config.eagle:
-                cmd += ["--eagle", ",".join(up[n].url for n in config.eagle)]
+        urls: dict[str, str] = {}
+
+        def start_serve(key: str, serve_args: Sequence[str], prof: Path | None) -> None:
+            cmd = [sys.executable, "-m", "controller.cli", "serve", "--port", "0", *serve_args]
+            cmd += ["--profile", str(prof)] if prof else []
             proc, line = spawn.start_sync(cmd, stderr=subprocess.DEVNULL, timeout_s=60)
             stack.callback(spawn.stop_sync, proc)
-            urls[config.key] = spawn.url_of(line)
+            urls[key] = spawn.url_of(line)
+
+        for key, serve_args in PROFILED.items():  # fixed pools: no profile needed
+            start_serve(key, ["--baseline", up["plain0"].url, "--eagle", up["eagle1"].url, *serve_args], None)
+        belief = profile(urls, work / "belief.json", args.concurrency, args.profile_requests)
+        for config in configs:
+            pools = [*config.serve]
+            if config.baseline:
+                pools += ["--baseline", ",".join(up[n].url for n in config.baseline)]
+            if config.eagle:
+                pools += ["--eagle", ",".join(up[n].url for n in config.eagle)]
+            start_serve(config.key, pools, belief)
         # the serve share: `--warmup` never-seen prompts, then as many more, at concurrency 2
         report["serve_share"], w = {}, args.warmup
         for key in AWARE:
@@ -469,6 +478,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: EAGLE-3 share by domain {during} during {w} never-seen warm-up prompts "
                   f"(concurrency 2), {then} of the next {w} (n by domain {counts})")  # fmt: skip
 
+        # the profile simulate and plan predict from: measured again with every serve up, as the
+        # cells run (the serves' scrapes and the machine's drift since the first one included)
+        merged = profile(urls, work / "pair-colocated.json", args.concurrency, args.profile_requests)
+        doc = json.loads(merged.read_text())
+        report["profile"] = doc
+        print(f"profile: eagle accept length {doc['modes']['eagle'].get('accept_length')}, "
+              f"per domain {doc['modes']['eagle'].get('categories')}")  # fmt: skip
         cells: list[Cell] = []
         for traffic in args.traffic:
             for level in args.concurrency:
@@ -597,13 +613,47 @@ def summary(
                 "aware": "baseline=1,eagle=1",
             }
             for level, ranking in rankings.items():
-                measured_order = sorted(
-                    (k for k in names if (k, "mixed", level) in by),
-                    key=lambda k: statistics.mean(by[(k, "mixed", level)].e2e().values()),
-                )
-                print(f"c={level}: plan {ranking}; measured {[names[k] for k in measured_order]}")
-                out["plan"][level] = {"plan": ranking, "measured": [names[k] for k in measured_order]}
+                here = {names[k]: by[(k, "mixed", level)].e2e() for k in names if (k, "mixed", level) in by}
+                judged = plan_verdict([row.split(" ")[0] for row in ranking], here)
+                print(f"c={level}: plan {ranking}; measured {judged['measured']}: {judged['says']}")
+                out["plan"][level] = {"plan": ranking, **judged}
+        within = [
+            c["predicted_e2e"] / c["e2e"]["mean"] for c in out["cells"]
+            if c["predicted_e2e"] and c["e2e"] and c["concurrency"] <= 4
+        ]  # fmt: skip
+        if within:
+            hits = sum(abs(r - 1) <= 0.15 for r in within)
+            print(f"\nsimulate within 15% of measured at c<=4: {hits} of {len(within)} cells "
+                  f"(predicted / measured {min(within):.2f}-{max(within):.2f})")  # fmt: skip
     return out
+
+
+def plan_verdict(plan: Sequence[str], measured: dict[str, dict[int, float]]) -> dict[str, Any]:
+    """Whether `plan`'s order (deployment names, best first) ranks the configurations as measured.
+
+    Two configurations are ordered when the 95% interval of their difference, paired by prompt
+    (every configuration answered the same prompts), excludes zero; otherwise they are tied, and
+    either order agrees with the measurement. The plan agrees when it puts no configuration
+    above one measured faster. `measured` gives each configuration's e2e by prompt index."""
+    means = {k: statistics.mean(v.values()) for k, v in measured.items() if v}
+    order = sorted(means, key=means.__getitem__)
+    ordered, inverted = [], []
+    for i, fast in enumerate(order):
+        for slow in order[i + 1 :]:
+            common = sorted(set(measured[fast]) & set(measured[slow]))
+            if len(common) < 2:
+                continue
+            diff = interval([measured[slow][p] - measured[fast][p] for p in common])
+            if diff.low > 0:
+                ordered.append((fast, slow))
+                if fast in plan and slow in plan and plan.index(slow) < plan.index(fast):
+                    inverted.append((fast, slow))
+    shown = "".join(
+        k + ("" if j + 1 == len(order) else " < " if (k, order[j + 1]) in ordered else " ~ ")
+        for j, k in enumerate(order)
+    )
+    says = "agrees" if not inverted else "disagrees: " + ", ".join(f"{s} above {f}" for f, s in inverted)
+    return {"measured": shown, "ordered": ordered, "inverted": inverted, "agrees": not inverted, "says": says}
 
 
 def markdown(report: dict[str, Any], traffic: str = "mixed", predicted: bool = True) -> str:

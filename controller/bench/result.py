@@ -16,6 +16,7 @@ per-request ratio estimator sum(tokens)/sum(e2e) (Little's law for a closed loop
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -253,7 +254,11 @@ class BenchResult:
 
         A point's speeds are the level's medians (`robust`), not its means: one request whose
         few tokens arrived in a burst has a huge rate and would drag a mean far from what a
-        typical request sees."""
+        typical request sees. An eagle mode with per-category speed factors (`category_factors`
+        in the metadata) stores the speed they scale (`level_decode`): the median of each
+        request's rate over its category's factor."""
+        categories = self.metadata.get("category_factors")
+        factors = categories if mode == "eagle" and isinstance(categories, dict) else {}
         points = []
         for lv in self.levels:
             s = lv.summary
@@ -262,7 +267,7 @@ class BenchResult:
             points.append(
                 {
                     "concurrency": lv.concurrency,
-                    "decode_tok_s": round(robust(s.decode_tok_s), 4),
+                    "decode_tok_s": round(level_decode(lv, factors), 4),
                     "ttft_s": round(robust(s.ttft_s), 5) if s.ttft_s else 0.0,
                     "samples": s.decode_tok_s.n,
                 }
@@ -276,6 +281,10 @@ class BenchResult:
         accept = accept_length_between(info, self.metadata.get("server_info_end"))
         if accept is None:
             accept = info.get("avg_spec_accept_length")
+        if accept is None:  # no counters (e.g. measured through specroute): the requests' own figures
+            own = [r.accept_length for lv in self.levels for r in lv.requests
+                   if r.phase == "measured" and r.accept_length is not None]  # fmt: skip
+            accept = sum(own) / len(own) if own else None
         if mode == "eagle" and isinstance(accept, int | float) and accept > 0:
             mode_data["accept_length"] = round(float(accept), 4)
         categories = self.metadata.get("category_factors")
@@ -305,6 +314,26 @@ def robust(e: Estimate) -> float:
     return e.p50 if e.p50 is not None and e.p50 > 0 else e.mean
 
 
+def level_decode(lv: LevelResult, factors: Mapping[str, float]) -> float:
+    """A level's decode speed as a profile point stores it: `robust` over its measured requests'
+    rates, each divided by its category's speed factor in `factors` (1 for a category without
+    one). Requests whose categories an EAGLE drafter accepts differently decode at different
+    speeds (code twice as fast as prose, say); the profile's speed is what `factors` scale, so a
+    request of factor f is predicted at f times it. The plain median of a mix of fast and slow
+    categories falls anywhere in the gap between them, and moves with the mix's proportions."""
+    if not factors:
+        assert lv.summary.decode_tok_s is not None
+        return robust(lv.summary.decode_tok_s)
+    rates = [
+        rate / _factor(factors, r.category)
+        for r in lv.requests
+        if r.phase == "measured" and (rate := r.decode_tok_s) is not None
+    ]
+    e = estimate(rates)
+    assert e is not None
+    return robust(e)
+
+
 def accept_length_between(start: Any, end: Any) -> float | None:
     """vLLM's accept length between two readings of its counters (`fetch_server_info`'s), e.g.
     before and after a sweep: 1 + accepted / drafts between them (None without both, or without a
@@ -315,6 +344,11 @@ def accept_length_between(start: Any, end: Any) -> float | None:
     except (KeyError, TypeError, ValueError):
         return None
     return 1.0 + accepted / drafts if drafts > 0 and accepted >= 0 else None
+
+
+def _factor(factors: Mapping[str, float], category: str | None) -> float:
+    f = factors.get(category, 1.0) if category is not None else 1.0
+    return f if isinstance(f, int | float) and f > 0 else 1.0
 
 
 def _prefill_fields(prefill: Any, mode_data: dict[str, Any]) -> str:

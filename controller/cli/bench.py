@@ -20,7 +20,7 @@ from controller.bench.compare import (
 )
 from controller.bench.prefill import DEFAULT_PREFILL_LENGTHS, DEFAULT_PREFILL_REPEATS
 from controller.bench.progress import fmt_duration
-from controller.bench.prompts import PromptError, load_prompts
+from controller.bench.prompts import PromptError, PromptSet, load_prompts
 from controller.bench.result import BenchResult, LevelResult, ResultFileError
 from controller.bench.runner import DEFAULT_LEVELS, BenchConfig, BenchError, BenchRunner
 from controller.bench.sglang_import import SglangImportError, import_sglang
@@ -410,6 +410,8 @@ def _run_together(args: argparse.Namespace, config: BenchConfig) -> int:
         if path:
             result.write(path)
             print(f"wrote {path}")
+    if isinstance(config.prompts, PromptSet) and config.prompts.categorized:
+        report_categories(eagle_of((first_result, second_result), args.mode))
     if args.profile_out:
         try:
             profile = together_profile(first_result, second_result, args.mode, args.profile_name)
@@ -443,6 +445,10 @@ def _run_rounds(args: argparse.Namespace, config: BenchConfig) -> int:
         raise CommandError(str(e)) from None
     for line in describe_factors(rounds, modes):
         print(line)
+    if isinstance(config.prompts, PromptSet) and config.prompts.categorized:
+        for kind, results in (("alone", rounds.alone), ("together", rounds.together)):
+            print(f"eagle, {kind}:")
+            report_categories(eagle_of(results, args.mode))
     if args.out:
         together_path = with_suffix(args.out, "together")
         for path, result in (
@@ -474,6 +480,11 @@ def _run_rounds(args: argparse.Namespace, config: BenchConfig) -> int:
             return 1
         print(f"wrote {args.profile_out}: modes {', '.join(profile.modes)}, each with together points")
     return 0
+
+
+def eagle_of(results: Sequence[BenchResult], mode: str) -> BenchResult:
+    """The eagle server's result of a pair measured as (URL with `mode`, URL2 with the other)."""
+    return results[0] if mode == "eagle" else results[1]
 
 
 def report_categories(result: BenchResult) -> None:

@@ -1,9 +1,13 @@
 """Co-located servers in a simulated run: a server slows while its partner has running requests.
 
 When a profile mode carries together points (`policies.together`), its simulated servers have
-a second set of speed tables (`ServerModel.together`). Servers are paired in deployment order:
-the i-th baseline server with the i-th eagle server, when either of the two has together tables
-(the pair shares one machine's cores); adaptive servers and servers without a partner run alone.
+a second set of speed tables (`ServerModel.together`). The servers share machines two by two:
+the i-th baseline server with the i-th eagle server, then the servers left over (more of one
+kind, adaptive ones) two by two in deployment order, so two plain or two EAGLE servers on the
+hardware a co-located pair runs on share it as the pair does. Two servers are a pair when
+either has together tables; a server left alone runs alone. A server slows while its partner
+is busy whatever the partner's kind: its together points were measured beside the other mode's
+server, and what slows it is the partner's work on the shared cores.
 
 A paired server is a `ColocatedServer`: the engine's `Server` with its two entry points
 (`arrive`, `completion`) wrapped to tell the partner when it goes from idle to busy or back. The
@@ -26,13 +30,17 @@ from simulator.engine.server import Prompts, Server
 
 
 def pairs(models: Sequence[ServerModel]) -> list[tuple[int, int]]:
-    """(baseline index, eagle index) of each co-located pair, in deployment order."""
+    """The indexes of each co-located pair (module's opening): baseline-i with eagle-i first, then
+    the rest two by two."""
     base = [i for i, m in enumerate(models) if m.kind == "baseline"]
     eagle = [i for i, m in enumerate(models) if m.kind == "eagle"]
+    mixed = list(zip(base, eagle, strict=False))
+    placed = {i for pair in mixed for i in pair}
+    rest = [i for i in range(len(models)) if i not in placed]
     return [
-        (b, e)
-        for b, e in zip(base, eagle, strict=False)
-        if models[b].together is not None or models[e].together is not None
+        (a, b)
+        for a, b in [*mixed, *zip(rest[0::2], rest[1::2], strict=False)]
+        if models[a].together is not None or models[b].together is not None
     ]
 
 

@@ -127,7 +127,7 @@ def build_server(
     mode = adaptive_mode(base_mode, eagle_mode, ladder, max_running_requests=base_mode.max_running_requests)
     speed = SpeedModel(mode)
     step, ttft = _tables(speed)
-    return ServerModel(
+    model = ServerModel(
         name=name,
         kind="adaptive",
         pool="eagle",
@@ -140,6 +140,17 @@ def build_server(
         cache_tokens=mode.cache_tokens,
         drafting=None if speed.speculating is None else tuple(speed.speculating),
     )
+    base_together, eagle_together = together_mode(base_mode), together_mode(eagle_mode)
+    if base_together is None or eagle_together is None:
+        return model
+    # while its partner is busy, each depth of its ladder runs as that mode's server then does
+    slowed_mode = adaptive_mode(
+        base_together, eagle_together, ladder, max_running_requests=base_mode.max_running_requests
+    )
+    t_step, t_ttft = _tables(SpeedModel(slowed_mode))
+    slowed = replace(model, rate=tuple(1.0 / s for s in t_step), ttft=tuple(t_ttft),
+                     prefill_tok_s=slowed_mode.prefill_tok_s)  # fmt: skip
+    return replace(model, together=slowed)
 
 
 def server_profile(

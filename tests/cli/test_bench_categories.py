@@ -4,6 +4,7 @@ CIs, and the categories written as priors into the eagle profile, which cost_mod
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -147,6 +148,79 @@ async def test_a_vllm_server_gets_accept_lengths_per_request_or_from_its_counter
     assert eagle.categories == pytest.approx(
         {"code": 4 / eagle.accept_length, "prose": 2 / eagle.accept_length}, rel=1e-3
     )
+
+
+def stepping_vllm(step_s: float) -> web.Application:
+    """A vLLM-like EAGLE server whose speed follows acceptance, as a real one's does: one verify
+    step of `step_s` seconds yields 4 tokens of code (accept length 4) or 2 of prose, streamed as
+    one chunk a step; each usage chunk carries the request's own figures."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        accept = 4 if "def " in body["messages"][-1]["content"] else 2
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = int(body["max_tokens"])
+        for step in range(n // accept):
+            await asyncio.sleep(step_s)
+            text = "".join(f"t{step * accept + k} " for k in range(accept))
+            chunk = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        steps = n // accept
+        stats = {
+            "num_spec_steps": steps,
+            "num_accepted_draft_tokens": steps * (accept - 1),
+            "num_spec_tokens": 3,
+        }
+        usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": n, "total_tokens": n + 9},
+                 "metrics": {"speculative_decoding": stats}}  # fmt: skip
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def test_the_eagle_profile_speed_is_what_the_category_factors_scale(tmp_path: Path) -> None:
+    """Code (accept length 4) decodes twice as fast as prose (2); with twice as much code as prose
+    the median request is a code one, yet a request of each category is predicted at the profile's
+    speed times its factor: the profile stores the speed the factors scale."""
+    lines = [
+        {"category": "code" if i % 3 else "prose",
+         "messages": [{"role": "user", "content": f"def f{i}(x):" if i % 3 else f"A poem about tide {i}"}]}
+        for i in range(12)
+    ]  # fmt: skip
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out, prof = tmp_path / "r.json", tmp_path / "eagle.json"
+    async with serve_app(stepping_vllm(0.01)) as url:
+        code, _, stderr = await run_specroute(
+            "bench", url, "--prompts", str(prompts), "--concurrency", "1", "--requests-per-level", "24",
+            "--warmup-requests", "0", "--max-tokens", "32", "--out", str(out), "--profile-out", str(prof),
+            "--mode", "eagle", "--no-progress",
+        )  # fmt: skip
+    assert code == 0, stderr
+    cats = {c["category"]: c for c in json.loads(out.read_text())["metadata"]["categories"]}
+    assert cats["code"]["n"] == 16 and cats["prose"]["n"] == 8
+    measured = {c: cats[c]["decode_tok_s"]["mean"] for c in ("code", "prose")}
+    assert measured["code"] > 1.6 * measured["prose"]
+    eagle = load_profile(prof).mode("eagle")
+    # no counters on its /metrics (as through specroute): the requests' own accept lengths
+    assert eagle.accept_length == pytest.approx((16 * 4 + 8 * 2) / 24, rel=1e-3)
+    assert eagle.accept_length is not None and eagle.categories is not None
+    assert eagle.categories == pytest.approx(
+        {"code": 4 / eagle.accept_length, "prose": 2 / eagle.accept_length}, rel=1e-3
+    )
+    speed = eagle.points[0].decode_tok_s
+    for category in ("code", "prose"):
+        assert speed * eagle.categories[category] == pytest.approx(measured[category], rel=0.1)
+    # the plain median of the mix is a code request's speed: what the point is not
+    assert speed < 0.9 * measured["code"]
 
 
 def test_category_summaries_and_factors() -> None:

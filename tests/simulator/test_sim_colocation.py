@@ -72,9 +72,24 @@ def test_without_together_points_every_server_is_the_plain_one() -> None:
         parse_profile(pair_profile(together=False)), parse_deployment("baseline=2,eagle=2")
     )
     assert server_types(plain) == [Server] * 4 and pairs(plain) == []
-    co = build_deployment(parse_profile(pair_profile()), parse_deployment("baseline=2,eagle=1,adaptive=1"))
-    assert pairs(co) == [(0, 2)]  # baseline-0 with eagle-0; baseline-1 and the adaptive server alone
-    assert server_types(co) == [ColocatedServer, Server, ColocatedServer, Server]
+    co = build_deployment(parse_profile(pair_profile()), parse_deployment("baseline=2,eagle=1,adaptive=2"))
+    # baseline-0 with eagle-0, then the rest two by two: baseline-1 with adaptive-0; adaptive-1 alone
+    assert pairs(co) == [(0, 2), (1, 3)]
+    assert server_types(co) == [ColocatedServer, ColocatedServer, ColocatedServer, ColocatedServer, Server]
+
+
+@pytest.mark.parametrize("kind", ["baseline", "eagle", "adaptive"])
+def test_two_servers_of_one_kind_share_the_hardware_as_a_pair_does(kind: str) -> None:
+    """A plan compares a co-located pair with two plain, two EAGLE or two adaptive servers on the
+    same hardware: those slow each other alike (an adaptive one as its two modes do)."""
+    servers = build_deployment(parse_profile(pair_profile()), parse_deployment(f"{kind}=2"))
+    assert pairs(servers) == [(0, 1)]
+    raw = simulate(servers, None, two_requests(0.5), seed=0)
+    assert sorted(raw.server) == [0, 1]
+    assert raw.finish == pytest.approx([1.5, 2.0], abs=1e-9)  # as the pair's (test above)
+    alone = build_deployment(parse_profile(pair_profile(together=False)), parse_deployment(f"{kind}=2"))
+    assert pairs(alone) == []
+    assert simulate(alone, None, two_requests(0.5), seed=0).finish == pytest.approx([1.0, 1.5], abs=1e-9)
 
 
 def test_one_sided_together_points_slow_only_that_mode() -> None:
