@@ -195,6 +195,13 @@ def add_workload_args(
         help="EAGLE speed factor per hint (acceptance), e.g. code=1.2,prose=0.85.",
     )
     w.add_argument(
+        "--hints-hidden",
+        action="store_true",
+        help="The hints set each request's true EAGLE speed factor (--hint-accept, a trace's or "
+        "prompt file's hints) but the policy does not see them: clients that do not send "
+        "x-specroute-hint.",
+    )
+    w.add_argument(
         "--accept-sigma",
         type=non_negative_float,
         default=0.0,
@@ -262,6 +269,7 @@ def workload_from_args(
         prompt_tokens=LengthSpec.parse(args.prompt_tokens) if args.prompt_tokens else None,
         hint_mix=parse_weights(args.hint_mix, "--hint-mix"),
         accept=AcceptModel(args.accept_sigma, hint_accept),
+        hints_seen=not args.hints_hidden,
         turns=LengthSpec.parse(args.turns) if args.turns else None,
         think_time_s=args.think_time,
         system_prompt_tokens=args.system_prompt_tokens,

@@ -53,6 +53,8 @@ class Columns(Protocol):
     @property
     def hints(self) -> Sequence[str | None]: ...
     @property
+    def hints_seen(self) -> bool: ...
+    @property
     def accept(self) -> Sequence[float]: ...
 
 
@@ -93,7 +95,7 @@ class Requests:
         self.batch = batch
         self.prompt_tokens = batch.prompt_tokens
         self.max_tokens = batch.max_tokens
-        self.hints = batch.hints
+        self.hints = batch.hints if batch.hints_seen else [None] * n
         self.output_tokens = batch.output_tokens
         self.accept = batch.accept
         self.features = features

@@ -67,6 +67,9 @@ class RequestBatch:
     features: Sequence[RequestFeatures | None] | None = None
     """Per-request content features (`policies.features`), handed to the policy on
     `RequestInfo.features`; None when the workload has no text (synthetic, traces)."""
+    hints_seen: bool = True
+    """Whether the policy sees `hints` (`RequestInfo.hint`); False: they only set what each
+    request is (its `accept`), as when clients do not send `x-specroute-hint`."""
 
     def __len__(self) -> int:
         return len(self.output_tokens)
@@ -84,6 +87,7 @@ class RequestBatch:
             None if self.blocks is None else self.blocks[:n],
             self.block_tokens,
             None if self.features is None else self.features[:n],
+            self.hints_seen,
         )
 
 

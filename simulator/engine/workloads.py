@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from simulator.engine.loop import RequestBatch
@@ -149,6 +149,9 @@ class WorkloadSpec:
     hint_mix: Mapping[str, float] = field(default_factory=dict)
     """Synthetic workloads: hint tag -> weight (empty: no hints)."""
     accept: AcceptModel = field(default_factory=AcceptModel)
+    hints_seen: bool = True
+    """False: the hints set each request's true acceptance (`accept`) but the policy does not
+    see them (`RequestBatch.hints_seen`)."""
     turns: LengthSpec | None = None
     """Multiturn: turns per session (None: const:5)."""
     think_time_s: float = 20.0
@@ -389,7 +392,7 @@ def generate(spec: WorkloadSpec, seed: int) -> list[Segment]:
             # ones, and fillers (a generous bound; a level that ran out would just drain).
             n = 2 * c + warmup + measure + 4 * (c + measure)
             batch = _synthetic(spec, rng, n, None)
-            segments.append(Segment(batch, c, warmup, measure))
+            segments.append(Segment(_seen(spec, batch), c, warmup, measure))
         return segments
     rng = random.Random(f"{seed}/{spec.kind}")
     n = spec.requests if spec.requests is not None else 1000
@@ -403,4 +406,8 @@ def generate(spec: WorkloadSpec, seed: int) -> list[Segment]:
         batch = _prompts(spec, rng, n)
     else:
         batch = _trace(spec, rng)
-    return [Segment(batch)]
+    return [Segment(_seen(spec, batch))]
+
+
+def _seen(spec: WorkloadSpec, batch: RequestBatch) -> RequestBatch:
+    return batch if spec.hints_seen else replace(batch, hints_seen=False)

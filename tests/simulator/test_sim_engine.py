@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from policies.base import Decision, LoadView, Outcome, RequestInfo
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.registry import PolicyContext, default_registry
 from simulator.engine.deployment import (
@@ -325,3 +326,41 @@ def test_goodput_counts_requests_meeting_both_slos_per_second() -> None:
     assert goodput([a, b], Slo(ttft_s=0.3)) == pytest.approx(4 / 20)  # an unset SLO always holds
     assert goodput([a, b], Slo(tpot_s=0.05)) == pytest.approx(4 / 20)
     assert goodput([a], Slo()) == pytest.approx(4 / 10)
+
+
+def test_hidden_hints_set_what_requests_are_but_the_policy_does_not_see_them() -> None:
+    """`--hints-hidden`: each request keeps its hint's acceptance, the policy gets `hint=None` (as
+    when clients do not send x-specroute-hint)."""
+    profile = resolve_profile("kimi-k25-int4-8gpu")
+    seen: list[str | None] = []
+
+    class Recording:
+        name = "recording"
+
+        def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
+            seen.append(request.hint)
+            return Decision(pool="eagle", backend=view.eagle.backends[0].name, reason="test")
+
+        def observe(self, outcome: Outcome) -> None:
+            pass
+
+    for hidden in (False, True):
+        seen.clear()
+        spec = WorkloadSpec(
+            kind="sweep",
+            levels=(1,),
+            requests_per_level=20,
+            hint_mix={"code": 1.0, "prose": 1.0},
+            accept=AcceptModel(hint_factor={"code": 1.25, "prose": 0.8}),
+            hints_seen=not hidden,
+        )
+        seg = generate(spec, 2)[0]
+        servers = build_deployment(profile, parse_deployment("baseline=1,eagle=1"))
+        raw = simulate(servers, Recording(), seg.batch, concurrency=1, warmup=0, measure=20)
+        rates = {
+            round((seg.batch.output_tokens[i] - 1) / (raw.finish[i] - raw.first_token[i]), 6)
+            for i, ph in enumerate(raw.phase)
+            if ph == MEASURED
+        }
+        assert rates == {round(96.1 * 1.25, 6), round(96.1 * 0.8, 6)}  # acceptance follows the hint
+        assert set(seen) == ({None} if hidden else {"code", "prose"})
