@@ -39,7 +39,8 @@ factors that pays what the configurations pay (the proxy hop, the load generator
 the same two cores). It is measured twice: before the configurations' serves start (the profile
 they run with) and again with all of them up, just before the cells (the one simulate and plan
 predict from). `specroute simulate` of every configuration (the aware pairs as told each
-request's domain: content learned perfectly; two servers of one kind share the cores as the
+request's domain: content learned perfectly; the blind pair with the domains hidden from the
+policy, `--hints-hidden`; two servers of one kind share the cores as the
 pair does) and `specroute plan` of two servers on the 50/50 traffic at each concurrency, its
 ranking beside the measured one (`plan_verdict`: configurations whose paired interval of
 difference holds zero are tied; the plan agrees when it puts none above one measured faster).
