@@ -112,12 +112,13 @@ async def _probe(url: str, log: Path) -> list[dict[str, Any]]:
         await asyncio.sleep(0.2)
     await client.close()
 
-    def written() -> bool:
-        return len(_lines(log)) >= before + len(FAMILIES)
+    # the log is written behind the requests: a training request's line may come after `before`
+    def probes() -> list[dict[str, Any]]:
+        return [r for r in map(json.loads, _lines(log)[before:]) if r["max_tokens"] == PROBE_TOKENS]
 
-    assert await wait_until(written, 10.0)
-    records = [json.loads(x) for x in _lines(log)[before:]]
-    assert all(r["max_tokens"] == PROBE_TOKENS and r["status"] == "client_error" for r in records), records
+    assert await wait_until(lambda: len(probes()) >= len(FAMILIES), 10.0)
+    records = probes()
+    assert len(records) == len(FAMILIES) and all(r["status"] == "client_error" for r in records), records
     keys = ("pool", "accept_factor_predicted", "predicted_e2e_s", "predicted_ttft_s")
     return [{k: r[k] for k in keys} for r in records]
 
