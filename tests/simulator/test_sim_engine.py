@@ -265,26 +265,34 @@ def test_deployment_and_ladder_specs() -> None:
             parse_adaptive(bad)
 
 
-def test_hint_acceptance_factors_reach_eagle_requests() -> None:
-    profile = resolve_profile("kimi-k25-int4-8gpu")
+def _eagle_rates_by_hint(
+    policy: Any = None, hints_seen: bool = True, deployment: str = "eagle=1"
+) -> dict[str | None, set[float]]:
+    """Decode rates of a hinted sweep's measured requests (all sent to EAGLE), by true hint."""
     spec = WorkloadSpec(
         kind="sweep",
         levels=(1,),
         requests_per_level=40,
         hint_mix={"code": 1.0, "prose": 1.0},
         accept=AcceptModel(hint_factor={"code": 1.25, "prose": 0.8}),
+        hints_seen=hints_seen,
     )
     seg = generate(spec, 2)[0]
-    servers = build_deployment(profile, parse_deployment("eagle=1"))
-    raw = simulate(servers, None, seg.batch, concurrency=1, warmup=0, measure=40)
+    servers = build_deployment(resolve_profile("kimi-k25-int4-8gpu"), parse_deployment(deployment))
+    raw = simulate(servers, policy, seg.batch, concurrency=1, warmup=0, measure=40)
     rates: dict[str | None, set[float]] = {}
     for i, ph in enumerate(raw.phase):
         if ph == MEASURED:
             rate = (seg.batch.output_tokens[i] - 1) / (raw.finish[i] - raw.first_token[i])
             rates.setdefault(seg.batch.hints[i], set()).add(round(rate, 6))
-    assert rates.keys() == {"code", "prose"}
-    assert rates["code"] == {round(96.1 * 1.25, 6)}
-    assert rates["prose"] == {round(96.1 * 0.8, 6)}
+    return rates
+
+
+HINTED_RATES = {"code": {round(96.1 * 1.25, 6)}, "prose": {round(96.1 * 0.8, 6)}}
+
+
+def test_hint_acceptance_factors_reach_eagle_requests() -> None:
+    assert _eagle_rates_by_hint() == HINTED_RATES
 
 
 def test_unsorted_open_loop_arrivals_are_rejected() -> None:
@@ -331,7 +339,6 @@ def test_goodput_counts_requests_meeting_both_slos_per_second() -> None:
 def test_hidden_hints_set_what_requests_are_but_the_policy_does_not_see_them() -> None:
     """`--hints-hidden`: each request keeps its hint's acceptance, the policy gets `hint=None` (as
     when clients do not send x-specroute-hint)."""
-    profile = resolve_profile("kimi-k25-int4-8gpu")
     seen: list[str | None] = []
 
     class Recording:
@@ -346,21 +353,6 @@ def test_hidden_hints_set_what_requests_are_but_the_policy_does_not_see_them() -
 
     for hidden in (False, True):
         seen.clear()
-        spec = WorkloadSpec(
-            kind="sweep",
-            levels=(1,),
-            requests_per_level=20,
-            hint_mix={"code": 1.0, "prose": 1.0},
-            accept=AcceptModel(hint_factor={"code": 1.25, "prose": 0.8}),
-            hints_seen=not hidden,
-        )
-        seg = generate(spec, 2)[0]
-        servers = build_deployment(profile, parse_deployment("baseline=1,eagle=1"))
-        raw = simulate(servers, Recording(), seg.batch, concurrency=1, warmup=0, measure=20)
-        rates = {
-            round((seg.batch.output_tokens[i] - 1) / (raw.finish[i] - raw.first_token[i]), 6)
-            for i, ph in enumerate(raw.phase)
-            if ph == MEASURED
-        }
-        assert rates == {round(96.1 * 1.25, 6), round(96.1 * 0.8, 6)}  # acceptance follows the hint
+        rates = _eagle_rates_by_hint(Recording(), hints_seen=not hidden, deployment="baseline=1,eagle=1")
+        assert rates == HINTED_RATES
         assert set(seen) == ({None} if hidden else {"code", "prose"})
