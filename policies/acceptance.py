@@ -297,7 +297,7 @@ class AcceptanceModel:
         if fam is not None and fam.n:
             fresh = 0.5 ** ((self.asked - fam.taught_at) / self._stale_after)
             trust *= fresh
-            evidence = max(evidence * fresh, fam.n * fresh)
+            evidence = fresh * max(evidence, fam.n)
         spread2 = trust * self.res2.value + (1.0 - trust) * pop2
         return mean, math.sqrt(spread2 / (1.0 + evidence) + base)
 

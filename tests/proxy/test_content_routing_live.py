@@ -213,12 +213,12 @@ async def test_serve_explores_and_learns_never_seen_task_types(
         return statistics.median(x["accept_factor_predicted"] for k, x in late if k == kind)
 
     # what was learned, for task types never seen before the run: code (1.5x) predicted well above
-    # 1 and prose (0.7x) below it (measured 1.45-1.47 and 0.80-0.88 over four runs)
+    # 1 and prose (0.7x) below it (measured 1.44-1.45 and 0.81-0.90 over four runs)
     assert predicted("code") >= 1.3 and predicted("prose") <= 0.95, (predicted("code"), predicted("prose"))
     # and used: code goes to EAGLE-3 far more often than prose. Not 3x: prose still goes to an idle
     # EAGLE-3 while the plain server runs two requests (predicted to finish sooner there, reason
-    # `faster_eagle`), so prose's share varies from run to run (0.26-0.32 against code's 0.79-0.95,
-    # n=19 each, six runs); a content-blind router gives both the same share
+    # `faster_eagle`), so prose's share varies from run to run (0.11-0.32 against code's 0.79-1.0,
+    # n=19 each, four runs); a content-blind router gives both the same share
     assert share("code") >= 0.6 and share("code") - share("prose") >= 0.3, (share("code"), share("prose"))
     served = [x for _, x in lines if x["pool"] == "eagle" and x["accept_factor_reported"] is not None]
     errors = [abs(x["accept_factor_reported"] / x["accept_factor_predicted"] - 1) for x in served]
