@@ -16,10 +16,9 @@ import signal
 from controller.cli.args import CommandError, run_async
 from controller.cli.serve import (
     _grace_period,
-    _reopen_logs,
     check_observability,
     configure_serve,
-    sighup_reloader,
+    reload_on_signals,
     start_up,
 )
 from controller.cli.sighup import EarlyReload
@@ -88,9 +87,7 @@ async def _pick(
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        reloader = sighup_reloader(args, settings, app, redactor)
-        loop.add_signal_handler(signal.SIGHUP, reloader.request)
-        loop.add_signal_handler(signal.SIGUSR1, lambda: _reopen_logs(app))
+        reloader = reload_on_signals(args, settings, app, redactor, early_reload)
         host = settings.host if ":" not in settings.host else f"[{settings.host}]"
         # Only now say so: a supervisor may send SIGTERM or SIGHUP as soon as it reads this line.
         print(
@@ -102,9 +99,6 @@ async def _pick(
             "policy %s, baseline %s, eagle %s",
             settings.policy, [b.name for b in settings.baseline], [b.name for b in settings.eagle],
         )  # fmt: skip
-        if early_reload.pending:
-            log.warning("SIGHUP during start-up: re-reading the config now")
-            reloader.request()
         await stop.wait()
         reloader.cancel()
         # /ready and gRPC readiness fail from here: the gateway stops opening streams; the open

@@ -296,14 +296,9 @@ async def _serve(
                 unnamed,
             )
 
-        reloader = sighup_reloader(args, settings, app, redactor, sleep)
-        loop.add_signal_handler(signal.SIGHUP, reloader.request)
-        loop.add_signal_handler(signal.SIGUSR1, lambda: _reopen_logs(app))
+        reloader = reload_on_signals(args, settings, app, redactor, early_reload, sleep)
         if keeper is not None:
             keeper.start()
-        if early_reload.pending:
-            log.warning("SIGHUP during start-up: re-reading the config now")
-            reloader.request()
         await stop.wait()
         reloader.cancel()
         await _grace_period(app, stop, settings.shutdown_grace_s, sleep)
@@ -320,20 +315,23 @@ async def _serve(
     log.warning("stopped")
 
 
-def sighup_reloader(
+def reload_on_signals(
     args: argparse.Namespace,
     settings: Settings,
     app: Any,
     redactor: Redactor,
+    early_reload: EarlyReload,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> ConfigReloader:
-    """The SIGHUP handler's reloader (serve's and the picker's): it re-reads `--config` merged
-    with the same flags and environment, applies it to `app`'s admin, and reopens the decision
-    log first (a log rotator sends SIGHUP after moving it)."""
+    """Serve's and the picker's signal handlers on the running loop, and the reloader behind
+    SIGHUP: it re-reads `--config` merged with the same flags and environment, applies it to
+    `app`'s admin, and reopens the decision log first (a log rotator sends SIGHUP after moving
+    it); SIGUSR1 only reopens the log. A SIGHUP that came during start-up (`early_reload`) is
+    acted on now."""
     from controller.cli.reload import ConfigReloader, ReloadMetrics
     from controller.proxy.app import ADMIN, METRICS, reopen_decision_log
 
-    return ConfigReloader(
+    reloader = ConfigReloader(
         args.config,
         lambda text: load_settings(cli_settings(args), os.environ, args.config, config_text=text),
         app[ADMIN].reload,
@@ -343,6 +341,13 @@ def sighup_reloader(
         hooks=[lambda: reopen_decision_log(app)],
         sleep=sleep,
     )
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, reloader.request)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: _reopen_logs(app))
+    if early_reload.pending:
+        log.warning("SIGHUP during start-up: re-reading the config now")
+        reloader.request()
+    return reloader
 
 
 def _reopen_logs(app: Any) -> None:
