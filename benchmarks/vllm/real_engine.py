@@ -36,9 +36,11 @@ Predicted beside measured: `specroute bench --prompts` (the prompts' domains as 
 `--together --rounds 1` of a plain and an EAGLE-3 server (plain0, eagle1), each reached through
 a `serve` pinned to its pool, alone and together in turn: one co-located profile with per-domain
 factors that pays what the configurations pay (the proxy hop, the load generator, the serves on
-the same two cores). It is measured twice: before the configurations' serves start (the profile
-they run with) and again with all of them up, just before the cells (the one simulate and plan
-predict from). `specroute simulate` of every configuration (the aware pairs as told each
+the same two cores). It is measured before the configurations' serves start (the profile they
+run with) and again, with all of them up, just before each level's cells, at that level and the
+ones below it: simulate and plan predict each level from the profile measured just before it (a
+shared machine's speed drifts by more over the whole run than over one level's cells).
+`specroute simulate` of every configuration (the aware pairs as told each
 request's domain: content learned perfectly; the blind pair with the domains hidden from the
 policy, `--hints-hidden`; two servers of one kind share the cores as the
 pair does) and `specroute plan` of two servers on the 50/50 traffic at each concurrency, its
@@ -480,34 +482,40 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: EAGLE-3 share by domain {during} during {w} never-seen warm-up prompts "
                   f"(concurrency 2), {then} of the next {w} (n by domain {counts})")  # fmt: skip
 
-        # the profile simulate and plan predict from: measured again with every serve up, as the
-        # cells run (the serves' scrapes and the machine's drift since the first one included)
-        merged = profile(urls, work / "pair-colocated.json", args.concurrency, args.profile_requests)
-        doc = json.loads(merged.read_text())
-        report["profile"] = doc
-        print(f"profile: eagle accept length {doc['modes']['eagle'].get('accept_length')}, "
-              f"per domain {doc['modes']['eagle'].get('categories')}")  # fmt: skip
+        # the profiles simulate and plan predict from: one per level, measured with every serve
+        # up just before that level's cells, at that level and the ones below it (the batches its
+        # servers see): the machine's speed drifts by more over the whole run than over a level
         cells: list[Cell] = []
-        for traffic in args.traffic:
-            for level in args.concurrency:
+        profiles: dict[int, Path] = {}
+        report["profiles"] = {}
+        for level in args.concurrency:
+            below = [lv for lv in args.concurrency if lv <= level]
+            out = work / f"pair-colocated-{level}.json"
+            profiles[level] = profile(urls, out, below, args.profile_requests)
+            doc = json.loads(profiles[level].read_text())
+            report["profiles"][level] = doc
+            print(f"profile for c={level}: eagle accept length {doc['modes']['eagle'].get('accept_length')}, "
+                  f"per domain {doc['modes']['eagle'].get('categories')}")  # fmt: skip
+            for traffic in args.traffic:
                 n = args.requests if traffic == "mixed" else args.single_requests
                 here = [c for c in configs if not c.mixed_only or traffic == "mixed"]
                 cells += run_cell(urls, here, traffic, level, n, args.blocks)
                 print(f"{traffic} c={level} done ({time.monotonic() - started:.0f} s since the start)")
         prompt_tokens = median_prompt_tokens(up["plain0"].url)
-        predictions = {}
+        predictions: dict[tuple[str, str], dict[int, float]] = {}
         for config in configs:
             if config.simulate is None:
                 continue
             for traffic in args.traffic:
-                predictions[(config.key, traffic)] = simulated(
-                    config, merged, traffic, args.concurrency, SIMULATED, prompt_tokens
-                )
+                for level in args.concurrency:
+                    predictions.setdefault((config.key, traffic), {}).update(
+                        simulated(config, profiles[level], traffic, [level], SIMULATED, prompt_tokens)
+                    )
         rankings = {}
         if "mixed" in args.traffic:
             for level in args.concurrency:
                 try:
-                    rankings[level] = planned(merged, level, SIMULATED, prompt_tokens, work)
+                    rankings[level] = planned(profiles[level], level, SIMULATED, prompt_tokens, work)
                 except RuntimeError as e:
                     print(f"plan at c={level} failed: {e}")
         report.update(summary(configs, cells, predictions, rankings, args))
