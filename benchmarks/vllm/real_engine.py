@@ -52,7 +52,7 @@ difference holds zero are tied; the plan agrees when it puts none above one meas
     ... real_engine.py --quick        # 50/50 at c=1 and 2, 12 requests per cell
 
 On a quiet 2-core machine the run above (50/50 80, code and prose only 60 per cell) takes
-about 31 minutes, `--traffic mixed` about 21, `--quick` about 7 (10 on a busy machine; the
+about 45 minutes, `--traffic mixed` about 32, `--quick` about 8 (10 on a busy machine; the
 build, when not cached, a few more). Every figure is a wall-clock speed: run it on a quiet
 machine. `--markdown FILE` prints the tables of a report `--out` wrote.
 """
