@@ -84,6 +84,7 @@ import servers
 
 from controller.cli import spawn
 from policies.stats import Estimate, estimate, interval
+from simulator.planning.plan import DEFAULT_TIE_WITHIN as PLAN_TIE
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 64
@@ -501,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                 here = [c for c in configs if not c.mixed_only or traffic == "mixed"]
                 cells += run_cell(urls, here, traffic, level, n, args.blocks)
                 print(f"{traffic} c={level} done ({time.monotonic() - started:.0f} s since the start)")
-        prompt_tokens = median_prompt_tokens(up["plain0"].url)
+        prompt_tokens = report["prompt_tokens"] = median_prompt_tokens(up["plain0"].url)
         predictions: dict[tuple[str, str], dict[int, float]] = {}
         for config in configs:
             if config.simulate is None:
@@ -624,7 +625,7 @@ def summary(
             }
             for level, ranking in rankings.items():
                 here = {names[k]: by[(k, "mixed", level)].e2e() for k in names if (k, "mixed", level) in by}
-                judged = plan_verdict([row.split(" ")[0] for row in ranking], here)
+                judged = plan_verdict([row.split(" ")[0] for row in ranking], here, plan_means(ranking))
                 print(f"c={level}: plan {ranking}; measured {judged['measured']}: {judged['says']}")
                 out["plan"][level] = {"plan": ranking, **judged}
         within = [
@@ -638,13 +639,28 @@ def summary(
     return out
 
 
-def plan_verdict(plan: Sequence[str], measured: dict[str, dict[int, float]]) -> dict[str, Any]:
+def plan_means(ranking: Sequence[str]) -> dict[str, float]:
+    """The predicted mean of each deployment in `plan_ranking`'s rows (those that give one)."""
+    out = {}
+    for row in ranking:
+        words = row.split(" ")
+        if len(words) >= 3 and words[-1] == "s":
+            out[words[0]] = float(words[-2])
+    return out
+
+
+def plan_verdict(
+    plan: Sequence[str], measured: dict[str, dict[int, float]], predicted: dict[str, float] | None = None
+) -> dict[str, Any]:
     """Whether `plan`'s order (deployment names, best first) ranks the configurations as measured.
 
     Two configurations are ordered when the 95% interval of their difference, paired by prompt
     (every configuration answered the same prompts), excludes zero; otherwise they are tied, and
-    either order agrees with the measurement. The plan agrees when it puts no configuration
-    above one measured faster. `measured` gives each configuration's e2e by prompt index."""
+    either order agrees with the measurement. Likewise the plan ties two whose `predicted` means
+    are within `PLAN_TIE` of each other (`plan`'s own rule): its order between them is no claim.
+    The plan agrees when it puts no configuration above one measured faster. `measured` gives
+    each configuration's e2e by prompt index."""
+    predicted = predicted or {}
     means = {k: statistics.mean(v.values()) for k, v in measured.items() if v}
     order = sorted(means, key=means.__getitem__)
     ordered, inverted = [], []
@@ -657,7 +673,9 @@ def plan_verdict(plan: Sequence[str], measured: dict[str, dict[int, float]]) -> 
             if diff.low > 0:
                 ordered.append((fast, slow))
                 if fast in plan and slow in plan and plan.index(slow) < plan.index(fast):
-                    inverted.append((fast, slow))
+                    a, b = predicted.get(fast), predicted.get(slow)
+                    if a is None or b is None or a - b > PLAN_TIE * min(a, b):
+                        inverted.append((fast, slow))
     shown = "".join(
         k + ("" if j + 1 == len(order) else " < " if (k, order[j + 1]) in ordered else " ~ ")
         for j, k in enumerate(order)
