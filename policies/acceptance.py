@@ -50,9 +50,8 @@ Each outcome's influence is bounded (a robust loss in log space): its error is c
 `step_bound` -- `CLIP_SIGMAS` times the model's out-of-sample error, within [MIN_STEP, MAX_STEP]
 -- before it moves a weight or an offset, so an absurd outcome (a client that reads slowly makes
 its requests look slow) moves a shared weight (one taught `1 / rate` times or more) by at most
-`rate x step_bound`. Within a family, a
-client whose recent share of the family's outcomes is above an equal share teaches the shared
-weights in proportion less (`_Family.share_weight`).
+`rate x step_bound`. Within a family, a client whose recent share of the family's outcomes is
+above an equal share teaches the shared weights in proportion less (`_Family.share_weight`).
 
 Uncertainty (`predict_spread`): the standard deviation, in log space, of the request's expected
 factor -- what exploring could still find out, not how much one request's outcome scatters. One
@@ -104,7 +103,7 @@ EVIDENCE_CAP = 64
 """Outcomes at most that one token counts for in the evidence behind a prediction (a word every
 kind of request shares must not make a never-tried kind look known)."""
 SHIFT_PRIOR = 10.0
-"""Samples' weight of `shift`'s means' prior (0: no shift until both have evidence)."""
+"""Weight, in samples, of the prior 0 of `shift`'s two means: a few requests do not move `F`."""
 PRIOR_VAR = 0.3**2
 """Spread (log space, squared) of requests' factors around the pool average before any outcome:
 published per-task acceptance ranges from about 0.6x to 1.5x of the average."""
