@@ -34,7 +34,8 @@ else its decode rate over the calibrated prediction at its load. Three estimates
   EAGLE, so a kind rarely sent would be shrunk toward a factor too fast for it. So `shift` is
   added to it: the mean of the model's predicted deviation from `F` over every request predicted
   less its mean over the requests whose outcomes taught it (each over `window` samples, from a
-  prior of 0) -- the regression estimate of the traffic's average from a selected sample. It is
+  prior of 0), as of the last outcome taught -- the regression estimate of the traffic's average
+  from a selected sample. It is
   0 while the model knows nothing or routing does not depend on content, and it needs no
   probability of being sent.
 
@@ -250,6 +251,10 @@ class AcceptanceModel:
         # requests whose outcomes taught it (their difference is `shift`)
         self.traffic = ShrunkMean(0.0)
         self.sent = ShrunkMean(0.0)
+        self.shift = 0.0
+        """What to add to a fallback that averages the outcomes taught, for it to average the
+        requests predicted (see the module docstring): their means' difference as of the last
+        outcome taught, within +-MAX_STEP (predicting does not change what is predicted)."""
         self.taught = 0
         self.asked = 0
         """Predictions made (the clock a family's evidence grows stale by)."""
@@ -289,13 +294,6 @@ class AcceptanceModel:
             lin += shrink * fam.offset
             seen = max(seen, shrink)
         return lin, mean, seen, fam
-
-    @property
-    def shift(self) -> float:
-        """What to add to a fallback that averages the outcomes taught, for it to average the
-        requests predicted (see the module docstring), within +-MAX_STEP."""
-        d = self.traffic.value - self.sent.value
-        return MAX_STEP if d > MAX_STEP else -MAX_STEP if d < -MAX_STEP else d
 
     def predict(
         self, features: RequestFeatures, hint: str | None, fallback: float, *, selected: bool = False
@@ -373,6 +371,8 @@ class AcceptanceModel:
         window = self._window
         deviation = self.confidence(seen) * (yhat - fallback) if self.taught else 0.0
         self.sent.add(_unit(deviation), SHIFT_PRIOR, window)
+        d = self.traffic.value - self.sent.value
+        self.shift = MAX_STEP if d > MAX_STEP else -MAX_STEP if d < -MAX_STEP else d
         if selected:
             fallback += self.shift
         share = 1.0 if fam is None else fam.share_weight(client)
@@ -453,6 +453,7 @@ class AcceptanceModel:
             "pop2": [self.pop2.n, self.pop2.value],
             "traffic": [self.traffic.n, self.traffic.value],
             "sent": [self.sent.n, self.sent.value],
+            "shift": self.shift,
             "taught": self.taught,
             "asked": self.asked,
         }
@@ -508,9 +509,12 @@ class AcceptanceModel:
         params = unpack(field(s, "params", what), "<f8", what, param_dim)
         taught = count(field(s, "taught", what), what)
         asked = count(field(s, "asked", what), what)
+        shift = number(field(s, "shift", what), what)
+        if abs(shift) > MAX_STEP:
+            raise StateError(f"{what}: shift is beyond +-MAX_STEP")
         self._w, self._count, self._p, self._families = w, counts, params, families
         self.cov, self.var, self.res2, self.pop2, self.traffic, self.sent = means
-        self.taught, self.asked = taught, asked
+        self.taught, self.asked, self.shift = taught, asked, shift
 
 
 STATE_VERSION = 3

@@ -117,6 +117,12 @@ def test_a_rarely_sent_kind_is_learned_and_the_fallback_is_the_traffics() -> Non
     for kind, factor in truth.items():
         got = [math.exp(m.predict(kind_prompt(kind, rng), None, pooled, selected=True)) for _ in range(20)]
         assert abs(statistics.median(got) / factor - 1) < 0.08, (kind, got)
+    # predicting does not change what is predicted: the correction moves when an outcome teaches
+    probe = kind_prompt("prose", rng)
+    first = m.predict_spread(probe, None, pooled, 100.0, selected=True)[0]
+    for _ in range(50):
+        m.predict_spread(kind_prompt("code", rng), None, pooled, 100.0, selected=True)
+    assert m.predict_spread(probe, None, pooled, 100.0, selected=True)[0] == first
     # a request of words never taught is predicted at the corrected fallback
     novel = " ".join(f"novel{k}" for k in range(60))
     unseen = extract_features({"messages": [{"role": "user", "content": novel}]}, "chat")

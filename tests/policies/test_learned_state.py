@@ -232,6 +232,7 @@ CONTENT_BROKEN = [
     ({("client_offsets",): "AAAA"}, "8-byte"),
     ({("cov",): [1]}, "samples"),
     ({("sent",): [1, math.nan]}, "finite"),
+    ({("shift",): 5.0}, "beyond"),
     ({("taught",): -1}, "non-negative"),
     ({("version",): None}, "version"),
 ]  # fmt: skip
