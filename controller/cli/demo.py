@@ -351,7 +351,7 @@ async def _start_servers(
 
 def _say(text: str) -> None:
     """A paragraph of the content act's, wrapped as the tables are."""
-    for line in textwrap.wrap(text, WIDTH, subsequent_indent="  "):
+    for line in textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_on_hyphens=False):
         print(line)
     sys.stdout.flush()
 
@@ -605,6 +605,9 @@ def run(args: argparse.Namespace) -> int:
     print("verdicts are 95% Welch intervals of the difference (relative to the way compared with): a tie")
     print("when the interval contains 0 or the difference is under 1%; chose eagle: specroute's share of")
     print("requests sent to its EAGLE-3 server")
+    if any(a.content for a in acts):
+        print("the content act's decode, TTFT and e2e are stratified: the mean of the code and the prose")
+        print("means, the intervals from the spread within each (the traffic is half of each by design)")
     if not args.no_plot and acts:
         try:
             print(write_plot(acts, args.time_scale, Path(args.plot), plot_title(args)))

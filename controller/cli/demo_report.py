@@ -453,6 +453,7 @@ def plot_figure(acts: Sequence[ActResult], scale: float, title: str) -> Any:
                 ax.errorbar(xs, ys, yerr=errs, marker="o", linestyle=style, capsize=3, label=way)
             ax.set_xscale("log")
             ax.set_xticks(xs, [str(x) for x in xs])
+            ax.tick_params(axis="x", which="minor", labelbottom=False)  # the levels label the axis
             ax.set_xlabel("concurrency")
             ax.set_ylabel(label + " (95% CI)", fontsize=8)
             ax.set_title(f"{act.profile}: {label}", fontsize=8)
