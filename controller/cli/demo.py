@@ -1,9 +1,10 @@
 """`specroute demo`: where a pair of servers pays and where it does not, on one machine, no
 GPU and no arguments needed.
 
-How it works: for each profile (by default two: Llama-3.1-8B, whose EAGLE-3 is 2.4x faster than
-plain for a lone stream, and Kimi-K2.5, whose EAGLE-3 is 3.7% faster alone and half as fast under
-load) it starts emulated SGLang servers (`specroute emulate`) and three routers on the same
+How it works: for each act (by default three: Llama-3.1-8B, whose EAGLE-3 is 2.4x faster than
+plain for a lone stream; Kimi-K2.5, whose EAGLE-3 is 3.7% faster alone and half as fast under
+load; and "content", the real engine's profile, whose EAGLE-3 is faster on code and slower on
+prose) it starts emulated SGLang servers (`specroute emulate`) and three routers on the same
 hardware, two servers each, as child processes: specroute (`specroute serve`, `cost_model`) over
 one plain and one EAGLE-3 server, and a least-loaded router over two plain servers ("2x
 baseline") and over two EAGLE-3 servers ("2x EAGLE-3") -- the alternatives an operator faces.
@@ -13,10 +14,19 @@ profile: per level and way the measured requests, per-request decode tok/s, TTFT
 time (each with its 95% interval) and total tok/s; under each level specroute against both
 alternatives on end-to-end time, and why specroute sent the share it did to EAGLE-3 (2x EAGLE-3
 against 2x baseline at that load); `controller.cli.demo_report` words and judges them. A summary
-under the tables says, from the same judgements, where the pair paid. While a level runs, a
-progress line on stderr (a terminal). It writes the same figures as a PNG when matplotlib is
-installed. Children are stopped after each profile, on exit, on error and on Ctrl-C (and die
-with the demo on Linux even if it is killed).
+under the tables says, from the same judgements, where the pair paid.
+
+The content act: the EAGLE-3 emulators accept by prompt (`--accept-rules`, code and prose at the
+profile's per-domain factors), specroute learns from each answer's accept length
+(`--spec-details true`) and reads the profile in the emulators' wall time, the traffic is half
+code and half prose (`controller.bench.domain_prompts`, generated, never seen), and every way
+answers the same never-seen warm-up prompts before the sweep; its figures are stratified by
+domain (`demo_report.stratified_summary`), and its why line gives EAGLE-3 against plain per
+domain and specroute's EAGLE-3 share per domain.
+
+While a level runs, a progress line on stderr (a terminal). It writes the same figures as a PNG
+when matplotlib is installed. Children are stopped after each act, on exit, on error and on
+Ctrl-C (and die with the demo on Linux even if it is killed).
 """
 
 from __future__ import annotations
