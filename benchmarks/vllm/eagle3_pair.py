@@ -29,8 +29,9 @@ both for the mixed head. Their figures go into `report.json`.
 Deterministic: seeded, step-limited, `torch.use_deterministic_algorithms`, a fixed thread
 count; the same versions on the same machine build the same bytes. The result is cached under
 `--cache` (default `$XDG_CACHE_HOME/specroute`, else `~/.cache/specroute`) in a folder named by
-a digest of this file, `domains.py`, `tiny_model.py`, the library versions and the machine, so a
-second run is free. Run it in the environment that has vLLM (torch, transformers, tokenizers):
+a digest of this file, `domains.py`, `tiny_model.py`, the generator `domains.py` uses
+(`controller/bench/domain_prompts.py`), the library versions and the machine, so a second run is
+free. Run it in the environment that has vLLM (torch, transformers, tokenizers):
 
     python benchmarks/vllm/eagle3_pair.py                 # prints the folder on its last line
 
@@ -116,7 +117,7 @@ def digest() -> str:
 
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    for name in ("eagle3_pair.py", "domains.py", "tiny_model.py"):
+    for name in ("eagle3_pair.py", "domains.py", "tiny_model.py", "../../controller/bench/domain_prompts.py"):
         h.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
     versions = [torch.__version__, transformers.__version__, tokenizers.__version__, safetensors.__version__]
     h.update(json.dumps([*versions, platform.python_version(), platform.machine()]).encode())

