@@ -4,13 +4,14 @@ from there). A leaf module: it imports nothing of ours.
 Apart from `base` so that it can be compiled: `simulator.native` builds this module, the routing
 core, the view builder, `cost_model` and the engine's hot modules with mypyc for the simulator,
 and a module holding `runtime_checkable` protocols (`Policy`, `Resettable`) cannot be compiled.
-The rules of these values (built once, never assigned again) are in `policies.base`.
+The rules of these values (built once, never assigned again; `BackendLoad` and `Decision` refuse
+an assignment) are in `policies.base`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field
 from typing import Literal
 
 Pool = Literal["baseline", "eagle"]
@@ -89,6 +90,14 @@ HINT_HEADER = "x-specroute-hint"
 """The request header that carries `RequestInfo.hint` (read by the proxy and the emulator)."""
 
 
+def _assigned(value: object, name: str) -> str:
+    kind = type(value).__name__
+    return (
+        f"{kind} is a value: its field {name!r} cannot be assigned or deleted "
+        "(make a new one: dataclasses.replace)"
+    )
+
+
 def load_of(in_flight: int, running: int | None, queued: int | None) -> int:
     """A backend's load (`BackendLoad.load`): the larger of this replica's in-flight count and
     the backend-reported running + queued (`running` None: no fresh sample, in flight alone)."""
@@ -106,7 +115,8 @@ class BackendLoad:
     `load` and `admits` are derived from the other fields by the constructor (the one place
     each rule is written) and stored, not computed per read: the routing core and the policies
     read them several times per decision, and a plain field costs a fifth of a property's read.
-    `dataclasses.replace` rebuilds them from the new fields."""
+    `dataclasses.replace` rebuilds them from the new fields. A value: assigning to a field raises
+    `dataclasses.FrozenInstanceError` (`policies.base`)."""
 
     name: str
     pool: Pool
@@ -158,20 +168,34 @@ class BackendLoad:
         full: bool = False,
         max_running: int | None = None,
     ) -> None:
-        self.name = name
-        self.pool = pool
-        self.usable = usable
-        self.in_flight = in_flight
-        self.in_flight_tokens = in_flight_tokens
-        self.running = running
-        self.queued = queued
-        self.accept_length = accept_length
-        self.sample_age_s = sample_age_s
-        self.cached_tokens = cached_tokens
-        self.full = full
-        self.max_running = max_running
-        self.load = load_of(in_flight, running, queued)
-        self.admits = usable and not full
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "usable", usable)
+        object.__setattr__(self, "in_flight", in_flight)
+        object.__setattr__(self, "in_flight_tokens", in_flight_tokens)
+        object.__setattr__(self, "running", running)
+        object.__setattr__(self, "queued", queued)
+        object.__setattr__(self, "accept_length", accept_length)
+        object.__setattr__(self, "sample_age_s", sample_age_s)
+        object.__setattr__(self, "cached_tokens", cached_tokens)
+        object.__setattr__(self, "full", full)
+        object.__setattr__(self, "max_running", max_running)
+        object.__setattr__(self, "load", load_of(in_flight, running, queued))
+        object.__setattr__(self, "admits", usable and not full)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(_assigned(self, name))
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(_assigned(self, name))
+
+    def __reduce__(self) -> tuple[type[BackendLoad], tuple[object, ...]]:
+        # copy and pickle rebuild it through the constructor (their default sets each slot: refused)
+        return BackendLoad, (
+            self.name, self.pool, self.usable, self.in_flight, self.in_flight_tokens, self.running,
+            self.queued, self.accept_length, self.sample_age_s, self.cached_tokens, self.full,
+            self.max_running,
+        )  # fmt: skip
 
     @property
     def scraped(self) -> int | None:
@@ -222,7 +246,8 @@ class Decision:
     A policy picks the pool; it may leave `backend` empty ("") and the routing core
     (`policies.routing.Router`) returns a completed copy with the backend within the pool and
     its `backend_load` (moved to the other pool, reason `<pool>_unavailable`, when its pool has
-    no backend that admits). A policy that names an admitting backend of its pool keeps it."""
+    no backend that admits). A policy that names an admitting backend of its pool keeps it.
+    A value: assigning to a field raises `dataclasses.FrozenInstanceError` (`policies.base`)."""
 
     pool: Pool
     backend: str
@@ -249,14 +274,27 @@ class Decision:
     ) -> None:
         # written out (not the dataclass's generated __init__): mypyc compiles this one
         # (`simulator.native`); None for a mapping is an empty one
-        self.pool = pool
-        self.backend = backend
-        self.reason = reason
-        self.predicted_ttft_s = {} if predicted_ttft_s is None else predicted_ttft_s
-        self.predicted_e2e_s = {} if predicted_e2e_s is None else predicted_e2e_s
-        self.backend_load = backend_load
-        self.policy = policy
-        self.accept_factor = accept_factor
+        object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "predicted_ttft_s", {} if predicted_ttft_s is None else predicted_ttft_s)
+        object.__setattr__(self, "predicted_e2e_s", {} if predicted_e2e_s is None else predicted_e2e_s)
+        object.__setattr__(self, "backend_load", backend_load)
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "accept_factor", accept_factor)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(_assigned(self, name))
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(_assigned(self, name))
+
+    def __reduce__(self) -> tuple[type[Decision], tuple[object, ...]]:
+        # copy and pickle rebuild it through the constructor (their default sets each slot: refused)
+        return Decision, (
+            self.pool, self.backend, self.reason, self.predicted_ttft_s, self.predicted_e2e_s,
+            self.backend_load, self.policy, self.accept_factor,
+        )  # fmt: skip
 
 
 class NoHealthyBackend(Exception):
