@@ -19,6 +19,10 @@ policy sees cannot differ between them:
   estimate (`believed_cached`); the index learns a prompt when the request is dispatched there
   (`dispatched`), in the step that takes the slot.
 
+- **Reuse.** `BackendLoad` is an immutable value: a builder may hand the same one to several
+  decisions while its facts are unchanged (`LastLoads` for the proxy; the simulator's one router
+  rebuilds only the servers whose state changed).
+
 Pure code: no I/O, no clock (the caller passes `now`).
 """
 
@@ -77,6 +81,57 @@ def backend_load(
         full,
         max_running,
     )
+
+
+class LastLoads:
+    """`backend_load` for a builder that makes a view per decision (the proxy): each backend's
+    last value, handed out again while its facts are unchanged. `BackendLoad` is an immutable
+    value and `backend_load` a pure function of its arguments, of `now` only through a sample
+    (its age and staleness), so the same facts give an equal value: a backend without a sample
+    that nothing happened to since the last view costs no new value; one with a sample gets a
+    new one each time (its age has changed)."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[tuple[object, ...], BackendLoad]] = {}
+
+    def backend_load(
+        self,
+        name: str,
+        pool: Pool,
+        in_flight: int,
+        in_flight_tokens: int,
+        *,
+        now: float,
+        usable: bool = True,
+        full: bool = False,
+        running: int | None = None,
+        queued: int | None = None,
+        sample_time: float | None = None,
+        sample_in_flight: int | None = None,
+        accept_length: float | None = None,
+        stale_after_s: float = STALE_AFTER_S,
+        replicas: float = 1.0,
+        cached_tokens: int = 0,
+        max_running: int | None = None,
+    ) -> BackendLoad:
+        facts = (
+            pool, in_flight, in_flight_tokens, usable, full, running, queued, sample_time,
+            sample_in_flight, accept_length, stale_after_s, replicas, cached_tokens, max_running,
+            None if sample_time is None else now,
+        )  # fmt: skip
+        last = self._last.get(name)
+        if last is not None and last[0] == facts:
+            return last[1]
+        made = backend_load(
+            name, pool, in_flight, in_flight_tokens, now=now, usable=usable, full=full, running=running,
+            queued=queued, sample_time=sample_time, sample_in_flight=sample_in_flight,
+            accept_length=accept_length, stale_after_s=stale_after_s, replicas=replicas,
+            cached_tokens=cached_tokens, max_running=max_running,
+        )  # fmt: skip
+        self._last[name] = (facts, made)
+        return made
 
 
 def true_load(
