@@ -11,8 +11,8 @@ an assignment) are in `policies.base`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import FrozenInstanceError, dataclass, field
-from typing import Literal
+from dataclasses import FrozenInstanceError, dataclass, field, fields
+from typing import Any, Literal, cast
 
 Pool = Literal["baseline", "eagle"]
 POOLS: tuple[Pool, Pool] = ("baseline", "eagle")
@@ -90,7 +90,25 @@ HINT_HEADER = "x-specroute-hint"
 """The request header that carries `RequestInfo.hint` (read by the proxy and the emulator)."""
 
 
-def _assigned(value: object, name: str) -> str:
+class _Value:
+    """What makes `BackendLoad` and `Decision` values: assigning to or deleting a field raises
+    `dataclasses.FrozenInstanceError` (their constructors set each field once, through
+    `object.__setattr__`)."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(_refused(self, name))
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(_refused(self, name))
+
+    def __reduce__(self) -> tuple[type[_Value], tuple[object, ...]]:
+        # copy and pickle rebuild it through the constructor (their default sets each slot: refused)
+        return type(self), tuple(getattr(self, f.name) for f in fields(cast(Any, self)) if f.init)
+
+
+def _refused(value: object, name: str) -> str:
     kind = type(value).__name__
     return (
         f"{kind} is a value: its field {name!r} cannot be assigned or deleted "
@@ -108,7 +126,7 @@ def load_of(in_flight: int, running: int | None, queued: int | None) -> int:
 
 
 @dataclass(slots=True, init=False)
-class BackendLoad:
+class BackendLoad(_Value):
     """Load of one backend as seen at decision time (built by `policies.view`, for the proxy and
     the simulator alike).
 
@@ -183,20 +201,6 @@ class BackendLoad:
         object.__setattr__(self, "load", load_of(in_flight, running, queued))
         object.__setattr__(self, "admits", usable and not full)
 
-    def __setattr__(self, name: str, value: object) -> None:
-        raise FrozenInstanceError(_assigned(self, name))
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(_assigned(self, name))
-
-    def __reduce__(self) -> tuple[type[BackendLoad], tuple[object, ...]]:
-        # copy and pickle rebuild it through the constructor (their default sets each slot: refused)
-        return BackendLoad, (
-            self.name, self.pool, self.usable, self.in_flight, self.in_flight_tokens, self.running,
-            self.queued, self.accept_length, self.sample_age_s, self.cached_tokens, self.full,
-            self.max_running,
-        )  # fmt: skip
-
     @property
     def scraped(self) -> int | None:
         """Backend-reported running + queued, or None without a fresh sample."""
@@ -240,7 +244,7 @@ class LoadView:
 
 
 @dataclass(slots=True, init=False)
-class Decision:
+class Decision(_Value):
     """What a policy decided. `reason` is a short, bounded string (a metric label).
 
     A policy picks the pool; it may leave `backend` empty ("") and the routing core
@@ -282,19 +286,6 @@ class Decision:
         object.__setattr__(self, "backend_load", backend_load)
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "accept_factor", accept_factor)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise FrozenInstanceError(_assigned(self, name))
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(_assigned(self, name))
-
-    def __reduce__(self) -> tuple[type[Decision], tuple[object, ...]]:
-        # copy and pickle rebuild it through the constructor (their default sets each slot: refused)
-        return Decision, (
-            self.pool, self.backend, self.reason, self.predicted_ttft_s, self.predicted_e2e_s,
-            self.backend_load, self.policy, self.accept_factor,
-        )  # fmt: skip
 
 
 class NoHealthyBackend(Exception):
