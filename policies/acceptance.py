@@ -7,8 +7,13 @@ else its decode rate over the calibrated prediction at its load. Three estimates
 - a hashed model over the request's tokens, in two parts. Its text part is the mean of the
   weights of the request's text tokens (`RequestFeatures.grams` and a bias) seen before, each
   weighted by how often it was taught (up to `seen_after`), from a table of `dim` floats (`id mod
-  dim`); an outcome moves each of them by `rate` times the error (a new token starts at the
-  text part's estimate), so frequent tokens carry the average and distinctive ones the contrast.
+  dim`); an outcome moves each of them by the error over the times it was taught (a new token
+  starts at the text part's estimate plus the error), at least `rate` times the error: a token's
+  weight follows the mean of what it was taught until `1 / rate` outcomes, then an exponentially
+  weighted one. So frequent tokens carry the average and distinctive ones the contrast, and the
+  words of a kind of request that is rarely sent to EAGLE (a few outcomes of it, each pulled
+  back toward the average by the words it shares with the kinds sent there often) learn its
+  factor from those few outcomes instead of a tenth of each.
   Its parameter part adds one weight per parameter token -- sampling parameters in buckets
   (temperature, top_p, top_k), `response_format`, tools, `n`, the model and the client's hint --
   from a table of `param_dim` floats, each moved by `param_rate` times the error: a parameter
@@ -24,21 +29,30 @@ else its decode rate over the calibrated prediction at its load. Three estimates
   client weighing at most `CLIENT_WEIGHT` outcomes: one client cannot move a family that others
   teach further than its share;
 - the caller's fallback `F` (the pool average for requests of that hint: what content-blind
-  routing uses).
+  routing uses). When `F` averages the outcomes taught (`selected`: the backend's reported
+  acceptance), it is an average of what the router chose to send: mostly the kinds that pay on
+  EAGLE, so a kind rarely sent would be shrunk toward a factor too fast for it. So `shift` is
+  added to it: the mean of the model's predicted deviation from `F` over every request predicted
+  less its mean over the requests whose outcomes taught it (each over `window` samples, from a
+  prior of 0), as of the last outcome taught -- the regression estimate of the traffic's average
+  from a selected sample. It is
+  0 while the model knows nothing or routing does not depend on content, and it needs no
+  probability of being sent.
 
 The prediction is `F + c * (yhat - F)`: `c` is the regression coefficient of the observed
 `y - F` on the model's `yhat - F`, measured out of sample (before each outcome teaches the
 model) as running means, clipped to [0, 1], and lowered for a request whose tokens are mostly
 unseen. A model that does not beat the pool average gets `c` near 0 and the request is
-predicted at `F`; a request with nothing known is predicted at `F`: never-seen traffic is
-routed as content-blind routing routes it.
+predicted at `F`; a request with nothing known is predicted at `F` (with `shift`: the average
+that content-blind routing, sending a sample of the traffic that does not depend on content,
+would learn): never-seen traffic is routed as content-blind routing routes it.
 
 Each outcome's influence is bounded (a robust loss in log space): its error is clipped to
 `step_bound` -- `CLIP_SIGMAS` times the model's out-of-sample error, within [MIN_STEP, MAX_STEP]
 -- before it moves a weight or an offset, so an absurd outcome (a client that reads slowly makes
-its requests look slow) moves a shared weight by at most `rate x step_bound`. Within a family, a
-client whose recent share of the family's outcomes is above an equal share teaches the shared
-weights in proportion less (`_Family.share_weight`).
+its requests look slow) moves a shared weight (one taught `1 / rate` times or more) by at most
+`rate x step_bound`. Within a family, a client whose recent share of the family's outcomes is
+above an equal share teaches the shared weights in proportion less (`_Family.share_weight`).
 
 Uncertainty (`predict_spread`): the standard deviation, in log space, of the request's expected
 factor -- what exploring could still find out, not how much one request's outcome scatters. One
@@ -89,6 +103,8 @@ CLIENT_WEIGHT = 8
 EVIDENCE_CAP = 64
 """Outcomes at most that one token counts for in the evidence behind a prediction (a word every
 kind of request shares must not make a never-tried kind look known)."""
+SHIFT_PRIOR = 10.0
+"""Weight, in samples, of the prior 0 of `shift`'s two means: a few requests do not move `F`."""
 PRIOR_VAR = 0.3**2
 """Spread (log space, squared) of requests' factors around the pool average before any outcome:
 published per-task acceptance ranges from about 0.6x to 1.5x of the average."""
@@ -231,6 +247,14 @@ class AcceptanceModel:
         # out of sample: the prediction's squared error, and the pool average's (y - F)^2
         self.res2 = ShrunkMean(PRIOR_VAR)
         self.pop2 = ShrunkMean(PRIOR_VAR)
+        # the model's predicted deviation from F: over every request predicted, and over the
+        # requests whose outcomes taught it (their difference is `shift`)
+        self.traffic = ShrunkMean(0.0)
+        self.sent = ShrunkMean(0.0)
+        self.shift = 0.0
+        """What to add to a fallback that averages the outcomes taught, for it to average the
+        requests predicted (see the module docstring): their means' difference as of the last
+        outcome taught, within +-MAX_STEP (predicting does not change what is predicted)."""
         self.taught = 0
         self.asked = 0
         """Predictions made (the clock a family's evidence grows stale by)."""
@@ -271,26 +295,42 @@ class AcceptanceModel:
             seen = max(seen, shrink)
         return lin, mean, seen, fam
 
-    def predict(self, features: RequestFeatures, hint: str | None, fallback: float) -> float:
-        """log speed factor for the request, between the model and `fallback` by confidence."""
+    def predict(
+        self, features: RequestFeatures, hint: str | None, fallback: float, *, selected: bool = False
+    ) -> float:
+        """log speed factor for the request, between the model and `fallback` by confidence
+        (`selected`: `fallback` averages the outcomes taught, and is corrected by `shift`)."""
         if not self.taught:
             return fallback
+        if selected:
+            fallback += self.shift
         yhat, _, seen, _ = self._estimate(self._indices(features, hint), features.family)
         return _clip(fallback + self.confidence(seen) * (yhat - fallback))
 
     def predict_spread(
-        self, features: RequestFeatures, hint: str | None, fallback: float, fallback_n: float
+        self,
+        features: RequestFeatures,
+        hint: str | None,
+        fallback: float,
+        fallback_n: float,
+        *,
+        selected: bool = False,
     ) -> tuple[float, float]:
         """(log speed factor as `predict` gives it, its standard deviation in log space); see the
-        module docstring. `fallback_n`: the samples behind `fallback`."""
+        module docstring. `fallback_n`: the samples behind `fallback`. A call is a request
+        predicted: it counts in `shift`'s average over the requests predicted."""
         self.asked += 1
         pop2 = self.pop2.value
         base = pop2 / (1.0 + fallback_n)
         if not self.taught:
+            self.traffic.add(0.0, SHIFT_PRIOR, self._window)
             return fallback, math.sqrt(pop2 + base)
         idx = self._indices(features, hint)
         yhat, _, seen, fam = self._estimate(idx, features.family)
         trust = self.confidence(seen)
+        self.traffic.add(_unit(trust * (yhat - fallback)), SHIFT_PRIOR, self._window)
+        if selected:
+            fallback += self.shift
         mean = _clip(fallback + trust * (yhat - fallback))
         count = self._count
         evidence = sum([min(count[i], EVIDENCE_CAP) for i in idx[0]]) / len(idx[0])
@@ -311,16 +351,30 @@ class AcceptanceModel:
         return beta * (1.0 if seen > 0.5 else 2.0 * seen)
 
     def learn(
-        self, features: RequestFeatures, hint: str | None, target: float, fallback: float, client: int = 0
+        self,
+        features: RequestFeatures,
+        hint: str | None,
+        target: float,
+        fallback: float,
+        client: int = 0,
+        *,
+        selected: bool = False,
     ) -> None:
         """Learn from one outcome: `target` is its observed log speed factor, `fallback` what the
-        pool average predicted for it, `client` who sent the request (0: unknown)."""
+        pool average predicted for it (`selected` as in `predict`), `client` who sent the
+        request (0: unknown)."""
         if not math.isfinite(target) or not math.isfinite(fallback):
             return
         y = _clip(target)
         idx = self._indices(features, hint)
         yhat, mean, seen, fam = self._estimate(idx, features.family)
         window = self._window
+        deviation = self.confidence(seen) * (yhat - fallback) if self.taught else 0.0
+        self.sent.add(_unit(deviation), SHIFT_PRIOR, window)
+        d = self.traffic.value - self.sent.value
+        self.shift = MAX_STEP if d > MAX_STEP else -MAX_STEP if d < -MAX_STEP else d
+        if selected:
+            fallback += self.shift
         share = 1.0 if fam is None else fam.share_weight(client)
         if share == 1.0:  # a client beyond its share does not sway how far the model is trusted
             if self.taught:
@@ -334,14 +388,16 @@ class AcceptanceModel:
         self.taught += 1
         bound = self.step_bound()
         err = share * max(-bound, min(bound, y - yhat))
-        step = self._rate * err
+        rate = self._rate
         w, count = self._w, self._count
         for i in idx[0]:
-            if count[i]:
-                w[i] += step
+            c = count[i]
+            if c:  # the mean of what the token was taught, then an EWMA over 1 / rate outcomes
+                r = 1.0 / (c + 1)
+                w[i] += (r if r > rate else rate) * err
             else:
-                w[i] = mean + step  # a new token starts at the text part's estimate
-            count[i] += 1
+                w[i] = mean + err  # a new token starts at the text part's estimate
+            count[i] = c + 1
         p, pstep = self._p, self._param_rate * err
         for j in idx[1]:
             p[j] += pstep
@@ -395,6 +451,9 @@ class AcceptanceModel:
             "var": [self.var.n, self.var.value],
             "res2": [self.res2.n, self.res2.value],
             "pop2": [self.pop2.n, self.pop2.value],
+            "traffic": [self.traffic.n, self.traffic.value],
+            "sent": [self.sent.n, self.sent.value],
+            "shift": self.shift,
             "taught": self.taught,
             "asked": self.asked,
         }
@@ -440,7 +499,7 @@ class AcceptanceModel:
                 pairs = [(min(k, CLIENT_WEIGHT), v) for k, _, v in fam.clients.values()]
                 fam.offset = sum(a * v for a, v in pairs) / sum(a for a, _ in pairs)
         means = []
-        for key in ("cov", "var", "res2", "pop2"):
+        for key in ("cov", "var", "res2", "pop2", "traffic", "sent"):
             pair = field(s, key, what)
             if not isinstance(pair, list) or len(pair) != 2:
                 raise StateError(f"{what}: {key} must be [samples, value]")
@@ -450,13 +509,21 @@ class AcceptanceModel:
         params = unpack(field(s, "params", what), "<f8", what, param_dim)
         taught = count(field(s, "taught", what), what)
         asked = count(field(s, "asked", what), what)
+        shift = number(field(s, "shift", what), what)
+        if abs(shift) > MAX_STEP:
+            raise StateError(f"{what}: shift is beyond +-MAX_STEP")
         self._w, self._count, self._p, self._families = w, counts, params, families
-        self.cov, self.var, self.res2, self.pop2 = means
-        self.taught, self.asked = taught, asked
+        self.cov, self.var, self.res2, self.pop2, self.traffic, self.sent = means
+        self.taught, self.asked, self.shift = taught, asked, shift
 
 
-STATE_VERSION = 2
-"""The layout of `AcceptanceModel.state()` (1: before per-client families and the spread)."""
+STATE_VERSION = 3
+"""The layout of `AcceptanceModel.state()` (1: before per-client families and the spread; 2:
+before `shift`'s means)."""
+
+
+def _unit(x: float) -> float:
+    return 1.0 if x > 1.0 else -1.0 if x < -1.0 else x
 
 
 def _clip(x: float) -> float:

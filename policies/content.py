@@ -5,7 +5,9 @@ request with features (`RequestInfo.features`) it asks `policies.acceptance.Acce
 for the request's log speed factor, with the content-blind estimate as the fallback `F`:
 
 - when the backend reports acceptance (`spec_details`): `F` is the calibrated acceptance of
-  the request's hint (or of untagged requests), and the factor is the acceptance itself;
+  the request's hint (or of untagged requests), and the factor is the acceptance itself. That
+  calibrated mean averages what the router sent to EAGLE, so the model corrects it for the
+  selection (`AcceptanceModel.shift`; not a hint's told prior, which no outcome taught);
 - timing only: `F` is the eagle pool's calibrated speed plus the hint's term, and the factor
   replaces the pool's mean (the load buckets' deviation from it stays);
 - without calibration: `F` is the hint's `hint_speedup` (1 without one).
@@ -45,12 +47,15 @@ class ContentAcceptance:
             return None
         return accept / self._profile_accept
 
-    def _fallback(self, hint: str | None, cal: SpeedCalibration | None) -> float:
+    def _fallback(self, hint: str | None, cal: SpeedCalibration | None) -> tuple[float, bool]:
+        """(`F`, whether it is an average of the outcomes taught: then the model corrects it for
+        which requests were sent, `AcceptanceModel.shift`)."""
         if cal is None:
-            return math.log(self._hint_speedup.get(hint, 1.0)) if hint is not None else 0.0
+            return (math.log(self._hint_speedup.get(hint, 1.0)) if hint is not None else 0.0), False
         if cal.accept_reported:
-            return cal.log_hint(hint)
-        return cal.pool["eagle"].value + cal.log_hint(hint)
+            told = hint is not None and cal.hints.get(hint) is None and hint in self._hint_speedup
+            return cal.log_hint(hint), not told
+        return cal.pool["eagle"].value + cal.log_hint(hint), False
 
     @staticmethod
     def _fallback_n(hint: str | None, cal: SpeedCalibration | None) -> float:
@@ -70,8 +75,10 @@ class ContentAcceptance:
         if features is None:
             return None
         hint = request.hint
-        fallback = self._fallback(hint, cal)
-        y, sd = self.model.predict_spread(features, hint, fallback, self._fallback_n(hint, cal))
+        fallback, selected = self._fallback(hint, cal)
+        y, sd = self.model.predict_spread(
+            features, hint, fallback, self._fallback_n(hint, cal), selected=selected
+        )
         if cal is not None and not cal.accept_reported:
             return math.exp(y - cal.pool["eagle"].value), math.exp(y), sd
         return math.exp(y), math.exp(y), sd
@@ -87,11 +94,11 @@ class ContentAcceptance:
         if features is None:
             return rate_ratio
         hint = request.hint
-        fallback = self._fallback(hint, cal)
+        fallback, selected = self._fallback(hint, cal)
         accept = outcome.accept_length
         if accept is not None and accept > 0.0 and self._profile_accept:
             y = math.log(accept / self._profile_accept)
-            self.model.learn(features, hint, y, fallback, request.client)
+            self.model.learn(features, hint, y, fallback, request.client, selected=selected)
             return rate_ratio
         if rate_ratio is None or not rate_ratio > 0.0:
             return rate_ratio

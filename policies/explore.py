@@ -15,10 +15,11 @@ pool is chosen, the explorer draws how much faster on EAGLE the request might pl
 
 Both find what pays where the pool average hides it (tests/policies/test_explore.py). Where
 nothing is to be found they differ: in the simulated twin of issue 33's live setting with
-acceptance that does not depend on content, Thompson sampling explored 0.28% of decisions and
-spent 8% of its budget for nothing, the optimistic bound none; with the live setting's rules
-(code 1.5x, prose 0.7x) 1.8% and 38% against 1.2% and 18%, the same mean end-to-end time and a
-lower p99 for the bound (`benchmarks/content_routing_explore.py`, 10 seeds).
+acceptance that does not depend on content, Thompson sampling explored 0.2% of decisions and
+spent 6% of its budget for nothing, the optimistic bound none; with the live setting's rules
+(code 1.5x, prose 0.7x) 1.3% and 32% against 0.7% and 7%, and the bound's mean and p99 end-to-end
+times against content-blind routing's were -1.9% and +3.7% against Thompson's -1.7% and +4.6%
+(`benchmarks/content_routing_explore.py`, 10 seeds).
 
 If EAGLE is cheaper at that factor (the policy's own comparison, re-run with it), the request goes
 to EAGLE with reason `explore`, provided the budget covers the predicted regret: the cost by

@@ -36,9 +36,11 @@ Predicted beside measured: `specroute bench --prompts` (the prompts' domains as 
 `--together --rounds 1` of a plain and an EAGLE-3 server (plain0, eagle1), each reached through
 a `serve` pinned to its pool, alone and together in turn: one co-located profile with per-domain
 factors that pays what the configurations pay (the proxy hop, the load generator, the serves on
-the same two cores). It is measured twice: before the configurations' serves start (the profile
-they run with) and again with all of them up, just before the cells (the one simulate and plan
-predict from). `specroute simulate` of every configuration (the aware pairs as told each
+the same two cores). It is measured before the configurations' serves start (the profile they
+run with) and again, with all of them up, just before each level's cells, at that level and the
+ones below it: simulate and plan predict each level from the profile measured just before it (a
+shared machine's speed drifts by more over the whole run than over one level's cells).
+`specroute simulate` of every configuration (the aware pairs as told each
 request's domain: content learned perfectly; the blind pair with the domains hidden from the
 policy, `--hints-hidden`; two servers of one kind share the cores as the
 pair does) and `specroute plan` of two servers on the 50/50 traffic at each concurrency, its
@@ -50,7 +52,7 @@ difference holds zero are tied; the plan agrees when it puts none above one meas
     ... real_engine.py --quick        # 50/50 at c=1 and 2, 12 requests per cell
 
 On a quiet 2-core machine the run above (50/50 80, code and prose only 60 per cell) takes
-about 31 minutes, `--traffic mixed` about 21, `--quick` about 7 (10 on a busy machine; the
+about 45 minutes, `--traffic mixed` about 32, `--quick` about 8 (10 on a busy machine; the
 build, when not cached, a few more). Every figure is a wall-clock speed: run it on a quiet
 machine. `--markdown FILE` prints the tables of a report `--out` wrote.
 """
@@ -82,6 +84,7 @@ import servers
 
 from controller.cli import spawn
 from policies.stats import Estimate, estimate, interval
+from simulator.planning.plan import DEFAULT_TIE_WITHIN as PLAN_TIE
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 64
@@ -480,34 +483,40 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: EAGLE-3 share by domain {during} during {w} never-seen warm-up prompts "
                   f"(concurrency 2), {then} of the next {w} (n by domain {counts})")  # fmt: skip
 
-        # the profile simulate and plan predict from: measured again with every serve up, as the
-        # cells run (the serves' scrapes and the machine's drift since the first one included)
-        merged = profile(urls, work / "pair-colocated.json", args.concurrency, args.profile_requests)
-        doc = json.loads(merged.read_text())
-        report["profile"] = doc
-        print(f"profile: eagle accept length {doc['modes']['eagle'].get('accept_length')}, "
-              f"per domain {doc['modes']['eagle'].get('categories')}")  # fmt: skip
+        # the profiles simulate and plan predict from: one per level, measured with every serve
+        # up just before that level's cells, at that level and the ones below it (the batches its
+        # servers see): the machine's speed drifts by more over the whole run than over a level
         cells: list[Cell] = []
-        for traffic in args.traffic:
-            for level in args.concurrency:
+        profiles: dict[int, Path] = {}
+        report["profiles"] = {}
+        for level in args.concurrency:
+            below = [lv for lv in args.concurrency if lv <= level]
+            out = work / f"pair-colocated-{level}.json"
+            profiles[level] = profile(urls, out, below, args.profile_requests)
+            doc = json.loads(profiles[level].read_text())
+            report["profiles"][level] = doc
+            print(f"profile for c={level}: eagle accept length {doc['modes']['eagle'].get('accept_length')}, "
+                  f"per domain {doc['modes']['eagle'].get('categories')}")  # fmt: skip
+            for traffic in args.traffic:
                 n = args.requests if traffic == "mixed" else args.single_requests
                 here = [c for c in configs if not c.mixed_only or traffic == "mixed"]
                 cells += run_cell(urls, here, traffic, level, n, args.blocks)
                 print(f"{traffic} c={level} done ({time.monotonic() - started:.0f} s since the start)")
-        prompt_tokens = median_prompt_tokens(up["plain0"].url)
-        predictions = {}
+        prompt_tokens = report["prompt_tokens"] = median_prompt_tokens(up["plain0"].url)
+        predictions: dict[tuple[str, str], dict[int, float]] = {}
         for config in configs:
             if config.simulate is None:
                 continue
             for traffic in args.traffic:
-                predictions[(config.key, traffic)] = simulated(
-                    config, merged, traffic, args.concurrency, SIMULATED, prompt_tokens
-                )
+                for level in args.concurrency:
+                    predictions.setdefault((config.key, traffic), {}).update(
+                        simulated(config, profiles[level], traffic, [level], SIMULATED, prompt_tokens)
+                    )
         rankings = {}
         if "mixed" in args.traffic:
             for level in args.concurrency:
                 try:
-                    rankings[level] = planned(merged, level, SIMULATED, prompt_tokens, work)
+                    rankings[level] = planned(profiles[level], level, SIMULATED, prompt_tokens, work)
                 except RuntimeError as e:
                     print(f"plan at c={level} failed: {e}")
         report.update(summary(configs, cells, predictions, rankings, args))
@@ -616,7 +625,7 @@ def summary(
             }
             for level, ranking in rankings.items():
                 here = {names[k]: by[(k, "mixed", level)].e2e() for k in names if (k, "mixed", level) in by}
-                judged = plan_verdict([row.split(" ")[0] for row in ranking], here)
+                judged = plan_verdict([row.split(" ")[0] for row in ranking], here, plan_means(ranking))
                 print(f"c={level}: plan {ranking}; measured {judged['measured']}: {judged['says']}")
                 out["plan"][level] = {"plan": ranking, **judged}
         within = [
@@ -630,13 +639,28 @@ def summary(
     return out
 
 
-def plan_verdict(plan: Sequence[str], measured: dict[str, dict[int, float]]) -> dict[str, Any]:
+def plan_means(ranking: Sequence[str]) -> dict[str, float]:
+    """The predicted mean of each deployment in `plan_ranking`'s rows (those that give one)."""
+    out = {}
+    for row in ranking:
+        words = row.split(" ")
+        if len(words) >= 3 and words[-1] == "s":
+            out[words[0]] = float(words[-2])
+    return out
+
+
+def plan_verdict(
+    plan: Sequence[str], measured: dict[str, dict[int, float]], predicted: dict[str, float] | None = None
+) -> dict[str, Any]:
     """Whether `plan`'s order (deployment names, best first) ranks the configurations as measured.
 
     Two configurations are ordered when the 95% interval of their difference, paired by prompt
     (every configuration answered the same prompts), excludes zero; otherwise they are tied, and
-    either order agrees with the measurement. The plan agrees when it puts no configuration
-    above one measured faster. `measured` gives each configuration's e2e by prompt index."""
+    either order agrees with the measurement. Likewise the plan ties two whose `predicted` means
+    are within `PLAN_TIE` of each other (`plan`'s own rule): its order between them is no claim.
+    The plan agrees when it puts no configuration above one measured faster. `measured` gives
+    each configuration's e2e by prompt index."""
+    predicted = predicted or {}
     means = {k: statistics.mean(v.values()) for k, v in measured.items() if v}
     order = sorted(means, key=means.__getitem__)
     ordered, inverted = [], []
@@ -649,7 +673,9 @@ def plan_verdict(plan: Sequence[str], measured: dict[str, dict[int, float]]) -> 
             if diff.low > 0:
                 ordered.append((fast, slow))
                 if fast in plan and slow in plan and plan.index(slow) < plan.index(fast):
-                    inverted.append((fast, slow))
+                    a, b = predicted.get(fast), predicted.get(slow)
+                    if a is None or b is None or a - b > PLAN_TIE * min(a, b):
+                        inverted.append((fast, slow))
     shown = "".join(
         k + ("" if j + 1 == len(order) else " < " if (k, order[j + 1]) in ordered else " ~ ")
         for j, k in enumerate(order)

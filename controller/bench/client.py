@@ -215,6 +215,8 @@ async def one_request(
         r.accept_length = accept_length(spec, r.completion_tokens)
     elif vllm_spec is not None:
         r.accept_length = vllm_accept_length(vllm_spec)
+        depth = vllm_spec.get("num_spec_tokens") if isinstance(vllm_spec, dict) else None
+        r.draft_tokens = depth if isinstance(depth, int) and not isinstance(depth, bool) else None
     if r.error is None:
         if events == 0:
             r.error = "no SSE events in the response (does the server stream?)"

@@ -26,6 +26,8 @@ from policies.profile import Profile, parse_profile
 from policies.stats import Estimate, estimate, ratio_relative_half_width
 
 FORMAT = "specroute.bench/v1"
+MAX_DRAFT_DEPTH = 16
+"""The deepest draft a profile records (`ModeProfile.speculative_num_steps`)."""
 
 Phase = Literal["warmup", "measured", "filler"]
 
@@ -54,6 +56,9 @@ class RequestResult:
     accept_length: float | None = None
     """Tokens per verify step the server reported for this request (SGLang's
     `spec_tokens_details`, asked for when the prompts have categories)."""
+    draft_tokens: int | None = None
+    """Draft tokens per verify step the server ran this request with (vLLM's per-request
+    `num_spec_tokens`): the depth an eagle profile's points were measured at."""
 
     @property
     def ok(self) -> bool:
@@ -249,6 +254,23 @@ class BenchResult:
             raise ResultFileError(f"{p}: not valid JSON: {e}") from None
         return cls.from_json(data, str(p))
 
+    def draft_depth(self, info: Mapping[str, Any]) -> int | None:
+        """The draft depth the server ran at: SGLang's `speculative_num_steps` (`/server_info`),
+        else the depth most of the measured requests reported (vLLM's per-request
+        `num_spec_tokens`, also through specroute); None when neither says. Without it the
+        adaptive-server model assumes SGLang's usual 3 (`policies.adaptive`), which mispredicts
+        a server drafting 2."""
+        reported = _depth(info.get("speculative_num_steps"))
+        if reported is not None:
+            return reported
+        depths: dict[int, int] = {}
+        for lv in self.levels:
+            for r in lv.requests:
+                d = _depth(r.draft_tokens) if r.phase == "measured" else None
+                if d is not None:
+                    depths[d] = depths.get(d, 0) + 1
+        return max(depths, key=lambda d: (depths[d], -d)) if depths else None
+
     def to_profile(self, mode: Pool, name: str | None = None) -> Profile:
         """A one-mode `specroute.profile/v1` profile: a point per level with decode samples.
 
@@ -287,6 +309,9 @@ class BenchResult:
             accept = sum(own) / len(own) if own else None
         if mode == "eagle" and isinstance(accept, int | float) and accept > 0:
             mode_data["accept_length"] = round(float(accept), 4)
+        depth = self.draft_depth(info) if mode == "eagle" else None
+        if depth is not None:
+            mode_data["speculative_num_steps"] = depth
         categories = self.metadata.get("category_factors")
         if mode == "eagle" and isinstance(categories, dict) and categories:
             mode_data["categories"] = categories
@@ -307,6 +332,13 @@ class BenchResult:
         if info.get("engine") in ("sglang", "vllm"):
             data["engine"] = info["engine"]  # `plan` writes launch lines for it
         return parse_profile(data, "<bench result>")
+
+
+def _depth(value: object) -> int | None:
+    """A draft depth a profile can hold (`ModeProfile.speculative_num_steps`), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_DRAFT_DEPTH:
+        return value
+    return None
 
 
 def robust(e: Estimate) -> float:

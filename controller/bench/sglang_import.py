@@ -42,6 +42,7 @@ def parse_server_info(info: Any) -> dict[str, Any]:
         "avg_spec_accept_length": None,
         "max_running_requests": None,
         "speculative_algorithm": None,
+        "speculative_num_steps": None,
     }
     if not isinstance(info, dict):
         return out
@@ -55,6 +56,9 @@ def parse_server_info(info: Any) -> dict[str, Any]:
     out["max_running_requests"] = server_info_cap(info)
     algo = info.get("speculative_algorithm")
     out["speculative_algorithm"] = algo if isinstance(algo, str) else None
+    steps = info.get("speculative_num_steps")
+    if algo and isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
+        out["speculative_num_steps"] = steps
     return out
 
 

@@ -50,6 +50,7 @@ class Pacing:
         default_factory=lambda: {
             "max_running_requests": 48,
             "speculative_algorithm": "EAGLE3",
+            "speculative_num_steps": 3,
             "internal_states": [{"avg_spec_accept_length": 2.5, "last_gen_throughput": 100.0}],
         }
     )
@@ -191,6 +192,9 @@ async def test_decode_rate_at_concurrency_1_matches_pacing(server: Running) -> N
     assert body["model"] == "fake-model" and body["messages"][0]["role"] == "user"
     assert result.metadata["server_info"]["avg_spec_accept_length"] == 2.5
     assert result.metadata["server_info"]["max_running_requests"] == 48
+    # the depth it drafts at (`--speculative-num-steps`), which the adaptive-server model scales from
+    assert result.to_profile("eagle").mode("eagle").speculative_num_steps == 3
+    assert result.to_profile("baseline").mode("baseline").speculative_num_steps is None
 
 
 @pytest.mark.parametrize(

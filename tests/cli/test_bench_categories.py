@@ -148,6 +148,9 @@ async def test_a_vllm_server_gets_accept_lengths_per_request_or_from_its_counter
     assert eagle.categories == pytest.approx(
         {"code": 4 / eagle.accept_length, "prose": 2 / eagle.accept_length}, rel=1e-3
     )
+    # the draft depth the adaptive-server model scales from: each request's num_spec_tokens; the
+    # counters alone do not say it
+    assert eagle.speculative_num_steps == (4 if per_request else None)
 
 
 def stepping_vllm(step_s: float) -> web.Application:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 
 import pytest
 from helpers import Routed
@@ -71,6 +72,67 @@ def test_unknown_or_content_independent_traffic_is_predicted_at_the_fallback() -
         m.learn(prompt(rng.choice(("code", "prose")), rng), None, rng.gauss(0.1, 0.1), 0.1)
     preds = [m.predict(prompt(k, rng), None, 0.1) for k in ("code", "prose") for _ in range(20)]
     assert max(abs(p - 0.1) for p in preds) < 0.05
+
+
+SHARED = "the a of and to in is what it for".split()
+"""Words every kind of request uses."""
+KINDS = {"other": "solve compute total how many price each left".split(), **WORDS}
+
+
+def kind_prompt(kind: str, rng: random.Random) -> RequestFeatures:
+    text = [rng.choice(KINDS[kind]) for _ in range(8)] + rng.sample(SHARED, 5) + [f"x{rng.randrange(10**6)}"]
+    return extract_features({"messages": [{"role": "user", "content": " ".join(text)}]}, "chat")
+
+
+def selected_run(truth: dict[str, float], send: dict[str, float], n: int) -> tuple[AcceptanceModel, float]:
+    """Traffic of equal shares of `truth`'s kinds (their words plus words they all share), each
+    request predicted, and sent to EAGLE (where its outcome teaches) with its kind's probability
+    in `send`; the fallback is the mean of what was sent, as the calibration keeps it. Returns the
+    model and that fallback."""
+    rng = random.Random(10)
+    m, sent, total = AcceptanceModel(), 0, 0.0
+    for _ in range(n):
+        kind = rng.choice(list(truth))
+        f = kind_prompt(kind, rng)
+        fallback = total / sent if sent else 0.0
+        m.predict_spread(f, None, fallback, sent, selected=True)
+        if rng.random() < send[kind]:
+            y = math.log(truth[kind]) + rng.gauss(0, 0.05)
+            m.learn(f, None, y, fallback, selected=True)
+            sent, total = sent + 1, total + y
+    return m, total / sent
+
+
+def test_a_rarely_sent_kind_is_learned_and_the_fallback_is_the_traffics() -> None:
+    """Issue 33: the router sends code to EAGLE nearly always and prose rarely, so the pool average
+    of what was sent is mostly code's. Corrected by `shift`, the fallback is the traffic's average
+    (what a content-blind router's sample would average), and prose's few outcomes teach its words
+    its factor although the words it shares with every kind are pulled toward the others'."""
+    truth = {"code": 1.5, "prose": 0.7, "other": 1.0}
+    m, pooled = selected_run(truth, {"code": 0.95, "prose": 0.2, "other": 0.4}, 600)
+    traffic = sum(math.log(f) for f in truth.values()) / len(truth)
+    assert pooled - traffic > 0.1  # the outcomes' average is biased toward code's
+    assert abs(pooled + m.shift - traffic) < 0.05, (pooled, m.shift, traffic)
+    rng = random.Random(11)
+    for kind, factor in truth.items():
+        got = [math.exp(m.predict(kind_prompt(kind, rng), None, pooled, selected=True)) for _ in range(20)]
+        assert abs(statistics.median(got) / factor - 1) < 0.08, (kind, got)
+    # predicting does not change what is predicted: the correction moves when an outcome teaches
+    probe = kind_prompt("prose", rng)
+    first = m.predict_spread(probe, None, pooled, 100.0, selected=True)[0]
+    for _ in range(50):
+        m.predict_spread(kind_prompt("code", rng), None, pooled, 100.0, selected=True)
+    assert m.predict_spread(probe, None, pooled, 100.0, selected=True)[0] == first
+    # a request of words never taught is predicted at the corrected fallback
+    novel = " ".join(f"novel{k}" for k in range(60))
+    unseen = extract_features({"messages": [{"role": "user", "content": novel}]}, "chat")
+    assert m.predict(unseen, None, pooled, selected=True) == pytest.approx(pooled + m.shift, abs=0.01)
+    # routing that does not depend on content (or acceptance that does not): nothing to correct
+    even, _ = selected_run(truth, {"code": 0.5, "prose": 0.5, "other": 0.5}, 600)
+    flat, _ = selected_run(
+        {"code": 1.0, "prose": 1.0, "other": 1.0}, {"code": 0.95, "prose": 0.2, "other": 0.4}, 600
+    )
+    assert abs(even.shift) < 0.03 and abs(flat.shift) < 0.01, (even.shift, flat.shift)
 
 
 def test_deterministic_and_bounded() -> None:

@@ -231,6 +231,8 @@ CONTENT_BROKEN = [
     ({("family_keys",): [1, 2, 3]}, "base64 string"),
     ({("client_offsets",): "AAAA"}, "8-byte"),
     ({("cov",): [1]}, "samples"),
+    ({("sent",): [1, math.nan]}, "finite"),
+    ({("shift",): 5.0}, "beyond"),
     ({("taught",): -1}, "non-negative"),
     ({("version",): None}, "version"),
 ]  # fmt: skip

@@ -164,10 +164,11 @@ async def test_serve_explores_and_learns_never_seen_task_types(
     """Issue 33's live setting: serve (cost_model, the kimi profile, spec_details) in front of a plain
     and an EAGLE-3 emulator whose acceptance follows rules by task type (code 1.5, prose 0.7, the
     rest 1.0); 300 never-seen prompts of six task types, 3 clients at a time. In the second half
-    EAGLE-3 serves at least 30 requests, code is predicted faster there and prose slower, code goes
-    there far more often than prose, and the factor the policy predicted is within 12% (median) of
-    what the backend reported. (How its mean e2e compares with content-blind routing is measured in
-    benchmarks/content_routing_live.py.)"""
+    EAGLE-3 serves at least 30 requests, each kind is predicted near its factor there (prose,
+    rarely sent, included: its few outcomes are not shrunk toward the code-heavy average of what
+    was sent), code goes there far more often than prose, and the factor the policy predicted is
+    within 12% (median) of what the backend reported. (How its mean e2e compares with content-blind
+    routing is measured in benchmarks/content_routing_live.py.)"""
     scale = 0.05
     profile_path = tmp_path / "kimi-wall.json"
     profile_path.write_text(server_profile(KIMI, speed={"baseline": 1 / scale, "eagle": 1 / scale}).to_json())
@@ -212,13 +213,16 @@ async def test_serve_explores_and_learns_never_seen_task_types(
     def predicted(kind: str) -> float:
         return statistics.median(x["accept_factor_predicted"] for k, x in late if k == kind)
 
-    # what was learned, for task types never seen before the run: code (1.5x) predicted well above
-    # 1 and prose (0.7x) below it (measured 1.44-1.45 and 0.81-0.90 over four runs)
-    assert predicted("code") >= 1.3 and predicted("prose") <= 0.95, (predicted("code"), predicted("prose"))
-    # and used: code goes to EAGLE-3 far more often than prose. Not 3x: prose still goes to an idle
-    # EAGLE-3 while the plain server runs two requests (predicted to finish sooner there, reason
-    # `faster_eagle`), so prose's share varies from run to run (0.11-0.32 against code's 0.79-1.0,
-    # n=19 each, four runs); a content-blind router gives both the same share
+    # what was learned, for task types never seen before the run: code (1.5x) near 1.5, prose (0.7x)
+    # near 0.7 and the rest (1.0x) near 1 (medians over four runs: code 1.45-1.48, prose 0.70-0.73,
+    # the rest 0.99-1.02)
+    assert predicted("code") >= 1.3 and predicted("prose") <= 0.8, (predicted("code"), predicted("prose"))
+    for kind in ("math", "summarize", "extract", "longqa"):
+        assert 0.9 <= predicted(kind) <= 1.1, (kind, predicted(kind))
+    # and used: code goes to EAGLE-3 far more often than prose. Not always 3x: prose, known to be
+    # slower there, still goes to an idle EAGLE-3 while the plain server runs two requests (a third
+    # there would slow both: reason `cheaper_eagle`), so its share varies from run to run (0.11-0.32
+    # against code's 0.89-1.0, n=19 each, four runs); a content-blind router gives both the same share
     assert share("code") >= 0.6 and share("code") - share("prose") >= 0.3, (share("code"), share("prose"))
     served = [x for _, x in lines if x["pool"] == "eagle" and x["accept_factor_reported"] is not None]
     errors = [abs(x["accept_factor_reported"] / x["accept_factor_predicted"] - 1) for x in served]

