@@ -8,17 +8,17 @@ the request has ended feed an `Outcome` back through `policy.observe`. Nothing i
 `random.Random` that the caller seeds. That is what lets the simulator run the very same
 policy objects as the proxy and reproduce a run to the bit.
 
-Values, built once (the constructor-only rule). `BackendLoad`, `PoolLoad`, `LoadView`,
-`Decision` and `Outcome` are slotted dataclasses, not frozen ones: the simulator builds several
-per simulated request, and a frozen one costs several times as much to build, in pure Python and
-more so compiled (`benchmarks/value_build_cost.py`; `benchmarks/simulator_speed.py --against` a
-tree with them frozen shows the end-to-end cost). They are values all the same: every field is
-set by the constructor and never assigned again; a variant is a new value
-(`dataclasses.replace`). Whoever receives one may keep it (the simulator hands the same
-`BackendLoad` to several decisions while its server is unchanged).
-`tests/policies/test_values.py` enforces the rule: it makes the classes refuse a second
-assignment to a field and runs the routing core, every policy, the simulator and the proxy's
-view through them.
+Values, built once. `BackendLoad` and `Decision` refuse an assignment to (or a deletion of) a
+field: it raises `dataclasses.FrozenInstanceError`, in the pure Python and in the compiled build
+alike; a variant is a new value (`dataclasses.replace`; `copy` and `pickle` work). They are
+slotted classes whose constructors set each field once through `object.__setattr__`, which mypyc
+compiles to a plain store (`benchmarks/value_build_cost.py` gives what building one costs, and
+`benchmarks/simulator_speed.py --against` an older tree what it costs a simulated request).
+`PoolLoad`, `LoadView` and `Outcome` are slotted dataclasses kept to the same rule by the tests
+(`tests/policies/test_values.py` makes them refuse a second assignment and runs the routing
+core, every policy, the simulator and the proxy's view through them). Whoever receives a value
+may keep it: the simulator hands the same `BackendLoad` to several decisions while its server is
+unchanged.
 """
 
 from __future__ import annotations

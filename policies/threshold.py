@@ -60,6 +60,9 @@ class ThresholdPolicy:
     def __init__(self, params: ThresholdParams, context: PolicyContext) -> None:
         self.params = params
         self._on_baseline = False
+        # its only two answers, built once (a `Decision` is an immutable value)
+        self._above = pool_decision("baseline", "above_threshold", policy=self.name)
+        self._below = pool_decision("eagle", "below_threshold", policy=self.name)
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         p = self.params
@@ -69,9 +72,7 @@ class ThresholdPolicy:
                 self._on_baseline = False
         elif load >= p.threshold:
             self._on_baseline = True
-        if self._on_baseline:
-            return pool_decision("baseline", "above_threshold", policy=self.name)
-        return pool_decision("eagle", "below_threshold", policy=self.name)
+        return self._above if self._on_baseline else self._below
 
     def observe(self, outcome: Outcome) -> None:
         pass

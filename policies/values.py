@@ -4,14 +4,15 @@ from there). A leaf module: it imports nothing of ours.
 Apart from `base` so that it can be compiled: `simulator.native` builds this module, the routing
 core, the view builder, `cost_model` and the engine's hot modules with mypyc for the simulator,
 and a module holding `runtime_checkable` protocols (`Policy`, `Resettable`) cannot be compiled.
-The rules of these values (built once, never assigned again) are in `policies.base`.
+The rules of these values (built once, never assigned again; `BackendLoad` and `Decision` refuse
+an assignment) are in `policies.base`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import FrozenInstanceError, dataclass, field, fields
+from typing import Any, Literal, cast
 
 Pool = Literal["baseline", "eagle"]
 POOLS: tuple[Pool, Pool] = ("baseline", "eagle")
@@ -89,6 +90,32 @@ HINT_HEADER = "x-specroute-hint"
 """The request header that carries `RequestInfo.hint` (read by the proxy and the emulator)."""
 
 
+class _Value:
+    """What makes `BackendLoad` and `Decision` values: assigning to or deleting a field raises
+    `dataclasses.FrozenInstanceError` (their constructors set each field once, through
+    `object.__setattr__`)."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(_refused(self, name))
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(_refused(self, name))
+
+    def __reduce__(self) -> tuple[type[_Value], tuple[object, ...]]:
+        # copy and pickle rebuild it through the constructor (their default sets each slot: refused)
+        return type(self), tuple(getattr(self, f.name) for f in fields(cast(Any, self)) if f.init)
+
+
+def _refused(value: object, name: str) -> str:
+    kind = type(value).__name__
+    return (
+        f"{kind} is a value: its field {name!r} cannot be assigned or deleted "
+        "(make a new one: dataclasses.replace)"
+    )
+
+
 def load_of(in_flight: int, running: int | None, queued: int | None) -> int:
     """A backend's load (`BackendLoad.load`): the larger of this replica's in-flight count and
     the backend-reported running + queued (`running` None: no fresh sample, in flight alone)."""
@@ -99,14 +126,15 @@ def load_of(in_flight: int, running: int | None, queued: int | None) -> int:
 
 
 @dataclass(slots=True, init=False)
-class BackendLoad:
+class BackendLoad(_Value):
     """Load of one backend as seen at decision time (built by `policies.view`, for the proxy and
     the simulator alike).
 
     `load` and `admits` are derived from the other fields by the constructor (the one place
     each rule is written) and stored, not computed per read: the routing core and the policies
     read them several times per decision, and a plain field costs a fifth of a property's read.
-    `dataclasses.replace` rebuilds them from the new fields."""
+    `dataclasses.replace` rebuilds them from the new fields. A value: assigning to a field raises
+    `dataclasses.FrozenInstanceError` (`policies.base`)."""
 
     name: str
     pool: Pool
@@ -158,20 +186,20 @@ class BackendLoad:
         full: bool = False,
         max_running: int | None = None,
     ) -> None:
-        self.name = name
-        self.pool = pool
-        self.usable = usable
-        self.in_flight = in_flight
-        self.in_flight_tokens = in_flight_tokens
-        self.running = running
-        self.queued = queued
-        self.accept_length = accept_length
-        self.sample_age_s = sample_age_s
-        self.cached_tokens = cached_tokens
-        self.full = full
-        self.max_running = max_running
-        self.load = load_of(in_flight, running, queued)
-        self.admits = usable and not full
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "usable", usable)
+        object.__setattr__(self, "in_flight", in_flight)
+        object.__setattr__(self, "in_flight_tokens", in_flight_tokens)
+        object.__setattr__(self, "running", running)
+        object.__setattr__(self, "queued", queued)
+        object.__setattr__(self, "accept_length", accept_length)
+        object.__setattr__(self, "sample_age_s", sample_age_s)
+        object.__setattr__(self, "cached_tokens", cached_tokens)
+        object.__setattr__(self, "full", full)
+        object.__setattr__(self, "max_running", max_running)
+        object.__setattr__(self, "load", load_of(in_flight, running, queued))
+        object.__setattr__(self, "admits", usable and not full)
 
     @property
     def scraped(self) -> int | None:
@@ -216,13 +244,14 @@ class LoadView:
 
 
 @dataclass(slots=True, init=False)
-class Decision:
+class Decision(_Value):
     """What a policy decided. `reason` is a short, bounded string (a metric label).
 
     A policy picks the pool; it may leave `backend` empty ("") and the routing core
     (`policies.routing.Router`) returns a completed copy with the backend within the pool and
     its `backend_load` (moved to the other pool, reason `<pool>_unavailable`, when its pool has
-    no backend that admits). A policy that names an admitting backend of its pool keeps it."""
+    no backend that admits). A policy that names an admitting backend of its pool keeps it.
+    A value: assigning to a field raises `dataclasses.FrozenInstanceError` (`policies.base`)."""
 
     pool: Pool
     backend: str
@@ -249,14 +278,14 @@ class Decision:
     ) -> None:
         # written out (not the dataclass's generated __init__): mypyc compiles this one
         # (`simulator.native`); None for a mapping is an empty one
-        self.pool = pool
-        self.backend = backend
-        self.reason = reason
-        self.predicted_ttft_s = {} if predicted_ttft_s is None else predicted_ttft_s
-        self.predicted_e2e_s = {} if predicted_e2e_s is None else predicted_e2e_s
-        self.backend_load = backend_load
-        self.policy = policy
-        self.accept_factor = accept_factor
+        object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "predicted_ttft_s", {} if predicted_ttft_s is None else predicted_ttft_s)
+        object.__setattr__(self, "predicted_e2e_s", {} if predicted_e2e_s is None else predicted_e2e_s)
+        object.__setattr__(self, "backend_load", backend_load)
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "accept_factor", accept_factor)
 
 
 class NoHealthyBackend(Exception):

@@ -19,6 +19,10 @@ policy sees cannot differ between them:
   estimate (`believed_cached`); the index learns a prompt when the request is dispatched there
   (`dispatched`), in the step that takes the slot.
 
+- **Reuse.** `BackendLoad` is an immutable value: a builder may hand the same one to several
+  decisions while its facts are unchanged (`backend_load` with `LastLoads`, for the proxy; the
+  simulator's one router rebuilds only the servers whose state changed).
+
 Pure code: no I/O, no clock (the caller passes `now`).
 """
 
@@ -32,6 +36,20 @@ from policies.replicas import believed_counts
 
 STALE_AFTER_S = 5.0
 """serve's `scrape_stale_after_s` default, and the simulated routers': older samples are ignored."""
+
+
+class LastLoads:
+    """Each backend's last `BackendLoad` and the facts it was built from, for a builder that makes
+    a view per decision (the proxy passes one to `backend_load`). `BackendLoad` is an immutable
+    value and `backend_load` a pure function of its arguments, of `now` only through a sample
+    (its age and staleness), so the same facts give an equal value: a backend without a sample
+    that nothing happened to since the last view keeps its value; one with a sample gets a new
+    one each time (its age has changed)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[tuple[object, ...], BackendLoad]] = {}
 
 
 def backend_load(
@@ -52,31 +70,37 @@ def backend_load(
     replicas: float = 1.0,
     cached_tokens: int = 0,
     max_running: int | None = None,
+    reuse: LastLoads | None = None,
 ) -> BackendLoad:
     """A backend's `BackendLoad` as one replica sees it at `now`: its own in-flight counts, and
     the last sample (taken at `sample_time`, when this replica had `sample_in_flight` requests
     there; None: the sample already counts them) corrected by `believed_counts`; a sample older
-    than `stale_after_s` (or none) leaves `running` None (own in-flight counts only)."""
+    than `stale_after_s` (or none) leaves `running` None (own in-flight counts only). With
+    `reuse`, the value built last for `name` when every argument is the same (`LastLoads`)."""
+    facts: tuple[object, ...] = ()
+    if reuse is not None:
+        facts = (
+            pool, in_flight, in_flight_tokens, usable, full, running, queued, sample_time,
+            sample_in_flight, accept_length, stale_after_s, replicas, cached_tokens, max_running,
+            None if sample_time is None else now,
+        )  # fmt: skip
+        last = reuse.last.get(name)
+        if last is not None and last[0] == facts:
+            return last[1]
     if sample_time is None or running is None or now - sample_time > stale_after_s:
-        return BackendLoad(
+        made = BackendLoad(
             name, pool, usable, in_flight, in_flight_tokens, None, None, None, None, cached_tokens, full,
             max_running,
         )  # fmt: skip
-    r, q = believed_counts(running, queued or 0, in_flight, sample_in_flight, replicas)
-    return BackendLoad(
-        name,
-        pool,
-        usable,
-        in_flight,
-        in_flight_tokens,
-        r,
-        q,
-        accept_length,
-        now - sample_time,
-        cached_tokens,
-        full,
-        max_running,
-    )
+    else:
+        r, q = believed_counts(running, queued or 0, in_flight, sample_in_flight, replicas)
+        made = BackendLoad(
+            name, pool, usable, in_flight, in_flight_tokens, r, q, accept_length, now - sample_time,
+            cached_tokens, full, max_running,
+        )  # fmt: skip
+    if reuse is not None:
+        reuse.last[name] = (facts, made)
+    return made
 
 
 def true_load(

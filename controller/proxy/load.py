@@ -42,7 +42,7 @@ from controller.proxy.config import BackendSpec
 from controller.proxy.engines import taken
 from policies.base import POOLS, LoadView, Pool
 from policies.prefix import DEFAULT_BLOCK_TOKENS, PrefixIndex
-from policies.view import STALE_AFTER_S, backend_load, believed_cached, dispatched, load_view
+from policies.view import STALE_AFTER_S, LastLoads, backend_load, believed_cached, dispatched, load_view
 
 
 @dataclass(slots=True)
@@ -133,6 +133,7 @@ class LoadTracker:
         """The `replicas` setting: this replica's traffic since a sample counts this many times
         (`policies.replicas.believed_counts`)."""
         self.pool_max_in_flight: dict[Pool, int | None] = {"baseline": None, "eagle": None}
+        self._loads = LastLoads()
 
     def __iter__(self) -> Iterator[BackendState]:
         return iter(self.backends.values())
@@ -186,6 +187,7 @@ class LoadTracker:
         stale, replicas = self.stale_after_s, self.replicas
         usable = {b.name for b in self.usable(now)}
         room = {p: self.pool_has_room(p, sequences) for p in POOLS}
+        reuse = self._loads
         return load_view(
             [
                 backend_load(
@@ -194,7 +196,7 @@ class LoadTracker:
                     cached_tokens=believed_cached(b.prefixes, blocks, prompt_tokens),
                     running=b.running, queued=b.queued, sample_time=b.sample_time,
                     sample_in_flight=b.sample_in_flight, accept_length=b.accept_length, now=now,
-                    stale_after_s=stale, replicas=replicas, max_running=b.max_running,
+                    stale_after_s=stale, replicas=replicas, max_running=b.max_running, reuse=reuse,
                 )
                 for b in self.backends.values()
             ]

@@ -1,15 +1,20 @@
-"""The constructor-only rule of `policies.base`: `BackendLoad`, `PoolLoad`, `LoadView`, `Decision`
-and `Outcome` are values; every field is set once, by the constructor, and never assigned again.
+"""The values of `policies.base`: every field is set once, by the constructor, and never assigned
+again.
 
-They are slotted dataclasses, not frozen ones, because a frozen dataclass costs about four times
-as much to build (`benchmarks/value_build_cost.py`). Here they are made to refuse a second
-assignment, and the routing core, every built-in policy, the simulator (one router, several
-routers, prefix caches, closed and open loops) and the proxy's view and failover path run through
-them: any code that changes a value after building it fails these tests.
+`BackendLoad` and `Decision` refuse an assignment or a deletion themselves
+(`dataclasses.FrozenInstanceError`), in the pure Python and in the compiled build
+(tests/simulator/test_native.py checks the build). `PoolLoad`, `LoadView` and `Outcome` are kept
+to the rule by these tests: they are made to refuse a second assignment, and the routing core,
+every built-in policy, the simulator (one router, several routers, prefix caches, closed and
+open loops) and the proxy's view and failover path run through them: any code that changes a
+value after building it fails these tests.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +29,8 @@ from simulator.engine.replica_views import PERFECT_VIEW, RouterSetup
 from simulator.engine.runner import PolicyChoice, run
 from simulator.engine.workloads import LengthSpec, WorkloadSpec, generate
 
-VALUES = (BackendLoad, PoolLoad, LoadView, Decision, Outcome)
+GUARDED = (PoolLoad, LoadView, Outcome)
+"""The values kept to the rule by these tests (`BackendLoad` and `Decision` refuse on their own)."""
 POLICIES = ["cost_model", "online", "threshold", "round_robin", "cache_only", "fixed"]
 PROFILE = "kimi-k25-int4-8gpu"
 
@@ -40,18 +46,64 @@ def _set_once(self: Any, name: str, value: Any) -> None:
 
 @pytest.fixture
 def set_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for cls in VALUES:
+    for cls in GUARDED:
         monkeypatch.setattr(cls, "__setattr__", _set_once)
     yield
 
 
 def test_the_guard_catches_a_mutation(set_once: None) -> None:
-    d = Decision("eagle", "", "x")
-    with pytest.raises(AssertionError, match=r"Decision\.backend assigned after construction"):
-        d.backend = "e0"
-    b = BackendLoad("b0", "baseline")
-    with pytest.raises(AssertionError, match="cached_tokens"):
-        b.cached_tokens = 5
+    o = Outcome(RequestInfo(), Decision("eagle", "e0", "x"), 0.0, 0.1, 10, 1.0, "ok")
+    with pytest.raises(AssertionError, match=r"Outcome\.status assigned after construction"):
+        o.status = "error"
+    p = PoolLoad("eagle")
+    with pytest.raises(AssertionError, match=r"PoolLoad\.backends assigned after construction"):
+        p.backends = ()
+
+
+def _backend_load() -> BackendLoad:
+    """A `BackendLoad` with no field at its default."""
+    return BackendLoad("e0", "eagle", False, 3, 600, 2, 4, 3.1, 0.5, 128, True, 48)
+
+
+def _decision() -> Decision:
+    """A `Decision` with no field at its default."""
+    return Decision("eagle", "e0", "faster_eagle", {"eagle": 0.2}, {"eagle": 3.0}, 6, "cost_model", 1.2)
+
+
+@pytest.mark.parametrize("make", [_backend_load, _decision], ids=["BackendLoad", "Decision"])
+def test_assigning_or_deleting_a_field_raises(make: Any) -> None:
+    value = make()
+    before = copy.copy(value)
+    kind = type(value).__name__
+    for f in dataclasses.fields(value):
+        refused = rf"{kind} is a value: its field '{f.name}'"
+        with pytest.raises(dataclasses.FrozenInstanceError, match=refused):
+            setattr(value, f.name, getattr(value, f.name))
+        with pytest.raises(AttributeError, match="cannot be assigned or deleted"):
+            delattr(value, f.name)
+    with pytest.raises(AttributeError):
+        value.not_a_field = 1
+    assert value == before
+
+
+@pytest.mark.parametrize("make", [_backend_load, _decision], ids=["BackendLoad", "Decision"])
+def test_copies_and_variants_are_new_values(make: Any) -> None:
+    value = make()
+    for twin in (copy.copy(value), copy.deepcopy(value), pickle.loads(pickle.dumps(value))):
+        assert twin == value and twin is not value
+        # every field, the derived ones too (they do not take part in ==)
+        assert [getattr(twin, f.name) for f in dataclasses.fields(twin)] == [
+            getattr(value, f.name) for f in dataclasses.fields(value)
+        ]
+
+
+def test_a_variant_rebuilds_the_derived_fields() -> None:
+    b = _backend_load()
+    assert (b.load, b.admits) == (6, False)
+    v = dataclasses.replace(b, full=False, running=10, queued=0)
+    assert (v.load, v.admits, v.in_flight) == (10, False, 3)  # usable is still False
+    assert dataclasses.replace(v, usable=True).admits
+    assert (b.load, b.admits, b.running) == (6, False, 2)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -156,3 +156,33 @@ def test_a_full_backend_is_healthy_but_does_not_admit() -> None:
     e0 = tracker.view(0.0).eagle.backends[0]
     assert (e0.usable, e0.full, e0.admits) == (True, False, True)  # panic: every backend usable
     assert isinstance(e0, BackendLoad)
+
+
+def test_a_backend_whose_facts_did_not_change_keeps_its_value() -> None:
+    """`LastLoads` (the proxy's view) hands out a backend's last `BackendLoad` again while nothing
+    it was built from changed, and a new one, equal to `backend_load`'s, as soon as a fact did."""
+    tracker = make_tracker(["b0=http://127.0.0.1:1"], ["e0=http://127.0.0.1:2"])
+    first = tracker.view(1.0)
+    again = tracker.view(2.0)  # no sample: `now` changes nothing
+    assert again.baseline.backends[0] is first.baseline.backends[0]
+    assert again.eagle.backends[0] is first.eagle.backends[0]
+    r = tracker.reserve("e0", 64)
+    busy = tracker.view(2.0)
+    assert busy.baseline.backends[0] is first.baseline.backends[0]
+    e0 = busy.eagle.backends[0]
+    assert e0 == backend_load("e0", "eagle", 1, 64, now=2.0) and e0 is not first.eagle.backends[0]
+    tracker.release(r)
+    assert tracker.view(3.0).eagle.backends[0] == first.eagle.backends[0]
+    # a sample's age changes with `now`: a new value per view, as `backend_load` makes it
+    tracker.record_sample("e0", 3, 1, 2.5, 0, 3.1)
+    sampled = [tracker.view(t).eagle.backends[0] for t in (3.0, 3.0, 4.0)]
+    assert sampled[1] is sampled[0]  # the same instant
+    assert sampled[2] is not sampled[0]
+    for got, t in zip(sampled, (3.0, 3.0, 4.0), strict=True):
+        want = backend_load("e0", "eagle", 0, 0, now=t, running=3, queued=1, sample_time=2.5,
+                            sample_in_flight=0, accept_length=3.1)  # fmt: skip
+        assert got == want and got.sample_age_s == want.sample_age_s == t - 2.5
+    # a fact the view builder adds (the prefix belief, admission) counts too
+    tracker.set_bounds({"b0": 0, "e0": None}, {"baseline": None, "eagle": None})
+    b0 = tracker.view(5.0).baseline.backends[0]
+    assert (b0.full, b0.admits) == (True, False)

@@ -83,6 +83,51 @@ async def test_compiled_simulate_gives_the_pure_output_to_the_bit(builds: Path, 
     assert "simulator: compiled" not in table
 
 
+async def test_compiled_values_refuse_assignment_too(builds: Path) -> None:
+    """The build's `BackendLoad` and `Decision` refuse an assignment and a deletion as the pure
+    ones do (tests/policies/test_values.py); the compiled view builder and routing core build
+    them; copy, pickle and replace still work."""
+    probe = """
+import copy, dataclasses, pickle
+from simulator import native
+status = native.activate()
+assert status.active, status.reason
+import policies.values
+from policies.base import BackendLoad, Decision
+from policies.routing import Router
+from policies.view import backend_load, load_view
+assert policies.values.__file__.endswith(".so"), policies.values.__file__
+b = backend_load("e0", "eagle", 3, 600, now=2.0, running=2, queued=4, sample_time=1.5)
+d = Decision("eagle", "e0", "faster_eagle", {"eagle": 0.2}, {"eagle": 3.0}, 6, "p", 1.2)
+refused = 0
+for value in (b, d):
+    for f in dataclasses.fields(value):
+        for change in (lambda: setattr(value, f.name, None), lambda: delattr(value, f.name)):
+            try:
+                change()
+            except dataclasses.FrozenInstanceError as e:
+                assert "cannot be assigned or deleted" in str(e), e
+                refused += 1
+    assert copy.copy(value) == value == pickle.loads(pickle.dumps(value))
+assert (b.load, b.sample_age_s) == (6, 0.5)
+assert dataclasses.replace(b, running=9).load == 13
+asked = Decision("eagle", "", "faster_eagle")
+class PoolOnly:
+    name = "pool_only"
+    def choose(self, request, view, now):
+        return asked
+    def observe(self, outcome):
+        pass
+decided = Router(0).decide(PoolOnly(), policies.values.RequestInfo(), load_view([b]), 2.0)
+assert (decided.backend, decided.backend_load) == ("e0", 6)
+assert (asked.backend, asked.backend_load) == ("", 0)
+print(refused)
+"""
+    rc, out, err = await run_command(sys.executable, "-c", probe, env=_env(builds))
+    assert rc == 0, err
+    assert out.split() == [str(2 * (14 + 8))]  # every field of both, set and delete
+
+
 async def test_a_trace_matches_too(builds: Path) -> None:
     trace = TRACES / "AzureLLMInferenceTrace_code.csv"
     if not trace.exists():
