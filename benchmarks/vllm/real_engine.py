@@ -37,9 +37,11 @@ Predicted beside measured: `specroute bench --prompts` (the prompts' domains as 
 a `serve` pinned to its pool, alone and together in turn: one co-located profile with per-domain
 factors that pays what the configurations pay (the proxy hop, the load generator, the serves on
 the same two cores). It is measured before the configurations' serves start (the profile they
-run with) and again, with all of them up, just before each level's cells, at that level and the
-ones below it: simulate and plan predict each level from the profile measured just before it (a
-shared machine's speed drifts by more over the whole run than over one level's cells).
+run with) and again, with all of them up, for each level, at that level and the ones below it,
+in slices: one before each block of that level's cells, the slices then averaged
+(`average_profiles`). simulate and plan predict each level from its profile; a shared machine's
+speed drifts by more over one level's cells than a prediction may miss by, and measured this
+way the drift falls on the prediction's inputs as on the cells.
 `specroute simulate` of every configuration (the aware pairs as told each
 request's domain: content learned perfectly; the blind pair with the domains hidden from the
 policy, `--hints-hidden`; two servers of one kind share the cores as the
@@ -69,9 +71,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -254,18 +257,28 @@ def cell_prompts(traffic: str, concurrency: int, n: int, block: int = 0) -> list
 
 
 def run_cell(
-    urls: dict[str, str], configs: Sequence[Config], traffic: str, level: int, n: int, blocks: int
+    urls: dict[str, str],
+    configs: Sequence[Config],
+    traffic: str,
+    level: int,
+    n: int,
+    blocks: int,
+    before_block: Callable[[], None] | None = None,
 ) -> list[Cell]:
     """One cell of each configuration: `n` measured requests in `blocks` blocks, the
     configurations taking turns block by block (each block's first turn rotating), so the
     machine's drift over the cell falls on every configuration alike. A block is a closed loop of
     its own: max(2, c) warm-up requests, its share of the measured ones, fillers; its prompts
-    (the same for every configuration) are a stream of their own, never seen before."""
+    (the same for every configuration) are a stream of their own, never seen before.
+    `before_block` runs before each block's turns (a slice of the level's profile: the drift
+    falls on the prediction's inputs as on the cells)."""
     warmup = max(2, level)
     cells = {c.key: Cell(c.key, traffic, level, measured=range(n)) for c in configs}
     sizes = [n // blocks + (b < n % blocks) for b in range(blocks)]
     first = 0
     for b, size in enumerate(sizes):
+        if before_block is not None:
+            before_block()
         prompts = cell_prompts(traffic, level, enough(warmup, size, level), block=b)
         for config in [*configs[b % len(configs) :], *configs[: b % len(configs)]]:
             results = asyncio.run(
@@ -321,6 +334,50 @@ def profile(urls: dict[str, str], out: Path, levels: Sequence[int], requests: in
         "--concurrency", *map(str, levels), "--requests-per-level", str(requests), "--warmup-requests", "2",
         "--max-tokens", str(MAX_TOKENS), "--no-progress",
     ))  # fmt: skip
+    return out
+
+
+def profile_slice(
+    urls: dict[str, str], stem: Path, levels: Sequence[int], requests: int, slices: list[Path]
+) -> None:
+    """One more slice of a level's profile (`profile`), appended to `slices`."""
+    slices.append(profile(urls, stem.with_name(f"{stem.name}-{len(slices)}.json"), levels, requests))
+
+
+def average_profiles(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One profile from several of the same servers, measured in slices over a level's cells:
+    per mode and concurrency, each point's decode speed is the samples-weighted harmonic mean of
+    the slices' (what their mean time per token gives) and its TTFT the weighted mean; alone and
+    together points alike. Per-domain factors and accept lengths are the slices' means; the rest
+    is the first slice's."""
+    out: dict[str, Any] = json.loads(json.dumps(docs[0]))
+    out["source"] = f"the mean of {len(docs)} slices, each: {docs[0].get('source', '')}"
+
+    def merged(points_of: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        by_level: dict[float, list[dict[str, Any]]] = {}
+        for points in points_of:
+            for p in points:
+                by_level.setdefault(float(p["concurrency"]), []).append(p)
+        rows = []
+        for level, group in sorted(by_level.items()):
+            w = [max(1, int(p.get("samples") or 1)) for p in group]
+            rate = sum(w) / sum(wi / p["decode_tok_s"] for wi, p in zip(w, group, strict=True))
+            ttft = sum(wi * p["ttft_s"] for wi, p in zip(w, group, strict=True)) / sum(w)
+            rows.append({"concurrency": level, "decode_tok_s": round(rate, 4), "ttft_s": round(ttft, 5),
+                         "samples": sum(w)})  # fmt: skip
+        return rows
+
+    for name, mode in out["modes"].items():
+        slices = [d["modes"][name] for d in docs if name in d.get("modes", {})]
+        mode["points"] = merged([m["points"] for m in slices])
+        if all("together" in m for m in slices):
+            mode["together"]["points"] = merged([m["together"]["points"] for m in slices])
+        accepts = [m["accept_length"] for m in slices if isinstance(m.get("accept_length"), int | float)]
+        if accepts:
+            mode["accept_length"] = round(statistics.mean(accepts), 4)
+        cats = [m["categories"] for m in slices if isinstance(m.get("categories"), dict)]
+        if cats:
+            mode["categories"] = {k: round(statistics.mean(c[k] for c in cats if k in c), 4) for k in cats[0]}
     return out
 
 
@@ -484,24 +541,31 @@ def main(argv: list[str] | None = None) -> int:
                   f"(concurrency 2), {then} of the next {w} (n by domain {counts})")  # fmt: skip
 
         # the profiles simulate and plan predict from: one per level, measured with every serve
-        # up just before that level's cells, at that level and the ones below it (the batches its
-        # servers see): the machine's speed drifts by more over the whole run than over a level
+        # up, at that level and the ones below it (the batches its servers see), in slices
+        # before each block of that level's cells: the machine's speed drifts by more over a
+        # level's cells than a prediction may miss by, and so the drift falls on both alike
         cells: list[Cell] = []
         profiles: dict[int, Path] = {}
         report["profiles"] = {}
+        slice_requests = max(4, math.ceil(args.profile_requests / (args.blocks * len(args.traffic))))
         for level in args.concurrency:
             below = [lv for lv in args.concurrency if lv <= level]
-            out = work / f"pair-colocated-{level}.json"
-            profiles[level] = profile(urls, out, below, args.profile_requests)
-            doc = json.loads(profiles[level].read_text())
-            report["profiles"][level] = doc
-            print(f"profile for c={level}: eagle accept length {doc['modes']['eagle'].get('accept_length')}, "
-                  f"per domain {doc['modes']['eagle'].get('categories')}")  # fmt: skip
+            slices: list[Path] = []
+            measure_slice = partial(
+                profile_slice, urls, work / f"pair-colocated-{level}", below, slice_requests, slices
+            )
             for traffic in args.traffic:
                 n = args.requests if traffic == "mixed" else args.single_requests
                 here = [c for c in configs if not c.mixed_only or traffic == "mixed"]
-                cells += run_cell(urls, here, traffic, level, n, args.blocks)
+                cells += run_cell(urls, here, traffic, level, n, args.blocks, measure_slice)
                 print(f"{traffic} c={level} done ({time.monotonic() - started:.0f} s since the start)")
+            doc = average_profiles([json.loads(p.read_text()) for p in slices])
+            profiles[level] = work / f"pair-colocated-{level}.json"
+            profiles[level].write_text(json.dumps(doc, indent=1))
+            report["profiles"][level] = doc
+            print(f"profile for c={level} ({len(slices)} slices of {slice_requests} requests per level): "
+                  f"eagle accept length {doc['modes']['eagle'].get('accept_length')}, per domain "
+                  f"{doc['modes']['eagle'].get('categories')}")  # fmt: skip
         prompt_tokens = report["prompt_tokens"] = median_prompt_tokens(up["plain0"].url)
         predictions: dict[tuple[str, str], dict[int, float]] = {}
         for config in configs:
