@@ -21,7 +21,14 @@ else its decode rate over the calibrated prediction at its load. Three estimates
   text's mean;
   The request's traits (`RequestFeatures.traits`: code, math, another language, a document with
   a question, translate / summarize / extract, tool schemas) are parameter tokens too: what one
-  task type teaches reaches its never-seen prompts whatever their words;
+  task type teaches reaches its never-seen prompts whatever their words. A trait says what kind
+  of request it is, as the words it stands in for do, and kinds of different speeds share one
+  (code in a passage of a manual and in a coding task), so it learns at the text's `rate`
+  (`trait_rate`), not `param_rate`: when a kind the model never saw arrives, its trait takes on
+  that kind's offset within a few of its outcomes, instead of the common level that every
+  prediction shares, which would move the kinds already known. The other parameter tokens are on
+  nearly every request alike (sampling parameters left unset, the model): together they are that
+  common level, which a faster rate would make follow each outcome's noise;
 - a per-family offset (`RequestFeatures.family`: the system prompt's first block) learned on
   what the token model misses for that family, shrunk toward 0 with a prior of `family_prior`
   samples; at most `max_families`, least recently taught out. A family keeps one offset per
@@ -155,6 +162,7 @@ def param_tokens(features: RequestFeatures, hint: str | None) -> list[int]:
 
 
 _TRAIT_TOKENS = [_tok(f"trait:{name}") for name in TRAITS]
+_TRAIT_MASK = (1 << len(TRAITS)) - 1
 
 
 class _Family:
@@ -219,6 +227,7 @@ class AcceptanceModel:
         dim: int = 1 << 14,
         rate: float = 0.1,
         param_rate: float = 0.03,
+        trait_rate: float = 0.1,
         param_dim: int = 1 << 10,
         family_prior: float = 4.0,
         max_families: int = 4096,
@@ -232,6 +241,7 @@ class AcceptanceModel:
         self._pmask = param_dim - 1
         self._p = [0.0] * param_dim
         self._param_rate = param_rate
+        self._trait_rate = trait_rate
         self._w = [0.0] * dim
         self._count = [0] * dim
         self._rate = rate
@@ -398,9 +408,11 @@ class AcceptanceModel:
             else:
                 w[i] = mean + err  # a new token starts at the text part's estimate
             count[i] = c + 1
-        p, pstep = self._p, self._param_rate * err
-        for j in idx[1]:
-            p[j] += pstep
+        p, params = self._p, idx[1]
+        first_trait = len(params) - (features.traits & _TRAIT_MASK).bit_count()  # (param_tokens: last)
+        pstep, tstep = self._param_rate * err, self._trait_rate * err
+        for k, j in enumerate(params):
+            p[j] += pstep if k < first_trait else tstep
         if features.family:
             families = self._families
             if fam is None:

@@ -17,8 +17,8 @@ Both find what pays where the pool average hides it (tests/policies/test_explore
 nothing is to be found they differ: in the simulated twin of issue 33's live setting with
 acceptance that does not depend on content, Thompson sampling explored 0.2% of decisions and
 spent 6% of its budget for nothing, the optimistic bound none; with the live setting's rules
-(code 1.5x, prose 0.7x) 1.3% and 32% against 0.7% and 7%, and the bound's mean and p99 end-to-end
-times against content-blind routing's were -1.9% and +3.7% against Thompson's -1.7% and +4.6%
+(code 1.5x, prose 0.7x) 1.2% and 27% against 0.7% and 8%, and the bound's mean and p99 end-to-end
+times against content-blind routing's were -1.8% and +4.3% against Thompson's -1.7% and +5.6%
 (`benchmarks/content_routing_explore.py`, 10 seeds).
 
 If EAGLE is cheaper at that factor (the policy's own comparison, re-run with it), the request goes

