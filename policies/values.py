@@ -13,7 +13,7 @@ import __future__
 
 import ast
 import functools
-import inspect
+import linecache
 import textwrap
 import types
 from collections.abc import Callable, Mapping
@@ -307,8 +307,13 @@ def _stores_constructor(cls: type[_Value]) -> Callable[..., _Value]:
     per request. Only this module's uncompiled form installs it (`_install_stores_constructors`);
     `benchmarks/value_build_cost.py` measures both forms."""
     init = vars(cls)["__init__"]
-    lines, first = inspect.getsourcelines(init)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
+    code = init.__code__
+    lines = linecache.getlines(code.co_filename, init.__globals__)
+    if not lines:
+        raise OSError(f"no source for {cls.__name__}.__init__")
+    first = code.co_firstlineno
+    last = max(end for _, end, _, _ in code.co_positions() if end is not None)
+    tree = ast.parse(textwrap.dedent("".join(lines[first - 1 : last])))
     ast.increment_lineno(tree, first - 1)
     written = tree.body[0]
     if not isinstance(written, ast.FunctionDef) or written.decorator_list:
@@ -334,8 +339,7 @@ def _stores_constructor(cls: type[_Value]) -> Callable[..., _Value]:
     ast.fix_missing_locations(made)
     namespace: dict[str, Any] = {}
     flags = __future__.annotations.compiler_flag
-    code = compile(made, inspect.getsourcefile(init) or "<values>", "exec", flags=flags, dont_inherit=True)
-    exec(code, init.__globals__, namespace)
+    exec(compile(made, code.co_filename, "exec", flags=flags, dont_inherit=True), init.__globals__, namespace)
     twin = type(cls.__name__, (cls,), {
         "__slots__": (),
         "__new__": object.__new__,
