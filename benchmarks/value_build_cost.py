@@ -1,12 +1,16 @@
 """What it costs to build the policy seam's values, and what refusing assignment costs per request.
 
 `BackendLoad` and `Decision` refuse an assignment to a field (`dataclasses.FrozenInstanceError`):
-their constructors set each slot through `object.__setattr__`, which mypyc compiles to a plain
-store but which, in pure Python, is a call per field. `PoolLoad`, `LoadView` and `Outcome` are
-plain slotted dataclasses kept to the constructor-only rule by tests (`policies.base`). This
-measures, in pure Python on one core, each value's build as it is beside two twins with the
-same fields and defaults:
+their constructors are written to set each slot through `object.__setattr__`, which mypyc
+compiles to a plain store but which, interpreted, is a call per field; so the uncompiled module
+builds them with a `__new__` made from that constructor, of plain stores on an assignable twin
+whose class is then switched (`policies.values._stores_constructor`). `PoolLoad`, `LoadView` and
+`Outcome` are plain slotted dataclasses kept to the constructor-only rule by tests
+(`policies.base`). This measures, in pure Python on one core, each value's build as it is beside
+three twins with the same fields and defaults:
 
+- `written`: the constructor as written, run as it stands (`object.__setattr__` per field, the
+  guard in place): what the values cost without the stores constructor;
 - `plain`: the same slots and constructor with plain stores (`self.x = x`): no guard;
 - `frozen`: a `@dataclass(frozen=True, slots=True)` (derived fields in `__post_init__`).
 
@@ -35,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -87,10 +91,25 @@ def frozen_twin(cls: type) -> Any:
     )
 
 
+def written_init(cls: type) -> Callable[..., None]:
+    """`cls`'s constructor as written (uncompiled, `__new__` is made from it and holds it)."""
+    made = cls.__dict__["__new__"].__func__
+    if not hasattr(made, "__wrapped__"):
+        raise SystemExit(f"{cls.__name__} is not built by its stores constructor: the compiled build?")
+    return cast(Callable[..., None], made.__wrapped__)
+
+
+def written_twin(cls: type) -> Any:
+    """`cls` built by its constructor as written: the same slots and guard (`_Value`), each field
+    set through `object.__setattr__`."""
+    namespace = {"__slots__": tuple(f.name for f in dataclasses.fields(cls)), "__init__": written_init(cls)}
+    return type(cls.__name__ + "Written", cls.__bases__, namespace)
+
+
 def plain_twin(cls: type) -> Any:
     """`cls` without its guard: the same slots and its own constructor's source, each
     `object.__setattr__(self, "x", v)` a plain `self.x = (v)`."""
-    source = textwrap.dedent(inspect.getsource(cls.__init__))  # type: ignore[misc]
+    source = textwrap.dedent(inspect.getsource(written_init(cls)))
     plain, stores = re.subn(r'object\.__setattr__\(self, "(\w+)", ', r"self.\1 = (", source)
     if stores == 0:
         raise SystemExit(f"{cls.__name__}'s constructor sets no field through object.__setattr__")
@@ -102,31 +121,32 @@ def plain_twin(cls: type) -> Any:
 
 @contextmanager
 def counting(classes: tuple[type, ...]) -> Iterator[Counter[str]]:
-    """Counts the values of `classes` built while inside (pure Python only)."""
+    """Counts the values of `classes` built while inside (pure Python only: each is built by its
+    `__new__`)."""
     counts: Counter[str] = Counter()
-    saved = {cls: cls.__dict__["__init__"] for cls in classes}
+    saved = {cls: cls.__dict__["__new__"] for cls in classes}
 
-    def wrap(cls: type, init: Callable[..., None]) -> Callable[..., None]:
+    def wrap(cls: type, new: Callable[..., Any]) -> Callable[..., Any]:
         name = cls.__name__
 
-        def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        def counted(*args: Any, **kwargs: Any) -> Any:
             counts[name] += 1
-            init(self, *args, **kwargs)
+            return new(*args, **kwargs)
 
         return counted
 
     try:
-        for cls, init in saved.items():
-            type.__setattr__(cls, "__init__", wrap(cls, init))
+        for cls, new in saved.items():
+            type.__setattr__(cls, "__new__", staticmethod(wrap(cls, new.__func__)))
         yield counts
     finally:
-        for cls, init in saved.items():
-            type.__setattr__(cls, "__init__", init)
+        for cls, new in saved.items():
+            type.__setattr__(cls, "__new__", new)
 
 
 def built_per_request(requests: int) -> dict[str, float]:
     """Values of each guarded class a pure-Python simulation builds per simulated request."""
-    if type(BackendLoad.__init__).__name__ != "function":
+    if "__new__" not in BackendLoad.__dict__:
         raise SystemExit("the compiled build is active (SPECROUTE_NATIVE_DIR?): this counts the pure Python")
     workload = generate(
         WorkloadSpec(kind="poisson", rate=4.0, requests=requests, output_tokens=LengthSpec("exp", 200)), 1
@@ -154,26 +174,37 @@ def main() -> int:
     python = sys.version.split()[0]
     print(f"build cost per value, median of {args.repeats} x {args.n:,} builds (ns); python {python}, pure")
     print(
-        f"{'value':<12} {'as is':>7} {'plain':>7} {'frozen':>7} {'is/plain':>9} {'frozen/plain':>13}"
-        "   spread (min-max) as is / plain / frozen"
+        f"{'value':<12} {'as is':>7} {'written':>8} {'plain':>7} {'frozen':>7} {'is/plain':>9} "
+        f"{'written/plain':>14} {'frozen/plain':>13}   spread (min-max) as is / written / plain / frozen"
     )
-    extra: dict[str, float] = {}
+    extra: dict[str, tuple[float, float]] = {}
     for name, (cls, values) in cases.items():
-        kinds = [cls, plain_twin(cls) if cls in GUARDED else cls, frozen_twin(cls)]
+        guarded = cls in GUARDED
+        kinds = [
+            cls,
+            written_twin(cls) if guarded else cls,
+            plain_twin(cls) if guarded else cls,
+            frozen_twin(cls),
+        ]
         rows = []
         for kind in kinds:
             runs = timeit.repeat(functools.partial(kind, *values), number=args.n, repeat=args.repeats)
             rows.append([t / args.n * 1e9 for t in runs])
-        a, p, f = (statistics.median(r) for r in rows)
-        extra[name] = a - p
+        a, w, p, f = (statistics.median(r) for r in rows)
+        extra[name] = (a - p, w - p)
         spread = " / ".join(f"{min(r):.0f}-{max(r):.0f}" for r in rows)
-        print(f"{name:<12} {a:>7.0f} {p:>7.0f} {f:>7.0f} {a / p:>9.2f} {f / p:>13.2f}   {spread}")
+        print(
+            f"{name:<12} {a:>7.0f} {w:>8.0f} {p:>7.0f} {f:>7.0f} {a / p:>9.2f} {w / p:>14.2f} {f / p:>13.2f}"
+            f"   {spread}"
+        )
     per_request = built_per_request(args.requests)
-    guard = sum(per_request[n] * extra[n] for n in per_request)
+    guard = sum(per_request[n] * extra[n][0] for n in per_request)
+    written = sum(per_request[n] * extra[n][1] for n in per_request)
     built = ", ".join(f"{per_request[n]:.3f} {n}" for n in per_request)
     print(
         f"\nper simulated request ({args.requests:,} requests, cost_model, baseline=1,eagle=1): "
-        f"{built} built; the guard adds {guard:.0f} ns (as is - plain, times the builds)"
+        f"{built} built; the guard adds {guard:.0f} ns as built (as is - plain, times the builds), "
+        f"{written:.0f} ns with the constructors as written (written - plain)"
     )
     return 0
 

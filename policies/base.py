@@ -11,9 +11,11 @@ policy objects as the proxy and reproduce a run to the bit.
 Values, built once. `BackendLoad` and `Decision` refuse an assignment to (or a deletion of) a
 field: it raises `dataclasses.FrozenInstanceError`, in the pure Python and in the compiled build
 alike; a variant is a new value (`dataclasses.replace`; `copy` and `pickle` work). They are
-slotted classes whose constructors set each field once through `object.__setattr__`, which mypyc
-compiles to a plain store (`benchmarks/value_build_cost.py` gives what building one costs, and
-`benchmarks/simulator_speed.py --against` an older tree what it costs a simulated request).
+slotted classes whose constructors are written to set each field once through
+`object.__setattr__`, which mypyc compiles to a plain store; uncompiled, each is built by a
+`__new__` made from that constructor, of plain stores on an assignable twin whose class is then
+switched (`policies.values`). `benchmarks/value_build_cost.py` gives what building one costs, and
+`benchmarks/simulator_speed.py --against` an older tree what it costs a simulated request.
 `PoolLoad`, `LoadView` and `Outcome` are slotted dataclasses kept to the same rule by the tests
 (`tests/policies/test_values.py` makes them refuse a second assignment and runs the routing
 core, every policy, the simulator and the proxy's view through them). Whoever receives a value

@@ -73,13 +73,7 @@ from policies.explore import Explorer
 from policies.learned import Learner, StateError, check_version, field
 from policies.profile import TABLE_SIZE as _TABLE_SIZE
 from policies.profile import SpeedModel
-from policies.routing import (
-    backend_counts,
-    cheapest_backend,
-    fallback,
-    first_least_loaded,
-    teaches,
-)
+from policies.routing import cheapest_backend, fallback, first_least_loaded, teaches
 from policies.spec import PolicyContext, PolicyError, PolicySpec
 
 Prediction = tuple[float, float, float, bool, float, int, float | None]
@@ -163,7 +157,7 @@ class CostModelPolicy:
         self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int, now: float
     ) -> Prediction:
         """(TTFT, end-to-end, marginal cost, would queue, time per output token, load) on `backend`."""
-        running, queued = backend_counts(backend)
+        occupied = backend.load  # running + queued (scraped when fresh, never below the in-flight count)
         eagle = pool == "eagle"
         model = self._eagle if eagle else self._baseline
         cap = backend.max_running  # the backend's own cap when it reports one, else the profile's
@@ -172,7 +166,6 @@ class CostModelPolicy:
         else:
             self._reported_caps[backend.name] = cap
         own_prefill: float | None = None
-        occupied = running + queued
         full = cap is not None and occupied >= cap
         batch = occupied + 1 if cap is None or occupied < cap else cap
         cal = self.calibration
@@ -224,7 +217,7 @@ class CostModelPolicy:
         if prefill_s is None:
             prompt, rate = request.prompt_tokens, model.prefill_tok_s
             prefill_s = prompt / rate if prompt > 0 and rate else 0.0
-        b = (running if running > 0 else 0) + (queued if queued > 0 else 0)
+        b = occupied  # (predict_system_s clamps each count at 0: a load is never negative)
         if cap is not None and b >= cap:
             step = model.step_time(cap)
             queue_wait = (b - cap + 1) * self._mean_queued * step / cap
@@ -331,12 +324,7 @@ class CostModelPolicy:
             return self._decision(only, reason, on, {only: ttft}, {only: e2e}, request, now)
         tb, eb, _, _, pb, _, _ = on_b[1]
         te, ee, _, _, pe, _, _ = on_e[1]
-        xe, xb = self._compared(on_e[1], on_b[1])
-        eagle = xe < xb * self._eagle_factor
-        pool: Pool = "eagle" if eagle else "baseline"
-        reason = self._reason(pool, on_e[1], on_b[1])
-        if not eagle and xe < xb:
-            reason = "eagle_margin"
+        pool, reason, xe, xb = self._verdict(on_e[1], on_b[1])
         if self._slo:
             p = self.params
             meets_b = (p.slo_ttft_s is None or tb <= p.slo_ttft_s) and (
@@ -369,29 +357,30 @@ class CostModelPolicy:
             None if own is None else own[1],
         )
 
-    def _compared(self, e: Prediction, b: Prediction) -> tuple[float, float]:
-        """(eagle's, baseline's) compared quantity: the smaller wins. System scope compares
-        marginal costs (e2e) or, for TTFT, avoids a queue while the other pool has a free slot;
-        request scope the request's own time. Where both marginal costs are infinite (neither pool
-        gains from one more request), the request's own time decides."""
+    def _verdict(self, e: Prediction, b: Prediction) -> tuple[Pool, str, float, float]:
+        """(pool, reason, eagle's compared quantity, baseline's) for predictions `e` and `b`.
+
+        The smaller quantity wins, EAGLE only by `eagle_margin` (reason `eagle_margin` when it
+        is smaller by less). System scope compares marginal costs (e2e) or, for TTFT, avoids a
+        queue while the other pool has a free slot; request scope the request's own time. Where
+        both marginal costs are infinite (neither pool gains from one more request), the
+        request's own time decides. The reason is `faster_<pool>` when the chosen pool's own
+        predicted time (e2e, or TTFT) is no larger than the other's, else `cheaper_<pool>`
+        (system scope's marginal cost decided)."""
         te, ee, ce, qe = e[0], e[1], e[2], e[3]
         tb, eb, cb, qb = b[0], b[1], b[2], b[3]
-        xe, xb = (te, tb) if self._ttft else (ee, eb)
+        xe, xb = mine, other = (te, tb) if self._ttft else (ee, eb)
         if self._system:
             if self._ttft:
                 if qe != qb:
                     xe, xb = (math.inf, 0.0) if qe else (0.0, math.inf)
             elif ce != cb:
                 xe, xb = ce, cb
-        return xe, xb
-
-    def _reason(self, pool: Pool, e: Prediction, b: Prediction) -> str:
-        """`faster_<pool>` when the chosen pool's own predicted time (e2e, or TTFT) is no larger
-        than the other's, else `cheaper_<pool>` (system scope's marginal cost decided)."""
-        mine, other = (e[0], b[0]) if self._ttft else (e[1], b[1])
-        if pool == "baseline":
-            mine, other = other, mine
-        return ("faster_" if mine <= other else "cheaper_") + pool
+        if xe < xb * self._eagle_factor:
+            return "eagle", "faster_eagle" if mine <= other else "cheaper_eagle", xe, xb
+        if xe < xb:
+            return "baseline", "eagle_margin", xe, xb
+        return "baseline", "faster_baseline" if other <= mine else "cheaper_baseline", xe, xb
 
     def _tried(
         self,
@@ -412,8 +401,7 @@ class CostModelPolicy:
             self._content_own = own
         if tried is None:
             return False
-        xe, xb = self._compared(tried[1], b)
-        return xe < xb * self._eagle_factor
+        return self._verdict(tried[1], b)[0] == "eagle"
 
     def observe(self, outcome: Outcome) -> None:
         cal = self.calibration

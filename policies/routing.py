@@ -120,20 +120,6 @@ def cheapest_backend(
     return None if best is None else (best, best_key[0])
 
 
-def backend_counts(backend: BackendLoad) -> tuple[int, int]:
-    """(running, queued) of a backend: scraped when fresh, else local in-flight as running; their
-    sum is its `load` (`policies.values.load_of`).
-
-    Requests this replica has in flight are never fewer than the backend holds for it, so a
-    scraped total below the local count is topped up as running.
-    """
-    if backend.running is None:
-        return backend.in_flight, 0
-    running, queued = backend.running, backend.queued or 0
-    missing = backend.in_flight - running - queued
-    return (running + missing, queued) if missing > 0 else (running, queued)
-
-
 def pool_decision(
     pool: Pool,
     reason: str,

@@ -9,8 +9,14 @@ an assignment) are in `policies.base`.
 """
 
 from __future__ import annotations
+import __future__
 
-from collections.abc import Mapping
+import ast
+import functools
+import linecache
+import textwrap
+import types
+from collections.abc import Callable, Mapping
 from dataclasses import FrozenInstanceError, dataclass, field, fields
 from typing import Any, Literal, cast
 
@@ -92,8 +98,8 @@ HINT_HEADER = "x-specroute-hint"
 
 class _Value:
     """What makes `BackendLoad` and `Decision` values: assigning to or deleting a field raises
-    `dataclasses.FrozenInstanceError` (their constructors set each field once, through
-    `object.__setattr__`)."""
+    `dataclasses.FrozenInstanceError`. Their constructors set each field once, through
+    `object.__setattr__` (uncompiled, through `_stores_constructor`)."""
 
     __slots__ = ()
 
@@ -286,6 +292,109 @@ class Decision(_Value):
         object.__setattr__(self, "backend_load", backend_load)
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "accept_factor", accept_factor)
+
+
+def _stores_constructor(cls: type[_Value]) -> Callable[..., _Value]:
+    """The constructor `cls.__init__` as written, made into a `__new__` of plain stores: it builds
+    the value as an instance of an assignable twin of `cls` (a subclass without slots of its own,
+    so of the same layout, whose `__setattr__` is object's), runs the same statements with each
+    `object.__setattr__(self, "f", v)` a `self.f = v`, then switches the instance's class to `cls`.
+    The same value, the same signature and errors; the written `__init__` stays the one source
+    (`__wrapped__` holds it).
+
+    Why: mypyc compiles `object.__setattr__` to a plain store (`simulator.native`), but
+    interpreted, each is a call costing several plain stores, and the simulator builds these values
+    per request. Only this module's uncompiled form installs it (`_install_stores_constructors`);
+    `benchmarks/value_build_cost.py` measures both forms."""
+    init = vars(cls)["__init__"]
+    code = init.__code__
+    lines = linecache.getlines(code.co_filename, init.__globals__)
+    if not lines:
+        raise OSError(f"no source for {cls.__name__}.__init__")
+    first = code.co_firstlineno
+    last = max(end for _, end, _, _ in code.co_positions() if end is not None)
+    tree = ast.parse(textwrap.dedent("".join(lines[first - 1 : last])))
+    ast.increment_lineno(tree, first - 1)
+    written = tree.body[0]
+    if not isinstance(written, ast.FunctionDef) or written.decorator_list:
+        raise TypeError(f"{cls.__name__}.__init__ is not a plain function definition")
+    made = ast.parse(
+        "def __make__(__twin__):\n"
+        "    def __new__(cls):\n"
+        "        self = __twin__()\n"
+        "        self.__class__ = cls\n"
+        "        return self\n"
+        "    return __new__\n"
+    )
+    for node in ast.walk(made):  # the scaffold's lines are the written `def` line (tracebacks)
+        if "lineno" in node._attributes:
+            ast.copy_location(node, written)
+    maker = made.body[0]
+    assert isinstance(maker, ast.FunctionDef)
+    new = maker.body[0]
+    assert isinstance(new, ast.FunctionDef)
+    new.args = written.args
+    new.args.args[0] = ast.copy_location(ast.arg("cls"), written.args.args[0])
+    new.body[1:1] = [_StoresOnly(cls.__name__).visit(statement) for statement in written.body]
+    ast.fix_missing_locations(made)
+    namespace: dict[str, Any] = {}
+    flags = __future__.annotations.compiler_flag
+    exec(compile(made, code.co_filename, "exec", flags=flags, dont_inherit=True), init.__globals__, namespace)
+    twin = type(cls.__name__, (cls,), {
+        "__slots__": (),
+        "__new__": object.__new__,
+        "__init__": object.__init__,
+        "__setattr__": object.__setattr__,
+        "__delattr__": object.__delattr__,
+    })  # fmt: skip
+    built = namespace["__make__"](twin)
+    built.__qualname__ = f"{cls.__qualname__}.__new__"
+    return cast(Callable[..., _Value], functools.update_wrapper(built, init, assigned=("__doc__",)))
+
+
+class _StoresOnly(ast.NodeTransformer):
+    """`object.__setattr__(self, "f", v)` -> `self.f = v`; refuses what a `__new__` cannot run
+    as the written `__init__` did (a `return`)."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+
+    def visit_Expr(self, node: ast.Expr) -> ast.AST:
+        call = node.value
+        if (
+            isinstance(call, ast.Call)
+            and ast.unparse(call.func) == "object.__setattr__"
+            and len(call.args) == 3
+            and not call.keywords
+            and isinstance(call.args[0], ast.Name)
+            and call.args[0].id == "self"
+            and isinstance(call.args[1], ast.Constant)
+            and isinstance(call.args[1].value, str)
+        ):
+            target = ast.Attribute(ast.Name("self", ast.Load()), call.args[1].value, ast.Store())
+            return ast.copy_location(ast.Assign([target], call.args[2]), node)
+        return self.generic_visit(node)
+
+    def visit_Return(self, node: ast.Return) -> ast.AST:
+        raise TypeError(f"{self.owner}.__init__ returns early: its stores constructor would not")
+
+
+def _install_stores_constructors(*classes: type[_Value]) -> None:
+    """Uncompiled, each of `classes` is built by its `_stores_constructor` (its `__init__` is then
+    `object.__init__`, which does nothing). Compiled, nothing changes: the constructors as written
+    are already plain stores. A module without its source (bytecode alone) keeps them as written."""
+    if not isinstance(_install_stores_constructors, types.FunctionType):
+        return  # compiled by mypyc
+    try:
+        built = [(cls, _stores_constructor(cls)) for cls in classes]
+    except OSError:
+        return
+    for cls, new in built:
+        type.__setattr__(cls, "__new__", staticmethod(new))
+        type.__setattr__(cls, "__init__", object.__init__)
+
+
+_install_stores_constructors(BackendLoad, Decision)
 
 
 class NoHealthyBackend(Exception):

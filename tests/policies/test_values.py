@@ -3,7 +3,9 @@ again.
 
 `BackendLoad` and `Decision` refuse an assignment or a deletion themselves
 (`dataclasses.FrozenInstanceError`), in the pure Python and in the compiled build
-(tests/simulator/test_native.py checks the build). `PoolLoad`, `LoadView` and `Outcome` are kept
+(tests/simulator/test_native.py checks the build); uncompiled, they are built by a `__new__` made
+from their written constructor (`policies.values._stores_constructor`), which must build the very
+value that constructor does. `PoolLoad`, `LoadView` and `Outcome` are kept
 to the rule by these tests: they are made to refuse a second assignment, and the routing core,
 every built-in policy, the simulator (one router, several routers, prefix caches, closed and
 open loops) and the proxy's view and failover path run through them: any code that changes a
@@ -14,13 +16,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import pickle
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import make_tracker
 
+from policies import values
 from policies.base import BackendLoad, Decision, LoadView, Outcome, PoolLoad, RequestInfo
 from policies.profile import resolve_profile
 from policies.registry import PolicyContext, default_registry
@@ -104,6 +109,74 @@ def test_a_variant_rebuilds_the_derived_fields() -> None:
     assert (v.load, v.admits, v.in_flight) == (10, False, 3)  # usable is still False
     assert dataclasses.replace(v, usable=True).admits
     assert (b.load, b.admits, b.running) == (6, False, 2)
+
+
+def _as_written(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """A value of `cls` built by its constructor as written (`object.__setattr__` per field)."""
+    value: Any = object.__new__(cls)
+    cls.__dict__["__new__"].__func__.__wrapped__(value, *args, **kwargs)
+    return value
+
+
+def _slots(value: Any) -> list[Any]:
+    return [getattr(value, f.name) for f in dataclasses.fields(value)]
+
+
+BUILDS: list[tuple[type, tuple[Any, ...], dict[str, Any]]] = [
+    (BackendLoad, ("e0", "eagle"), {}),
+    (BackendLoad, ("e0", "eagle", False, 3, 600, 2, 4, 3.1, 0.5, 128, True, 48), {}),
+    (BackendLoad, ("b1", "baseline"), {"in_flight": 7, "running": 2, "queued": None, "max_running": 4}),
+    (BackendLoad, (), {"name": "b1", "pool": "baseline", "in_flight": 1, "running": 5, "queued": 3}),
+    (Decision, ("eagle", "e0", "faster_eagle"), {}),
+    (Decision, ("eagle", "e0", "x", {"eagle": 0.2}, {"eagle": 3.0}, 6, "cost_model", 1.2), {}),
+    (Decision, ("baseline", "", "y"), {"predicted_e2e_s": {"baseline": 1.0}, "accept_factor": None}),
+]
+
+
+@pytest.mark.parametrize(("cls", "args", "kwargs"), BUILDS)
+def test_the_stores_constructor_builds_what_the_written_one_does(
+    cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    assert vars(cls)["__init__"] is object.__init__  # uncompiled: built by the stores constructor
+    value: Any = cls(*args, **kwargs)
+    written = _as_written(cls, *args, **kwargs)
+    assert type(value) is cls and value == written
+    assert _slots(value) == _slots(written)  # the derived fields too
+    assert repr(value) == repr(written)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(value, next(iter(inspect.signature(cls).parameters)), "changed")
+
+
+@pytest.mark.parametrize("cls", [BackendLoad, Decision])
+def test_the_stores_constructor_keeps_the_signature_and_the_errors(cls: type) -> None:
+    written = inspect.signature(cls.__dict__["__new__"].__func__.__wrapped__)
+    assert list(inspect.signature(cls).parameters.values()) == list(written.parameters.values())[1:]
+    with pytest.raises(TypeError, match="missing 1 required positional argument"):
+        cls(*(("e0",) if cls is BackendLoad else ("eagle", "e0")))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nope'"):
+        cls("eagle", "e0", "x", nope=1)
+
+
+def test_a_bad_argument_fails_in_the_written_line() -> None:
+    with pytest.raises(TypeError) as caught:
+        BackendLoad("e0", "eagle", in_flight=1, running="2", queued=1)  # type: ignore[arg-type]
+    lines = [frame.lineno for frame in caught.traceback if frame.path == Path(values.__file__)]
+    source = inspect.getsource(values)
+    assert any("load_of(in_flight, running, queued)" in source.splitlines()[n] for n in lines)
+
+
+class _Returns(values._Value):
+    __slots__ = ("a",)
+
+    def __init__(self, a: int) -> None:
+        object.__setattr__(self, "a", a)
+        if a:
+            return
+
+
+def test_a_constructor_that_returns_early_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"_Returns\.__init__ returns early"):
+        values._stores_constructor(_Returns)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
