@@ -35,13 +35,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from content_routing_explore import answer_batch, ci
 from prompt_workloads import task_requests
 
 from policies.cost_model import CostModelParams, CostModelPolicy
 from policies.profile import Profile, parse_profile, resolve_profile
 from policies.spec import PolicyContext
 from simulator.engine.deployment import build_deployment
-from simulator.engine.loop import RequestBatch, simulate
+from simulator.engine.loop import simulate
 from simulator.engine.prompts import parse_prompt_line
 
 PROFILE = "tiny-vllm-cpu-code-eagle3"
@@ -54,7 +55,6 @@ RUNS: dict[str, dict[str, Any]] = {
     "budget 0.01 (default)": {"scope": "request"},
     "budget 0.05": {"scope": "request", "explore_budget": 0.05},
 }
-T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 def believed(cut: float) -> Profile:
@@ -76,15 +76,7 @@ def one(job: tuple[str, int, float, int, int]) -> dict[str, float]:
     rng.shuffle(rows)
     lines = [parse_prompt_line(r, r["category"]) for r in rows]
     accept = [FACTORS[r["category"]] * rng.lognormvariate(-(0.05**2) / 2, 0.05) for r in rows]
-    batch = RequestBatch(
-        [p.prompt_tokens for p in lines],
-        [ANSWER_TOKENS] * n,
-        [ANSWER_TOKENS] * n,
-        [None] * n,
-        accept,
-        None,
-        features=[p.features for p in lines],
-    )
+    batch = answer_batch(lines, accept, ANSWER_TOKENS)
     policy = CostModelPolicy(CostModelParams(**RUNS[run]), PolicyContext(believed(cut), seed))
     servers = build_deployment(resolve_profile(PROFILE), (("baseline", 1), ("eagle", 1)))
     raw = simulate(servers, policy, batch, concurrency=CONCURRENCY, seed=seed, spec_details=True)
@@ -106,17 +98,6 @@ def one(job: tuple[str, int, float, int, int]) -> dict[str, float]:
         "mean e2e s (measured)": statistics.fmean(raw.finish[i] - raw.arrival[i] for i in range(warmup, n)),
         "budget spent": 0.0 if explorer is None else explorer.spent_ratio,
     }
-
-
-def ci(values: list[float]) -> str:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return "n/a"
-    m = statistics.fmean(values)
-    if len(values) < 2:
-        return f"{m:.3g}"
-    h = T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
-    return f"{m:.3g} ±{h:.2g}"
 
 
 def main() -> int:

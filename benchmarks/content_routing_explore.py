@@ -44,7 +44,7 @@ from policies.base import Decision, LoadView, Outcome, RequestInfo
 from policies.cost_model import CostModelParams, CostModelPolicy
 from policies.profile import resolve_profile
 from policies.spec import PolicyContext
-from policies.stats import percentile
+from policies.stats import estimate, percentile
 from simulator.engine.deployment import build_deployment
 from simulator.engine.loop import MEASURED, RequestBatch, simulate
 from simulator.engine.prompts import parse_prompt_line
@@ -62,7 +62,6 @@ RUNS: dict[str, dict[str, Any]] = {
     "no-explore": {"explore_budget": 0.0},
     "blind": {"content_aware": False},
 }
-T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 def prompts(seed: int) -> list[dict[str, Any]]:
@@ -110,15 +109,7 @@ def one(job: tuple[str, str, int]) -> dict[str, Any]:
         for r in rows
     ]
     n = len(lines)
-    batch = RequestBatch(
-        [p.prompt_tokens for p in lines],
-        [ANSWER_TOKENS] * n,
-        [ANSWER_TOKENS] * n,
-        [None] * n,
-        accept,
-        None,
-        features=[p.features for p in lines],
-    )
+    batch = answer_batch(lines, accept, ANSWER_TOKENS)
     profile = resolve_profile(PROFILE)
     policy = Recorder(CostModelPolicy(CostModelParams(**RUNS[run]), PolicyContext(profile, seed)))
     servers = build_deployment(profile, (("baseline", 1), ("eagle", 1)))
@@ -161,15 +152,27 @@ def one(job: tuple[str, str, int]) -> dict[str, Any]:
     }
 
 
+def answer_batch(lines: list[Any], accept: list[float], answer_tokens: int) -> RequestBatch:
+    """The simulator's batch of `lines` (parsed prompts), each answered with `answer_tokens`
+    tokens at its own acceptance factor."""
+    n = len(lines)
+    return RequestBatch(
+        [p.prompt_tokens for p in lines],
+        [answer_tokens] * n,
+        [answer_tokens] * n,
+        [None] * n,
+        accept,
+        None,
+        features=[p.features for p in lines],
+    )
+
+
 def ci(values: list[float]) -> str:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
+    """Mean ±95% t-interval half-width of the non-NaN `values` (`policies.stats.estimate`)."""
+    e = estimate([v for v in values if not math.isnan(v)])
+    if e is None:
         return "n/a"
-    m = statistics.fmean(values)
-    if len(values) < 2:
-        return f"{m:.3g}"
-    h = T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
-    return f"{m:.3g} ±{h:.2g}"
+    return f"{e.mean:.3g}" if e.half_width is None else f"{e.mean:.3g} ±{e.half_width:.2g}"
 
 
 def main() -> int:
