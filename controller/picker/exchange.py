@@ -63,6 +63,7 @@ class Exchange:
         "held",
         "id",
         "path",
+        "peer",
         "picker",
         "request_body_mode",
         "response_body_mode",
@@ -74,6 +75,8 @@ class Exchange:
         self.picker = picker
         self.headers: dict[str, str] = {}
         self.path: str | None = None
+        self.peer: str | None = None
+        """The client's address (without port), when the gateway sends `source.address`."""
         self.body = bytearray()
         self.request_body_mode = BUFFERED
         self.response_body_mode = NONE
@@ -101,6 +104,7 @@ class Exchange:
         if kind == "request_headers":
             self.headers = extproc.header_values(req.request_headers.headers)
             self.path = self.headers.get(":path")
+            self.peer = extproc.attribute_request(req)[2]  # attributes come with the first message
             if req.request_headers.end_of_stream or self.request_body_mode in (NONE, STREAMED):
                 # No body will come before the headers are answered: decide on what there is.
                 return await self._decide(req, ep.ProcessingResponse(request_headers=ep.HeadersResponse()))
@@ -121,8 +125,7 @@ class Exchange:
             if not req.request_body.end_of_stream and self.request_body_mode == FULL_DUPLEX:
                 return []
             if self.path is None:  # only the body was sent: path and headers came as attributes
-                path, headers = extproc.attribute_request(req)
-                self.path, self.headers = path, headers
+                self.path, self.headers, self.peer = extproc.attribute_request(req)
             return await self._decide(req, None)
         if kind == "request_trailers":
             if not self.decided:
@@ -207,7 +210,7 @@ class Exchange:
     ) -> tuple[list[str], dict[str, Any], bytes | None]:
         picker = self.picker
         tickets = picker.tickets
-        described = await tickets.describe(raw or b"{}", endpoint, self.headers)
+        described = await tickets.describe(raw or b"{}", endpoint, self.headers, self.peer)
         body, info = described.body, described.info
         await tickets.admit(info)
         allowed = picker.allowed(extproc.subset(req))

@@ -77,25 +77,42 @@ def header_values(headers: base_pb2.HeaderMap) -> dict[str, str]:
 HEADER_ATTRIBUTE = "request.headers['"
 """How a request header is named among the attributes: `request.headers['x-specroute-hint']`
 (Envoy sends no map as an attribute value: each header the picker reads is one attribute)."""
-READ_HEADERS = ("x-specroute-hint", "x-specroute-mode")
-"""The request headers serve's front half reads (`request_info`)."""
+SOURCE_ATTRIBUTE = "source.address"
+"""The client's address among the attributes (its host is the peer serve would see)."""
 
 
-def attribute_request(req: ep.ProcessingRequest) -> tuple[str | None, dict[str, str]]:
-    """(path, headers) from the `request.path` and `request.headers['NAME']` attributes."""
+def attribute_request(req: ep.ProcessingRequest) -> tuple[str | None, dict[str, str], str | None]:
+    """(path, headers, peer) from the `request.path`, `request.headers['NAME']` and
+    `source.address` attributes; peer is the client's address without its port, as serve reads
+    it (`client_of`: the client a request without an API key is known by)."""
     attrs = req.attributes.get(ATTRIBUTES_KEY)
     if attrs is None:
-        return None, {}
+        return None, {}, None
     path: str | None = None
+    peer: str | None = None
     headers: dict[str, str] = {}
     for key, value in attrs.fields.items():
         if not value.HasField("string_value"):
             continue
         if key == "request.path":
             path = value.string_value
+        elif key == SOURCE_ATTRIBUTE:
+            peer = host_of(value.string_value)
         elif key.startswith(HEADER_ATTRIBUTE) and key.endswith("']"):
             headers[key[len(HEADER_ATTRIBUTE) : -2].lower()] = value.string_value
-    return path, headers
+    return path, headers, peer
+
+
+def host_of(address: str) -> str | None:
+    """The host of Envoy's `source.address` ("10.0.0.7:51234", "[::1]:51234"; a pipe's path as
+    it is), None when empty."""
+    if address.startswith("["):
+        end = address.find("]")
+        return address[1:end] if end > 1 else None
+    host, colon, port = address.rpartition(":")
+    if colon and host and port.isdigit() and ":" not in host:
+        return host
+    return address or None
 
 
 def metadata_field(req: ep.ProcessingRequest, namespace: str, key: str) -> Any:

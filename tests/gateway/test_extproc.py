@@ -37,12 +37,27 @@ def test_request_headers_are_read_by_lower_case_name() -> None:
 def test_path_and_headers_come_from_the_body_message_attributes() -> None:
     req = ep.ProcessingRequest(request_body=ep.HttpBody(body=b"{}", end_of_stream=True))
     attrs = struct_pb2.Struct()
-    attrs.update({"request.path": "/v1/completions?x=1", "request.headers['X-Specroute-Mode']": "eagle"})
+    attrs.update(
+        {
+            "request.path": "/v1/completions?x=1",
+            "request.headers['X-Specroute-Mode']": "eagle",
+            "source.address": "10.1.2.3:51234",
+        }
+    )
     req.attributes[extproc.ATTRIBUTES_KEY].CopyFrom(attrs)
-    path, headers = extproc.attribute_request(req)
+    path, headers, peer = extproc.attribute_request(req)
     assert path == "/v1/completions?x=1" and headers == {"x-specroute-mode": "eagle"}
+    assert peer == "10.1.2.3"  # the host alone, as serve's peer (the port changes per connection)
     assert extproc.endpoint_of(path) == "completions"
-    assert extproc.attribute_request(ep.ProcessingRequest()) == (None, {})
+    assert extproc.attribute_request(ep.ProcessingRequest()) == (None, {}, None)
+
+
+def test_the_peer_is_the_source_address_without_its_port() -> None:
+    assert extproc.host_of("127.0.0.1:80") == "127.0.0.1"
+    assert extproc.host_of("[2001:db8::1]:443") == "2001:db8::1"
+    assert extproc.host_of("2001:db8::1") == "2001:db8::1"  # no port: as it is
+    assert extproc.host_of("/run/envoy.sock") == "/run/envoy.sock"
+    assert extproc.host_of("") is None and extproc.host_of("[]:1") is None
 
 
 def test_inference_paths() -> None:

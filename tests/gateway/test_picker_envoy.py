@@ -378,6 +378,8 @@ SEQUENCE: list[tuple[int, dict[str, Any], dict[str, str]]] = [
     (3, {"messages": CHAT, "max_tokens": 16}, {"x-specroute-mode": "eagle"}),
     (4, {"messages": [{"role": "user", "content": "long " * 3000}], "max_tokens": 16}, {}),
     (1, {"messages": CHAT, "max_tokens": 16}, {}),
+    (0, {"messages": CHAT, "max_tokens": 17}, {"Authorization": "Bearer client-a"}),
+    (0, {"messages": CHAT, "max_tokens": 18}, {"Authorization": "Bearer client-b"}),
 ]
 
 
@@ -399,13 +401,16 @@ async def _decisions(url: str, records: list[Any], in_flight: Callable[[], int])
             async with s.post(url + path, json={"model": "m", **body}, headers=headers) as r:
                 assert r.status == 200
                 await r.read()
-            assert await wait_until(lambda n=before: len(records) > n)  # type: ignore[misc]
+            # its own record (a held stream's may come first: the picker's come with the access log)
+            assert await wait_until(
+                lambda b=before, t=body["max_tokens"]: any(r.request.max_tokens == t for r in records[b:])  # type: ignore[misc]
+            )
             rec = next(r for r in records[before:] if r.request.max_tokens == body["max_tokens"])
             loads = tuple(
                 (b.name, b.in_flight) for pool in (rec.view.baseline, rec.view.eagle) for b in pool.backends
             )
             info, decision = rec.request, rec.decision
-            asked = (info.endpoint, info.prompt_tokens, info.hint, info.forced_pool)
+            asked = (info.endpoint, info.prompt_tokens, info.hint, info.forced_pool, info.client)
             out.append((*asked, loads, decision.pool, decision.backend, decision.reason))
             for r in holds:
                 r.close()
@@ -417,7 +422,7 @@ async def _decisions(url: str, records: list[Any], in_flight: Callable[[], int])
 
 async def test_decisions_through_envoy_and_through_serve_are_identical(gateway: Any, proxy: Any) -> None:
     """The same requests under the same loads: the picker behind Envoy and serve decide alike
-    (one routing core, one request parser, one load view)."""
+    (one routing core, one request parser, one load view) and know the same clients."""
     params = {"threshold": 3, "signal": "local"}
     gw = await gateway("threshold", params, allow_client_override=True, scrape_interval_s=60)
     served = await proxy(
@@ -431,7 +436,11 @@ async def test_decisions_through_envoy_and_through_serve_are_identical(gateway: 
     )
     await gw.idle()
     assert through_envoy == through_serve
-    assert {d[5] for d in through_envoy} == {"baseline", "eagle"}  # the sequence makes both choices
+    assert {d[6] for d in through_envoy} == {"baseline", "eagle"}  # the sequence makes both choices
+    # who sent each request, as the content model learns per client: the address (127.0.0.1)
+    # for the requests without an API key, each key for the two with one
+    clients = [d[4] for d in through_envoy]
+    assert 0 not in clients and len(set(clients)) == 3
 
 
 async def test_a_gateway_streaming_everything_through_ext_proc(emulator: Any) -> None:
