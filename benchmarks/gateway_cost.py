@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -294,7 +295,7 @@ async def bench(args: argparse.Namespace, targets: dict[str, Target]) -> dict[tu
     return results
 
 
-def _ci(xs: list[float]) -> str:
+def ci_text(xs: list[float]) -> str:
     e = estimate(xs)
     if e is None:
         return "-"
@@ -324,10 +325,11 @@ def report(
                 f"{p50:.2f}",
                 f"{p99:.2f}",
                 f"{statistics.mean(lv.rps):.0f}",
-                _ci(total),
+                ci_text(total),
             )
             if len(t.pids) == 2:
-                line += f"  (envoy {_ci([r[0] for r in lv.cpu_ms])}, picker {_ci([r[1] for r in lv.cpu_ms])})"
+                envoy, picker = ci_text([r[0] for r in lv.cpu_ms]), ci_text([r[1] for r in lv.cpu_ms])
+                line += f"  (envoy {envoy}, picker {picker})"
             print(line + (f"  errors={lv.errors}" if lv.errors else ""))
         pair = [sum(r) for r in results[("envoy+picker", c)].cpu_ms]
         for ref in ("serve", "nginx", "minimal", "envoy"):
@@ -336,11 +338,11 @@ def report(
             base = [sum(r) for r in results[(ref, c)].cpu_ms]
             ratios = [a / b for a, b in zip(pair, base, strict=True) if b > 0]
             print(
-                f"{c:>4} envoy+picker / {ref:<8} CPU per request: {_ci(ratios)} "
+                f"{c:>4} envoy+picker / {ref:<8} CPU per request: {ci_text(ratios)} "
                 f"(per-round ratios, n={len(ratios)})"
             )
         shares = [r[1] / sum(r) for r in results[("envoy+picker", c)].cpu_ms if sum(r) > 0]
-        print(f"{c:>4} the picker's share of envoy+picker's CPU: {_ci(shares)}")
+        print(f"{c:>4} the picker's share of envoy+picker's CPU: {ci_text(shares)}")
         added = percentile(results[("envoy+picker", c)].ttft_ms, 50) - percentile(
             results[("envoy", c)].ttft_ms, 50
         )
@@ -374,11 +376,11 @@ def report_split(args: argparse.Namespace, results: dict[tuple[str, int], Level]
                 row.format(
                     c,
                     name,
-                    _ci(env),
-                    _ci(pick) if any(pick) else "-",
-                    _ci(total),
-                    _ci(_per(total, serve, lambda a, b: a / b)),
-                    _ci(_per(env, serve, lambda a, b: a / b)),
+                    ci_text(env),
+                    ci_text(pick) if any(pick) else "-",
+                    ci_text(total),
+                    ci_text(_per(total, serve, lambda a, b: a / b)),
+                    ci_text(_per(env, serve, lambda a, b: a / b)),
                 )
             )
         print(f"{c:>4} increments, as ratios to serve's CPU per request (n={len(serve)} rounds):")
@@ -394,8 +396,8 @@ def report_split(args: argparse.Namespace, results: dict[tuple[str, int], Level]
             env_inc = [(h - lo_) / s for h, lo_, s in zip(he, le, serve, strict=True)]
             pick_inc = [(h - lo_) / s for h, lo_, s in zip(hp, lp, serve, strict=True)]
             print(
-                f"       {label:<64} Envoy {_ci(env_inc):>15}  picker {_ci(pick_inc):>15}  "
-                f"total {_ci(_per(env_inc, pick_inc, lambda a, b: a + b)):>15}"
+                f"       {label:<64} Envoy {ci_text(env_inc):>15}  picker {ci_text(pick_inc):>15}  "
+                f"total {ci_text(_per(env_inc, pick_inc, lambda a, b: a + b)):>15}"
             )
         print(f"{c:>4} what the picker recorded over the measured requests (its /metrics):")
         for name in ("a:ext_proc", "b:+log", "envoy+picker"):
@@ -411,10 +413,23 @@ def report_split(args: argparse.Namespace, results: dict[tuple[str, int], Level]
             env = parts[name][0]
             budget = [0.8 * s - e for s, e in zip(serve, env, strict=True)]
             print(
-                f"       {route:<58} {_ci(_per(env, serve, lambda a, b: a / b)):>15}; "
-                f"left for the picker at 0.8x serve: {_ci(budget)} ms/request "
-                f"({_ci(_per(budget, serve, lambda a, b: a / b))} x serve)"
+                f"       {route:<58} {ci_text(_per(env, serve, lambda a, b: a / b)):>15}; "
+                f"left for the picker at 0.8x serve: {ci_text(budget)} ms/request "
+                f"({ci_text(_per(budget, serve, lambda a, b: a / b))} x serve)"
             )
+
+
+async def closed_loop(one: Callable[[], Awaitable[None]], n: int, concurrency: int) -> None:
+    """`n` calls of `one`, `concurrency` at a time, each worker starting its next at once."""
+    remaining = n
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            await one()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
 async def decision_latency(picker_port: int, n: int, concurrency: int) -> list[float]:
@@ -430,7 +445,6 @@ async def decision_latency(picker_port: int, n: int, concurrency: int) -> list[f
         {"request.path": "/v1/chat/completions", "request.headers": {"content-type": "application/json"}}
     )
     out: list[float] = []
-    remaining = n
     async with grpc.aio.insecure_channel(f"127.0.0.1:{picker_port}") as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)
 
@@ -453,13 +467,7 @@ async def decision_latency(picker_port: int, n: int, concurrency: int) -> list[f
             while await call.read() is not grpc.aio.EOF:
                 pass
 
-        async def worker() -> None:
-            nonlocal remaining
-            while remaining > 0:
-                remaining -= 1
-                await one()
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await closed_loop(one, n, concurrency)
     return out
 
 
