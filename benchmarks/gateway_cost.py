@@ -14,12 +14,22 @@ Envoy's threads included; Envoy + picker as the sum and each part), mean and 95%
 then the ratios Envoy+picker / serve, / nginx, / minimal, the picker's share, and the time to
 first token the picker adds over Envoy alone (p50 against p50).
 
+With `--split`, the same rounds also run Envoy variants built from the same configuration
+(envoyconf.place / router_only, the shipped Lua tap), with the same picker process where they
+have one, to price each part of Envoy + picker apart: a) ext_proc to the picker without the
+access log and the Lua tap; b) a + the gRPC access log; c) b + the Lua tap (the envoy+picker
+target); d) Envoy's router + the Lua tap alone (set_metadata marks each request as the picker
+would, so the tap does its per-chunk work). Printed: each one's Envoy and picker parts, the
+increments a-envoy, b-a, c-b, d-envoy as ratios to that round's serve, what the picker recorded
+of the measured requests (outcomes by status, TTFTs, tokens: what each route tells it), and
+Envoy's part under each outcome route against 0.8x serve (what is left for the picker).
+
 Then the picker's decision latency, measured by a gRPC client of its own (no Envoy): the time
 from sending a request body (ext_proc's BUFFERED message, as Envoy sends it) to the routing
 answer, p50/p99 (policies.stats.percentile), one request at a time and 16 at a time.
 
     python benchmarks/gateway_cost.py [--concurrency 1 64] [--requests 1000] [--rounds 3]
-        [--pace-ms 10] [--decisions 2000]
+        [--pace-ms 10] [--decisions 2000] [--split]
 
 Note: on a small machine the load generator, the backend and the proxies share the cores, so
 requests/s and TTFT are those of the whole setup; the CPU per request is the target's alone.
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import shutil
@@ -39,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,6 +113,59 @@ def start_envoy(config: dict[str, Any], workdir: Path, name: str) -> subprocess.
     return proc
 
 
+SPLIT = {
+    "e:filters": "the shipped filters but ext_proc, the access log and the Lua tap (no picker)",
+    "a:ext_proc": "e + ext_proc -> picker (no access log, no Lua tap)",
+    "b:+log": "a + the gRPC access log to the picker",
+    "envoy+picker": "c = b + the Lua tap (the shipped envoy.yaml)",
+    "d:router+tap": "Envoy router + the Lua tap only (no ext_proc, no access log)",
+}
+"""--split's Envoy variants, each built from deploy/gateway/envoy.yaml by envoyconf (c is the
+envoy+picker target itself)."""
+
+
+def _hcm(config: dict[str, Any]) -> dict[str, Any]:
+    (lst,) = config["static_resources"]["listeners"]
+    hcm: dict[str, Any] = lst["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
+def split_config(shipped: dict[str, Any], *, ext_proc: bool, access_log: bool) -> dict[str, Any]:
+    """The shipped configuration (envoyconf.place) without the Lua tap; without the access log
+    and the set_metadata that tells the picker to wait for it unless `access_log`; without the
+    ext_proc filter unless `ext_proc`."""
+    config = copy.deepcopy(shipped)
+    hcm = _hcm(config)
+    dropped = {"envoy.filters.http.lua"}
+    if not access_log:
+        dropped.add("envoy.filters.http.set_metadata")
+        hcm.pop("access_log")
+    if not ext_proc:
+        dropped.add("envoy.filters.http.ext_proc")
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] not in dropped]
+    return config
+
+
+def tap_only_config(router: dict[str, Any], shipped: dict[str, Any]) -> dict[str, Any]:
+    """Envoy's router (envoyconf.router_only) with the shipped Lua tap before it, and the
+    metadata the picker would set (`specroute`: a ticket, strip_usage) set by set_metadata so the
+    tap does on every chunk what it does behind the picker."""
+    config = copy.deepcopy(router)
+    (lua,) = [f for f in _hcm(shipped)["http_filters"] if f["name"] == "envoy.filters.http.lua"]
+    marker = {
+        "name": "envoy.filters.http.set_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+            "metadata": [
+                {"metadata_namespace": "specroute", "value": {"ticket": "bench", "strip_usage": True}}
+            ],
+        },
+    }
+    hcm = _hcm(config)
+    hcm["http_filters"] = [marker, copy.deepcopy(lua), *hcm["http_filters"]]
+    return config
+
+
 NGINX_CONF = """
 worker_processes 1;
 daemon off;
@@ -151,6 +216,8 @@ class Target:
     pids: list[int]
     """Processes whose CPU is the target's (Envoy + picker: both, Envoy first)."""
     tree: bool = False
+    metrics: str | None = None
+    """The picker's /metrics, read around each measured window (what the picker learnt)."""
 
 
 @dataclass
@@ -160,6 +227,38 @@ class Level:
     cpu_ms: list[list[float]] = field(default_factory=list)
     """Per round, CPU ms per request of each of the target's processes."""
     errors: int = 0
+    learnt: dict[str, float] = field(default_factory=dict)
+    """What the picker recorded over the measured windows: outcomes by status, TTFTs, tokens."""
+
+
+LEARNT = {
+    "specroute_requests": ("status", "outcome "),
+    "specroute_ttft_seconds": (None, "with TTFT"),
+    "specroute_output_tokens": (None, "tokens"),
+}
+
+
+async def learnt(session: aiohttp.ClientSession, url: str | None) -> dict[str, float]:
+    """Totals of the picker's outcome metrics: requests by status, TTFTs observed, tokens."""
+    if url is None:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(url) as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in LEARNT:
+            continue
+        label, key = LEARNT[family.name]
+        for sample in family.samples:
+            if sample.name.endswith("_created") or sample.name.endswith("_bucket"):
+                continue
+            if family.type == "histogram" and not sample.name.endswith("_count"):
+                continue
+            name = key + (sample.labels[label] if label else "")
+            out[name] = out.get(name, 0.0) + sample.value
+    return out
 
 
 def _cpu(t: Target) -> list[float]:
@@ -176,10 +275,15 @@ async def bench(args: argparse.Namespace, targets: dict[str, Target]) -> dict[tu
                 for name in order:
                     t = targets[name]
                     await po.drive(session, t.url, c, max(c, n // 10))  # warm-up
+                    seen = await learnt(session, t.metrics)
                     before = _cpu(t)
                     ttfts, wall, errors = await po.drive(session, t.url, c, n)
                     after = _cpu(t)
                     lv = results.setdefault((name, c), Level())
+                    if t.metrics is not None:
+                        await asyncio.sleep(0.5)  # the last access-log entries finish their requests
+                    for k, v in (await learnt(session, t.metrics)).items():
+                        lv.learnt[k] = lv.learnt.get(k, 0.0) + v - seen.get(k, 0.0)
                     lv.ttft_ms.extend(ttfts)
                     lv.rps.append(n / wall)
                     lv.cpu_ms.append([(b - a) * 1000 / n for a, b in zip(before, after, strict=True)])
@@ -191,7 +295,7 @@ async def bench(args: argparse.Namespace, targets: dict[str, Target]) -> dict[tu
     return results
 
 
-def _ci(xs: list[float]) -> str:
+def ci_text(xs: list[float]) -> str:
     e = estimate(xs)
     if e is None:
         return "-"
@@ -221,10 +325,11 @@ def report(
                 f"{p50:.2f}",
                 f"{p99:.2f}",
                 f"{statistics.mean(lv.rps):.0f}",
-                _ci(total),
+                ci_text(total),
             )
             if len(t.pids) == 2:
-                line += f"  (envoy {_ci([r[0] for r in lv.cpu_ms])}, picker {_ci([r[1] for r in lv.cpu_ms])})"
+                envoy, picker = ci_text([r[0] for r in lv.cpu_ms]), ci_text([r[1] for r in lv.cpu_ms])
+                line += f"  (envoy {envoy}, picker {picker})"
             print(line + (f"  errors={lv.errors}" if lv.errors else ""))
         pair = [sum(r) for r in results[("envoy+picker", c)].cpu_ms]
         for ref in ("serve", "nginx", "minimal", "envoy"):
@@ -233,15 +338,98 @@ def report(
             base = [sum(r) for r in results[(ref, c)].cpu_ms]
             ratios = [a / b for a, b in zip(pair, base, strict=True) if b > 0]
             print(
-                f"{c:>4} envoy+picker / {ref:<8} CPU per request: {_ci(ratios)} "
+                f"{c:>4} envoy+picker / {ref:<8} CPU per request: {ci_text(ratios)} "
                 f"(per-round ratios, n={len(ratios)})"
             )
         shares = [r[1] / sum(r) for r in results[("envoy+picker", c)].cpu_ms if sum(r) > 0]
-        print(f"{c:>4} the picker's share of envoy+picker's CPU: {_ci(shares)}")
+        print(f"{c:>4} the picker's share of envoy+picker's CPU: {ci_text(shares)}")
         added = percentile(results[("envoy+picker", c)].ttft_ms, 50) - percentile(
             results[("envoy", c)].ttft_ms, 50
         )
         print(f"{c:>4} TTFT the picker adds over Envoy alone (p50 - p50): {added:.2f} ms")
+
+
+def _parts(results: dict[tuple[str, int], Level], name: str, c: int) -> tuple[list[float], list[float]]:
+    """Per round: the Envoy part and the picker part (0 without a picker) of CPU ms per request."""
+    rows = results[(name, c)].cpu_ms
+    return [r[0] for r in rows], [r[1] if len(r) > 1 else 0.0 for r in rows]
+
+
+def _per(xs: list[float], ys: list[float], op: Any) -> list[float]:
+    return [op(x, y) for x, y in zip(xs, ys, strict=True)]
+
+
+def report_split(args: argparse.Namespace, results: dict[tuple[str, int], Level]) -> None:
+    """Where Envoy + picker's CPU goes: the variants, their increments as ratios to serve (per
+    round, against that round's serve), and what is left for the picker under 0.8x serve."""
+    print("\n--split: Envoy variants (CPU ms per request, mean ± 95% CI over rounds; ratios per round)")
+    for name, what in SPLIT.items():
+        print(f"  {name:<13} {what}")
+    row = "{:>4} {:<13} {:>20} {:>20} {:>20} {:>18} {:>18}"
+    print(row.format("conc", "target", "Envoy ms", "picker ms", "total ms", "total/serve", "Envoy/serve"))
+    for c in args.concurrency:
+        serve = [sum(r) for r in results[("serve", c)].cpu_ms]
+        parts = {name: _parts(results, name, c) for name in ("envoy", *SPLIT)}
+        for name, (env, pick) in parts.items():
+            total = _per(env, pick, lambda a, b: a + b)
+            print(
+                row.format(
+                    c,
+                    name,
+                    ci_text(env),
+                    ci_text(pick) if any(pick) else "-",
+                    ci_text(total),
+                    ci_text(_per(total, serve, lambda a, b: a / b)),
+                    ci_text(_per(env, serve, lambda a, b: a / b)),
+                )
+            )
+        print(f"{c:>4} increments, as ratios to serve's CPU per request (n={len(serve)} rounds):")
+        for label, hi, lo in (
+            ("a - envoy (ext_proc + buffer + decompressor; the picker)", "a:ext_proc", "envoy"),
+            ("  e - envoy (buffer + decompressor + response headers)", "e:filters", "envoy"),
+            ("  a - e     (the ext_proc filter; the picker)", "a:ext_proc", "e:filters"),
+            ("b - a     (access log + set_metadata; the picker reads entries)", "b:+log", "a:ext_proc"),
+            ("c - b     (the Lua tap, behind the picker)", "envoy+picker", "b:+log"),
+            ("d - envoy (the Lua tap + set_metadata, router only)", "d:router+tap", "envoy"),
+        ):
+            (he, hp), (le, lp) = parts[hi], parts[lo]
+            env_inc = [(h - lo_) / s for h, lo_, s in zip(he, le, serve, strict=True)]
+            pick_inc = [(h - lo_) / s for h, lo_, s in zip(hp, lp, serve, strict=True)]
+            print(
+                f"       {label:<64} Envoy {ci_text(env_inc):>15}  picker {ci_text(pick_inc):>15}  "
+                f"total {ci_text(_per(env_inc, pick_inc, lambda a, b: a + b)):>15}"
+            )
+        print(f"{c:>4} what the picker recorded over the measured requests (its /metrics):")
+        for name in ("a:ext_proc", "b:+log", "envoy+picker"):
+            lv = results[(name, c)]
+            got = ", ".join(f"{k} {v:.0f}" for k, v in sorted(lv.learnt.items()))
+            print(f"       {name:<13} of {len(lv.ttft_ms)} requests: {got}")
+        print(f"{c:>4} Envoy + a zero-cost picker, as a ratio to serve (its Envoy part alone):")
+        for name, route in (
+            ("envoy+picker", "today's: access log + Lua tap"),
+            ("b:+log", "access log only"),
+            ("a:ext_proc", "the ext_proc stream's end only (+ the backends' counters)"),
+        ):
+            env = parts[name][0]
+            budget = [0.8 * s - e for s, e in zip(serve, env, strict=True)]
+            print(
+                f"       {route:<58} {ci_text(_per(env, serve, lambda a, b: a / b)):>15}; "
+                f"left for the picker at 0.8x serve: {ci_text(budget)} ms/request "
+                f"({ci_text(_per(budget, serve, lambda a, b: a / b))} x serve)"
+            )
+
+
+async def closed_loop(one: Callable[[], Awaitable[None]], n: int, concurrency: int) -> None:
+    """`n` calls of `one`, `concurrency` at a time, each worker starting its next at once."""
+    remaining = n
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            await one()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
 async def decision_latency(picker_port: int, n: int, concurrency: int) -> list[float]:
@@ -257,7 +445,6 @@ async def decision_latency(picker_port: int, n: int, concurrency: int) -> list[f
         {"request.path": "/v1/chat/completions", "request.headers": {"content-type": "application/json"}}
     )
     out: list[float] = []
-    remaining = n
     async with grpc.aio.insecure_channel(f"127.0.0.1:{picker_port}") as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)
 
@@ -280,13 +467,7 @@ async def decision_latency(picker_port: int, n: int, concurrency: int) -> list[f
             while await call.read() is not grpc.aio.EOF:
                 pass
 
-        async def worker() -> None:
-            nonlocal remaining
-            while remaining > 0:
-                remaining -= 1
-                await one()
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await closed_loop(one, n, concurrency)
     return out
 
 
@@ -297,6 +478,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pace-ms", type=float, default=10.0, help="Milliseconds between the backend's chunks.")
     ap.add_argument("--decisions", type=int, default=2000, help="Decisions timed per concurrency (0: none).")
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="Also measure Envoy variants that price ext_proc, the access log and the Lua tap apart.",
+    )
     args = ap.parse_args()
 
     me = [sys.executable, str(ROOT / "benchmarks" / "proxy_overhead.py")]
@@ -350,13 +536,40 @@ def main() -> int:
         )
         paired = start_envoy(config, workdir, "envoy-picker")
         procs.append(paired)
-        targets["envoy+picker"] = Target(f"http://127.0.0.1:{port}", [paired.pid, pk.pid])
+        picker_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        targets["envoy+picker"] = Target(
+            f"http://127.0.0.1:{port}", [paired.pid, pk.pid], metrics=picker_metrics
+        )
+        if args.split:
+            for name in SPLIT:
+                if name == "envoy+picker":
+                    continue
+                port = free_port()
+                listener = ("127.0.0.1", port)
+                shipped = envoyconf.place(
+                    ENVOY_YAML, pickers=[("127.0.0.1", picker_port)], backends=backends, listener=listener
+                )
+                if name == "d:router+tap":
+                    router = envoyconf.router_only(ENVOY_YAML, backends=backends[:1], listener=listener)
+                    variant = tap_only_config(router, shipped)
+                else:
+                    variant = split_config(shipped, ext_proc=name != "e:filters", access_log=name == "b:+log")
+                proc = start_envoy(variant, workdir, name.replace(":", "-").replace("+", ""))
+                procs.append(proc)
+                with_picker = name in ("a:ext_proc", "b:+log")
+                targets[name] = Target(
+                    f"http://127.0.0.1:{port}",
+                    [proc.pid, pk.pid] if with_picker else [proc.pid],
+                    metrics=picker_metrics if with_picker else None,
+                )
 
         import uvloop
 
         uvloop.install()
         results = asyncio.run(bench(args, targets))
         report(args, targets, results)
+        if args.split:
+            report_split(args, results)
         if args.decisions:
             print(f"\nthe picker's decision latency (a gRPC client, no Envoy; n={args.decisions} each):")
             for c in (1, 16):
