@@ -4,14 +4,19 @@ How it works: for each pool take its least-loaded healthy backend (backend-repor
 and queued requests when a fresh sample exists, else this proxy's in-flight count as running)
 and ask the speed profile what the request would cost there (`SpeedModel.predict_system_s`):
 
-- `scope=system` (the default) compares marginal costs: the request's own end-to-end time
-  plus the time it adds to the requests it slows down -- exactly, the seconds per request at
-  the margin of the pool's completion rate, so the pool chosen is the one whose total rate
-  grows most. A request that would wait in a full pool's queue adds nothing there (a queued
-  request produces nothing): its cost is infinite while the other pool still gains from one
-  more request. When neither gains, the request goes where it finishes sooner. A pool is full
-  at the backend's own running-request cap when it reports one (`BackendLoad.max_running`),
-  else at the profile's `max_running_requests`.
+- `scope=system` (the default) compares marginal costs: the request's own end-to-end time plus
+  the time it adds to the requests it slows down -- exactly, the seconds per request at the
+  margin of the pool's completion rate, so the pool chosen is the one whose total rate grows
+  most. The requests it slows are those expected to share its life (`count_arrivals`, on by
+  default): the ones present leave part way through it and the ones arriving during it join part
+  way, at the pool's arrival rate (per backend) measured over this policy's last
+  `arrival_window` decisions (their times are `now`: deterministic in the simulator). An idle
+  pool that receives requests is then not free for a request that would hold it long. A request
+  that would wait in a full pool's queue adds nothing there (a queued request produces nothing):
+  its cost is infinite while the other pool still gains from one more request. When neither
+  gains, the request goes where it finishes sooner. A pool is full at the backend's own
+  running-request cap when it reports one (`BackendLoad.max_running`), else at the profile's
+  `max_running_requests`.
 - `scope=request` is the selfish rule: the pool that finishes this request sooner.
 
 `objective=ttft` compares times to first token instead (system scope: never a queue while the
@@ -146,6 +151,15 @@ class CostModelPolicy:
         if self.content is not None and params.explore_budget > 0.0:
             rng = random.Random(f"{context.seed}/explore")
             self.explorer = Explorer(params.explore, params.explore_budget, params.explore_z, rng)
+        self._count_arrivals = self._system and params.count_arrivals
+        self._window_size = params.arrival_window
+        self._arrivals: deque[tuple[float, Pool, int]] = deque()
+        """(time, pool, sequences) of this policy's last `arrival_window` decisions."""
+        self._arrived: dict[Pool, int] = {"baseline": 0, "eagle": 0}
+        """Sequences in `_arrivals` per pool."""
+        self._rate: dict[Pool, float] | None = None
+        """Per pool, the sequences/s this policy sends to each of its backends (None until
+        `_arrivals` is full)."""
         self._reported_caps: dict[str, int] = {}
         """The running-request cap each backend last reported (`BackendLoad.max_running`), for
         `observe` to place an outcome at the batch size its decision assumed."""
@@ -234,9 +248,38 @@ class CostModelPolicy:
                 f0, f1 = model.ttft_s(b), model.ttft_s(b + 1)
             ttft = (f1 + prefill_s) / speed
             e2e = ttft + m * t1 / decode_scale
+            rates = self._rate
+            k: float = b
+            after = e2e
+            if rates is not None:
+                k = 0.5 * (b + rates[pool] * e2e)
+                if cap is not None and k > cap - 1:
+                    k = cap - 1
+                i = int(k)
+                if i + 2 < _TABLE_SIZE:
+                    w = k - i
+                    steps, ttfts = model.step_table, model.ttft_table
+                    s0, s1, s2, g0, g1, g2 = (
+                        steps[i],
+                        steps[i + 1],
+                        steps[i + 2],
+                        ttfts[i],
+                        ttfts[i + 1],
+                        ttfts[i + 2],
+                    )
+                    t0, t1, f0, f1 = (
+                        s0 + w * (s1 - s0),
+                        s1 + w * (s2 - s1),
+                        g0 + w * (g1 - g0),
+                        g1 + w * (g2 - g1),
+                    )
+                else:
+                    t0, t1 = float(model.step_time_array(k)), float(model.step_time_array(k + 1))
+                    f0, f1 = float(model.ttft_array(k)), float(model.ttft_array(k + 1))
+                after = (f1 + prefill_s) / speed + m * t1 / decode_scale
             before = (f0 + prefill_s) / speed + m * t0 / decode_scale
-            rate_gain = (b + 1) * before - b * e2e
-            cost = before * e2e / rate_gain if rate_gain > 0.0 else math.inf
+            rate_gain = (k + 1) * before - k * after
+            cost = before * after / rate_gain if rate_gain > 0.0 else math.inf
         tpot = model.step_time(batch) / (own * speed) if self._slo else 0.0
         return ttft + wait, e2e + wait, cost + wait + imposed, full, tpot, occupied, own_prefill
 
@@ -291,6 +334,8 @@ class CostModelPolicy:
     ) -> Decision:
         """The decision for `on` (the backend named with its load when there is one), its prefill
         booked on that backend (prefix-aware, profiled rate)."""
+        if self._count_arrivals:
+            self._arrive(pool, request.sequences, now)
         b = on[0]
         if b is None:
             return Decision(pool, "", reason, ttfts, e2es, 0, self.name, accept_factor)
@@ -304,9 +349,39 @@ class CostModelPolicy:
             ends.append(ends[-1] + prefill_s if ends else now + prefill_s)
         return Decision(pool, b.name, reason, ttfts, e2es, prediction[5], self.name, accept_factor)
 
+    def _arrive(self, pool: Pool, sequences: int, now: float) -> None:
+        """Book a decision in the arrival window."""
+        window, arrived = self._arrivals, self._arrived
+        window.append((now, pool, sequences))
+        arrived[pool] += sequences
+        if len(window) > self._window_size:
+            _, old, k = window.popleft()
+            arrived[old] -= k
+
+    def _measure_rates(self, view: LoadView, now: float) -> None:
+        """Each pool's arrival rate over the window per usable backend (the pool's requests are
+        shared among them), for this decision (None while the window is not full, or spans no
+        time)."""
+        window = self._arrivals
+        span = now - window[0][0] if len(window) >= self._window_size else 0.0
+        if span > 0.0:
+            arrived = self._arrived
+            nb = sum(1 for b in view.baseline.backends if b.usable)
+            ne = sum(1 for b in view.eagle.backends if b.usable)
+            self._rate = {
+                "baseline": arrived["baseline"] / (span * (nb if nb > 1 else 1)),
+                "eagle": arrived["eagle"] / (span * (ne if ne > 1 else 1)),
+            }
+        else:
+            self._rate = None
+
     def reset(self) -> None:
-        """A new segment (clock at 0): the prefills booked on the old clock are gone."""
+        """A new segment (clock at 0): the prefills booked and the arrivals timed on the old clock
+        are gone."""
         self._prefill_ends.clear()
+        self._arrivals.clear()
+        self._arrived = {"baseline": 0, "eagle": 0}
+        self._rate = None
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
@@ -314,6 +389,8 @@ class CostModelPolicy:
         own = self._content_own = (
             None if content is None or request.features is None else content.factor(request, self.calibration)
         )
+        if self._count_arrivals:
+            self._measure_rates(view, now)
         on_b = self._backend("baseline", view.baseline, request, n, now)
         on_e = self._backend("eagle", view.eagle, request, n, now)
         if on_b is None or on_e is None:  # the routing core's fallback (rule 4)
@@ -429,8 +506,8 @@ class CostModelPolicy:
 
     def state(self) -> dict[str, Any]:
         """What it learned (`policies.learned`): the calibration, the content model and the
-        exploration's counters, each None when the parameters turn it off. Booked prefills are
-        tied to the clock: not kept."""
+        exploration's counters, each None when the parameters turn it off. Booked prefills and
+        timed arrivals are tied to the clock: not kept."""
         return {
             "version": STATE_VERSION,
             "calibration": None if self.calibration is None else self.calibration.state(),

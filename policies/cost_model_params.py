@@ -138,6 +138,18 @@ class CostModelParams(BaseModel):
     explore_z: float = Field(
         default=1.0, gt=0.0, description="explore=optimistic: standard deviations above the mean tried."
     )
+    count_arrivals: bool = Field(
+        default=True,
+        description="System scope: a request's marginal cost counts the requests expected to share its "
+        "pool during its life -- those present (half of them on average: they leave part way) and those "
+        "arriving at the pool's rate, measured from this policy's last arrival_window decisions (half: "
+        "they join part way) -- instead of only those present for its whole life.",
+    )
+    arrival_window: int = Field(
+        default=64,
+        ge=2,
+        description="count_arrivals: decisions over which each pool's arrival rate is measured.",
+    )
     hint_idle: int = Field(
         default=1000,
         ge=1,

@@ -340,6 +340,7 @@ class SpeedModel:
         speed_scale: float = 1.0,
         queue_weight: float = math.inf,
         prefill_s: float | None = None,
+        arrival_rate: float | None = None,
     ) -> tuple[float, float, float]:
         """(TTFT, end-to-end, marginal cost) seconds of a request that joins the server now.
 
@@ -349,9 +350,16 @@ class SpeedModel:
         running and `T(k)` the end-to-end time of a request like this one in a batch of `k`.
         It is this request's own time plus the time it adds to the `b` requests it slows
         down (to first order `T(b+1) + b * (T(b+1) - T(b))`), and picking the pool with the
-        smaller one maximises the total completion rate. Where one more request would lower the
-        rate the cost is infinite. At the cap the request waits in the queue and adds nothing to
-        the rate (a queued request produces nothing): its cost is its own end-to-end time plus
+        smaller one maximises the total completion rate. With `arrival_rate` (requests/s joining
+        this server) the requests it shares its life `T(b+1)` with are not only those present:
+        the `b` present leave part way through it and the `arrival_rate * T(b+1)` arriving join
+        part way, each overlapping half of it on average, so the marginal cost is taken at
+        `k = (b + arrival_rate * T(b+1)) / 2` requests (fractional: the profile interpolated;
+        at most `cap - 1`) instead of `b` -- without a rate, `b`: as many arrive as are present,
+        the steady state. TTFT and end-to-end stay those of the requests present. Where one
+        more request would lower the rate the cost is infinite. At the cap the request waits in
+        the queue and adds nothing to the rate (a queued request produces nothing): its cost is
+        its own end-to-end time plus
         `queue_weight` times its wait -- the wait it passes on to the requests that will queue
         behind it -- which is infinite by default (never queue while the other pool has room).
 
@@ -385,6 +393,34 @@ class SpeedModel:
             t0, t1, f0, f1 = self.step_time(b), self.step_time(b + 1), self.ttft_s(b), self.ttft_s(b + 1)
         ttft = (f1 + prefill) / speed_scale
         e2e = ttft + m * t1 / decode_scale
+        k: float = b
+        after = e2e
+        if arrival_rate is not None:
+            k = 0.5 * (b + arrival_rate * e2e)
+            if cap is not None and k > cap - 1:
+                k = cap - 1  # at most a full batch shares its life
+            i = int(k)
+            if i + 2 < _TABLE_SIZE:  # the tables interpolated at k and k + 1
+                w = k - i
+                steps, ttfts = self._step_table, self._ttft_table
+                s0, s1, s2, g0, g1, g2 = (
+                    steps[i],
+                    steps[i + 1],
+                    steps[i + 2],
+                    ttfts[i],
+                    ttfts[i + 1],
+                    ttfts[i + 2],
+                )
+                t0, t1, f0, f1 = (
+                    s0 + w * (s1 - s0),
+                    s1 + w * (s2 - s1),
+                    g0 + w * (g1 - g0),
+                    g1 + w * (g2 - g1),
+                )
+            else:
+                t0, t1 = float(self.step_time_array(k)), float(self.step_time_array(k + 1))
+                f0, f1 = float(self.ttft_array(k)), float(self.ttft_array(k + 1))
+            after = (f1 + prefill) / speed_scale + m * t1 / decode_scale
         before = (f0 + prefill) / speed_scale + m * t0 / decode_scale
-        rate_gain = (b + 1) * before - b * e2e  # (X(b+1) - X(b)) * T(b) * T(b+1)
-        return ttft, e2e, before * e2e / rate_gain if rate_gain > 0.0 else math.inf
+        rate_gain = (k + 1) * before - k * after  # (X(k+1) - X(k)) * T(k) * T(k+1)
+        return ttft, e2e, before * after / rate_gain if rate_gain > 0.0 else math.inf

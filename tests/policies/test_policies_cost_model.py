@@ -113,9 +113,9 @@ def test_llama_profile_the_decision_is_capacity_not_mode() -> None:
     assert cost_model(LLAMA, queue_weight=None).choose(req, loaded(250, 48, 5), 0.0).pool == "baseline"
 
 
-def test_system_cost_is_own_time_plus_the_slowdown_imposed_by_hand() -> None:
-    # t(b) = a + c*b exactly (two points), no TTFT: T(b) = (n - 1) * t(b), X(b) = b / T(b)
-    profile = parse_profile(
+def _linear() -> Profile:
+    """t(b) = a + c*b exactly (two points), no TTFT: T(b) = (n - 1) * t(b)."""
+    return parse_profile(
         {
             "format": "specroute.profile/v1",
             "modes": {
@@ -129,6 +129,10 @@ def test_system_cost_is_own_time_plus_the_slowdown_imposed_by_hand() -> None:
             },
         }
     )
+
+
+def test_system_cost_is_own_time_plus_the_slowdown_imposed_by_hand() -> None:
+    profile = _linear()  # X(b) = b / T(b)
     model = profile.speed("eagle")
     n = 101
     # eagle, 2 running: T(2) = 100 * 0.010, T(3) = 100 * 0.014; marginal cost 1 / (X(3) - X(2))
@@ -151,6 +155,63 @@ def test_system_cost_is_own_time_plus_the_slowdown_imposed_by_hand() -> None:
     assert cost_model(profile, scope="request").choose(req, loaded(4, 2), 0.0).pool == "eagle"
     assert profile.speed("baseline").predict_system_s(n, 4, 0)[2] == pytest.approx(2.1)
     assert cost_model(profile).choose(req, loaded(4, 2), 0.0).pool == "baseline"
+
+
+def test_the_cost_counts_the_requests_expected_to_join_during_its_life() -> None:
+    model = _linear().speed("eagle")
+    n = 101  # eagle idle: T(1) = 100 * 0.006 = 0.6 s, T(2) = 1.0 s
+    # no arrivals: its own time, as without a rate (the present requests: none)
+    assert model.predict_system_s(n, 0, 0, arrival_rate=0.0) == pytest.approx((0.0, 0.6, 0.6))
+    assert model.predict_system_s(n, 0, 0)[2] == pytest.approx(0.6)
+    # 10/3 requests/s arriving during its 0.6 s: 2 join, each sharing half of its life on average,
+    # so the cost is taken at 1 request present: 1 / (X(2) - X(1)) = 1 / (2 / 1.0 - 1 / 0.6) = 3.0 s
+    ttft, e2e, cost = model.predict_system_s(n, 0, 0, arrival_rate=10 / 3)
+    assert (ttft, e2e) == pytest.approx((0.0, 0.6))  # its own time is that of the requests present
+    assert cost == pytest.approx(3.0)
+    # a short request on the same pool at the same rate shares its life with fewer: k = 0.1
+    # (the table interpolated: T(0.1) = T(1) = 0.06 s, T(1.1) = 10 * 0.0064 s)
+    short = model.predict_system_s(11, 0, 0, arrival_rate=10 / 3)
+    assert short[2] == pytest.approx(0.06 * 0.064 / (1.1 * 0.06 - 0.1 * 0.064))
+    assert short[2] - short[1] < 0.01 < cost - e2e
+    # the steady state (as many arrive during its life as are present) costs what the present
+    # alone did: 2 running, T(3) = 1.4 s, 2 / 1.4 requests/s arriving -> k = 2, 7.0 s
+    assert model.predict_system_s(n, 2, 0, arrival_rate=2 / 1.4)[2] == pytest.approx(7.0)
+    assert model.predict_system_s(n, 2, 0)[2] == pytest.approx(7.0)
+    # never more than a full batch shares its life (cap 4: k = 3)
+    assert model.predict_system_s(n, 0, 0, arrival_rate=1e6)[2] == pytest.approx(
+        model.predict_system_s(n, 3, 0)[2]
+    )
+
+
+def test_a_pool_receiving_arrivals_charges_a_long_request_more_than_an_idle_one() -> None:
+    profile = _linear()
+    req, short = RequestInfo(max_tokens=101), RequestInfo(max_tokens=11)
+
+    def after(window: LoadView, **params: object) -> Policy:
+        """A policy whose last 64 decisions, 0.3 s apart, saw `window`."""
+        policy = cost_model(profile, calibrate=False, **params)
+        for i in range(64):
+            policy.choose(req, window, 0.3 * i)
+        return policy
+
+    # the last 64 decisions all went to eagle (both idle): 64 / 19.2 s = 10/3 requests/s arrive there
+    to_eagle = after(loaded(0, 0))
+    assert to_eagle.policy._arrived == {"baseline": 0, "eagle": 64}
+    # baseline with 4 running (own time 1.5 s, none arriving: cost at k = 2, 1.56 s) against an
+    # idle eagle (own time 0.6 s, but 2 expected to join: cost 3.0 s) -> baseline, for the long request
+    d = to_eagle.choose(req, loaded(4, 0), 19.2)
+    assert (d.pool, d.reason) == ("baseline", "cheaper_baseline")
+    assert d.predicted_e2e_s == pytest.approx({"baseline": 1.5, "eagle": 0.6})
+    # a short request holds eagle briefly (0.06 s): few join, it goes there
+    assert to_eagle.choose(short, loaded(4, 0), 19.2).pool == "eagle"
+    # the same request, when the last 64 went to baseline (eagle full): an idle eagle with no
+    # arrivals costs its own time, and baseline's 4 running plus 3.3/s arriving cost more
+    to_baseline = after(loaded(0, 4))
+    assert to_baseline.policy._arrived == {"baseline": 64, "eagle": 0}
+    d = to_baseline.choose(req, loaded(4, 0), 19.2)
+    assert (d.pool, d.reason) == ("eagle", "faster_eagle")
+    # counting only the requests present, the idle eagle costs its own time whatever arrives there
+    assert after(loaded(0, 0), count_arrivals=False).choose(req, loaded(4, 0), 19.2).pool == "eagle"
 
 
 def test_slo_keeps_a_request_off_the_pool_predicted_to_miss_it() -> None:
