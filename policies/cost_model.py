@@ -9,9 +9,11 @@ and ask the speed profile what the request would cost there (`SpeedModel.predict
   margin of the pool's completion rate, so the pool chosen is the one whose total rate grows
   most. The requests it slows are those expected to share its life (`count_arrivals`, on by
   default): the ones present leave part way through it and the ones arriving during it join part
-  way, at the pool's arrival rate (per backend) measured over this policy's last
-  `arrival_window` decisions (their times are `now`: deterministic in the simulator). An idle
-  pool that receives requests is then not free for a request that would hold it long. A request
+  way, at the pool's arrival rate (per backend) and with the mean predicted e2e of the requests
+  this policy sent there in its last `arrival_window` decisions (their times are `now`:
+  deterministic in the simulator). A short request shares the batch it finds, a long one the
+  pool's mean occupancy; an idle pool that receives requests is not free for a request that
+  would hold it long. A request
   that would wait in a full pool's queue adds nothing there (a queued request produces nothing):
   its cost is infinite while the other pool still gains from one more request. When neither
   gains, the request goes where it finishes sooner. A pool is full at the backend's own
@@ -153,13 +155,18 @@ class CostModelPolicy:
             self.explorer = Explorer(params.explore, params.explore_budget, params.explore_z, rng)
         self._count_arrivals = self._system and params.count_arrivals
         self._window_size = params.arrival_window
-        self._arrivals: deque[tuple[float, Pool, int]] = deque()
-        """(time, pool, sequences) of this policy's last `arrival_window` decisions."""
+        self._arrivals: deque[tuple[float, Pool, int, float]] = deque()
+        """(time, pool, sequences, their predicted e2e seconds) of this policy's last
+        `arrival_window` decisions."""
         self._arrived: dict[Pool, int] = {"baseline": 0, "eagle": 0}
         """Sequences in `_arrivals` per pool."""
+        self._work: dict[Pool, float] = {"baseline": 0.0, "eagle": 0.0}
+        """Their predicted e2e seconds per pool."""
         self._rate: dict[Pool, float] | None = None
         """Per pool, the sequences/s this policy sends to each of its backends (None until
         `_arrivals` is full)."""
+        self._life: dict[Pool, float] = {"baseline": 0.0, "eagle": 0.0}
+        """Per pool, their mean predicted e2e seconds (0: none sent)."""
         self._reported_caps: dict[str, int] = {}
         """The running-request cap each backend last reported (`BackendLoad.max_running`), for
         `observe` to place an outcome at the batch size its decision assumed."""
@@ -252,27 +259,26 @@ class CostModelPolicy:
             k: float = b
             after = e2e
             if rates is not None:
-                k = 0.5 * (b + rates[pool] * e2e)
+                # The requests sharing its life, on average: those present (b) leave part way
+                # through it and those arriving join part way, each living `life` on average and
+                # found at a uniform point of it. Over a life short beside theirs it shares the
+                # present batch; over a long one, the pool's mean occupancy (rate * life, Little's
+                # law): the weight of the latter is its share of the life the present no longer
+                # fill. With none arriving, the present are taken to live as long as it does.
+                life = self._life[pool]
+                x = e2e / life if life > 0.0 else 1.0
+                w = 0.5 * x if x <= 1.0 else 1.0 - 0.5 / x
+                k = b + w * (rates[pool] * life - b)
                 if cap is not None and k > cap - 1:
                     k = cap - 1
                 i = int(k)
                 if i + 2 < _TABLE_SIZE:
-                    w = k - i
                     steps, ttfts = model.step_table, model.ttft_table
-                    s0, s1, s2, g0, g1, g2 = (
-                        steps[i],
-                        steps[i + 1],
-                        steps[i + 2],
-                        ttfts[i],
-                        ttfts[i + 1],
-                        ttfts[i + 2],
-                    )
-                    t0, t1, f0, f1 = (
-                        s0 + w * (s1 - s0),
-                        s1 + w * (s2 - s1),
-                        g0 + w * (g1 - g0),
-                        g1 + w * (g2 - g1),
-                    )
+                    u = k - i
+                    s0, s1, s2 = steps[i], steps[i + 1], steps[i + 2]
+                    g0, g1, g2 = ttfts[i], ttfts[i + 1], ttfts[i + 2]
+                    t0, t1 = s0 + u * (s1 - s0), s1 + u * (s2 - s1)
+                    f0, f1 = g0 + u * (g1 - g0), g1 + u * (g2 - g1)
                 else:
                     t0, t1 = float(model.step_time_array(k)), float(model.step_time_array(k + 1))
                     f0, f1 = float(model.ttft_array(k)), float(model.ttft_array(k + 1))
@@ -335,7 +341,7 @@ class CostModelPolicy:
         """The decision for `on` (the backend named with its load when there is one), its prefill
         booked on that backend (prefix-aware, profiled rate)."""
         if self._count_arrivals:
-            self._arrive(pool, request.sequences, now)
+            self._arrive(pool, request.sequences, e2es[pool], now)
         b = on[0]
         if b is None:
             return Decision(pool, "", reason, ttfts, e2es, 0, self.name, accept_factor)
@@ -349,14 +355,17 @@ class CostModelPolicy:
             ends.append(ends[-1] + prefill_s if ends else now + prefill_s)
         return Decision(pool, b.name, reason, ttfts, e2es, prediction[5], self.name, accept_factor)
 
-    def _arrive(self, pool: Pool, sequences: int, now: float) -> None:
-        """Book a decision in the arrival window."""
-        window, arrived = self._arrivals, self._arrived
-        window.append((now, pool, sequences))
+    def _arrive(self, pool: Pool, sequences: int, life: float, now: float) -> None:
+        """Book a decision, its requests predicted to live `life` seconds, in the arrival window."""
+        window, arrived, work = self._arrivals, self._arrived, self._work
+        work_in = sequences * life
+        window.append((now, pool, sequences, work_in))
         arrived[pool] += sequences
+        work[pool] += work_in
         if len(window) > self._window_size:
-            _, old, k = window.popleft()
+            _, old, k, out = window.popleft()
             arrived[old] -= k
+            work[old] -= out
 
     def _measure_rates(self, view: LoadView, now: float) -> None:
         """Each pool's arrival rate over the window per usable backend (the pool's requests are
@@ -365,12 +374,17 @@ class CostModelPolicy:
         window = self._arrivals
         span = now - window[0][0] if len(window) >= self._window_size else 0.0
         if span > 0.0:
-            arrived = self._arrived
+            arrived, work = self._arrived, self._work
             nb = sum(1 for b in view.baseline.backends if b.usable)
             ne = sum(1 for b in view.eagle.backends if b.usable)
+            ab, ae = arrived["baseline"], arrived["eagle"]
             self._rate = {
-                "baseline": arrived["baseline"] / (span * (nb if nb > 1 else 1)),
-                "eagle": arrived["eagle"] / (span * (ne if ne > 1 else 1)),
+                "baseline": ab / (span * (nb if nb > 1 else 1)),
+                "eagle": ae / (span * (ne if ne > 1 else 1)),
+            }
+            self._life = {
+                "baseline": work["baseline"] / ab if ab > 0 else 0.0,
+                "eagle": work["eagle"] / ae if ae > 0 else 0.0,
             }
         else:
             self._rate = None
@@ -381,6 +395,7 @@ class CostModelPolicy:
         self._prefill_ends.clear()
         self._arrivals.clear()
         self._arrived = {"baseline": 0, "eagle": 0}
+        self._work = {"baseline": 0.0, "eagle": 0.0}
         self._rate = None
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:

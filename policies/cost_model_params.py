@@ -141,14 +141,15 @@ class CostModelParams(BaseModel):
     count_arrivals: bool = Field(
         default=True,
         description="System scope: a request's marginal cost counts the requests expected to share its "
-        "pool during its life -- those present (half of them on average: they leave part way) and those "
-        "arriving at the pool's rate, measured from this policy's last arrival_window decisions (half: "
-        "they join part way) -- instead of only those present for its whole life.",
+        "backend during its life -- those present leave part way through it, those arriving (at the rate "
+        "and with the mean predicted e2e of what this policy sent to the pool in its last arrival_window "
+        "decisions) join part way -- instead of those present, for its whole life.",
     )
     arrival_window: int = Field(
         default=64,
         ge=2,
-        description="count_arrivals: decisions over which each pool's arrival rate is measured.",
+        description="count_arrivals: decisions over which each pool's arrival rate and the mean "
+        "predicted e2e of its requests are measured.",
     )
     hint_idle: int = Field(
         default=1000,

@@ -341,6 +341,7 @@ class SpeedModel:
         queue_weight: float = math.inf,
         prefill_s: float | None = None,
         arrival_rate: float | None = None,
+        mean_life_s: float = 0.0,
     ) -> tuple[float, float, float]:
         """(TTFT, end-to-end, marginal cost) seconds of a request that joins the server now.
 
@@ -350,18 +351,24 @@ class SpeedModel:
         running and `T(k)` the end-to-end time of a request like this one in a batch of `k`.
         It is this request's own time plus the time it adds to the `b` requests it slows
         down (to first order `T(b+1) + b * (T(b+1) - T(b))`), and picking the pool with the
-        smaller one maximises the total completion rate. With `arrival_rate` (requests/s joining
-        this server) the requests it shares its life `T(b+1)` with are not only those present:
-        the `b` present leave part way through it and the `arrival_rate * T(b+1)` arriving join
-        part way, each overlapping half of it on average, so the marginal cost is taken at
-        `k = (b + arrival_rate * T(b+1)) / 2` requests (fractional: the profile interpolated;
-        at most `cap - 1`) instead of `b` -- without a rate, `b`: as many arrive as are present,
-        the steady state. TTFT and end-to-end stay those of the requests present. Where one
-        more request would lower the rate the cost is infinite. At the cap the request waits in
-        the queue and adds nothing to the rate (a queued request produces nothing): its cost is
-        its own end-to-end time plus
-        `queue_weight` times its wait -- the wait it passes on to the requests that will queue
-        behind it -- which is infinite by default (never queue while the other pool has room).
+        smaller one maximises the total completion rate.
+
+        With `arrival_rate` (requests/s joining this server) and `mean_life_s` (their mean
+        end-to-end time; 0: none join) it is taken at the number of requests expected to share
+        its life `L = T(b+1)`, `k`, instead of `b` (fractional: the profile interpolated; at most
+        `cap - 1`): the present leave part way through it and the arriving join part way, each
+        living `mean_life_s` and found at a uniform point of it, so
+        `k = b + w * (arrival_rate * mean_life_s - b)` with `x = L / mean_life_s` and
+        `w = x / 2` (`x <= 1`) or `1 - 1 / (2x)`: a short request shares the present batch, a
+        long one the mean occupancy (Little's law); the steady state (as many arriving as are
+        present) keeps `b`. With none joining, the present are taken to live `L`: `k = b / 2`.
+        Without a rate, `b`. TTFT and end-to-end stay those of the requests present.
+
+        Where one more request would lower the rate the cost is infinite. At the cap the request
+        waits in the queue and adds nothing to the rate (a queued request produces nothing): its
+        cost is its own end-to-end time plus `queue_weight` times its wait -- the wait it passes
+        on to the requests that will queue behind it -- which is infinite by default (never
+        queue while the other pool has room).
 
         `prefill_s` replaces `prompt_tokens / prefill_tok_s` (before `speed_scale`): a caller that
         knows part of the prompt is cached passes the prefill of the rest (or, for a profile
@@ -396,27 +403,19 @@ class SpeedModel:
         k: float = b
         after = e2e
         if arrival_rate is not None:
-            k = 0.5 * (b + arrival_rate * e2e)
+            x = e2e / mean_life_s if mean_life_s > 0.0 else 1.0
+            w = 0.5 * x if x <= 1.0 else 1.0 - 0.5 / x
+            k = b + w * (arrival_rate * mean_life_s - b)
             if cap is not None and k > cap - 1:
                 k = cap - 1  # at most a full batch shares its life
             i = int(k)
             if i + 2 < _TABLE_SIZE:  # the tables interpolated at k and k + 1
-                w = k - i
                 steps, ttfts = self._step_table, self._ttft_table
-                s0, s1, s2, g0, g1, g2 = (
-                    steps[i],
-                    steps[i + 1],
-                    steps[i + 2],
-                    ttfts[i],
-                    ttfts[i + 1],
-                    ttfts[i + 2],
-                )
-                t0, t1, f0, f1 = (
-                    s0 + w * (s1 - s0),
-                    s1 + w * (s2 - s1),
-                    g0 + w * (g1 - g0),
-                    g1 + w * (g2 - g1),
-                )
+                u = k - i
+                s0, s1, s2 = steps[i], steps[i + 1], steps[i + 2]
+                g0, g1, g2 = ttfts[i], ttfts[i + 1], ttfts[i + 2]
+                t0, t1 = s0 + u * (s1 - s0), s1 + u * (s2 - s1)
+                f0, f1 = g0 + u * (g1 - g0), g1 + u * (g2 - g1)
             else:
                 t0, t1 = float(self.step_time_array(k)), float(self.step_time_array(k + 1))
                 f0, f1 = float(self.ttft_array(k)), float(self.ttft_array(k + 1))

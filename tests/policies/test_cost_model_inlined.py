@@ -74,6 +74,7 @@ def _expected(
         policy._queue_weight,
         prefill_s,
         None if policy._rate is None else policy._rate[pool],
+        policy._life[pool],
     )
 
 

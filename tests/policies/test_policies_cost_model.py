@@ -21,7 +21,7 @@ from policies.base import (
     PoolLoad,
     RequestInfo,
 )
-from policies.profile import Profile, parse_profile, resolve_profile
+from policies.profile import Profile, SpeedModel, parse_profile, resolve_profile
 from policies.registry import PolicyContext, PolicyError, default_registry
 
 LLAMA = resolve_profile("llama31-8b-h100-eagle3")
@@ -160,27 +160,44 @@ def test_system_cost_is_own_time_plus_the_slowdown_imposed_by_hand() -> None:
 def test_the_cost_counts_the_requests_expected_to_join_during_its_life() -> None:
     model = _linear().speed("eagle")
     n = 101  # eagle idle: T(1) = 100 * 0.006 = 0.6 s, T(2) = 1.0 s
-    # no arrivals: its own time, as without a rate (the present requests: none)
+
+    def cost(n: int, running: int, rate: float | None, life: float = 0.0) -> float:
+        return model.predict_system_s(n, running, 0, arrival_rate=rate, mean_life_s=life)[2]
+
+    # none arriving, none present: its own time, as without a rate
     assert model.predict_system_s(n, 0, 0, arrival_rate=0.0) == pytest.approx((0.0, 0.6, 0.6))
-    assert model.predict_system_s(n, 0, 0)[2] == pytest.approx(0.6)
-    # 10/3 requests/s arriving during its 0.6 s: 2 join, each sharing half of its life on average,
-    # so the cost is taken at 1 request present: 1 / (X(2) - X(1)) = 1 / (2 / 1.0 - 1 / 0.6) = 3.0 s
-    ttft, e2e, cost = model.predict_system_s(n, 0, 0, arrival_rate=10 / 3)
+    assert cost(n, 0, None) == pytest.approx(0.6)
+    # 10/3 requests/s arriving, each living 0.6 s as it does: a mean occupancy of 2, found at a
+    # uniform point of their lives, so 1 on average over its life (w = 1/2):
+    # 1 / (X(2) - X(1)) = 1 / (2 / 1.0 - 1 / 0.6) = 3.0 s
+    ttft, e2e, c = model.predict_system_s(n, 0, 0, arrival_rate=10 / 3, mean_life_s=0.6)
     assert (ttft, e2e) == pytest.approx((0.0, 0.6))  # its own time is that of the requests present
-    assert cost == pytest.approx(3.0)
-    # a short request on the same pool at the same rate shares its life with fewer: k = 0.1
+    assert c == pytest.approx(3.0)
+    # a short request (0.06 s, a tenth of theirs) shares its life with fewer: w = 0.05, k = 0.1
     # (the table interpolated: T(0.1) = T(1) = 0.06 s, T(1.1) = 10 * 0.0064 s)
-    short = model.predict_system_s(11, 0, 0, arrival_rate=10 / 3)
+    short = model.predict_system_s(11, 0, 0, arrival_rate=10 / 3, mean_life_s=0.6)
     assert short[2] == pytest.approx(0.06 * 0.064 / (1.1 * 0.06 - 0.1 * 0.064))
-    assert short[2] - short[1] < 0.01 < cost - e2e
-    # the steady state (as many arrive during its life as are present) costs what the present
-    # alone did: 2 running, T(3) = 1.4 s, 2 / 1.4 requests/s arriving -> k = 2, 7.0 s
-    assert model.predict_system_s(n, 2, 0, arrival_rate=2 / 1.4)[2] == pytest.approx(7.0)
-    assert model.predict_system_s(n, 2, 0)[2] == pytest.approx(7.0)
+    assert short[2] - short[1] < 0.01 < c - e2e
+    # a long one (4x theirs, the same occupancy of 2) shares nearly all of it: w = 1 - 1/8, k = 1.75
+    assert cost(n, 0, 2 / 0.15, 0.15) == pytest.approx(_at(model, n, 1.75))
+    # the steady state (the mean occupancy is the present count) costs what the present alone
+    # did, whatever the lengths: 2 running, T(3) = 1.4 s, 1 / (X(3) - X(2)) = 7.0 s
+    for life in (0.1, 1.4, 10.0):
+        assert cost(n, 2, 2 / life, life) == pytest.approx(7.0)
+    assert cost(n, 2, None) == pytest.approx(7.0)
+    # none arriving: the present are taken to leave half way through its life, k = 1
+    assert cost(n, 2, 0.0) == pytest.approx(3.0)
     # never more than a full batch shares its life (cap 4: k = 3)
-    assert model.predict_system_s(n, 0, 0, arrival_rate=1e6)[2] == pytest.approx(
-        model.predict_system_s(n, 3, 0)[2]
-    )
+    assert cost(n, 0, 1e6, 0.6) == pytest.approx(cost(n, 3, None))
+
+
+def _at(model: SpeedModel, n: int, k: float) -> float:
+    """1 / (X(k+1) - X(k)) for the linear profile, T(k) = (n - 1) * (0.002 + 0.004 * max(k, 1))."""
+
+    def t(b: float) -> float:
+        return (n - 1) * (0.002 + 0.004 * max(b, 1.0))
+
+    return 1 / ((k + 1) / t(k + 1) - k / t(k))
 
 
 def test_a_pool_receiving_arrivals_charges_a_long_request_more_than_an_idle_one() -> None:
