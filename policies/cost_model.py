@@ -155,17 +155,19 @@ class CostModelPolicy:
             self.explorer = Explorer(params.explore, params.explore_budget, params.explore_z, rng)
         self._count_arrivals = self._system and params.count_arrivals
         self._window_size = params.arrival_window
-        self._arrivals: deque[tuple[float, Pool, int, float]] = deque()
-        """(time, pool, sequences, their predicted e2e seconds) of this policy's last
-        `arrival_window` decisions."""
-        self._arrived: dict[Pool, int] = {"baseline": 0, "eagle": 0}
+        self._arrivals: deque[tuple[float, bool, int, float]] = deque()
+        """(time, to eagle, sequences, sequences x their predicted e2e seconds) of this policy's
+        last `arrival_window` decisions."""
+        self._arrived_b = self._arrived_e = 0
         """Sequences in `_arrivals` per pool."""
-        self._work: dict[Pool, float] = {"baseline": 0.0, "eagle": 0.0}
-        """Their predicted e2e seconds per pool."""
-        self._rate: dict[Pool, float] | None = None
-        """Per pool, the sequences/s this policy sends to each of its backends (None until
-        `_arrivals` is full)."""
-        self._life: dict[Pool, float] = {"baseline": 0.0, "eagle": 0.0}
+        self._work_b = self._work_e = 0.0
+        """Sequence-seconds in `_arrivals` per pool."""
+        self._rated = False
+        """Whether this decision has the rates below (the window full and spanning time)."""
+        self._occ_b = self._occ_e = 0.0
+        """Per pool, the mean number of its requests on each of its usable backends (Little's law:
+        the sequences/s this policy sends there times their mean predicted e2e)."""
+        self._life_b = self._life_e = 0.0
         """Per pool, their mean predicted e2e seconds (0: none sent)."""
         self._reported_caps: dict[str, int] = {}
         """The running-request cap each backend last reported (`BackendLoad.max_running`), for
@@ -255,36 +257,37 @@ class CostModelPolicy:
                 f0, f1 = model.ttft_s(b), model.ttft_s(b + 1)
             ttft = (f1 + prefill_s) / speed
             e2e = ttft + m * t1 / decode_scale
-            rates = self._rate
-            k: float = b
-            after = e2e
-            if rates is not None:
+            if self._rated:
                 # The requests sharing its life, on average: those present (b) leave part way
                 # through it and those arriving join part way, each living `life` on average and
                 # found at a uniform point of it. Over a life short beside theirs it shares the
-                # present batch; over a long one, the pool's mean occupancy (rate * life, Little's
-                # law): the weight of the latter is its share of the life the present no longer
-                # fill. With none arriving, the present are taken to live as long as it does.
-                life = self._life[pool]
+                # present batch; over a long one, the pool's mean occupancy (Little's law): the
+                # weight of the latter is its share of the life the present no longer fill. With
+                # none arriving, the present are taken to live as long as it does. Its first token
+                # comes at the start, among those present: only the decode steps move to k.
+                if eagle:
+                    occ, life = self._occ_e, self._life_e
+                else:
+                    occ, life = self._occ_b, self._life_b
                 x = e2e / life if life > 0.0 else 1.0
-                w = 0.5 * x if x <= 1.0 else 1.0 - 0.5 / x
-                k = b + w * (rates[pool] * life - b)
+                k = b + (0.5 * x if x <= 1.0 else 1.0 - 0.5 / x) * (occ - b)
                 if cap is not None and k > cap - 1:
-                    k = cap - 1
+                    k = cap - 1.0
                 i = int(k)
                 if i + 2 < _TABLE_SIZE:
-                    steps, ttfts = model.step_table, model.ttft_table
-                    u = k - i
-                    s0, s1, s2 = steps[i], steps[i + 1], steps[i + 2]
-                    g0, g1, g2 = ttfts[i], ttfts[i + 1], ttfts[i + 2]
-                    t0, t1 = s0 + u * (s1 - s0), s1 + u * (s2 - s1)
-                    f0, f1 = g0 + u * (g1 - g0), g1 + u * (g2 - g1)
+                    steps = model.step_table
+                    s1 = steps[i + 1]
+                    t0 = steps[i] + (k - i) * (s1 - steps[i])
+                    t1 = s1 + (k - i) * (steps[i + 2] - s1)
                 else:
                     t0, t1 = float(model.step_time_array(k)), float(model.step_time_array(k + 1))
-                    f0, f1 = float(model.ttft_array(k)), float(model.ttft_array(k + 1))
-                after = (f1 + prefill_s) / speed + m * t1 / decode_scale
-            before = (f0 + prefill_s) / speed + m * t0 / decode_scale
-            rate_gain = (k + 1) * before - k * after
+                after = ttft + m * t1 / decode_scale
+                before = (f0 + prefill_s) / speed + m * t0 / decode_scale
+                rate_gain = (k + 1) * before - k * after
+            else:
+                after = e2e
+                before = (f0 + prefill_s) / speed + m * t0 / decode_scale
+                rate_gain = (b + 1) * before - b * e2e
             cost = before * after / rate_gain if rate_gain > 0.0 else math.inf
         tpot = model.step_time(batch) / (own * speed) if self._slo else 0.0
         return ttft + wait, e2e + wait, cost + wait + imposed, full, tpot, occupied, own_prefill
@@ -357,46 +360,55 @@ class CostModelPolicy:
 
     def _arrive(self, pool: Pool, sequences: int, life: float, now: float) -> None:
         """Book a decision, its requests predicted to live `life` seconds, in the arrival window."""
-        window, arrived, work = self._arrivals, self._arrived, self._work
-        work_in = sequences * life
-        window.append((now, pool, sequences, work_in))
-        arrived[pool] += sequences
-        work[pool] += work_in
-        if len(window) > self._window_size:
-            _, old, k, out = window.popleft()
-            arrived[old] -= k
-            work[old] -= out
-
-    def _measure_rates(self, view: LoadView, now: float) -> None:
-        """Each pool's arrival rate over the window per usable backend (the pool's requests are
-        shared among them), for this decision (None while the window is not full, or spans no
-        time)."""
         window = self._arrivals
-        span = now - window[0][0] if len(window) >= self._window_size else 0.0
-        if span > 0.0:
-            arrived, work = self._arrived, self._work
-            nb = sum(1 for b in view.baseline.backends if b.usable)
-            ne = sum(1 for b in view.eagle.backends if b.usable)
-            ab, ae = arrived["baseline"], arrived["eagle"]
-            self._rate = {
-                "baseline": ab / (span * (nb if nb > 1 else 1)),
-                "eagle": ae / (span * (ne if ne > 1 else 1)),
-            }
-            self._life = {
-                "baseline": work["baseline"] / ab if ab > 0 else 0.0,
-                "eagle": work["eagle"] / ae if ae > 0 else 0.0,
-            }
+        work = sequences * life
+        eagle = pool == "eagle"
+        window.append((now, eagle, sequences, work))
+        if eagle:
+            self._arrived_e += sequences
+            self._work_e += work
         else:
-            self._rate = None
+            self._arrived_b += sequences
+            self._work_b += work
+        if len(window) > self._window_size:
+            _, eagle, sequences, work = window.popleft()
+            if eagle:
+                self._arrived_e -= sequences
+                self._work_e -= work
+            else:
+                self._arrived_b -= sequences
+                self._work_b -= work
+
+    def _measure_rates(self, view: LoadView, span: float) -> None:
+        """Each pool's mean occupancy per usable backend (the pool's requests are shared among
+        them) over the window, which spans `span` seconds to now, and their mean predicted e2e."""
+        bs, es = view.baseline.backends, view.eagle.backends
+        nb = 1 if len(bs) < 2 else max(sum(1 for b in bs if b.usable), 1)
+        ne = 1 if len(es) < 2 else max(sum(1 for b in es if b.usable), 1)
+        ab, ae = self._arrived_b, self._arrived_e
+        self._occ_b = self._work_b / (span * nb)
+        self._occ_e = self._work_e / (span * ne)
+        self._life_b = self._work_b / ab if ab > 0 else 0.0
+        self._life_e = self._work_e / ae if ae > 0 else 0.0
+
+    def arrivals(self, pool: Pool) -> tuple[float | None, float]:
+        """(mean occupancy per backend, mean predicted e2e seconds) of the requests this policy
+        sent to `pool` as the last decision measured them; the occupancy None when it measured
+        none."""
+        if not self._rated:
+            return None, 0.0
+        if pool == "eagle":
+            return self._occ_e, self._life_e
+        return self._occ_b, self._life_b
 
     def reset(self) -> None:
         """A new segment (clock at 0): the prefills booked and the arrivals timed on the old clock
         are gone."""
         self._prefill_ends.clear()
         self._arrivals.clear()
-        self._arrived = {"baseline": 0, "eagle": 0}
-        self._work = {"baseline": 0.0, "eagle": 0.0}
-        self._rate = None
+        self._arrived_b = self._arrived_e = 0
+        self._work_b = self._work_e = 0.0
+        self._rated = False
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
@@ -405,7 +417,11 @@ class CostModelPolicy:
             None if content is None or request.features is None else content.factor(request, self.calibration)
         )
         if self._count_arrivals:
-            self._measure_rates(view, now)
+            window = self._arrivals  # (`_measure_rates` inlined: every decision)
+            span = now - window[0][0] if len(window) >= self._window_size else 0.0
+            self._rated = rated = span > 0.0
+            if rated:
+                self._measure_rates(view, span)
         on_b = self._backend("baseline", view.baseline, request, n, now)
         on_e = self._backend("eagle", view.eagle, request, n, now)
         if on_b is None or on_e is None:  # the routing core's fallback (rule 4)

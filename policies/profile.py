@@ -340,7 +340,7 @@ class SpeedModel:
         speed_scale: float = 1.0,
         queue_weight: float = math.inf,
         prefill_s: float | None = None,
-        arrival_rate: float | None = None,
+        occupancy: float | None = None,
         mean_life_s: float = 0.0,
     ) -> tuple[float, float, float]:
         """(TTFT, end-to-end, marginal cost) seconds of a request that joins the server now.
@@ -353,16 +353,17 @@ class SpeedModel:
         down (to first order `T(b+1) + b * (T(b+1) - T(b))`), and picking the pool with the
         smaller one maximises the total completion rate.
 
-        With `arrival_rate` (requests/s joining this server) and `mean_life_s` (their mean
-        end-to-end time; 0: none join) it is taken at the number of requests expected to share
-        its life `L = T(b+1)`, `k`, instead of `b` (fractional: the profile interpolated; at most
-        `cap - 1`): the present leave part way through it and the arriving join part way, each
-        living `mean_life_s` and found at a uniform point of it, so
-        `k = b + w * (arrival_rate * mean_life_s - b)` with `x = L / mean_life_s` and
+        With `occupancy` (the mean number of requests on this server: their arrival rate times
+        `mean_life_s`, their mean end-to-end time, Little's law; 0: none arrive) it is taken at
+        the number of requests expected to share its life `L = T(b+1)`, `k`, instead of `b`
+        (fractional: the step table interpolated; at most `cap - 1`): the present leave part way
+        through it and the arriving join part way, each living `mean_life_s` and found at a
+        uniform point of it, so `k = b + w * (occupancy - b)` with `x = L / mean_life_s` and
         `w = x / 2` (`x <= 1`) or `1 - 1 / (2x)`: a short request shares the present batch, a
-        long one the mean occupancy (Little's law); the steady state (as many arriving as are
-        present) keeps `b`. With none joining, the present are taken to live `L`: `k = b / 2`.
-        Without a rate, `b`. TTFT and end-to-end stay those of the requests present.
+        long one the mean occupancy; the steady state (an occupancy of `b`) keeps `b`. With none
+        arriving, the present are taken to live `L`: `k = b / 2`. Its first token comes at the
+        start, among those present: only its decode steps are taken at `k`. Without an
+        occupancy, `b`. TTFT and end-to-end stay those of the requests present.
 
         Where one more request would lower the rate the cost is infinite. At the cap the request
         waits in the queue and adds nothing to the rate (a queued request produces nothing): its
@@ -400,26 +401,24 @@ class SpeedModel:
             t0, t1, f0, f1 = self.step_time(b), self.step_time(b + 1), self.ttft_s(b), self.ttft_s(b + 1)
         ttft = (f1 + prefill) / speed_scale
         e2e = ttft + m * t1 / decode_scale
-        k: float = b
-        after = e2e
-        if arrival_rate is not None:
+        if occupancy is not None:
             x = e2e / mean_life_s if mean_life_s > 0.0 else 1.0
-            w = 0.5 * x if x <= 1.0 else 1.0 - 0.5 / x
-            k = b + w * (arrival_rate * mean_life_s - b)
+            k = b + (0.5 * x if x <= 1.0 else 1.0 - 0.5 / x) * (occupancy - b)
             if cap is not None and k > cap - 1:
-                k = cap - 1  # at most a full batch shares its life
+                k = cap - 1.0  # at most a full batch shares its life
             i = int(k)
-            if i + 2 < _TABLE_SIZE:  # the tables interpolated at k and k + 1
-                steps, ttfts = self._step_table, self._ttft_table
-                u = k - i
-                s0, s1, s2 = steps[i], steps[i + 1], steps[i + 2]
-                g0, g1, g2 = ttfts[i], ttfts[i + 1], ttfts[i + 2]
-                t0, t1 = s0 + u * (s1 - s0), s1 + u * (s2 - s1)
-                f0, f1 = g0 + u * (g1 - g0), g1 + u * (g2 - g1)
+            if i + 2 < _TABLE_SIZE:  # the step table interpolated at k and k + 1
+                steps = self._step_table
+                s1 = steps[i + 1]
+                t0 = steps[i] + (k - i) * (s1 - steps[i])
+                t1 = s1 + (k - i) * (steps[i + 2] - s1)
             else:
                 t0, t1 = float(self.step_time_array(k)), float(self.step_time_array(k + 1))
-                f0, f1 = float(self.ttft_array(k)), float(self.ttft_array(k + 1))
-            after = (f1 + prefill) / speed_scale + m * t1 / decode_scale
-        before = (f0 + prefill) / speed_scale + m * t0 / decode_scale
-        rate_gain = (k + 1) * before - k * after  # (X(k+1) - X(k)) * T(k) * T(k+1)
+            after = ttft + m * t1 / decode_scale
+            before = (f0 + prefill) / speed_scale + m * t0 / decode_scale
+            rate_gain = (k + 1) * before - k * after  # (X(k+1) - X(k)) * T(k) * T(k+1)
+        else:
+            after = e2e
+            before = (f0 + prefill) / speed_scale + m * t0 / decode_scale
+            rate_gain = (b + 1) * before - b * e2e  # (X(b+1) - X(b)) * T(b) * T(b+1)
         return ttft, e2e, before * after / rate_gain if rate_gain > 0.0 else math.inf

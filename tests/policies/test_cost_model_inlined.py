@@ -73,8 +73,7 @@ def _expected(
         speed,
         policy._queue_weight,
         prefill_s,
-        None if policy._rate is None else policy._rate[pool],
-        policy._life[pool],
+        *policy.arrivals(pool),
     )
 
 
@@ -113,7 +112,7 @@ def test_inlined_predictions_equal_predict_system_s_to_the_bit(
         )
         n = request.max_tokens or policy.params.default_output_tokens
         d = policy.choose(request, LoadView(PoolLoad("baseline", (b,)), PoolLoad("eagle", (e,))), now)
-        measured += policy._rate is not None
+        measured += policy.arrivals("eagle")[0] is not None
         tb, eb, cb = _expected(policy, "baseline", b, request, n)
         te, ee, ce = _expected(policy, "eagle", e, request, n)
         assert d.predicted_ttft_s == {"baseline": tb, "eagle": te}
