@@ -76,7 +76,7 @@ def one(job: tuple[str, int, float, int, int]) -> dict[str, float]:
     rng.shuffle(rows)
     lines = [parse_prompt_line(r, r["category"]) for r in rows]
     accept = [FACTORS[r["category"]] * rng.lognormvariate(-(0.05**2) / 2, 0.05) for r in rows]
-    batch = answer_batch(lines, accept, ANSWER_TOKENS)
+    batch = answer_batch(lines, accept, [ANSWER_TOKENS] * len(lines))
     policy = CostModelPolicy(CostModelParams(**RUNS[run]), PolicyContext(believed(cut), seed))
     servers = build_deployment(resolve_profile(PROFILE), (("baseline", 1), ("eagle", 1)))
     raw = simulate(servers, policy, batch, concurrency=CONCURRENCY, seed=seed, spec_details=True)

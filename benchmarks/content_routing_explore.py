@@ -9,7 +9,9 @@ types (`benchmarks/prompt_workloads.py`: HumanEval code, GSM8K math, general pro
 fortunes to translate, Python reference passages to summarize; 50 of each, in a seeded order) with
 200-token answers. True EAGLE speed factors: `rules` is the live benchmark's accept rules (code
 1.5, prose 0.7, the rest 1.0); `uniform` every request 1 (nothing to find: what exploring costs).
-Each request's factor gets a ±5% lognormal spread.
+Each request's factor gets a ±5% lognormal spread. `--live` is the live benchmark's twin
+(`content_routing_live.py`): its prompts (300, as even a share of each installed task type as the
+sources allow, its seeded pick and order) and its answer lengths (200 + i tokens for the i-th).
 
 Runs: content-aware cost_model with `explore=thompson`, `explore=optimistic` (the default),
 `explore_budget=0` (no exploration), and content-blind cost_model. Per run over `--seeds` seeds
@@ -22,6 +24,7 @@ over seeds; ratios to content-blind paired per seed.
 
     python benchmarks/content_routing_explore.py            # 10 seeds
     python benchmarks/content_routing_explore.py --seeds 3
+    python benchmarks/content_routing_explore.py --live --runs optimistic blind
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from content_routing_live import prompts as live_prompts
 from prompt_workloads import task_requests
 
 from policies.base import Decision, LoadView, Outcome, RequestInfo
@@ -55,6 +59,7 @@ PER_TYPE = 50
 RULES = {"code": 1.5, "prose": 0.7}
 """The live benchmark's accept rules by task type; the rest 1.0."""
 ANSWER_TOKENS = 200
+LIVE_REQUESTS = 300
 CONCURRENCY = 3
 RUNS: dict[str, dict[str, Any]] = {
     "thompson": {"explore": "thompson"},
@@ -98,9 +103,9 @@ class Recorder:
         self.policy.reset()
 
 
-def one(job: tuple[str, str, int]) -> dict[str, Any]:
-    scenario, run, seed = job
-    rows = prompts(seed)
+def one(job: tuple[str, str, int, bool]) -> dict[str, Any]:
+    scenario, run, seed, live = job
+    rows = live_prompts(LIVE_REQUESTS, seed) if live else prompts(seed)
     rng = random.Random(f"accept/{seed}")
     lines = [parse_prompt_line(r, f"{r['category']}") for r in rows]
     accept = [
@@ -109,7 +114,7 @@ def one(job: tuple[str, str, int]) -> dict[str, Any]:
         for r in rows
     ]
     n = len(lines)
-    batch = answer_batch(lines, accept, ANSWER_TOKENS)
+    batch = answer_batch(lines, accept, [ANSWER_TOKENS + i if live else ANSWER_TOKENS for i in range(n)])
     profile = resolve_profile(PROFILE)
     policy = Recorder(CostModelPolicy(CostModelParams(**RUNS[run]), PolicyContext(profile, seed)))
     servers = build_deployment(profile, (("baseline", 1), ("eagle", 1)))
@@ -152,14 +157,14 @@ def one(job: tuple[str, str, int]) -> dict[str, Any]:
     }
 
 
-def answer_batch(lines: list[Any], accept: list[float], answer_tokens: int) -> RequestBatch:
-    """The simulator's batch of `lines` (parsed prompts), each answered with `answer_tokens`
+def answer_batch(lines: list[Any], accept: list[float], answer_tokens: list[int]) -> RequestBatch:
+    """The simulator's batch of `lines` (parsed prompts), the i-th answered with `answer_tokens[i]`
     tokens at its own acceptance factor."""
     n = len(lines)
     return RequestBatch(
         [p.prompt_tokens for p in lines],
-        [answer_tokens] * n,
-        [answer_tokens] * n,
+        answer_tokens,
+        answer_tokens,
         [None] * n,
         accept,
         None,
@@ -179,16 +184,24 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--live", action="store_true", help="The live benchmark's prompts and answer lengths.")
+    p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
+    p.add_argument("--scenarios", nargs="+", choices=("rules", "uniform"), default=["rules", "uniform"])
     args = p.parse_args()
-    jobs = [(sc, r, seed) for sc in ("rules", "uniform") for r in RUNS for seed in range(args.seeds)]
+    runs = list(dict.fromkeys([*args.runs, "blind"]))  # the ratios are to content-blind
+    jobs = [(sc, r, seed, args.live) for sc in args.scenarios for r in runs for seed in range(args.seeds)]
     with ProcessPoolExecutor(args.workers) as pool:
         results = dict(zip(jobs, pool.map(one, jobs), strict=True))
+    workload = (
+        f"the live benchmark's {LIVE_REQUESTS} prompts, answers of {ANSWER_TOKENS} + i tokens"
+        if args.live
+        else f"{PER_TYPE} never-seen prompts of each of {', '.join(TYPES)}; {ANSWER_TOKENS}-token answers"
+    )
     print(
         f"profile {PROFILE}; 1 plain + 1 EAGLE-3 server, spec_details; closed loop of {CONCURRENCY}, "
-        f"{PER_TYPE} never-seen prompts of each of {', '.join(TYPES)}; {ANSWER_TOKENS}-token answers; "
-        f"{args.seeds} seeds; mean ±95% CI over seeds\n"
+        f"{workload}; {args.seeds} seeds; mean ±95% CI over seeds\n"
     )
-    for sc in ("rules", "uniform"):
+    for sc in args.scenarios:
         print(f"## {sc}\n")
         print(
             "| run | EAGLE-3 in 2nd half | code share | prose share | code predicted | prose predicted | "
@@ -196,9 +209,9 @@ def main() -> int:
             "mean e2e s | p99 e2e s | mean / blind - 1 | p99 / blind - 1 | explore share | budget spent |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in RUNS:
-            cell = [results[(sc, r, s)] for s in range(args.seeds)]
-            blind = [results[(sc, "blind", s)] for s in range(args.seeds)]
+        for r in runs:
+            cell = [results[(sc, r, s, args.live)] for s in range(args.seeds)]
+            blind = [results[(sc, "blind", s, args.live)] for s in range(args.seeds)]
             rel_m = [c["mean"] / b["mean"] - 1 for c, b in zip(cell, blind, strict=True)]
             rel_p = [c["p99"] / b["p99"] - 1 for c, b in zip(cell, blind, strict=True)]
             cols = [

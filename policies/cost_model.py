@@ -4,14 +4,21 @@ How it works: for each pool take its least-loaded healthy backend (backend-repor
 and queued requests when a fresh sample exists, else this proxy's in-flight count as running)
 and ask the speed profile what the request would cost there (`SpeedModel.predict_system_s`):
 
-- `scope=system` (the default) compares marginal costs: the request's own end-to-end time
-  plus the time it adds to the requests it slows down -- exactly, the seconds per request at
-  the margin of the pool's completion rate, so the pool chosen is the one whose total rate
-  grows most. A request that would wait in a full pool's queue adds nothing there (a queued
-  request produces nothing): its cost is infinite while the other pool still gains from one
-  more request. When neither gains, the request goes where it finishes sooner. A pool is full
-  at the backend's own running-request cap when it reports one (`BackendLoad.max_running`),
-  else at the profile's `max_running_requests`.
+- `scope=system` (the default) compares marginal costs: the request's own end-to-end time plus
+  the time it adds to the requests it slows down -- exactly, the seconds per request at the
+  margin of the pool's completion rate, so the pool chosen is the one whose total rate grows
+  most. The requests it slows are those expected to share its life (`count_arrivals`, on by
+  default): the ones present leave part way through it and the ones arriving during it join part
+  way, at the pool's arrival rate (per backend) and with the mean predicted e2e of the requests
+  this policy sent there in its last `arrival_window` decisions (their times are `now`:
+  deterministic in the simulator). A short request shares the batch it finds, a long one the
+  pool's mean occupancy; an idle pool that receives requests is not free for a request that
+  would hold it long. A request
+  that would wait in a full pool's queue adds nothing there (a queued request produces nothing):
+  its cost is infinite while the other pool still gains from one more request. When neither
+  gains, the request goes where it finishes sooner. A pool is full at the backend's own
+  running-request cap when it reports one (`BackendLoad.max_running`), else at the profile's
+  `max_running_requests`.
 - `scope=request` is the selfish rule: the pool that finishes this request sooner.
 
 `objective=ttft` compares times to first token instead (system scope: never a queue while the
@@ -146,6 +153,22 @@ class CostModelPolicy:
         if self.content is not None and params.explore_budget > 0.0:
             rng = random.Random(f"{context.seed}/explore")
             self.explorer = Explorer(params.explore, params.explore_budget, params.explore_z, rng)
+        self._count_arrivals = self._system and params.count_arrivals
+        self._window_size = params.arrival_window
+        self._arrivals: deque[tuple[float, bool, int, float]] = deque()
+        """(time, to eagle, sequences, sequences x their predicted e2e seconds) of this policy's
+        last `arrival_window` decisions."""
+        self._arrived_b = self._arrived_e = 0
+        """Sequences in `_arrivals` per pool."""
+        self._work_b = self._work_e = 0.0
+        """Sequence-seconds in `_arrivals` per pool."""
+        self._rated = False
+        """Whether this decision has the rates below (the window full and spanning time)."""
+        self._occ_b = self._occ_e = 0.0
+        """Per pool, the mean number of its requests on each of its usable backends (Little's law:
+        the sequences/s this policy sends there times their mean predicted e2e)."""
+        self._life_b = self._life_e = 0.0
+        """Per pool, their mean predicted e2e seconds (0: none sent)."""
         self._reported_caps: dict[str, int] = {}
         """The running-request cap each backend last reported (`BackendLoad.max_running`), for
         `observe` to place an outcome at the batch size its decision assumed."""
@@ -234,9 +257,38 @@ class CostModelPolicy:
                 f0, f1 = model.ttft_s(b), model.ttft_s(b + 1)
             ttft = (f1 + prefill_s) / speed
             e2e = ttft + m * t1 / decode_scale
-            before = (f0 + prefill_s) / speed + m * t0 / decode_scale
-            rate_gain = (b + 1) * before - b * e2e
-            cost = before * e2e / rate_gain if rate_gain > 0.0 else math.inf
+            if self._rated:
+                # The requests sharing its life, on average: those present (b) leave part way
+                # through it and those arriving join part way, each living `life` on average and
+                # found at a uniform point of it. Over a life short beside theirs it shares the
+                # present batch; over a long one, the pool's mean occupancy (Little's law): the
+                # weight of the latter is its share of the life the present no longer fill. With
+                # none arriving, the present are taken to live as long as it does. Its first token
+                # comes at the start, among those present: only the decode steps move to k.
+                if eagle:
+                    occ, life = self._occ_e, self._life_e
+                else:
+                    occ, life = self._occ_b, self._life_b
+                x = e2e / life if life > 0.0 else 1.0
+                k = b + (0.5 * x if x <= 1.0 else 1.0 - 0.5 / x) * (occ - b)
+                if cap is not None and k > cap - 1:
+                    k = cap - 1.0
+                i = int(k)
+                if i + 2 < _TABLE_SIZE:
+                    steps = model.step_table
+                    s1 = steps[i + 1]
+                    t0 = steps[i] + (k - i) * (s1 - steps[i])
+                    t1 = s1 + (k - i) * (steps[i + 2] - s1)
+                else:
+                    t0, t1 = float(model.step_time_array(k)), float(model.step_time_array(k + 1))
+                after = ttft + m * t1 / decode_scale
+                before = (f0 + prefill_s) / speed + m * t0 / decode_scale
+                rate_gain = (k + 1) * before - k * after
+            else:
+                after = e2e
+                before = (f0 + prefill_s) / speed + m * t0 / decode_scale
+                rate_gain = (b + 1) * before - b * e2e
+            cost = before * after / rate_gain if rate_gain > 0.0 else math.inf
         tpot = model.step_time(batch) / (own * speed) if self._slo else 0.0
         return ttft + wait, e2e + wait, cost + wait + imposed, full, tpot, occupied, own_prefill
 
@@ -291,6 +343,8 @@ class CostModelPolicy:
     ) -> Decision:
         """The decision for `on` (the backend named with its load when there is one), its prefill
         booked on that backend (prefix-aware, profiled rate)."""
+        if self._count_arrivals:
+            self._arrive(pool, request.sequences, e2es[pool], now)
         b = on[0]
         if b is None:
             return Decision(pool, "", reason, ttfts, e2es, 0, self.name, accept_factor)
@@ -304,9 +358,57 @@ class CostModelPolicy:
             ends.append(ends[-1] + prefill_s if ends else now + prefill_s)
         return Decision(pool, b.name, reason, ttfts, e2es, prediction[5], self.name, accept_factor)
 
+    def _arrive(self, pool: Pool, sequences: int, life: float, now: float) -> None:
+        """Book a decision, its requests predicted to live `life` seconds, in the arrival window."""
+        window = self._arrivals
+        work = sequences * life
+        eagle = pool == "eagle"
+        window.append((now, eagle, sequences, work))
+        if eagle:
+            self._arrived_e += sequences
+            self._work_e += work
+        else:
+            self._arrived_b += sequences
+            self._work_b += work
+        if len(window) > self._window_size:
+            _, eagle, sequences, work = window.popleft()
+            if eagle:
+                self._arrived_e -= sequences
+                self._work_e -= work
+            else:
+                self._arrived_b -= sequences
+                self._work_b -= work
+
+    def _measure_rates(self, view: LoadView, span: float) -> None:
+        """Each pool's mean occupancy per usable backend (the pool's requests are shared among
+        them) over the window, which spans `span` seconds to now, and their mean predicted e2e."""
+        bs, es = view.baseline.backends, view.eagle.backends
+        nb = 1 if len(bs) < 2 else max(sum(1 for b in bs if b.usable), 1)
+        ne = 1 if len(es) < 2 else max(sum(1 for b in es if b.usable), 1)
+        ab, ae = self._arrived_b, self._arrived_e
+        self._occ_b = self._work_b / (span * nb)
+        self._occ_e = self._work_e / (span * ne)
+        self._life_b = self._work_b / ab if ab > 0 else 0.0
+        self._life_e = self._work_e / ae if ae > 0 else 0.0
+
+    def arrivals(self, pool: Pool) -> tuple[float | None, float]:
+        """(mean occupancy per backend, mean predicted e2e seconds) of the requests this policy
+        sent to `pool` as the last decision measured them; the occupancy None when it measured
+        none."""
+        if not self._rated:
+            return None, 0.0
+        if pool == "eagle":
+            return self._occ_e, self._life_e
+        return self._occ_b, self._life_b
+
     def reset(self) -> None:
-        """A new segment (clock at 0): the prefills booked on the old clock are gone."""
+        """A new segment (clock at 0): the prefills booked and the arrivals timed on the old clock
+        are gone."""
         self._prefill_ends.clear()
+        self._arrivals.clear()
+        self._arrived_b = self._arrived_e = 0
+        self._work_b = self._work_e = 0.0
+        self._rated = False
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
@@ -314,6 +416,12 @@ class CostModelPolicy:
         own = self._content_own = (
             None if content is None or request.features is None else content.factor(request, self.calibration)
         )
+        if self._count_arrivals:
+            window = self._arrivals  # (`_measure_rates` inlined: every decision)
+            span = now - window[0][0] if len(window) >= self._window_size else 0.0
+            self._rated = rated = span > 0.0
+            if rated:
+                self._measure_rates(view, span)
         on_b = self._backend("baseline", view.baseline, request, n, now)
         on_e = self._backend("eagle", view.eagle, request, n, now)
         if on_b is None or on_e is None:  # the routing core's fallback (rule 4)
@@ -429,8 +537,8 @@ class CostModelPolicy:
 
     def state(self) -> dict[str, Any]:
         """What it learned (`policies.learned`): the calibration, the content model and the
-        exploration's counters, each None when the parameters turn it off. Booked prefills are
-        tied to the clock: not kept."""
+        exploration's counters, each None when the parameters turn it off. Booked prefills and
+        timed arrivals are tied to the clock: not kept."""
         return {
             "version": STATE_VERSION,
             "calibration": None if self.calibration is None else self.calibration.state(),

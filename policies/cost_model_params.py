@@ -138,6 +138,19 @@ class CostModelParams(BaseModel):
     explore_z: float = Field(
         default=1.0, gt=0.0, description="explore=optimistic: standard deviations above the mean tried."
     )
+    count_arrivals: bool = Field(
+        default=True,
+        description="System scope: a request's marginal cost counts the requests expected to share its "
+        "backend during its life -- those present leave part way through it, those arriving (at the rate "
+        "and with the mean predicted e2e of what this policy sent to the pool in its last arrival_window "
+        "decisions) join part way -- instead of those present, for its whole life.",
+    )
+    arrival_window: int = Field(
+        default=64,
+        ge=2,
+        description="count_arrivals: decisions over which each pool's arrival rate and the mean "
+        "predicted e2e of its requests are measured.",
+    )
     hint_idle: int = Field(
         default=1000,
         ge=1,

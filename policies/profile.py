@@ -340,6 +340,8 @@ class SpeedModel:
         speed_scale: float = 1.0,
         queue_weight: float = math.inf,
         prefill_s: float | None = None,
+        occupancy: float | None = None,
+        mean_life_s: float = 0.0,
     ) -> tuple[float, float, float]:
         """(TTFT, end-to-end, marginal cost) seconds of a request that joins the server now.
 
@@ -349,11 +351,25 @@ class SpeedModel:
         running and `T(k)` the end-to-end time of a request like this one in a batch of `k`.
         It is this request's own time plus the time it adds to the `b` requests it slows
         down (to first order `T(b+1) + b * (T(b+1) - T(b))`), and picking the pool with the
-        smaller one maximises the total completion rate. Where one more request would lower the
-        rate the cost is infinite. At the cap the request waits in the queue and adds nothing to
-        the rate (a queued request produces nothing): its cost is its own end-to-end time plus
-        `queue_weight` times its wait -- the wait it passes on to the requests that will queue
-        behind it -- which is infinite by default (never queue while the other pool has room).
+        smaller one maximises the total completion rate.
+
+        With `occupancy` (the mean number of requests on this server: their arrival rate times
+        `mean_life_s`, their mean end-to-end time, Little's law; 0: none arrive) it is taken at
+        the number of requests expected to share its life `L = T(b+1)`, `k`, instead of `b`
+        (fractional: the step table interpolated; at most `cap - 1`): the present leave part way
+        through it and the arriving join part way, each living `mean_life_s` and found at a
+        uniform point of it, so `k = b + w * (occupancy - b)` with `x = L / mean_life_s` and
+        `w = x / 2` (`x <= 1`) or `1 - 1 / (2x)`: a short request shares the present batch, a
+        long one the mean occupancy; the steady state (an occupancy of `b`) keeps `b`. With none
+        arriving, the present are taken to live `L`: `k = b / 2`. Its first token comes at the
+        start, among those present: only its decode steps are taken at `k`. Without an
+        occupancy, `b`. TTFT and end-to-end stay those of the requests present.
+
+        Where one more request would lower the rate the cost is infinite. At the cap the request
+        waits in the queue and adds nothing to the rate (a queued request produces nothing): its
+        cost is its own end-to-end time plus `queue_weight` times its wait -- the wait it passes
+        on to the requests that will queue behind it -- which is infinite by default (never
+        queue while the other pool has room).
 
         `prefill_s` replaces `prompt_tokens / prefill_tok_s` (before `speed_scale`): a caller that
         knows part of the prompt is cached passes the prefill of the rest (or, for a profile
@@ -385,6 +401,24 @@ class SpeedModel:
             t0, t1, f0, f1 = self.step_time(b), self.step_time(b + 1), self.ttft_s(b), self.ttft_s(b + 1)
         ttft = (f1 + prefill) / speed_scale
         e2e = ttft + m * t1 / decode_scale
-        before = (f0 + prefill) / speed_scale + m * t0 / decode_scale
-        rate_gain = (b + 1) * before - b * e2e  # (X(b+1) - X(b)) * T(b) * T(b+1)
-        return ttft, e2e, before * e2e / rate_gain if rate_gain > 0.0 else math.inf
+        if occupancy is not None:
+            x = e2e / mean_life_s if mean_life_s > 0.0 else 1.0
+            k = b + (0.5 * x if x <= 1.0 else 1.0 - 0.5 / x) * (occupancy - b)
+            if cap is not None and k > cap - 1:
+                k = cap - 1.0  # at most a full batch shares its life
+            i = int(k)
+            if i + 2 < _TABLE_SIZE:  # the step table interpolated at k and k + 1
+                steps = self._step_table
+                s1 = steps[i + 1]
+                t0 = steps[i] + (k - i) * (s1 - steps[i])
+                t1 = s1 + (k - i) * (steps[i + 2] - s1)
+            else:
+                t0, t1 = float(self.step_time_array(k)), float(self.step_time_array(k + 1))
+            after = ttft + m * t1 / decode_scale
+            before = (f0 + prefill) / speed_scale + m * t0 / decode_scale
+            rate_gain = (k + 1) * before - k * after  # (X(k+1) - X(k)) * T(k) * T(k+1)
+        else:
+            after = e2e
+            before = (f0 + prefill) / speed_scale + m * t0 / decode_scale
+            rate_gain = (b + 1) * before - b * e2e  # (X(b+1) - X(b)) * T(b) * T(b+1)
+        return ttft, e2e, before * after / rate_gain if rate_gain > 0.0 else math.inf

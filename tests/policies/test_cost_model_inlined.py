@@ -73,6 +73,7 @@ def _expected(
         speed,
         policy._queue_weight,
         prefill_s,
+        *policy.arrivals(pool),
     )
 
 
@@ -84,8 +85,9 @@ def _expected(
         CostModelParams(scope="request"),
         CostModelParams(queue_weight=3.0, mean_output_tokens=120.0),
         CostModelParams(queue_weight=None),
+        CostModelParams(count_arrivals=False),
     ],
-    ids=["default", "request_scope", "queue_weight_3", "never_queue"],
+    ids=["default", "request_scope", "queue_weight_3", "never_queue", "present_only"],
 )
 def test_inlined_predictions_equal_predict_system_s_to_the_bit(
     profile: Profile, params: CostModelParams
@@ -93,8 +95,11 @@ def test_inlined_predictions_equal_predict_system_s_to_the_bit(
     rng = random.Random(7)
     policy = _trained(profile, params, rng)
     now = 0.0
+    measured = 0
     for _ in range(400):
-        now += 1e6  # every booked prefill has drained: no queued-prefill wait
+        # every booked prefill (at most 3000 tokens) has drained: no queued-prefill wait; the
+        # arrival rates the decisions measure vary
+        now += rng.choice([0.5, 2.0, 30.0])
         loads = [rng.choice([0, 1, 5, 47, 48, 49, 100, 255, 256, 300, 5000]) for _ in range(4)]
         b = BackendLoad("b0", "baseline", True, loads[0] + loads[1], 0, loads[0], loads[1],
                         cached_tokens=rng.choice([0, 0, 64, 4096]))  # fmt: skip
@@ -107,6 +112,7 @@ def test_inlined_predictions_equal_predict_system_s_to_the_bit(
         )
         n = request.max_tokens or policy.params.default_output_tokens
         d = policy.choose(request, LoadView(PoolLoad("baseline", (b,)), PoolLoad("eagle", (e,))), now)
+        measured += policy.arrivals("eagle")[0] is not None
         tb, eb, cb = _expected(policy, "baseline", b, request, n)
         te, ee, ce = _expected(policy, "eagle", e, request, n)
         assert d.predicted_ttft_s == {"baseline": tb, "eagle": te}
@@ -118,3 +124,5 @@ def test_inlined_predictions_equal_predict_system_s_to_the_bit(
         assert d.pool == ("eagle" if xe < xb else "baseline")
         assert d.backend == ("e0" if d.pool == "eagle" else "b0")
         assert d.backend_load == (e if d.pool == "eagle" else b).load
+    # system scope counting arrivals measures the rates once the window is full
+    assert measured == (400 - params.arrival_window if policy._count_arrivals else 0)

@@ -22,7 +22,10 @@ TRUTH = {"code": 1.5, "prose": 0.7, "math": 1.0}
 
 
 def cost_model(seed: int = 0, **params: object) -> Routed:
+    """The load each request sees here is held fixed (`busy()`, a tilted view), whatever the policy
+    sends: the arrival count, which measures what the policy sends, is off."""
     registry = default_registry(entry_points=False)
+    params = {"count_arrivals": False, **params}
     return Routed(registry.create("cost_model", params, PolicyContext(KIMI, seed)), seed)
 
 

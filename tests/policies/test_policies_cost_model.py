@@ -21,7 +21,8 @@ from policies.base import (
     PoolLoad,
     RequestInfo,
 )
-from policies.profile import Profile, parse_profile, resolve_profile
+from policies.cost_model import CostModelParams, CostModelPolicy
+from policies.profile import Profile, SpeedModel, parse_profile, resolve_profile
 from policies.registry import PolicyContext, PolicyError, default_registry
 
 LLAMA = resolve_profile("llama31-8b-h100-eagle3")
@@ -113,9 +114,9 @@ def test_llama_profile_the_decision_is_capacity_not_mode() -> None:
     assert cost_model(LLAMA, queue_weight=None).choose(req, loaded(250, 48, 5), 0.0).pool == "baseline"
 
 
-def test_system_cost_is_own_time_plus_the_slowdown_imposed_by_hand() -> None:
-    # t(b) = a + c*b exactly (two points), no TTFT: T(b) = (n - 1) * t(b), X(b) = b / T(b)
-    profile = parse_profile(
+def _linear() -> Profile:
+    """t(b) = a + c*b exactly (two points), no TTFT: T(b) = (n - 1) * t(b)."""
+    return parse_profile(
         {
             "format": "specroute.profile/v1",
             "modes": {
@@ -129,6 +130,10 @@ def test_system_cost_is_own_time_plus_the_slowdown_imposed_by_hand() -> None:
             },
         }
     )
+
+
+def test_system_cost_is_own_time_plus_the_slowdown_imposed_by_hand() -> None:
+    profile = _linear()  # X(b) = b / T(b)
     model = profile.speed("eagle")
     n = 101
     # eagle, 2 running: T(2) = 100 * 0.010, T(3) = 100 * 0.014; marginal cost 1 / (X(3) - X(2))
@@ -151,6 +156,84 @@ def test_system_cost_is_own_time_plus_the_slowdown_imposed_by_hand() -> None:
     assert cost_model(profile, scope="request").choose(req, loaded(4, 2), 0.0).pool == "eagle"
     assert profile.speed("baseline").predict_system_s(n, 4, 0)[2] == pytest.approx(2.1)
     assert cost_model(profile).choose(req, loaded(4, 2), 0.0).pool == "baseline"
+
+
+def test_the_cost_counts_the_requests_expected_to_join_during_its_life() -> None:
+    model = _linear().speed("eagle")
+    n = 101  # eagle idle: T(1) = 100 * 0.006 = 0.6 s, T(2) = 1.0 s
+
+    def cost(n: int, running: int, occupancy: float | None, life: float = 0.0) -> float:
+        return model.predict_system_s(n, running, 0, occupancy=occupancy, mean_life_s=life)[2]
+
+    # none arriving, none present: its own time, as without an occupancy
+    assert model.predict_system_s(n, 0, 0, occupancy=0.0) == pytest.approx((0.0, 0.6, 0.6))
+    assert cost(n, 0, None) == pytest.approx(0.6)
+    # 10/3 requests/s arriving, each living 0.6 s as it does: a mean occupancy of 2, found at a
+    # uniform point of their lives, so 1 on average over its life (w = 1/2):
+    # 1 / (X(2) - X(1)) = 1 / (2 / 1.0 - 1 / 0.6) = 3.0 s
+    ttft, e2e, c = model.predict_system_s(n, 0, 0, occupancy=2.0, mean_life_s=0.6)
+    assert (ttft, e2e) == pytest.approx((0.0, 0.6))  # its own time is that of the requests present
+    assert c == pytest.approx(3.0)
+    # a short request (0.06 s, a tenth of theirs) shares its life with fewer: w = 0.05, k = 0.1
+    # (the table interpolated: T(0.1) = T(1) = 0.06 s, T(1.1) = 10 * 0.0064 s)
+    short = model.predict_system_s(11, 0, 0, occupancy=2.0, mean_life_s=0.6)
+    assert short[2] == pytest.approx(0.06 * 0.064 / (1.1 * 0.06 - 0.1 * 0.064))
+    assert short[2] - short[1] < 0.01 < c - e2e
+    # a long one (4x theirs, the same occupancy) shares nearly all of it: w = 1 - 1/8, k = 1.75
+    assert cost(n, 0, 2.0, 0.15) == pytest.approx(_at(model, n, 1.75))
+    # the steady state (the mean occupancy is the present count) costs what the present alone
+    # did, whatever the lengths: 2 running, T(3) = 1.4 s, 1 / (X(3) - X(2)) = 7.0 s
+    for life in (0.1, 1.4, 10.0):
+        assert cost(n, 2, 2.0, life) == pytest.approx(7.0)
+    assert cost(n, 2, None) == pytest.approx(7.0)
+    # none arriving: the present are taken to leave half way through its life, k = 1
+    assert cost(n, 2, 0.0) == pytest.approx(3.0)
+    # never more than a full batch shares its life (cap 4: k = 3)
+    assert cost(n, 0, 1e6, 0.6) == pytest.approx(cost(n, 3, None))
+
+
+def _at(model: SpeedModel, n: int, k: float) -> float:
+    """1 / (X(k+1) - X(k)) for the linear profile, T(k) = (n - 1) * (0.002 + 0.004 * max(k, 1))."""
+
+    def t(b: float) -> float:
+        return (n - 1) * (0.002 + 0.004 * max(b, 1.0))
+
+    return 1 / ((k + 1) / t(k + 1) - k / t(k))
+
+
+def test_a_pool_receiving_arrivals_charges_a_long_request_more_than_an_idle_one() -> None:
+    profile = _linear()
+    req, short = RequestInfo(max_tokens=101), RequestInfo(max_tokens=11)
+
+    def after(window: LoadView, count_arrivals: bool = True) -> CostModelPolicy:
+        """A policy whose last 64 decisions, 0.3 s apart, saw `window`."""
+        params = CostModelParams(calibrate=False, count_arrivals=count_arrivals)
+        policy = CostModelPolicy(params, PolicyContext(profile, 0))
+        for i in range(64):
+            policy.choose(req, window, 0.3 * i)
+        return policy
+
+    # the last 64 decisions all went to eagle (both idle), each predicted to live 0.6 s:
+    # 64 / 19.2 s = 10/3 requests/s arrive there, a mean occupancy of 10/3 * 0.6 = 2
+    to_eagle = after(loaded(0, 0))
+    assert to_eagle.arrivals("eagle") == (None, 0.0)  # (measured from the 65th decision on)
+    # baseline with 4 running (own time 1.5 s, none arriving: cost at k = 2, 1.56 s) against an
+    # idle eagle (own time 0.6 s, but 1 on average expected to share it: cost 3.0 s) -> baseline
+    d = to_eagle.choose(req, loaded(4, 0), 19.2)
+    assert to_eagle.arrivals("eagle") == pytest.approx((2.0, 0.6))
+    assert to_eagle.arrivals("baseline") == (0.0, 0.0)
+    assert (d.pool, d.reason) == ("baseline", "cheaper_baseline")
+    assert d.predicted_e2e_s == pytest.approx({"baseline": 1.5, "eagle": 0.6})
+    # a short request holds eagle briefly (0.06 s): few join, it goes there
+    assert to_eagle.choose(short, loaded(4, 0), 19.2).pool == "eagle"
+    # the same request, when the last 64 went to baseline (eagle full): an idle eagle with none
+    # arriving costs its own time, and baseline's 4 running plus 3.3/s arriving cost more
+    to_baseline = after(loaded(0, 4))
+    d = to_baseline.choose(req, loaded(4, 0), 19.2)
+    assert to_baseline.arrivals("eagle") == (0.0, 0.0)
+    assert (d.pool, d.reason) == ("eagle", "faster_eagle")
+    # counting only the requests present, the idle eagle costs its own time whatever arrives there
+    assert after(loaded(0, 0), False).choose(req, loaded(4, 0), 19.2).pool == "eagle"
 
 
 def test_slo_keeps_a_request_off_the_pool_predicted_to_miss_it() -> None:

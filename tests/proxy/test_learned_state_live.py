@@ -157,8 +157,10 @@ async def test_sighup_with_an_unchanged_config_and_a_restart_keep_what_the_polic
         f"baseline: [{base.url}]\neagle: [{eagle.url}]\nprofile: {profile_path}\npolicy: cost_model\n"
         f"spec_details: true\ndecision_log: {log}\nstate_file: {state}\nstate_save_interval_s: 3600\n"
     )
-    config.write_text(head + "policy_params: {objective: e2e}\n")
+    config.write_text(head + "policy_params: {objective: e2e, count_arrivals: false}\n")
     env = {"SPECROUTE_ADMIN_TOKEN": TOKEN}
+    # (the probes compare decisions, which with the arrival count also follow the clock and the
+    # decisions just made -- not learned, never saved: it is off)
 
     first = Serve(await spawn_serve("--config", str(config), env=env))
     assert await wait_until(lambda: first.saw("does not exist yet"), 10.0)
@@ -202,7 +204,7 @@ async def test_sighup_with_an_unchanged_config_and_a_restart_keep_what_the_polic
     assert await _probe(second.url, log) == probes
 
     # 3. SIGHUP with other parameters: a fresh policy, said in the log and the metric
-    config.write_text(head + "policy_params: {objective: ttft}\n")
+    config.write_text(head + "policy_params: {objective: ttft, count_arrivals: false}\n")
     second.sp.signal(signal.SIGHUP)
 
     async def reset() -> bool:
@@ -211,12 +213,13 @@ async def test_sighup_with_an_unchanged_config_and_a_restart_keep_what_the_polic
     assert await wait_until(reset, 10.0)
     assert await _one(second.url, "specroute_acceptance_families") == 0
     fresh = await _learned(second.url)
-    assert fresh["params"] == {"objective": "ttft"} and fresh["learned"]["content"]["outcomes"] == 0
+    assert fresh["params"] == {"objective": "ttft", "count_arrivals": False}
+    assert fresh["learned"]["content"]["outcomes"] == 0
     assert second.saw("starts with nothing learned; what cost_model had learned is dropped")
     await second.stop()
 
     # 4. the state file now belongs to the new parameters: the old ones start fresh, and say why
-    config.write_text(head + "policy_params: {objective: e2e}\n")
+    config.write_text(head + "policy_params: {objective: e2e, count_arrivals: false}\n")
     third = Serve(await spawn_serve("--config", str(config), env=env))
     assert await _one(third.url, "specroute_state_loads_total", result="other_policy") == 1
     assert third.saw("saved for another policy (params objective differ)")
