@@ -120,7 +120,8 @@ def client_of(headers: Mapping[str, str], peer: str | None) -> int:
     """Who sent a request, as `RequestInfo.client`: a stable hash of its `Authorization` header
     when it has one (its API key), else of `peer` (the address it came from), else 0 (unknown).
     A hash, never the key: it goes into the policy's learned state."""
-    key = headers.get("authorization")  # (serve's headers are case-insensitive, the picker's lower case)
+    # serve's headers are case-insensitive, the picker's lower case, a caller's mapping either
+    key = headers.get("authorization") or headers.get("Authorization")
     if key:
         return stable_hash("key\0" + key)
     return stable_hash("peer\0" + peer) if peer else 0
