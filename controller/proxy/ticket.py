@@ -120,8 +120,7 @@ def client_of(headers: Mapping[str, str], peer: str | None) -> int:
     """Who sent a request, as `RequestInfo.client`: a stable hash of its `Authorization` header
     when it has one (its API key), else of `peer` (the address it came from), else 0 (unknown).
     A hash, never the key: it goes into the policy's learned state."""
-    # serve's headers are case-insensitive, the picker's lower case, a caller's mapping either
-    key = headers.get("authorization") or headers.get("Authorization")
+    key = headers.get("authorization")
     if key:
         return stable_hash("key\0" + key)
     return stable_hash("peer\0" + peer) if peer else 0
@@ -288,8 +287,10 @@ class Tickets:
     ) -> Described:
         """The body parsed and checked for `endpoint` (`controller.proxy.request`; 400
         otherwise), the `RequestInfo` a policy sees, and the prompt's block fingerprint (empty
-        with prefix tracking off; a large prompt is hashed off the event loop). `peer`: the
-        address the request came from, when the transport knows it (`client_of`)."""
+        with prefix tracking off; a large prompt is hashed off the event loop). `headers` are
+        read by their lower-case names: a case-insensitive mapping (serve's) or one keyed in
+        lower case (the picker's). `peer`: the address the request came from, when the
+        transport knows it (`client_of`)."""
         try:
             body = parse_small_body(raw, endpoint)  # without a coroutine
             if body is None:

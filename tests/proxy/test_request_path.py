@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers import make_tracker
+from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from controller.proxy.capacity import AdmissionMetrics, Capacity
@@ -139,7 +140,8 @@ async def test_a_request_knows_its_client_by_a_hash_of_its_key_else_of_its_addre
     tickets = _path().tickets
 
     async def client(headers: dict[str, str], peer: str | None = None) -> int:
-        return (await tickets.describe(BODY, "chat", headers, peer)).info.client
+        # case-insensitive, as aiohttp gives serve its headers
+        return (await tickets.describe(BODY, "chat", CIMultiDict(headers), peer)).info.client
 
     key = await client({"Authorization": "Bearer sk-one"}, "10.0.0.1")
     assert key == await client({"Authorization": "Bearer sk-one"}, "10.0.0.2") != 0
@@ -148,6 +150,7 @@ async def test_a_request_knows_its_client_by_a_hash_of_its_key_else_of_its_addre
     peer = await client({}, "10.0.0.1")
     assert peer not in (0, key) and peer == await client({}, "10.0.0.1") != await client({}, "10.0.0.2")
     assert await client({}) == 0
+    assert await client({"authorization": "Bearer sk-one"}, "10.0.0.3") == key  # any case
 
 
 async def test_a_request_reserves_its_sequences_and_its_decode_rate_is_per_sequence() -> None:
