@@ -99,8 +99,8 @@ class CostModelPolicy:
         if missing:
             raise PolicyError(f"policy 'cost_model': the profile has no {' or '.join(missing)} mode")
         self.params = params
-        self._baseline: SpeedModel = context.profile.speed("baseline")
-        self._eagle: SpeedModel = context.profile.speed("eagle")
+        self._baseline: SpeedModel = context.profile.belief("baseline")  # its throughput concave
+        self._eagle: SpeedModel = context.profile.belief("eagle")
         self._profile_accept = self._eagle.accept_length
         self._mean_n = (
             params.mean_output_tokens

@@ -140,6 +140,14 @@ class Profile(BaseModel):
     def speed(self, pool: Pool) -> SpeedModel:
         return SpeedModel(self.mode(pool))
 
+    def belief(self, pool: Pool) -> SpeedModel:
+        """The speed a policy predicts `pool` at: the mode's points with the server's throughput
+        made concave (`concave_points`), so that a point measured low does not read as a batch
+        size where one more request buys almost nothing."""
+        mode = self.mode(pool)
+        points = concave_points(mode.points)
+        return SpeedModel(mode if points is mode.points else mode.model_copy(update={"points": points}))
+
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json", exclude_none=True), indent=2) + "\n"
 
@@ -201,6 +209,46 @@ def resolve_profile(name_or_path: str | Path) -> Profile:
             f"(built-in: {', '.join(builtin_profile_names())})"
         ) from None
     return load_profile(path)
+
+
+def concave_points(points: list[ProfilePoint]) -> list[ProfilePoint]:
+    """`points` (sorted by concurrency) with each decode rate raised, where it must be, onto the
+    least concave majorant of the throughput b x decode rate(b) through 0 at b = 0; `points`
+    itself when none is below it, and always for an adaptive server's (`spec_steps` given: its
+    throughput jumps where it stops drafting).
+
+    A server's throughput grows ever more slowly with its batch (each request added buys at most
+    what the one before it did), and so a request's decode rate never rises with the batch. A
+    measured point below that shape is noise (a slow moment of a shared machine, a few
+    samples), and a policy that compares what one more request costs each pool reads it as a
+    batch size where the throughput stalls: one low point made a plain server look full at two
+    requests, and a content-aware pair sent slow requests to EAGLE-3 to spare it."""
+    if len(points) < 2 or any(p.spec_steps is not None for p in points):
+        return points
+    hull: list[tuple[float, float]] = [(0.0, 0.0)]
+    for p in points:
+        x, y = p.concurrency, p.concurrency * p.decode_tok_s
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (y2 - y1) * (x - x1) <= (y - y1) * (x2 - x1):  # the last corner is on or below the chord
+                hull.pop()
+            else:
+                break
+        hull.append((x, y))
+    out: list[ProfilePoint] = []
+    raised, j = False, 1
+    for p in points:
+        b = p.concurrency
+        while hull[j][0] < b:  # (the last point is the hull's last corner)
+            j += 1
+        (x1, y1), (x2, y2) = hull[j - 1], hull[j]
+        rate = (y1 + (y2 - y1) * (b - x1) / (x2 - x1)) / b
+        if rate > p.decode_tok_s * (1.0 + 1e-9):
+            out.append(p.model_copy(update={"decode_tok_s": rate}))
+            raised = True
+        else:
+            out.append(p)
+    return out if raised else points
 
 
 def _interp_extrap(x: FloatArray, xs: FloatArray, ys: FloatArray) -> FloatArray:

@@ -428,3 +428,28 @@ def test_construction_errors_are_clear() -> None:
         reg.create("cost_model", {"objective": "fastest"}, PolicyContext(KIMI))
     with pytest.raises(PolicyError, match="hint_speedup"):
         reg.create("cost_model", {"hint_speedup": {"code": -1}}, PolicyContext(KIMI))
+
+
+def test_a_point_measured_low_does_not_make_the_plain_server_look_full() -> None:
+    """A profile measured on a busy machine: the plain server's rate at 2 (107 tok/s) is below
+    what its rates at 1 and 4 allow (throughput 214 tok/s at 2 against 180 at 1 would make the
+    second request nearly free to refuse). Believed as written, a request EAGLE-3 runs at half
+    speed went there to spare the plain server its second request (`cheaper_eagle`); believed
+    with the throughput concave, it stays on the plain server, and one EAGLE-3 speeds up still
+    goes to EAGLE-3."""
+
+    def mode(points: list[tuple[float, float, float]]) -> dict[str, object]:
+        return {"points": [{"concurrency": c, "decode_tok_s": r, "ttft_s": t} for c, r, t in points]}
+
+    noisy = parse_profile({"format": "specroute.profile/v1", "name": "busy machine", "modes": {
+        "baseline": mode([(1, 180.0, 0.015), (2, 107.0, 0.03), (4, 125.0, 0.034), (8, 88.0, 0.06)]),
+        "eagle": mode([(1, 171.0, 0.02), (2, 150.0, 0.034), (4, 158.0, 0.034), (8, 94.0, 0.056)]),
+    }})  # fmt: skip
+    policy = cost_model(noisy, hint_speedup={"prose": 0.53, "code": 1.47})
+    for b_running, e_running in ((1, 0), (1, 1), (0, 0)):
+        prose = policy.choose(RequestInfo(max_tokens=64, hint="prose"), loaded(b_running, e_running), 0.0)
+        code = policy.choose(RequestInfo(max_tokens=64, hint="code"), loaded(b_running, e_running), 0.0)
+        assert (prose.pool, code.pool) == ("baseline", "eagle"), (b_running, e_running, prose.reason)
+    # the plain server's second request is predicted at the rate on the chord from 1 to 4
+    d = policy.choose(RequestInfo(max_tokens=64), loaded(1, 0), 0.0)
+    assert d.predicted_e2e_s["baseline"] == pytest.approx(0.03 + 63 / ((180 + 320 / 3) / 2))

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.base import Pool
-from policies.profile import ProfileError, load_profile, parse_profile, resolve_profile
+from policies.profile import ProfileError, concave_points, load_profile, parse_profile, resolve_profile
 
 
 def _profile(points: list[tuple[float, float, float]], cap: int | None = None) -> dict[str, object]:
@@ -215,3 +215,47 @@ def test_predict_includes_prefill_when_profiled() -> None:
     s = parse_profile(data).speed("baseline")
     ttft, e2e = s.predict_e2e_s(1, running=0, prompt_tokens=500)
     assert ttft == pytest.approx(0.6) and e2e == pytest.approx(0.6)
+
+
+# -- what a policy believes: throughput made concave ------------------------------------
+
+
+def test_a_concave_profile_is_believed_as_written() -> None:
+    for name in ("kimi-k25-int4-8gpu", "llama31-8b-h100-eagle3"):
+        profile = resolve_profile(name)
+        for pool in profile.modes:
+            assert concave_points(profile.mode(pool).points) is profile.mode(pool).points
+            believed, written = profile.belief(pool), profile.speed(pool)
+            assert believed.step_table == written.step_table and believed.ttft_table == written.ttft_table
+
+
+def test_a_point_below_the_throughput_curve_is_raised_onto_it() -> None:
+    # throughput 180, 214, 500, 704 tok/s at 1, 2, 4, 8: the point at 2 is below the chord from
+    # 1 (180) to 4 (500), which passes 2 at 180 + 320 / 3 tok/s
+    written = [(1.0, 180.0, 0.01), (2.0, 107.0, 0.02), (4.0, 125.0, 0.03), (8.0, 88.0, 0.05)]
+    mode = parse_profile(_profile(written)).mode("baseline")
+    believed = concave_points(mode.points)
+    assert [p.decode_tok_s for p in believed] == pytest.approx([180.0, (180 + 320 / 3) / 2, 125.0, 88.0])
+    assert [p.ttft_s for p in believed] == [0.01, 0.02, 0.03, 0.05]  # only the rates move
+    assert [b is w for b, w in zip(believed, mode.points, strict=True)] == [True, False, True, True]
+    rates = [p.decode_tok_s for p in believed]
+    xs = [0.0] + [p.concurrency for p in believed]
+    ys = [0.0] + [p.concurrency * p.decode_tok_s for p in believed]
+    gains = [(ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) for i in range(len(believed))]
+    assert rates == sorted(rates, reverse=True) and gains == sorted(gains, reverse=True)
+
+
+def test_a_rate_that_rises_with_the_batch_is_believed_at_the_smaller_batches_too() -> None:
+    # a request faster at batch 4 than alone: throughput 92, 161, 384 is below the line 96 x b
+    written = [(1.0, 92.0, 0.1), (2.0, 80.5, 0.1), (4.0, 96.0, 0.1)]
+    believed = concave_points(parse_profile(_profile(written)).mode("baseline").points)
+    assert [p.decode_tok_s for p in believed] == pytest.approx([96.0, 96.0, 96.0])
+
+
+def test_an_adaptive_servers_points_are_believed_as_written() -> None:
+    # it stops drafting at 8: its throughput may jump there
+    points = [{"concurrency": c, "decode_tok_s": r, "ttft_s": 0.1, "spec_steps": k}
+              for c, r, k in ((1, 150.0, 3), (4, 60.0, 1), (8, 70.0, 0))]  # fmt: skip
+    doc = {"format": "specroute.profile/v1", "name": "t", "modes": {"baseline": {"points": points}}}
+    mode = parse_profile(doc).mode("baseline")
+    assert concave_points(mode.points) is mode.points
