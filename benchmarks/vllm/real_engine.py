@@ -462,7 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-requests", type=int, default=32, help="bench's measured requests per level")
     ap.add_argument("--no-adaptive", action="store_true", help="leave the adaptive servers out")
     ap.add_argument("--quick", action="store_true", help="50/50 at c=1 and 2, 12 requests per cell")
-    ap.add_argument("--out", type=Path, help="write every figure as JSON here")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="write every figure as JSON here (with the profile the pairs believed), and beside it "
+        "the routing pairs' decision logs (OUT's name with .KEY.decisions.jsonl)",
+    )
     ap.add_argument(
         "--markdown", type=Path, help="print the tables of a report --out wrote, as Markdown, and exit"
     )
@@ -521,8 +526,11 @@ def main(argv: list[str] | None = None) -> int:
         for key, serve_args in PROFILED.items():  # fixed pools: no profile needed
             start_serve(key, ["--baseline", up["plain0"].url, "--eagle", up["eagle1"].url, *serve_args], None)
         belief = profile(urls, work / "belief.json", args.concurrency, args.profile_requests)
+        report["belief"] = json.loads(belief.read_text())  # what every routing serve predicts from
         for config in configs:
             pools = [*config.serve]
+            if args.out and config.key in (*AWARE, "blind"):  # why each request went where it did
+                pools += ["--decision-log", str(args.out.with_suffix(f".{config.key}.decisions.jsonl"))]
             if config.baseline:
                 pools += ["--baseline", ",".join(up[n].url for n in config.baseline)]
             if config.eagle:
