@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import random
 import statistics
 import sys
 import tempfile
@@ -52,6 +53,7 @@ from policies.cost_model import CostModelParams, CostModelPolicy
 from policies.features import TRAIT_BITS
 from policies.profile import resolve_profile
 from policies.spec import PolicyContext
+from policies.stats import percentile
 from simulator.engine.deployment import ServerKind, build_deployment
 from simulator.engine.loop import simulate
 from simulator.engine.results import summarize
@@ -263,7 +265,9 @@ def held_out(args: argparse.Namespace) -> None:
         f"## held-out task types: {args.train} training requests of the split's train types, then "
         f"{args.test or 'each of'} its test prompts (figures: the test requests); {args.seeds} seeds "
         "per cell; "
-        f"temperatures {'on' if args.temperatures else 'off'}; mean e2e s +- 95% CI over seeds\n"
+        f"temperatures {'on' if args.temperatures else 'off'}; mean e2e s +- 95% CI over seeds; "
+        f"captured: share of the told gain, 95% bootstrap interval over seeds ({BOOTSTRAP} "
+        "resamples); aware - told: paired per seed, mean +- 95% CI (t)\n"
     )
     for split, (train, test) in SPLITS.items():
         print(f"split {split}: train {', '.join(train)}; test {', '.join(test)}")
@@ -271,9 +275,9 @@ def held_out(args: argparse.Namespace) -> None:
     print(
         "| scenario | split | req/s | "
         + " | ".join(runs)
-        + " | told gain | captured | aware vs blind mean / p99 |"
+        + " | told gain | captured [95% CI] | aware - told s | aware vs blind mean / p99 |"
     )
-    print("|---|---|---|" + "---|" * len(runs) + "---|---|---|")
+    print("|---|---|---|" + "---|" * len(runs) + "---|---|---|---|")
     for sc in args.task_scenarios:
         for split in SPLITS:
             for load in LOADS:
@@ -285,12 +289,18 @@ def held_out(args: argparse.Namespace) -> None:
                 p99 = {r: statistics.fmean(c["p99"] for c in by[(sc, split, load, r)]) for r in runs}
                 gain = 1.0 - mean["told"] / mean["blind"]
                 got = 1.0 - mean["aware"] / mean["blind"]
-                share = f"{got / gain:.0%}" if gain >= 0.03 else "n/a (< 3%)"
+                share = "n/a (< 3%)"
+                if gain >= 0.03:
+                    low, high = capture_ci(*([c["mean"] for c in by[(sc, split, load, r)]] for r in BTA))
+                    share = f"{got / gain:.0%} [{low:.0%}, {high:.0%}]"
+                # paired: a seed is the same arrivals and order of the files in every run
+                pairs = zip(by[(sc, split, load, "aware")], by[(sc, split, load, "told")], strict=True)
+                dm, dh = ci([a["mean"] - t["mean"] for a, t in pairs])
                 vs = f"{mean['aware'] / mean['blind'] - 1:+.1%} / {p99['aware'] / p99['blind'] - 1:+.1%}"
                 print(
                     f"| {sc} | {split} | {load:g} | "
                     + " | ".join(cells)
-                    + f" | {gain:+.1%} | {share} | {vs} |"
+                    + f" | {gain:+.1%} | {share} | {dm:+.3f} ±{dh:.3f} | {vs} |"
                 )
     print()
 
@@ -346,6 +356,28 @@ def ablation(args: argparse.Namespace) -> None:
                 cells.append(f"{got:.0%} ({got - full[split]:+.0%})")
         print(f"| {v or 'nothing (all features)'} | " + " | ".join(cells) + " |")
     print()
+
+
+BTA = ("blind", "told", "aware")
+BOOTSTRAP = 4000
+"""Resamples of the seeds for the capture's interval."""
+
+
+def capture_ci(blind: list[float], told: list[float], aware: list[float]) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the captured share (blind - aware) / (blind - told) of
+    the means over seeds, resampling whole seeds (a seed's three runs share its arrivals, so the
+    pairing is kept); a fixed bootstrap seed, so the same figures give the same interval. NaN
+    when a resample has no told gain: the share is unbounded there."""
+    rng = random.Random("held-out/capture")
+    n = len(blind)
+    shares = []
+    for _ in range(BOOTSTRAP):
+        pick = [rng.randrange(n) for _ in range(n)]
+        b, t, a = (math.fsum(v[i] for i in pick) for v in (blind, told, aware))
+        if b - t <= 0:
+            return math.nan, math.nan
+        shares.append((b - a) / (b - t))
+    return percentile(shares, 2.5), percentile(shares, 97.5)
 
 
 def ci(values: list[float]) -> tuple[float, float]:
