@@ -334,52 +334,6 @@ class CostModelPolicy:
         least = first_least_loaded(members)
         return None if least is None else (None, self._predict(pool, least, request, m, now))
 
-    def _decision(
-        self,
-        pool: Pool,
-        reason: str,
-        on: tuple[BackendLoad | None, Prediction],
-        ttfts: dict[Pool, float],
-        e2es: dict[Pool, float],
-        request: RequestInfo,
-        now: float,
-        accept_factor: float | None = None,
-    ) -> Decision:
-        """The decision for `on` (the backend named with its load when there is one), its prefill
-        booked on that backend (prefix-aware, profiled rate)."""
-        if self._count_arrivals:  # book it in the arrival window (inline: every decision)
-            sequences = request.sequences
-            work = sequences * e2es[pool]
-            window = self._arrivals
-            if pool == "eagle":
-                window.append((now, True, sequences, work))
-                self._arrived_e += sequences
-                self._work_e += work
-            else:
-                window.append((now, False, sequences, work))
-                self._arrived_b += sequences
-                self._work_b += work
-            if len(window) > self._window_size:  # the oldest leaves
-                _, eagle, sequences, work = window.popleft()
-                if eagle:
-                    self._arrived_e -= sequences
-                    self._work_e -= work
-                else:
-                    self._arrived_b -= sequences
-                    self._work_b -= work
-        b = on[0]
-        if b is None:
-            return Decision(pool, "", reason, ttfts, e2es, 0, self.name, accept_factor)
-        prediction = on[1]
-        prefill_s = prediction[6]
-        if prefill_s is not None:  # `_per_backend[pool]`: book its prefill
-            ends = self._prefill_ends.get(b.name)
-            if ends is None:
-                ends = self._prefill_ends[b.name] = deque()
-            # (`_predict` has dropped the prefills ended by `now`)
-            ends.append(ends[-1] + prefill_s if ends else now + prefill_s)
-        return Decision(pool, b.name, reason, ttfts, e2es, prediction[5], self.name, accept_factor)
-
     def arrivals(self, pool: Pool) -> tuple[float | None, float]:
         """(mean occupancy per backend, mean predicted e2e seconds) of the requests this policy
         sent to `pool` as the last decision measured them; the occupancy None when it measured
@@ -446,45 +400,75 @@ class CostModelPolicy:
         else:
             on_e = self._backend("eagle", view.eagle, request, m, now)
         if on_b is None or on_e is None:  # the routing core's fallback (rule 4)
-            only, reason = fallback({"baseline": on_b, "eagle": on_e})
-            on = on_b if only == "baseline" else on_e
+            pool, reason = fallback({"baseline": on_b, "eagle": on_e})
+            on = on_b if pool == "baseline" else on_e
             assert on is not None
-            ttft, e2e = on[1][:2]
-            return self._decision(only, reason, on, {only: ttft}, {only: e2e}, request, now)
-        tb, eb, _, _, pb, _, _ = on_b[1]
-        te, ee, _, _, pe, _, _ = on_e[1]
-        pool, reason, xe, xb = self._verdict(on_e[1], on_b[1])
-        if self._slo:
-            p = self.params
-            meets_b = (p.slo_ttft_s is None or tb <= p.slo_ttft_s) and (
-                p.slo_tpot_s is None or pb <= p.slo_tpot_s
-            )
-            meets_e = (p.slo_ttft_s is None or te <= p.slo_ttft_s) and (
-                p.slo_tpot_s is None or pe <= p.slo_tpot_s
-            )
-            if meets_b != meets_e:  # one pool is predicted to meet every SLO, the other to miss one
-                met: Pool = "baseline" if meets_b else "eagle"
-                if met != pool:
-                    pool, reason = met, "slo_eagle" if met == "eagle" else "slo_baseline"
-        explorer = self.explorer
-        if explorer is not None and own is not None:  # a request without content has nothing to explore
-            if pool == "baseline" and reason != "slo_baseline":
-                regret = xe - xb if xe > xb else 0.0
-                shift = explorer.draw(own[2]) if explorer.affords(regret) else 0.0
-                if shift > 0.0 and self._tried(shift, own, view, request, m, now, on_b[1]):
-                    pool, reason = "eagle", "explore"
-                    explorer.spend(regret)
-            explorer.accrue(eb if pool == "baseline" else ee)
-        return self._decision(
-            pool,
-            reason,
-            on_b if pool == "baseline" else on_e,
-            {"baseline": tb, "eagle": te},
-            {"baseline": eb, "eagle": ee},
-            request,
-            now,
-            None if own is None else own[1],
-        )
+            ttfts: dict[Pool, float] = {pool: on[1][0]}
+            e2es: dict[Pool, float] = {pool: on[1][1]}
+            accept_factor = None
+        else:
+            tb, eb, _, _, pb, _, _ = on_b[1]
+            te, ee, _, _, pe, _, _ = on_e[1]
+            pool, reason, xe, xb = self._verdict(on_e[1], on_b[1])
+            if self._slo:
+                p = self.params
+                meets_b = (p.slo_ttft_s is None or tb <= p.slo_ttft_s) and (
+                    p.slo_tpot_s is None or pb <= p.slo_tpot_s
+                )
+                meets_e = (p.slo_ttft_s is None or te <= p.slo_ttft_s) and (
+                    p.slo_tpot_s is None or pe <= p.slo_tpot_s
+                )
+                if meets_b != meets_e:  # one pool is predicted to meet every SLO, the other to miss one
+                    met: Pool = "baseline" if meets_b else "eagle"
+                    if met != pool:
+                        pool, reason = met, "slo_eagle" if met == "eagle" else "slo_baseline"
+            explorer = self.explorer
+            if explorer is not None and own is not None:  # a request without content has nothing to explore
+                if pool == "baseline" and reason != "slo_baseline":
+                    regret = xe - xb if xe > xb else 0.0
+                    shift = explorer.draw(own[2]) if explorer.affords(regret) else 0.0
+                    if shift > 0.0 and self._tried(shift, own, view, request, m, now, on_b[1]):
+                        pool, reason = "eagle", "explore"
+                        explorer.spend(regret)
+                explorer.accrue(eb if pool == "baseline" else ee)
+            on = on_b if pool == "baseline" else on_e
+            ttfts = {"baseline": tb, "eagle": te}
+            e2es = {"baseline": eb, "eagle": ee}
+            accept_factor = None if own is None else own[1]
+        # The decision (the backend named with its load when there is one), booked in the arrival
+        # window and, prefix-aware at a profiled rate, its prefill on that backend
+        if self._count_arrivals:
+            sequences = request.sequences
+            work = sequences * e2es[pool]
+            window = self._arrivals
+            if pool == "eagle":
+                window.append((now, True, sequences, work))
+                self._arrived_e += sequences
+                self._work_e += work
+            else:
+                window.append((now, False, sequences, work))
+                self._arrived_b += sequences
+                self._work_b += work
+            if len(window) > self._window_size:  # the oldest leaves
+                _, eagle, sequences, work = window.popleft()
+                if eagle:
+                    self._arrived_e -= sequences
+                    self._work_e -= work
+                else:
+                    self._arrived_b -= sequences
+                    self._work_b -= work
+        b = on[0]
+        if b is None:
+            return Decision(pool, "", reason, ttfts, e2es, 0, self.name, accept_factor)
+        prediction = on[1]
+        prefill_s = prediction[6]
+        if prefill_s is not None:  # `_per_backend[pool]`: book its prefill
+            ends = self._prefill_ends.get(b.name)
+            if ends is None:
+                ends = self._prefill_ends[b.name] = deque()
+            # (`_predict` has dropped the prefills ended by `now`)
+            ends.append(ends[-1] + prefill_s if ends else now + prefill_s)
+        return Decision(pool, b.name, reason, ttfts, e2es, prediction[5], self.name, accept_factor)
 
     def _verdict(self, e: Prediction, b: Prediction) -> tuple[Pool, str, float, float]:
         """(pool, reason, eagle's compared quantity, baseline's) for predictions `e` and `b`.
