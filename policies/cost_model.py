@@ -287,7 +287,7 @@ class CostModelPolicy:
                     t0, t1 = float(model.step_time_array(k)), float(model.step_time_array(k + 1))
                 after = ttft + m * t1 / decode_scale
                 before = (f0 + prefill_s) / speed + m * t0 / decode_scale
-                rate_gain = (k + 1) * before - k * after
+                rate_gain = (k + 1.0) * before - k * after
             else:
                 after = e2e
                 before = (f0 + prefill_s) / speed + m * t0 / decode_scale
