@@ -127,6 +127,9 @@ class CostModelPolicy:
         }
         """Per pool: every backend is predicted (queued prefill differs per backend) and the one a
         request goes to is booked."""
+        self._per_b, self._per_e = self._per_backend["baseline"], self._per_backend["eagle"]
+        """`_per_backend` of each pool (read by every decision): whether a pool's one backend is
+        predicted when it is `usable`, else when it `admits`."""
         self._prefill_ends: dict[str, deque[float]] = {}
         """Per backend: when the prefills this policy sent there and that have not ended yet end
         (its own estimate; one prefill at a time, FIFO, so the times increase)."""
@@ -177,9 +180,10 @@ class CostModelPolicy:
         from its content."""
 
     def _predict(
-        self, pool: Pool, backend: BackendLoad, request: RequestInfo, n: int, now: float
+        self, pool: Pool, backend: BackendLoad, request: RequestInfo, m: float, now: float
     ) -> Prediction:
-        """(TTFT, end-to-end, marginal cost, would queue, time per output token, load) on `backend`."""
+        """(TTFT, end-to-end, marginal cost, would queue, time per output token, load) on `backend`
+        of a request with `m` decode steps after its first token."""
         occupied = backend.load  # running + queued (scraped when fresh, never below the in-flight count)
         eagle = pool == "eagle"
         model = self._eagle if eagle else self._baseline
@@ -235,7 +239,6 @@ class CostModelPolicy:
         # SpeedModel.predict_system_s inlined (the hot path: two calls per decision, and the call
         # alone would cost more than the prediction): the same operations in the same order
         # (tests/policies/test_cost_model_inlined.py holds them equal)
-        m = (n if n > 1 else 1) - 1
         decode_scale = own * speed
         if prefill_s is None:
             prompt, rate = request.prompt_tokens, model.prefill_tok_s
@@ -249,8 +252,9 @@ class CostModelPolicy:
             qw = self._queue_weight
             cost = e2e + qw * queue_wait / speed if qw != math.inf else math.inf
         else:
+            steps = model.step_table
             if b + 1 < _TABLE_SIZE:
-                steps, ttfts = model.step_table, model.ttft_table
+                ttfts = model.ttft_table
                 t0, t1, f0, f1 = steps[b], steps[b + 1], ttfts[b], ttfts[b + 1]
             else:
                 t0, t1 = model.step_time(b), model.step_time(b + 1)
@@ -275,15 +279,15 @@ class CostModelPolicy:
                     k = cap - 1.0
                 i = int(k)
                 if i + 2 < _TABLE_SIZE:
-                    steps = model.step_table
-                    s1 = steps[i + 1]
-                    t0 = steps[i] + (k - i) * (s1 - steps[i])
-                    t1 = s1 + (k - i) * (steps[i + 2] - s1)
+                    s0, s1, s2 = steps[i], steps[i + 1], steps[i + 2]
+                    frac = k - i
+                    t0 = s0 + frac * (s1 - s0)
+                    t1 = s1 + frac * (s2 - s1)
                 else:
                     t0, t1 = float(model.step_time_array(k)), float(model.step_time_array(k + 1))
                 after = ttft + m * t1 / decode_scale
                 before = (f0 + prefill_s) / speed + m * t0 / decode_scale
-                rate_gain = (k + 1) * before - k * after
+                rate_gain = (k + 1.0) * before - k * after
             else:
                 after = e2e
                 before = (f0 + prefill_s) / speed + m * t0 / decode_scale
@@ -300,7 +304,7 @@ class CostModelPolicy:
         return cost if self._system else e2e
 
     def _backend(
-        self, pool: Pool, members: PoolLoad, request: RequestInfo, n: int, now: float
+        self, pool: Pool, members: PoolLoad, request: RequestInfo, m: float, now: float
     ) -> tuple[BackendLoad | None, Prediction] | None:
         """The backend of `pool` this request would go to (None for the routing core's
         least-loaded pick) and its prediction; None when the pool has no healthy backend.
@@ -311,10 +315,10 @@ class CostModelPolicy:
         if len(backends) == 1:  # the common deployment: nothing to compare
             only = backends[0]
             if self._per_backend[pool]:
-                return (only, self._predict(pool, only, request, n, now)) if only.usable else None
+                return (only, self._predict(pool, only, request, m, now)) if only.usable else None
             # first_least_loaded of one backend; naming it is what the routing core's pick would do
             if only.admits:
-                return only, self._predict(pool, only, request, n, now)
+                return only, self._predict(pool, only, request, m, now)
             return None
         if self._prefix_aware and (
             self._prefill_rate[pool] is not None or any(b.cached_tokens for b in backends if b.usable)
@@ -322,74 +326,13 @@ class CostModelPolicy:
             predictions: dict[str, Prediction] = {}
 
             def rank(b: BackendLoad) -> float:
-                p = predictions[b.name] = self._predict(pool, b, request, n, now)
+                p = predictions[b.name] = self._predict(pool, b, request, m, now)
                 return self._rank(p)
 
             found = cheapest_backend(members, rank)
             return None if found is None else (found[0], predictions[found[0].name])
         least = first_least_loaded(members)
-        return None if least is None else (None, self._predict(pool, least, request, n, now))
-
-    def _decision(
-        self,
-        pool: Pool,
-        reason: str,
-        on: tuple[BackendLoad | None, Prediction],
-        ttfts: dict[Pool, float],
-        e2es: dict[Pool, float],
-        request: RequestInfo,
-        now: float,
-        accept_factor: float | None = None,
-    ) -> Decision:
-        """The decision for `on` (the backend named with its load when there is one), its prefill
-        booked on that backend (prefix-aware, profiled rate)."""
-        if self._count_arrivals:
-            self._arrive(pool, request.sequences, e2es[pool], now)
-        b = on[0]
-        if b is None:
-            return Decision(pool, "", reason, ttfts, e2es, 0, self.name, accept_factor)
-        prediction = on[1]
-        prefill_s = prediction[6]
-        if prefill_s is not None:  # `_per_backend[pool]`: book its prefill
-            ends = self._prefill_ends.get(b.name)
-            if ends is None:
-                ends = self._prefill_ends[b.name] = deque()
-            # (`_predict` has dropped the prefills ended by `now`)
-            ends.append(ends[-1] + prefill_s if ends else now + prefill_s)
-        return Decision(pool, b.name, reason, ttfts, e2es, prediction[5], self.name, accept_factor)
-
-    def _arrive(self, pool: Pool, sequences: int, life: float, now: float) -> None:
-        """Book a decision, its requests predicted to live `life` seconds, in the arrival window."""
-        window = self._arrivals
-        work = sequences * life
-        eagle = pool == "eagle"
-        window.append((now, eagle, sequences, work))
-        if eagle:
-            self._arrived_e += sequences
-            self._work_e += work
-        else:
-            self._arrived_b += sequences
-            self._work_b += work
-        if len(window) > self._window_size:
-            _, eagle, sequences, work = window.popleft()
-            if eagle:
-                self._arrived_e -= sequences
-                self._work_e -= work
-            else:
-                self._arrived_b -= sequences
-                self._work_b -= work
-
-    def _measure_rates(self, view: LoadView, span: float) -> None:
-        """Each pool's mean occupancy per usable backend (the pool's requests are shared among
-        them) over the window, which spans `span` seconds to now, and their mean predicted e2e."""
-        bs, es = view.baseline.backends, view.eagle.backends
-        nb = 1 if len(bs) < 2 else max(sum(1 for b in bs if b.usable), 1)
-        ne = 1 if len(es) < 2 else max(sum(1 for b in es if b.usable), 1)
-        ab, ae = self._arrived_b, self._arrived_e
-        self._occ_b = self._work_b / (span * nb)
-        self._occ_e = self._work_e / (span * ne)
-        self._life_b = self._work_b / ab if ab > 0 else 0.0
-        self._life_e = self._work_e / ae if ae > 0 else 0.0
+        return None if least is None else (None, self._predict(pool, least, request, m, now))
 
     def arrivals(self, pool: Pool) -> tuple[float | None, float]:
         """(mean occupancy per backend, mean predicted e2e seconds) of the requests this policy
@@ -412,58 +355,120 @@ class CostModelPolicy:
 
     def choose(self, request: RequestInfo, view: LoadView, now: float) -> Decision:
         n = request.max_tokens or self._default_n
+        # predict_system_s's decode steps after the first token, `(max(n, 1) - 1)`, as a float:
+        # the same products (an int operand is converted exactly so), on the float-only fast path
+        m = float(n - 1 if n > 1 else 0)
         content = self.content
         own = self._content_own = (
             None if content is None or request.features is None else content.factor(request, self.calibration)
         )
+        bs, es = view.baseline.backends, view.eagle.backends
         if self._count_arrivals:
-            window = self._arrivals  # (`_measure_rates` inlined: every decision)
+            # Each pool's mean occupancy per usable backend (its requests are shared among them)
+            # over the window, which spans `span` seconds to now, and their mean predicted e2e.
+            # Inline (not a method): the window moves with every decision, so this runs on each.
+            window = self._arrivals
             span = now - window[0][0] if len(window) >= self._window_size else 0.0
             self._rated = rated = span > 0.0
             if rated:
-                self._measure_rates(view, span)
-        on_b = self._backend("baseline", view.baseline, request, n, now)
-        on_e = self._backend("eagle", view.eagle, request, n, now)
+                work_b, work_e = self._work_b, self._work_e
+                ab, ae = self._arrived_b, self._arrived_e
+                if len(bs) < 2:
+                    self._occ_b = work_b / span  # (span * 1: the same float)
+                else:
+                    self._occ_b = work_b / (span * max(sum(1 for b in bs if b.usable), 1))
+                if len(es) < 2:
+                    self._occ_e = work_e / span
+                else:
+                    self._occ_e = work_e / (span * max(sum(1 for b in es if b.usable), 1))
+                self._life_b = work_b / ab if ab > 0 else 0.0
+                self._life_e = work_e / ae if ae > 0 else 0.0
+        # One backend per pool, the common deployment: `_backend`'s answer without the call
+        # (it is one per pool per decision), the same test of the backend
+        if len(bs) == 1 and (bs[0].usable if self._per_b else bs[0].admits):
+            on_b: tuple[BackendLoad | None, Prediction] | None = (
+                bs[0],
+                self._predict("baseline", bs[0], request, m, now),
+            )
+        else:
+            on_b = self._backend("baseline", view.baseline, request, m, now)
+        if len(es) == 1 and (es[0].usable if self._per_e else es[0].admits):
+            on_e: tuple[BackendLoad | None, Prediction] | None = (
+                es[0],
+                self._predict("eagle", es[0], request, m, now),
+            )
+        else:
+            on_e = self._backend("eagle", view.eagle, request, m, now)
         if on_b is None or on_e is None:  # the routing core's fallback (rule 4)
-            only, reason = fallback({"baseline": on_b, "eagle": on_e})
-            on = on_b if only == "baseline" else on_e
+            pool, reason = fallback({"baseline": on_b, "eagle": on_e})
+            on = on_b if pool == "baseline" else on_e
             assert on is not None
-            ttft, e2e = on[1][:2]
-            return self._decision(only, reason, on, {only: ttft}, {only: e2e}, request, now)
-        tb, eb, _, _, pb, _, _ = on_b[1]
-        te, ee, _, _, pe, _, _ = on_e[1]
-        pool, reason, xe, xb = self._verdict(on_e[1], on_b[1])
-        if self._slo:
-            p = self.params
-            meets_b = (p.slo_ttft_s is None or tb <= p.slo_ttft_s) and (
-                p.slo_tpot_s is None or pb <= p.slo_tpot_s
-            )
-            meets_e = (p.slo_ttft_s is None or te <= p.slo_ttft_s) and (
-                p.slo_tpot_s is None or pe <= p.slo_tpot_s
-            )
-            if meets_b != meets_e:  # one pool is predicted to meet every SLO, the other to miss one
-                met: Pool = "baseline" if meets_b else "eagle"
-                if met != pool:
-                    pool, reason = met, "slo_eagle" if met == "eagle" else "slo_baseline"
-        explorer = self.explorer
-        if explorer is not None and own is not None:  # a request without content has nothing to explore
-            if pool == "baseline" and reason != "slo_baseline":
-                regret = xe - xb if xe > xb else 0.0
-                shift = explorer.draw(own[2]) if explorer.affords(regret) else 0.0
-                if shift > 0.0 and self._tried(shift, own, view, request, n, now, on_b[1]):
-                    pool, reason = "eagle", "explore"
-                    explorer.spend(regret)
-            explorer.accrue(eb if pool == "baseline" else ee)
-        return self._decision(
-            pool,
-            reason,
-            on_b if pool == "baseline" else on_e,
-            {"baseline": tb, "eagle": te},
-            {"baseline": eb, "eagle": ee},
-            request,
-            now,
-            None if own is None else own[1],
-        )
+            ttfts: dict[Pool, float] = {pool: on[1][0]}
+            e2es: dict[Pool, float] = {pool: on[1][1]}
+            accept_factor = None
+        else:
+            tb, eb, _, _, pb, _, _ = on_b[1]
+            te, ee, _, _, pe, _, _ = on_e[1]
+            pool, reason, xe, xb = self._verdict(on_e[1], on_b[1])
+            if self._slo:
+                p = self.params
+                meets_b = (p.slo_ttft_s is None or tb <= p.slo_ttft_s) and (
+                    p.slo_tpot_s is None or pb <= p.slo_tpot_s
+                )
+                meets_e = (p.slo_ttft_s is None or te <= p.slo_ttft_s) and (
+                    p.slo_tpot_s is None or pe <= p.slo_tpot_s
+                )
+                if meets_b != meets_e:  # one pool is predicted to meet every SLO, the other to miss one
+                    met: Pool = "baseline" if meets_b else "eagle"
+                    if met != pool:
+                        pool, reason = met, "slo_eagle" if met == "eagle" else "slo_baseline"
+            explorer = self.explorer
+            if explorer is not None and own is not None:  # a request without content has nothing to explore
+                if pool == "baseline" and reason != "slo_baseline":
+                    regret = xe - xb if xe > xb else 0.0
+                    shift = explorer.draw(own[2]) if explorer.affords(regret) else 0.0
+                    if shift > 0.0 and self._tried(shift, own, view, request, m, now, on_b[1]):
+                        pool, reason = "eagle", "explore"
+                        explorer.spend(regret)
+                explorer.accrue(eb if pool == "baseline" else ee)
+            on = on_b if pool == "baseline" else on_e
+            ttfts = {"baseline": tb, "eagle": te}
+            e2es = {"baseline": eb, "eagle": ee}
+            accept_factor = None if own is None else own[1]
+        # The decision (the backend named with its load when there is one), booked in the arrival
+        # window and, prefix-aware at a profiled rate, its prefill on that backend
+        if self._count_arrivals:
+            sequences = request.sequences
+            work = sequences * e2es[pool]
+            window = self._arrivals
+            if pool == "eagle":
+                window.append((now, True, sequences, work))
+                self._arrived_e += sequences
+                self._work_e += work
+            else:
+                window.append((now, False, sequences, work))
+                self._arrived_b += sequences
+                self._work_b += work
+            if len(window) > self._window_size:  # the oldest leaves
+                _, eagle, sequences, work = window.popleft()
+                if eagle:
+                    self._arrived_e -= sequences
+                    self._work_e -= work
+                else:
+                    self._arrived_b -= sequences
+                    self._work_b -= work
+        b = on[0]
+        if b is None:
+            return Decision(pool, "", reason, ttfts, e2es, 0, self.name, accept_factor)
+        prediction = on[1]
+        prefill_s = prediction[6]
+        if prefill_s is not None:  # `_per_backend[pool]`: book its prefill
+            ends = self._prefill_ends.get(b.name)
+            if ends is None:
+                ends = self._prefill_ends[b.name] = deque()
+            # (`_predict` has dropped the prefills ended by `now`)
+            ends.append(ends[-1] + prefill_s if ends else now + prefill_s)
+        return Decision(pool, b.name, reason, ttfts, e2es, prediction[5], self.name, accept_factor)
 
     def _verdict(self, e: Prediction, b: Prediction) -> tuple[Pool, str, float, float]:
         """(pool, reason, eagle's compared quantity, baseline's) for predictions `e` and `b`.
@@ -496,7 +501,7 @@ class CostModelPolicy:
         own: tuple[float, float, float],
         view: LoadView,
         request: RequestInfo,
-        n: int,
+        m: float,
         now: float,
         b: Prediction,
     ) -> bool:
@@ -504,7 +509,7 @@ class CostModelPolicy:
         k = math.exp(shift)
         self._content_own = (own[0] * k, own[1] * k, own[2])
         try:
-            tried = self._backend("eagle", view.eagle, request, n, now)
+            tried = self._backend("eagle", view.eagle, request, m, now)
         finally:
             self._content_own = own
         if tried is None:
