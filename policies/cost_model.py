@@ -441,12 +441,12 @@ class CostModelPolicy:
             sequences = request.sequences
             work = sequences * e2es[pool]
             window = self._arrivals
-            if pool == "eagle":
-                window.append((now, True, sequences, work))
+            eagle = pool == "eagle"
+            window.append((now, eagle, sequences, work))
+            if eagle:
                 self._arrived_e += sequences
                 self._work_e += work
             else:
-                window.append((now, False, sequences, work))
                 self._arrived_b += sequences
                 self._work_b += work
             if len(window) > self._window_size:  # the oldest leaves
