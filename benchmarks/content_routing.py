@@ -243,16 +243,16 @@ def held_out(args: argparse.Namespace) -> None:
         jobs = [
             HeldOutJob(sc, split, load, r, seed)
             for sc in args.task_scenarios
-            for split in SPLITS
+            for split in args.splits
             for load in LOADS
             for r in runs
-            for seed in range(args.seeds)
+            for seed in range(args.first_seed, args.first_seed + args.seeds)
         ]
         sizes = {
             (sc, split): args.test
             or len(held_out_file(folder, sc, split, "test", False).read_text().splitlines())
             for sc in args.task_scenarios
-            for split in SPLITS
+            for split in args.splits
         }
         with ProcessPoolExecutor(args.workers) as pool:
             results = list(
@@ -269,7 +269,8 @@ def held_out(args: argparse.Namespace) -> None:
         f"captured: share of the told gain, 95% bootstrap interval over seeds ({BOOTSTRAP} "
         "resamples); aware - told: paired per seed, mean +- 95% CI (t)\n"
     )
-    for split, (train, test) in SPLITS.items():
+    for split in args.splits:
+        train, test = SPLITS[split]
         print(f"split {split}: train {', '.join(train)}; test {', '.join(test)}")
     print()
     print(
@@ -279,7 +280,7 @@ def held_out(args: argparse.Namespace) -> None:
     )
     print("|---|---|---|" + "---|" * len(runs) + "---|---|---|---|")
     for sc in args.task_scenarios:
-        for split in SPLITS:
+        for split in args.splits:
             for load in LOADS:
                 cells = []
                 for r in runs:
@@ -406,6 +407,10 @@ def main() -> int:
         help="Only the feature ablation (held-out capture without each group).",
     )
     p.add_argument("--task-scenarios", nargs="+", default=list(TASK_FACTORS), choices=TASK_FACTORS)
+    p.add_argument(
+        "--splits", nargs="+", default=list(SPLITS), choices=SPLITS, help="Held-out runs: the splits."
+    )
+    p.add_argument("--first-seed", type=int, default=0, help="Held-out runs: the first seed.")
     p.add_argument("--train", type=int, default=2000, help="Held-out runs: training requests.")
     p.add_argument(
         "--test",

@@ -29,9 +29,16 @@ else its decode rate over the calibrated prediction at its load. Three estimates
   prediction shares, which would move the kinds already known. The other parameter tokens are on
   nearly every request alike (sampling parameters left unset, the model): together they are that
   common level, which a faster rate would make follow each outcome's noise;
+- a per-kind offset: one per trait set (the request's `traits` as a whole: what told hints would
+  call its task type), the running mean of what the token model (after the outcome's step)
+  still misses for requests of that set -- the mean of its outcomes until `window`, then an
+  exponentially weighted one -- shrunk toward 0 with a prior of `kind_prior` samples. A kind's
+  outcomes are evidence about each of its requests however new their words: a kind never seen
+  in training (say, math, faster than everything trained on) has prompts whose words are mostly
+  unseen, and without its offset they were predicted compressed toward the pool average;
 - a per-family offset (`RequestFeatures.family`: the system prompt's first block) learned on
-  what the token model misses for that family, shrunk toward 0 with a prior of `family_prior`
-  samples; at most `max_families`, least recently taught out. A family keeps one offset per
+  what the token model and the kind's offset miss for that family, shrunk toward 0 with a prior
+  of `family_prior` samples; at most `max_families`, least recently taught out. A family keeps one offset per
   client (`RequestInfo.client`, at most `FAMILY_CLIENTS`) and its offset is their mean, each
   client weighing at most `CLIENT_WEIGHT` outcomes: one client cannot move a family that others
   teach further than its share;
@@ -49,10 +56,11 @@ else its decode rate over the calibrated prediction at its load. Three estimates
 The prediction is `F + c * (yhat - F)`: `c` is the regression coefficient of the observed
 `y - F` on the model's `yhat - F`, measured out of sample (before each outcome teaches the
 model) as running means, clipped to [0, 1], and lowered for a request whose tokens are mostly
-unseen. A model that does not beat the pool average gets `c` near 0 and the request is
-predicted at `F`; a request with nothing known is predicted at `F` (with `shift`: the average
-that content-blind routing, sending a sample of the traffic that does not depend on content,
-would learn): never-seen traffic is routed as content-blind routing routes it.
+unseen (unless its kind or family has outcomes behind it). A model that does not beat the pool
+average gets `c` near 0 and the request is predicted at `F`; a request with nothing known is
+predicted at `F` (with `shift`: the average that content-blind routing, sending a sample of the
+traffic that does not depend on content, would learn): never-seen traffic is routed as
+content-blind routing routes it.
 
 Each outcome's influence is bounded (a robust loss in log space): its error is clipped to
 `step_bound` -- `CLIP_SIGMAS` times the model's out-of-sample error, within [MIN_STEP, MAX_STEP]
@@ -74,7 +82,8 @@ a family that stopped being sampled (say, one predicted slow) grows uncertain ag
 re-tried by the exploration of `policies.explore`.
 
 Deterministic (no randomness, insertion-ordered tables) and bounded: `dim` weights and counts,
-`param_dim` parameter weights, `max_families` families of at most `FAMILY_CLIENTS` clients.
+`param_dim` parameter weights, one offset per trait set seen (at most 2 ** len(TRAITS)),
+`max_families` families of at most `FAMILY_CLIENTS` clients.
 The learned state is plain data (`state` / `load_state`: JSON-able, round-trips exactly). Pure:
 no I/O, no clock.
 """
@@ -84,6 +93,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -230,6 +240,7 @@ class AcceptanceModel:
         trait_rate: float = 0.1,
         param_dim: int = 1 << 10,
         family_prior: float = 4.0,
+        kind_prior: float = 4.0,
         max_families: int = 4096,
         window: int = 200,
         seen_after: int = 8,
@@ -246,11 +257,14 @@ class AcceptanceModel:
         self._count = [0] * dim
         self._rate = rate
         self._family_prior = family_prior
+        self._kind_prior = kind_prior
         self._max_families = max_families
         self._window = float(window)
         self._seen_after = seen_after
         self._stale_after = float(stale_after)
         self._families: OrderedDict[int, _Family] = OrderedDict()
+        self._kinds: dict[int, list[float]] = {}
+        """trait set -> [outcomes, offset]: at most one per subset of TRAITS."""
         # out of sample: mean of (y - F)(yhat - F) and of (yhat - F)^2; the model starts untrusted
         self.cov = ShrunkMean(0.0)
         self.var = ShrunkMean(0.01)
@@ -282,9 +296,10 @@ class AcceptanceModel:
         return text, [t & pmask for t in param_tokens(features, hint)]
 
     def _estimate(
-        self, idx: tuple[list[int], list[int]], family: int
+        self, idx: tuple[list[int], list[int]], family: int, kind: int = -1
     ) -> tuple[float, float, float, _Family | None]:
-        """(model estimate, its text part, evidence in [0, 1], family state)."""
+        """(model estimate, its text part, evidence in [0, 1], family state); `kind`: the trait
+        set whose offset is added (-1: none), `family`: the family's (0: none)."""
         w, count, cap = self._w, self._count, self._seen_after
         total = weight = 0.0
         text, params = idx
@@ -298,6 +313,11 @@ class AcceptanceModel:
         p = self._p
         lin = mean + sum([p[j] for j in params])
         seen = weight / (cap * len(text))
+        k = self._kinds.get(kind)
+        if k is not None:
+            shrink = k[0] / (k[0] + self._kind_prior)
+            lin += shrink * k[1]
+            seen = max(seen, shrink)
         fam = self._families.get(family) if family else None
         if fam is not None and fam.n:
             shrink = fam.n / (fam.n + self._family_prior)
@@ -314,7 +334,9 @@ class AcceptanceModel:
             return fallback
         if selected:
             fallback += self.shift
-        yhat, _, seen, _ = self._estimate(self._indices(features, hint), features.family)
+        yhat, _, seen, _ = self._estimate(
+            self._indices(features, hint), features.family, features.traits & _TRAIT_MASK
+        )
         return _clip(fallback + self.confidence(seen) * (yhat - fallback))
 
     def predict_spread(
@@ -336,7 +358,7 @@ class AcceptanceModel:
             self.traffic.add(0.0, SHIFT_PRIOR, self._window)
             return fallback, math.sqrt(pop2 + base)
         idx = self._indices(features, hint)
-        yhat, _, seen, fam = self._estimate(idx, features.family)
+        yhat, _, seen, fam = self._estimate(idx, features.family, features.traits & _TRAIT_MASK)
         trust = self.confidence(seen)
         self.traffic.add(_unit(trust * (yhat - fallback)), SHIFT_PRIOR, self._window)
         if selected:
@@ -354,7 +376,8 @@ class AcceptanceModel:
     def confidence(self, seen: float) -> float:
         """How far to trust the model over the fallback: the regression coefficient of the
         observed `y - F` on the model's `yhat - F` (out of sample, in [0, 1]), times the
-        evidence (a request whose tokens are mostly unseen leans on the fallback)."""
+        evidence (a request whose tokens are mostly unseen, of a kind and family with few
+        outcomes, leans on the fallback)."""
         cov, var = self.cov.value, self.var.value
         beta = cov / var if var > 0 else 0.0
         beta = 0.0 if beta < 0 else 1.0 if beta > 1 else beta
@@ -377,7 +400,8 @@ class AcceptanceModel:
             return
         y = _clip(target)
         idx = self._indices(features, hint)
-        yhat, mean, seen, fam = self._estimate(idx, features.family)
+        kind = features.traits & _TRAIT_MASK
+        yhat, mean, seen, fam = self._estimate(idx, features.family, kind)
         window = self._window
         deviation = self.confidence(seen) * (yhat - fallback) if self.taught else 0.0
         self.sent.add(_unit(deviation), SHIFT_PRIOR, window)
@@ -409,10 +433,20 @@ class AcceptanceModel:
                 w[i] = mean + err  # a new token starts at the text part's estimate
             count[i] = c + 1
         p, params = self._p, idx[1]
-        first_trait = len(params) - (features.traits & _TRAIT_MASK).bit_count()  # (param_tokens: last)
+        first_trait = len(params) - kind.bit_count()  # (param_tokens: last)
         pstep, tstep = self._param_rate * err, self._trait_rate * err
         for k, j in enumerate(params):
             p[j] += pstep if k < first_trait else tstep
+        # the kind learns what the linear model (after this step) still misses: a running mean, as
+        # told hints keep one value per kind; then the family, what both still miss
+        lin = self._estimate(idx, 0)[0]
+        own = self._kinds.get(kind)
+        if own is None:
+            own = self._kinds[kind] = [0.0, 0.0]
+        own[0] += 1.0
+        a = 1.0 / own[0]
+        a = a if a > 1.0 / window else 1.0 / window
+        own[1] += a * share * max(-bound, min(bound, y - lin - own[1]))
         if features.family:
             families = self._families
             if fam is None:
@@ -421,8 +455,7 @@ class AcceptanceModel:
                     families.popitem(last=False)
             else:
                 families.move_to_end(features.family)
-            # the family learns what the linear model (after this step) still misses
-            lin = self._estimate(idx, 0)[0]
+            lin = self._estimate(idx, 0, kind)[0]
             fam.taught_at = self.asked
             fam.teach(client, max(-bound, min(bound, y - lin - fam.offset)) + fam.offset, window)
 
@@ -459,6 +492,9 @@ class AcceptanceModel:
             "client_outcomes": pack([v[0] for _, v in clients], "<f8"),
             "client_recent": pack([v[1] for _, v in clients], "<f8"),
             "client_offsets": pack([v[2] for _, v in clients], "<f8"),
+            "kind_keys": pack(list(self._kinds), "<i8"),
+            "kind_outcomes": pack([k[0] for k in self._kinds.values()], "<f8"),
+            "kind_offsets": pack([k[1] for k in self._kinds.values()], "<f8"),
             "cov": [self.cov.n, self.cov.value],
             "var": [self.var.n, self.var.value],
             "res2": [self.res2.n, self.res2.value],
@@ -472,7 +508,8 @@ class AcceptanceModel:
 
     def load_state(self, state: object) -> None:
         what = "content model"
-        s = check_version(state, what, STATE_VERSION)
+        old = isinstance(state, Mapping) and state.get("version") == 3  # before the kinds' offsets
+        s = check_version(state, what, 3 if old else STATE_VERSION)
         dim, param_dim = len(self._w), len(self._p)
         if field(s, "dim", what) != dim or field(s, "param_dim", what) != param_dim:
             raise StateError(f"{what}: saved with other dimensions")
@@ -510,6 +547,15 @@ class AcceptanceModel:
             if fam.clients:
                 pairs = [(min(k, CLIENT_WEIGHT), v) for k, _, v in fam.clients.values()]
                 fam.offset = sum(a * v for a, v in pairs) / sum(a for a, _ in pairs)
+        kinds: dict[int, list[float]] = {}
+        if not old:
+            kind_keys = unpack(field(s, "kind_keys", what), "<i8", what)
+            kind_n = unpack(field(s, "kind_outcomes", what), "<f8", what, len(kind_keys))
+            kind_offsets = unpack(field(s, "kind_offsets", what), "<f8", what, len(kind_keys))
+            for key, n, offset in zip(kind_keys, kind_n, kind_offsets, strict=True):
+                if key in kinds or not 0 <= key <= _TRAIT_MASK or n < 1.0 or abs(offset) > MAX_LOG:
+                    raise StateError(f"{what}: a kind is repeated, out of range or never taught")
+                kinds[key] = [n, offset]
         means = []
         for key in ("cov", "var", "res2", "pop2", "traffic", "sent"):
             pair = field(s, key, what)
@@ -524,14 +570,14 @@ class AcceptanceModel:
         shift = number(field(s, "shift", what), what)
         if abs(shift) > MAX_STEP:
             raise StateError(f"{what}: shift is beyond +-MAX_STEP")
-        self._w, self._count, self._p, self._families = w, counts, params, families
+        self._w, self._count, self._p, self._families, self._kinds = w, counts, params, families, kinds
         self.cov, self.var, self.res2, self.pop2, self.traffic, self.sent = means
         self.taught, self.asked, self.shift = taught, asked, shift
 
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 """The layout of `AcceptanceModel.state()` (1: before per-client families and the spread; 2:
-before `shift`'s means)."""
+before `shift`'s means; 3: before the kinds' offsets, still read: the kinds start untaught)."""
 
 
 def _unit(x: float) -> float:

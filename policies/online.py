@@ -269,7 +269,7 @@ class OnlinePolicy:
         self._speed: dict[Pool, SpeedModel | None] = {}
         for pool in _POOLS:
             try:
-                self._speed[pool] = context.profile.speed(pool) if context.profile is not None else None
+                self._speed[pool] = context.profile.belief(pool) if context.profile is not None else None
             except ProfileError:
                 self._speed[pool] = None
         self._bounds = list(params.buckets)

@@ -113,6 +113,22 @@ def test_content_model_round_trips_exactly_and_goes_on_learning_alike() -> None:
     assert _content_predictions(loaded) == _content_predictions(saved)
 
 
+def test_content_model_saved_before_the_kinds_offsets_loads_with_the_kinds_untaught() -> None:
+    """A state file written by the previous layout (version 3: no kinds' offsets) is read, not
+    thrown away: the tokens, families and means come back, and the kinds start over."""
+    saved = AcceptanceModel()
+    _teach_content(saved, random.Random(3), 400)
+    state = _through_json(saved.state())
+    assert unpack(state["kind_keys"], "<i8", "test")  # what the kinds learned is saved
+    old = {k: v for k, v in state.items() if not k.startswith("kind_")} | {"version": 3}
+    loaded = AcceptanceModel()
+    loaded.load_state(old)
+    assert loaded.families == saved.families
+    assert unpack(loaded.state()["kind_keys"], "<i8", "test") == []
+    assert unpack(loaded.state()["token_weights"], "<f8", "t") == unpack(state["token_weights"], "<f8", "t")
+    assert loaded.predict(_features("You write Python code.", "question 1 about topic 3"), None, 0.0) > 0.2
+
+
 def test_prefix_index_round_trips_and_a_smaller_index_keeps_the_most_recent() -> None:
     saved = PrefixIndex(100)
     for start in range(0, 300, 10):
@@ -229,6 +245,13 @@ CONTENT_BROKEN = [
       ("client_keys",): pack([], "<u8"), ("client_outcomes",): pack([], "<f8"),
       ("client_recent",): pack([], "<f8"), ("client_offsets",): pack([], "<f8")}, "repeated"),
     ({("family_keys",): [1, 2, 3]}, "base64 string"),
+    ({("kind_keys",): pack([0, 0], "<i8"), ("kind_outcomes",): pack([1.0, 1.0], "<f8"),
+      ("kind_offsets",): pack([0.0, 0.0], "<f8")}, "kind is repeated"),
+    ({("kind_keys",): pack([1 << 40], "<i8"), ("kind_outcomes",): pack([1.0], "<f8"),
+      ("kind_offsets",): pack([0.0], "<f8")}, "out of range"),
+    ({("kind_keys",): pack([2], "<i8"), ("kind_outcomes",): pack([0.0], "<f8"),
+      ("kind_offsets",): pack([0.0], "<f8")}, "never taught"),
+    ({("kind_offsets",): pack([0.0] * 9, "<f8")}, "values where"),
     ({("client_offsets",): "AAAA"}, "8-byte"),
     ({("cov",): [1]}, "samples"),
     ({("sent",): [1, math.nan]}, "finite"),

@@ -453,3 +453,8 @@ def test_a_point_measured_low_does_not_make_the_plain_server_look_full() -> None
     # the plain server's second request is predicted at the rate on the chord from 1 to 4
     d = policy.choose(RequestInfo(max_tokens=64), loaded(1, 0), 0.0)
     assert d.predicted_e2e_s["baseline"] == pytest.approx(0.03 + 63 / ((180 + 320 / 3) / 2))
+    # `online`, before its buckets have outcomes, predicts from the same belief (not the rate
+    # measured low: 0.03 + 63 / 107 = 0.619 s)
+    online = default_registry(entry_points=False).create("online", {}, PolicyContext(noisy, 7))
+    d = online.choose(RequestInfo(max_tokens=64), loaded(1, 0), 0.0)
+    assert d.predicted_e2e_s["baseline"] == pytest.approx(0.03 + 63 / ((180 + 320 / 3) / 2))
