@@ -540,7 +540,7 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
             "eagle_share": statistics.mean(lv["pool_share"]["eagle"] for lv in levels),
         }
 
-    ratios = {}
+    ratios, split = {}, set()
     for case in cases:
         rates = [r["decode_tok_s"] for r in case.requests]
         assert len(rates) == LIVE_REQUESTS and sum(case.served.values()) > 0
@@ -556,6 +556,8 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
             print(line)
             lines.append(line)
         ratios[case.name] = ratio  # the co-located one: what the profile with together points predicts
+        if 0.0 < share < 1.0:
+            split.add(case.name)
     ratios.update(bench_vs_direct)
     # The references measure the same c=1 speeds again and again: their spread is how far this
     # machine drifted during the run, and no comparison here resolves finer than that. 20% on a
@@ -571,9 +573,24 @@ async def test_bench_profile_and_simulate_against_the_live_pair(
         for speeds in ([ref[mode]["modes"][mode]["points"][0]["decode_tok_s"] for ref in references],)
     )
     tolerance = min(0.35, max(0.20, 1.5 * drift))
-    lines.append(f"references' largest CV {drift:.3f}: tolerance {tolerance:.2f}")
+    # A case whose requests ran on both servers at once is predicted with the together points,
+    # measured beside each reference too: no finer than their spread (two fresh-clone CI runs of
+    # one tree: the together speeds' CV 0.27 with c=2 one on each at 0.797, and a c=2 cost_model
+    # case at 0.665 in the next, the c=1 references' CV 0.10 and 0.21)
+    together_drift = max(
+        statistics.stdev(speeds) / statistics.mean(speeds)
+        for mode in ("baseline", "eagle")
+        for speeds in ([ref["together"]["modes"][mode]["points"][0]["decode_tok_s"] for ref in references],)
+    )
+    shared = min(0.5, max(tolerance, 1.5 * together_drift))
+    lines.append(
+        f"references' largest CV {drift:.3f}: tolerance {tolerance:.2f}; together {together_drift:.3f}: "
+        f"{shared:.2f} for the cases on both servers ({', '.join(sorted(split)) or 'none'})"
+    )
     print(lines[-1])
-    assert ratios == pytest.approx(dict.fromkeys(ratios, 1.0), rel=tolerance), "\n".join(lines)
+    for name, ratio in ratios.items():
+        rel = shared if name in split else tolerance
+        assert ratio == pytest.approx(1.0, rel=rel), f"{name}\n" + "\n".join(lines)
 
 
 async def test_two_replicas_each_see_the_backends_true_load(vllm_pair: VllmPair, proxy: Any) -> None:
