@@ -38,10 +38,10 @@ else its decode rate over the calibrated prediction at its load. Three estimates
   unseen, and without its offset they were predicted compressed toward the pool average;
 - a per-family offset (`RequestFeatures.family`: the system prompt's first block) learned on
   what the token model and the kind's offset miss for that family, shrunk toward 0 with a prior
-  of `family_prior` samples; at most `max_families`, least recently taught out. A family keeps one offset per
-  client (`RequestInfo.client`, at most `FAMILY_CLIENTS`) and its offset is their mean, each
-  client weighing at most `CLIENT_WEIGHT` outcomes: one client cannot move a family that others
-  teach further than its share;
+  of `family_prior` samples; at most `max_families`, least recently taught out. A family keeps
+  one offset per client (`RequestInfo.client`, at most `FAMILY_CLIENTS`) and its offset is their
+  mean, each client weighing at most `CLIENT_WEIGHT` outcomes: one client cannot move a family
+  that others teach further than its share;
 - the caller's fallback `F` (the pool average for requests of that hint: what content-blind
   routing uses). When `F` averages the outcomes taught (`selected`: the backend's reported
   acceptance), it is an average of what the router chose to send: mostly the kinds that pay on
@@ -455,7 +455,7 @@ class AcceptanceModel:
                     families.popitem(last=False)
             else:
                 families.move_to_end(features.family)
-            lin = self._estimate(idx, 0, kind)[0]
+            lin += own[0] / (own[0] + self._kind_prior) * own[1]  # as `_estimate` adds it
             fam.taught_at = self.asked
             fam.teach(client, max(-bound, min(bound, y - lin - fam.offset)) + fam.offset, window)
 
